@@ -1,0 +1,59 @@
+"""flashtile: FlashAttention you can read.
+
+Where each layer lives:
+
+- ``flashtile.reference`` (``reference/``): the math. NumPy versions of the textbook
+  formulas (``naive.py``) and of FlashAttention-2's tile algebra, forward and backward
+  (``tiled.py``). Exact in float64; the oracle of every other test.
+- ``flashtile.traffic`` (``traffic.py``): the model. HBM bytes and FLOPs of naive vs
+  tiled attention, which explains why the tiles exist.
+- ``flashtile.ops`` (``ops/``): the kernels. Triton forward/backward kernels and their
+  launchers.
+- ``flashtile.api`` (``api.py``): the torch glue and public GPU API, flash-attn- and
+  SDPA-compatible: ``flash_attn_func``, ``flash_attn_qkvpacked_func``,
+  ``flash_attn_kvpacked_func``, ``scaled_dot_product_attention``.
+- ``flashtile.cli`` (``cli.py``): the ``flashtile demo | traffic | bench`` command.
+
+Importing this package needs numpy only: torch and triton are imported the first time a
+GPU API name is touched (``flashtile.flash_attn_func``), never at ``import flashtile``,
+so the reference and the traffic model work on machines without them.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from . import reference
+
+__version__ = "0.1.0"
+
+# Names served by flashtile.api, which imports torch (and triton where available):
+# resolved on first access so that `import flashtile` stays numpy-only.
+_API_NAMES = (
+    "flash_attn_func",
+    "flash_attn_qkvpacked_func",
+    "flash_attn_kvpacked_func",
+    "scaled_dot_product_attention",
+)
+# Numpy-only submodules loaded on first access; traffic is developed alongside this file
+# and a lazy import keeps `import flashtile` working even if it fails to import.
+_LAZY_SUBMODULES = ("traffic",)
+
+__all__ = ["__version__", "reference", *_LAZY_SUBMODULES, *_API_NAMES]
+
+
+def __getattr__(name: str) -> Any:
+    """Resolve the lazy names (PEP 562): the GPU API and numpy-only submodules."""
+    if name in _API_NAMES:
+        value = getattr(importlib.import_module("flashtile.api"), name)
+    elif name in _LAZY_SUBMODULES:
+        value = importlib.import_module(f"flashtile.{name}")
+    else:
+        raise AttributeError(f"module 'flashtile' has no attribute {name!r}")
+    globals()[name] = value  # cache: later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -1,0 +1,144 @@
+"""The ``flashtile`` command: ``demo``, ``traffic`` and ``bench``.
+
+    flashtile demo                         # the lesson's five checked demonstrations
+    flashtile traffic --seq 1024 4096      # naive vs tiled HBM traffic per head
+    flashtile traffic --plot traffic.png   # the same as a log-log plot (needs matplotlib)
+    flashtile bench --quick --pass fwd     # everything after `bench` goes to flashtile.bench
+
+Each subcommand imports what it needs when it runs, so ``flashtile demo`` and
+``flashtile traffic`` work with numpy alone and only ``bench`` touches torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+import types
+from typing import Sequence
+
+DEFAULT_SEQ_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+def _positive_int(text: str) -> int:
+    """argparse type: an int >= 1, with an error message that names the value."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with its three subcommands."""
+    parser = argparse.ArgumentParser(
+        prog="flashtile",
+        description="FlashAttention you can read: NumPy tile algebra, Triton kernels, traffic model.",
+    )
+    from flashtile import __version__  # numpy-only package import
+
+    parser.add_argument("--version", action="version", version=f"flashtile {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,traffic,bench}")
+
+    sub.add_parser(
+        "demo",
+        help="run the lesson's demonstrations (NumPy, CPU, a few seconds)",
+        description="Tiled vs naive, HBM traffic, +500 logits, the causal invariant, the backward.",
+    )
+
+    traffic = sub.add_parser(
+        "traffic",
+        help="print the naive vs tiled HBM traffic table",
+        description="HBM traffic per (batch, head) of naive and tiled attention, from flashtile.traffic.",
+    )
+    traffic.add_argument(
+        "--seq", type=_positive_int, nargs="+", default=list(DEFAULT_SEQ_LENGTHS), metavar="N",
+        help="sequence lengths (default: %(default)s)",
+    )
+    traffic.add_argument("--d", type=_positive_int, default=64, help="head dim (default: %(default)s)")
+    traffic.add_argument(
+        "--dtype-bytes", type=_positive_int, default=4,
+        help="bytes per element: 4 float32, 2 fp16/bf16 (default: %(default)s)",
+    )
+    traffic.add_argument("--br", type=_positive_int, default=64, help="Q tile rows Br (default: %(default)s)")
+    traffic.add_argument("--bc", type=_positive_int, default=64, help="K/V tile rows Bc (default: %(default)s)")
+    traffic.add_argument("--causal", action="store_true", help="bottom-right causal mask")
+    traffic.add_argument("--backward", action="store_true", help="model the backward pass instead of the forward")
+    traffic.add_argument("--plot", metavar="FILE.png", help="also write a log-log plot (needs matplotlib)")
+
+    # No options of its own and no -h: every argument after `bench`, -h included, is
+    # flashtile.bench's to parse.
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="benchmark against torch SDPA and others (GPU; `flashtile bench -h` for options)",
+    )
+    return parser
+
+
+def _run_traffic(args: argparse.Namespace) -> int:
+    from flashtile import traffic
+
+    table_kwargs = dict(d=args.d, dtype_bytes=args.dtype_bytes, Br=args.br, Bc=args.bc, causal=args.causal)
+    if args.backward:
+        if "backward" in inspect.signature(traffic.print_traffic_table).parameters:
+            traffic.print_traffic_table(seq_lengths=args.seq, backward=True, **table_kwargs)
+        else:
+            _print_backward_table(traffic, args.seq, **table_kwargs)
+    else:
+        traffic.print_traffic_table(seq_lengths=args.seq, **table_kwargs)
+    if args.plot:
+        if args.causal or args.backward:
+            print("note: the plot shows the full (non-causal) forward pass", file=sys.stderr)
+        path = traffic.plot_traffic(
+            args.seq, args.plot, d=args.d, dtype_bytes=args.dtype_bytes, Br=args.br, Bc=args.bc
+        )
+        print(f"wrote {path}")
+    return 0
+
+
+def _print_backward_table(traffic: types.ModuleType, seq_lengths: Sequence[int], *, d: int, dtype_bytes: int,
+                          Br: int, Bc: int, causal: bool) -> None:
+    """Backward-pass counterpart of ``print_traffic_table``, from ``memory_work(backward=True)``."""
+    mb = 1e6
+    print(f"HBM traffic per head, backward: d={d}, {dtype_bytes} B/element, Br={Br}, Bc={Bc}, "
+          f"causal={causal} (MB = 1e6 bytes)")
+    print(f"{'N':>7} | {'naive NxN elems':>15} | {'naive MB':>10} | {'flash min MB':>12} | "
+          f"{'flash+reread MB':>15} | {'naive/flash':>11}")
+    for n in seq_lengths:
+        work = traffic.memory_work(n, d, dtype_bytes=dtype_bytes, Br=Br, Bc=Bc, causal=causal, backward=True)
+        print(f"{n:>7} | {work.naive.nxn_touches * n * n:>15,} | {work.naive.hbm_bytes / mb:>10.2f} | "
+              f"{work.flash.compulsory_bytes / mb:>12.3f} | {work.flash.hbm_bytes / mb:>15.3f} | "
+              f"{work.ratio:>10.1f}x")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``flashtile`` console script and ``python -m flashtile``.
+
+    Returns the exit status: 0 on success, 1 if a demo check failed, 2 on a usage error
+    (including no subcommand), or whatever ``flashtile.bench.main`` returns.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    # parse_known_args: the options after `bench` are unknown here and pass through.
+    args, rest = parser.parse_known_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    if args.command == "bench":
+        from flashtile import bench
+
+        return int(bench.main(rest) or 0)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "demo":
+        from flashtile.demo import run_demo
+
+        return run_demo()
+    return _run_traffic(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

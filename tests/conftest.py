@@ -1,0 +1,51 @@
+"""Shared fixtures. Nothing here touches CUDA at import: the suite collects on CPU."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py and friends
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run `-m gpu` on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def poison_outputs(monkeypatch):
+    """Make every output buffer the API allocates start as NaN, so unwritten elements fail."""
+    from flashtile import api
+
+    for name in ("_new_out", "_new_lse"):
+        original = getattr(api, name)
+
+        def poisoned(q4, _original=original):
+            return _original(q4).fill_(float("nan"))
+
+        monkeypatch.setattr(api, name, poisoned)
+    yield
+
+
+@pytest.fixture
+def triton_backend(monkeypatch):
+    """Run the Triton kernels on CPU tensors (needs TRITON_INTERPRET=1 from the start)."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("set TRITON_INTERPRET=1 (make test does) to run the Triton kernels on CPU")
+    pytest.importorskip("triton")
+    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
