@@ -1,0 +1,1 @@
+"""Attention kernels (Triton on GPU) and their torch twins for CPU tensors."""

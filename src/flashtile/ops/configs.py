@@ -1,0 +1,156 @@
+"""Kernel launch configurations: a fixed table per (GPU arch, head dim, dtype, causal).
+
+The first call of a new shape must not autotune for tens of seconds, so the default is
+a table lookup (measured choices live in docs/perf-notes.md). Optional autotuning
+(``FLASHTILE_AUTOTUNE=1``) times a few candidates once per key and caches the winner in
+``$FLASHTILE_CACHE_DIR`` (default ``~/.cache/flashtile``) as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Sequence
+
+
+@dataclass(frozen=True)
+class FwdConfig:
+    """Tile sizes and launch shape of the forward kernel."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    num_stages: int
+    use_tma: bool = False  # loads/stores through the bulk tensor copy engine (sm90+, aligned strides)
+
+
+def head_dim_bucket(head_dim: int) -> int:
+    """The padded head dim the kernel runs at (power of two, at least 16)."""
+    bucket = 16
+    while bucket < head_dim:
+        bucket *= 2
+    return bucket
+
+
+# Hopper (sm90: H100, H200), keyed by (padded head dim, causal-like, long). "long" means
+# seqlen_q >= 2048: short causal problems want 64-row tiles (more programs, less of each
+# tile wasted on the diagonal). Chosen by the H200 sweep of 2026-11-29 (fp16; see
+# docs/perf-notes.md); TMA = loads/stores through the bulk tensor copy engine.
+_SM90_FWD = {}
+for _bucket in (16, 32, 64):
+    _SM90_FWD[(_bucket, False, False)] = FwdConfig(128, 64, 8, 3, False)
+    _SM90_FWD[(_bucket, False, True)] = FwdConfig(128, 64, 8, 3, False)
+    _SM90_FWD[(_bucket, True, False)] = FwdConfig(64, 64, 4, 3, True)
+    _SM90_FWD[(_bucket, True, True)] = FwdConfig(128, 64, 8, 3, False)
+_SM90_FWD[(128, False, False)] = FwdConfig(128, 128, 8, 3, True)
+_SM90_FWD[(128, False, True)] = FwdConfig(128, 128, 8, 3, True)
+_SM90_FWD[(128, True, False)] = FwdConfig(64, 64, 4, 3, True)
+_SM90_FWD[(128, True, True)] = FwdConfig(128, 128, 8, 3, True)
+for _causal in (False, True):
+    for _long in (False, True):
+        _SM90_FWD[(256, _causal, _long)] = FwdConfig(128, 64, 8, 2, True)
+LONG_SEQLEN = 2048
+
+# Anything else (Ampere, Ada, unknown): conservative tiles that fit 100 KB of smem.
+_GENERIC_FWD = {
+    16: FwdConfig(128, 64, 4, 3),
+    32: FwdConfig(128, 64, 4, 3),
+    64: FwdConfig(128, 64, 4, 3),
+    128: FwdConfig(128, 32, 4, 2),
+    256: FwdConfig(64, 32, 4, 1),
+}
+
+# Under TRITON_INTERPRET=1 every element is numpy work: small tiles are faster and still
+# exercise every masking path.
+INTERPRETER_FWD = FwdConfig(16, 16, 4, 1)
+
+
+def default_fwd_config(capability: tuple[int, int], head_dim: int, dtype_name: str, causal: bool,
+                       seqlen_q: int = LONG_SEQLEN, has_mask: bool = False) -> FwdConfig:
+    """Table lookup; never times anything. ``causal`` means any right window (diagonal).
+
+    An explicit attn_mask streams a (block_m, block_n) mask tile per step through shared
+    memory too: its tiles are narrower and less deeply pipelined so that they fit.
+    """
+    bucket = head_dim_bucket(head_dim)
+    if capability[0] == 9:
+        cfg = _SM90_FWD[(bucket, causal, seqlen_q >= LONG_SEQLEN)]
+    else:
+        cfg = _GENERIC_FWD[bucket]
+    if has_mask:
+        block_m, warps = (64, 4) if bucket >= 256 else (cfg.block_m, cfg.num_warps)
+        cfg = FwdConfig(block_m, min(cfg.block_n, 64), warps, min(cfg.num_stages, 2), cfg.use_tma)
+    if dtype_name == "float32":
+        # fp32 tiles take twice the shared memory and run on CUDA cores (IEEE dot).
+        cfg = FwdConfig(min(cfg.block_m, 64), min(cfg.block_n, 32), 4, min(cfg.num_stages, 2), False)
+    return cfg
+
+
+def fwd_candidates(head_dim: int) -> list[FwdConfig]:
+    """What autotuning tries."""
+    bucket = head_dim_bucket(head_dim)
+    if bucket <= 64:
+        blocks = [(128, 128), (128, 64), (64, 64)]
+    elif bucket <= 128:
+        blocks = [(128, 128), (128, 64), (64, 64)]
+    else:
+        blocks = [(128, 64), (64, 64), (128, 32)]
+    return [FwdConfig(m, n, w, s, tma) for (m, n) in blocks for w in (4, 8) for s in (2, 3) for tma in (False, True)]
+
+
+def _cache_path() -> Path:
+    root = os.environ.get("FLASHTILE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flashtile")
+    return Path(root) / "autotune-fwd.json"
+
+
+_lock = threading.Lock()
+_memory_cache: dict[str, FwdConfig] = {}
+
+
+def autotune_enabled(flag: bool | None) -> bool:
+    """The call's ``autotune`` argument wins; else ``FLASHTILE_AUTOTUNE`` in {1, true, yes}."""
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get("FLASHTILE_AUTOTUNE", "").strip().lower() in ("1", "true", "yes")
+
+
+def autotuned_fwd_config(key: str, candidates: Sequence[FwdConfig], time_ms: Callable[[FwdConfig], float]) -> FwdConfig:
+    """Best of ``candidates`` by ``time_ms`` (failures skipped), cached in memory and on disk.
+
+    The disk cache is rewritten atomically (temp file + rename) so that a crash never
+    leaves a half-written file.
+    """
+    with _lock:
+        if key in _memory_cache:
+            return _memory_cache[key]
+        path = _cache_path()
+        stored: dict = {}
+        if path.exists():
+            try:
+                stored = json.loads(path.read_text())
+            except (OSError, ValueError):
+                stored = {}
+        if key in stored:
+            cfg = FwdConfig(**stored[key])
+            _memory_cache[key] = cfg
+            return cfg
+        best, best_ms = None, float("inf")
+        for cfg in candidates:
+            try:
+                ms = time_ms(cfg)
+            except Exception:  # out of shared memory, unsupported shape: not a candidate
+                continue
+            if ms < best_ms:
+                best, best_ms = cfg, ms
+        if best is None:
+            raise RuntimeError(f"autotuning found no runnable forward config for {key}")
+        stored[key] = asdict(best)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps(stored, indent=1, sort_keys=True))
+        os.replace(tmp, path)
+        _memory_cache[key] = best
+        return best

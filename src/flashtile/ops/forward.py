@@ -1,0 +1,336 @@
+"""Triton FlashAttention forward: one program per (batch, head, block of BLOCK_M queries).
+
+The canonical problem (the APIs in ``flashtile.api`` reduce to it):
+    q (B, H, Sq, D), k and v (B, Hk, Sk, D), any strides with unit stride along D;
+    query head h reads key/value head h // (H // Hk).
+    Key j is visible to query i iff
+        (window_left  < 0 or j >= i + diag_offset - window_left) and
+        (window_right < 0 or j <= i + diag_offset + window_right) and
+        (no bool attn_mask, or attn_mask[b, h, i, j]).
+    s_ij = scale * q_i.k_j -> softcap * tanh(s / softcap) -> - slope[b, h] * |i + diag_offset - j|
+           -> + float attn_mask[b, h, i, j];  out_i = softmax_j(s_ij) v;  lse_i = logsumexp_j s_ij.
+    Rows that see no key get out 0 and lse -inf.
+
+Inside the kernel scores live in base 2: the scale and log2(e) are folded into one
+multiply, and exp2 replaces exp (one MUFU op instead of a multiply and an op). The key
+range of a query block is split into three phases so that only tiles that straddle a
+window/causal edge or the end of the sequence pay for element masks:
+
+    [lo, full_lo)  boundary tiles, masked   (left window edge)
+    [full_lo, full_hi)  interior tiles, no mask
+    [full_hi, hi)  boundary tiles, masked   (causal diagonal / right window edge / Sk)
+
+Tiles outside [lo, hi) are never loaded.
+"""
+
+from __future__ import annotations
+
+import math
+
+import triton
+import triton.language as tl
+
+from .configs import FwdConfig
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# MASK_MODE values for an explicit attn_mask.
+MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
+
+
+@triton.jit
+def _tanh(x):
+    # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates cleanly to +-1 for large |x|, and works
+    # in the interpreter (no libdevice).
+    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+
+
+@triton.jit
+def _fwd_tiles(
+    acc, l_i, m_i, q,
+    k_base, v_base, mask_base, desc_k, desc_v, b, kvh,
+    n_start, n_end,
+    offs_m, offs_n0, offs_d,
+    stride_kn, stride_vn, stride_mn,
+    seqlen_k, head_dim,
+    qk_scale, softcap_in, softcap_out, alibi_slope,
+    diag_offset, window_left, window_right,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr,
+    IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    """Consume key tiles [n_start, n_end) into the running (acc, l_i, m_i)."""
+    if EVEN_D:
+        d_ok = offs_d < BLOCK_D  # all true, and known to be: keeps loads 16 bytes wide
+    else:
+        d_ok = offs_d < head_dim
+    for n0 in range(n_start, n_end, BLOCK_N):
+        offs_n = n0 + offs_n0
+        kv_row = tl.cast(n0, tl.int64)
+        k_ptrs = k_base + kv_row * stride_kn + offs_n0[None, :] * stride_kn + offs_d[:, None]
+        if USE_TMA:
+            # The copy engine zero-fills rows past seqlen_k and columns past head_dim.
+            kt = tl.trans(desc_k.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D))
+        elif BOUNDARY:
+            kt = tl.load(k_ptrs, mask=(offs_n[None, :] < seqlen_k) & d_ok[:, None], other=0.0)
+        elif EVEN_D:
+            kt = tl.load(k_ptrs)
+        else:
+            kt = tl.load(k_ptrs, mask=d_ok[:, None], other=0.0)
+        if IEEE_DOT:
+            s = tl.dot(q, kt, input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        if SOFTCAP:
+            s = softcap_out * _tanh(s * softcap_in)
+        else:
+            s = s * qk_scale
+        if HAS_ALIBI:
+            rel = offs_m[:, None] + diag_offset - offs_n[None, :]
+            s = s - alibi_slope * tl.abs(rel).to(tl.float32)
+        if MASK_MODE == 1:
+            keep = tl.load(mask_base + offs_n0[None, :] * stride_mn,
+                           mask=offs_n[None, :] < seqlen_k, other=0)
+            s = tl.where(keep != 0, s, float("-inf"))
+        elif MASK_MODE == 2:
+            bias = tl.load(mask_base + offs_n0[None, :] * stride_mn,
+                           mask=offs_n[None, :] < seqlen_k, other=0.0)
+            s = s + bias.to(tl.float32) * 1.4426950408889634
+        if BOUNDARY:
+            visible = offs_n[None, :] < seqlen_k
+            if WINDOW_RIGHT:
+                visible = visible & (offs_n[None, :] <= offs_m[:, None] + diag_offset + window_right)
+            if WINDOW_LEFT:
+                visible = visible & (offs_n[None, :] >= offs_m[:, None] + diag_offset - window_left)
+            s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        if BOUNDARY or MASK_MODE != 0:
+            # A row with nothing visible so far keeps m = -inf; exponentiate against 0
+            # instead so that (-inf) - (-inf) never makes a NaN.
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        v_ptrs = v_base + kv_row * stride_vn + offs_n0[:, None] * stride_vn + offs_d[None, :]
+        if USE_TMA:
+            v = desc_v.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+        elif BOUNDARY:
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < seqlen_k) & d_ok[None, :], other=0.0)
+        elif EVEN_D:
+            v = tl.load(v_ptrs)
+        else:
+            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+        if IEEE_DOT:
+            acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+        mask_base += BLOCK_N * stride_mn
+    return acc, l_i, m_i
+
+
+# Sizes stay specialised on divisibility by 16: marking them do_not_specialize cost up
+# to 20% at d64 (H200, 2026-11-29: masks lose their constancy, loads their vector width).
+@triton.jit
+def _fwd_kernel(
+    Q, K, V, Out, Lse, Mask, Alibi, desc_q, desc_k, desc_v, desc_o,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ab, stride_ah,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, num_m_blocks,
+    qk_scale, softcap_in, softcap_out,
+    diag_offset, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr,
+    IEEE_DOT: tl.constexpr, REVERSE_M: tl.constexpr, USE_TMA: tl.constexpr,
+):
+    # A flat 1-D grid: no 65,535 limit on batch x heads. Programs of one (b, h) are
+    # adjacent so that their K/V tiles are shared through L2.
+    pid = tl.program_id(0)
+    bh = pid // num_m_blocks
+    m_block = pid % num_m_blocks
+    if REVERSE_M:
+        # Causal: the last query blocks see the most keys; start them first.
+        m_block = num_m_blocks - 1 - m_block
+    b = bh // nheads
+    h = bh % nheads
+    kvh = h // group_size
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    kvh64 = kvh.to(tl.int64)
+    m0 = m_block * BLOCK_M
+
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_m = m0 + offs_m0
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seqlen_q
+    if EVEN_D:
+        d_ok = offs_d < BLOCK_D
+    else:
+        d_ok = offs_d < head_dim
+
+    q_ptrs = (Q + b64 * stride_qb + h64 * stride_qh + m0.to(tl.int64) * stride_qm
+              + offs_m0[:, None] * stride_qm + offs_d[None, :])
+    if USE_TMA:
+        q = desc_q.load([b, h, m0, 0]).reshape(BLOCK_M, BLOCK_D)
+    else:
+        q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
+    k_base = K + b64 * stride_kb + kvh64 * stride_kh
+    v_base = V + b64 * stride_vb + kvh64 * stride_vh
+    mask_base = Mask
+    if MASK_MODE != 0:
+        mask_base = (Mask + b64 * stride_mb + h64 * stride_mh + m0.to(tl.int64) * stride_mm
+                     + offs_m0[:, None] * stride_mm)
+
+    alibi_slope = 0.0
+    if HAS_ALIBI:
+        alibi_slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah) * 1.4426950408889634
+
+    # Key range of this query block, then its interior [full_lo, full_hi) of tiles that
+    # every row sees whole.
+    m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = seqlen_k
+    if WINDOW_LEFT:
+        lo = tl.maximum(m0 + diag_offset - window_left, 0)
+        full_lo = tl.maximum(m_last + diag_offset - window_left, 0)
+    if WINDOW_RIGHT:
+        hi = tl.minimum(m_last + diag_offset + window_right + 1, seqlen_k)
+        full_hi = tl.minimum(m0 + diag_offset + window_right + 1, seqlen_k)
+    hi = tl.maximum(hi, 0)
+    full_hi = tl.maximum(full_hi, 0)
+    lo_tile = (lo // BLOCK_N) * BLOCK_N
+    inner_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
+    inner_hi = (full_hi // BLOCK_N) * BLOCK_N
+    inner_lo = tl.maximum(inner_lo, lo_tile)
+    inner_hi = tl.minimum(inner_hi, hi)
+    empty_inner = inner_hi <= inner_lo
+    inner_lo = tl.where(empty_inner, lo_tile, inner_lo)
+    inner_hi = tl.where(empty_inner, lo_tile, inner_hi)
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+
+    if WINDOW_LEFT:
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_base, v_base, mask_base + lo_tile * stride_mn, desc_k, desc_v, b, kvh, lo_tile, inner_lo,
+            offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_k, head_dim,
+            qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+            BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA)
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, q, k_base, v_base, mask_base + inner_lo * stride_mn, desc_k, desc_v, b, kvh, inner_lo, inner_hi,
+        offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_k, head_dim,
+        qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+        BLOCK_N, BLOCK_D, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA)
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, q, k_base, v_base, mask_base + inner_hi * stride_mn, desc_k, desc_v, b, kvh, inner_hi, hi,
+        offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_k, head_dim,
+        qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+        BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA)
+
+    seen = l_i > 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    o_ptrs = (Out + b64 * stride_ob + h64 * stride_oh + m0.to(tl.int64) * stride_om
+              + offs_m0[:, None] * stride_om + offs_d[None, :])
+    if USE_TMA:
+        desc_o.store([b, h, m0, 0], out.to(Out.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_D))
+    else:
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+    lse_ptrs = Lse + bh.to(tl.int64) * seqlen_q + offs_m
+    tl.store(lse_ptrs, lse, mask=m_ok)
+
+
+def _tma_ok(*tensors) -> bool:
+    """The bulk tensor copy engine needs sm90+, 16-byte aligned bases and strides."""
+    t0 = tensors[0]
+    if t0.device.type != "cuda" or t0.dtype.itemsize != 2:
+        return False
+    import torch
+
+    if torch.cuda.get_device_capability(t0.device)[0] < 9:
+        return False
+    for t in tensors:
+        if t.data_ptr() % 16 or t.stride(-1) != 1:
+            return False
+        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, window_left: int,
+                      window_right: int, softcap: float, alibi_slopes, attn_mask,
+                      config: FwdConfig) -> None:
+    """Launch the forward kernel. Inputs are already validated by ``flashtile.api``.
+
+    Args:
+        q: (B, H, Sq, D); k, v: (B, Hk, Sk, D); unit stride along D.
+        out: (B, H, Sq, D) view to write, unit stride along D.
+        lse: (B, H, Sq) float32, contiguous.
+        alibi_slopes: None or float32 (B, H) (any strides).
+        attn_mask: None or (B, H, Sq, Sk) bool/float view (broadcast strides allowed).
+        config: block sizes, warps and stages.
+    """
+    import torch
+
+    batch, nheads, seqlen_q, head_dim = q.shape
+    nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    num_m_blocks = triton.cdiv(seqlen_q, config.block_m)
+    grid = (num_m_blocks * batch * nheads,)
+
+    if attn_mask is None:
+        mask_mode, mask_arg, mstrides = MASK_NONE, q, (0, 0, 0, 0)
+    else:
+        if attn_mask.dtype == torch.bool:
+            # tl cannot load torch.bool pointers portably; a uint8 view has the same bytes.
+            mask_mode, mask_arg = MASK_BOOL, attn_mask.view(torch.uint8)
+        else:
+            mask_mode, mask_arg = MASK_FLOAT, attn_mask
+        mstrides = attn_mask.stride()
+    alibi_arg, astrides = (q, (0, 0)) if alibi_slopes is None else (alibi_slopes, alibi_slopes.stride())
+
+    softcap_on = softcap > 0.0
+    use_tma = config.use_tma and _tma_ok(q, k, v, out)
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        def desc(t, rows):
+            return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d])
+
+        descs = (desc(q, config.block_m), desc(k, config.block_n), desc(v, config.block_n), desc(out, config.block_m))
+    else:
+        descs = (q, k, v, out)
+    _fwd_kernel[grid](
+        q, k, v, out, lse, mask_arg, alibi_arg, *descs,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2),
+        *mstrides, *astrides,
+        nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_m_blocks,
+        scale * LOG2E,
+        scale / softcap if softcap_on else 0.0,
+        softcap * LOG2E if softcap_on else 0.0,
+        diag_offset, window_left, window_right,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
+        EVEN_D=block_d == head_dim,
+        WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
+        SOFTCAP=softcap_on, HAS_ALIBI=alibi_slopes is not None, MASK_MODE=mask_mode,
+        IEEE_DOT=q.dtype == torch.float32,
+        REVERSE_M=window_right >= 0, USE_TMA=use_tma,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )

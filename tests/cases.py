@@ -1,0 +1,125 @@
+"""Test cases shared by the torch-path, interpreter and GPU tests of the forward APIs.
+
+A ``Case`` describes one flash-attn-style call; ``check_flash_case`` runs it through
+``flashtile.flash_attn_func`` and applies the accuracy rule (flashtile.testing) against a
+float64 reference and plain PyTorch in the input dtype, for the output and the LSE.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+import flashtile
+from flashtile.testing import assert_close, plain_attention
+
+DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+@dataclass(frozen=True)
+class Case:
+    seqlen_q: int
+    seqlen_k: int
+    head_dim: int
+    dtype: torch.dtype = torch.float16
+    causal: bool = False
+    batch: int = 2
+    nheads: int = 6
+    nheads_k: int = 6
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    alibi: Optional[str] = None  # None, "heads" (nheads,), "batch" (batch, nheads)
+    layout: str = "contiguous"  # contiguous | transposed | packed
+    dist: str = "randn"  # randn | rand | q5 (q scaled by 5)
+    scale: Optional[float] = None
+
+    @property
+    def id(self) -> str:
+        parts = [f"B{self.batch}", f"H{self.nheads}-{self.nheads_k}", f"Q{self.seqlen_q}", f"K{self.seqlen_k}",
+                 f"D{self.head_dim}", DTYPE_NAMES[self.dtype]]
+        if self.causal:
+            parts.append("causal")
+        if self.window != (-1, -1):
+            parts.append(f"win{self.window[0]}_{self.window[1]}")
+        if self.softcap:
+            parts.append(f"cap{self.softcap:g}")
+        if self.alibi:
+            parts.append(f"alibi-{self.alibi}")
+        if self.layout != "contiguous":
+            parts.append(self.layout)
+        if self.dist != "randn":
+            parts.append(self.dist)
+        return "-".join(parts)
+
+
+def _draw(shape, dtype, device, dist, generator):
+    if dist == "rand":
+        return torch.rand(shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
+    return torch.randn(shape, generator=generator, device=device, dtype=torch.float32).to(dtype)
+
+
+def make_inputs(case: Case, device: str = "cpu", seed: int = 0):
+    """q (B, Sq, H, D), k/v (B, Sk, Hk, D) in the case's layout, and ALiBi slopes."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    B, Sq, Sk, H, Hk, D = case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k, case.head_dim
+    if case.layout == "packed" and Sq == Sk and H == Hk:
+        qkv = _draw((B, Sq, 3, H, D), case.dtype, device, case.dist, g)
+        q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    elif case.layout == "packed":
+        q = _draw((B, Sq, H, D), case.dtype, device, case.dist, g)
+        kv = _draw((B, Sk, 2, Hk, D), case.dtype, device, case.dist, g)
+        k, v = kv[:, :, 0], kv[:, :, 1]
+    elif case.layout == "transposed":
+        q = _draw((B, H, Sq, D), case.dtype, device, case.dist, g).transpose(1, 2)
+        k = _draw((B, Hk, Sk, D), case.dtype, device, case.dist, g).transpose(1, 2)
+        v = _draw((B, Hk, Sk, D), case.dtype, device, case.dist, g).transpose(1, 2)
+    else:
+        q = _draw((B, Sq, H, D), case.dtype, device, case.dist, g)
+        k = _draw((B, Sk, Hk, D), case.dtype, device, case.dist, g)
+        v = _draw((B, Sk, Hk, D), case.dtype, device, case.dist, g)
+    if case.dist == "q5":
+        q = q * 5
+    alibi = None
+    if case.alibi == "heads":
+        alibi = torch.rand((H,), generator=g, device=device) * 0.5
+    elif case.alibi == "batch":
+        alibi = torch.rand((B, H), generator=g, device=device) * 0.5
+    return q, k, v, alibi
+
+
+def reference(case: Case, q, k, v, alibi, dtype: torch.dtype):
+    """plain_attention in ``dtype`` on the canonical (B, H, S, D) views; returns (out BSHD, lse)."""
+    scale = case.scale if case.scale is not None else 1.0 / math.sqrt(case.head_dim)
+    left, right = case.window
+    if case.causal:
+        right = 0
+    slopes = None
+    if alibi is not None:
+        slopes = alibi.expand(case.batch, case.nheads) if alibi.dim() == 1 else alibi
+    out, lse = plain_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
+        diag_offset=case.seqlen_k - case.seqlen_q, window_left=left, window_right=right,
+        softcap=case.softcap, alibi_slopes=slopes, dtype=dtype,
+    )
+    return out.transpose(1, 2), lse
+
+
+def check_flash_case(case: Case, device: str = "cpu", seed: int = 0):
+    """Run ``flash_attn_func`` on the case and assert the accuracy rule for out and LSE."""
+    q, k, v, alibi = make_inputs(case, device, seed)
+    out, lse, probs = flashtile.flash_attn_func(
+        q, k, v, softmax_scale=case.scale, causal=case.causal, window_size=case.window,
+        softcap=case.softcap, alibi_slopes=alibi, return_attn_probs=True,
+    )
+    assert probs is None
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert lse.shape == (case.batch, case.nheads, case.seqlen_q) and lse.dtype == torch.float32
+    ref_out, ref_lse = reference(case, q, k, v, alibi, torch.float64)
+    base_out, base_lse = reference(case, q, k, v, alibi, case.dtype)
+    # float32 inputs: plain torch in float32 is the base; its LSE error is tiny but real.
+    assert_close(f"{case.id} out", out, ref_out, base_out)
+    assert_close(f"{case.id} lse", lse, ref_lse, base_lse)
+    return out, lse
