@@ -1,0 +1,104 @@
+"""The benchmark driver on CPU: shapes, dry-run rows, summary, plots, argument errors.
+
+Nothing here touches CUDA: `--dry-run` writes fake timings through the same row,
+summary and plot code that a GPU run uses.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch")  # bench stamps rows with torch's version, even in a dry run
+from flashtile import bench  # noqa: E402
+from flashtile.traffic import attention_flops  # noqa: E402
+
+REQUIRED = {"impl", "pass", "dtype", "batch", "nheads", "nheads_k", "seqlen_q", "seqlen_k",
+            "headdim", "causal", "ms", "tflops", "gpu", "torch", "triton", "commit", "max_abs_diff"}
+
+
+def _dry_run(tmp_path: Path, *extra: str) -> list[dict]:
+    argv = ["--dry-run", "--out", str(tmp_path), "--tag", "t", *extra]
+    assert bench.main(argv) == 0
+    return [json.loads(line) for line in (tmp_path / "t.jsonl").read_text().splitlines()]
+
+
+# ---------------------------------------------------------------- shapes
+@pytest.mark.parametrize("seqlen, headdim, batch, nheads", [
+    (4096, 128, 4, 16), (8192, 256, 2, 8), (1024, 64, 16, 32), (16384, 128, 1, 16), (32768, 64, 1, 32),
+])
+def test_shape_formula(seqlen: int, headdim: int, batch: int, nheads: int) -> None:
+    shape = bench.make_shape(seqlen, headdim, causal=False, dtype="fp16")
+    assert (shape.batch, shape.nheads, shape.nheads_k, shape.seqlen) == (batch, nheads, nheads, seqlen)
+
+
+def test_gpu_slug() -> None:
+    assert bench.gpu_slug("NVIDIA H200") == "h200"
+    assert bench.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
+
+
+# ---------------------------------------------------------------- rows
+def test_dry_run_rows_have_exactly_the_required_keys(tmp_path: Path) -> None:
+    rows = _dry_run(tmp_path, "--no-plot", "--headdim", "64", "--seqlen", "1024", "32768",
+                    "--pass", "fwd", "bwd", "fwd_bwd", "--memory")
+    by_pass = {p: [r for r in rows if r["pass"] == p] for p in ("fwd", "bwd", "fwd_bwd", "first_call", "fwd_mem")}
+    # 2 seqlens x 2 causal x 2 dtypes x 6 impls per timed pass
+    assert all(len(by_pass[p]) == 48 for p in ("fwd", "bwd", "fwd_bwd"))
+    for row in rows:
+        if "skipped" in row:
+            assert set(row) == REQUIRED | {"skipped"} and row["ms"] is None and row["tflops"] is None
+        elif row["pass"] == "first_call":
+            assert set(row) == REQUIRED | {"first_call_s"}
+        elif row["pass"] == "fwd_mem":
+            assert set(row) == REQUIRED | {"extra_mib", "output_lse_mib"} and row["batch"] == 1
+        else:
+            assert set(row) == REQUIRED and row["ms"] > 0
+            flops = attention_flops(row["batch"], row["nheads"], row["seqlen_q"], row["seqlen_k"],
+                                    row["headdim"], causal=row["causal"], pass_=row["pass"])
+            assert row["tflops"] == pytest.approx(flops / (row["ms"] * 1e-3) / 1e12)
+        assert isinstance(row["causal"], bool) and row["dtype"] in ("fp16", "bf16")
+    # naive at seqlen 32768 would need 128 GiB of fp32 scores: skipped, with a reason
+    skipped = [r for r in rows if "skipped" in r]
+    assert skipped and all(r["impl"] == "naive" and r["seqlen_q"] == 32768 for r in skipped)
+
+
+def test_impl_and_pass_selection(tmp_path: Path) -> None:
+    rows = _dry_run(tmp_path, "--no-plot", "--quick", "--impl", "flashtile", "sdpa-cudnn",
+                    "--causal", "yes", "--dtype", "bf16")
+    timed = [r for r in rows if r["pass"] != "first_call"]
+    assert {r["impl"] for r in rows} == {"flashtile", "sdpa-cudnn"}
+    assert {r["pass"] for r in timed} == {"fwd"} and all(r["causal"] for r in rows)
+    assert {(r["headdim"], r["seqlen_q"]) for r in timed} == {(d, s) for d in (64, 128) for s in (1024, 4096, 16384)}
+
+
+# ---------------------------------------------------------------- summary and plots
+def test_summary_has_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    _dry_run(tmp_path, "--no-plot", "--headdim", "128", "--seqlen", "4096", "--dtype", "fp16")
+    summary = (tmp_path / "t-summary.md").read_text()
+    assert "flashtile/sdpa-flash" in summary and "flashtile/sdpa-cudnn" in summary
+    line = next(ln for ln in summary.splitlines() if ln.startswith("| 128 | 4096 | 4 | no | fp16 | fwd"))
+    assert line.count("x |") == 2  # both ratios filled in
+    assert summary.strip().splitlines()[-1] in capsys.readouterr().out  # the table ends the output
+
+
+def test_plots_written_and_plot_only(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    _dry_run(tmp_path, "--headdim", "64", "--seqlen", "1024", "4096", "--dtype", "fp16", "--pass", "fwd", "bwd")
+    pngs = sorted(p.name for p in tmp_path.glob("*.png"))
+    assert pngs == [f"t-d64-{c}-fp16-{p}.png" for c in ("causal", "full") for p in ("bwd", "fwd")]
+    again = tmp_path / "again"
+    assert bench.main(["--plot-only", str(tmp_path / "t.jsonl"), "--out", str(again)]) == 0
+    assert len(list(again.glob("*.png"))) == 4
+
+
+# ---------------------------------------------------------------- bad input
+@pytest.mark.parametrize("argv", [
+    ["--impl", "bogus"], ["--pass", "sideways"], ["--dtype", "fp8"], ["--causal", "maybe"],
+    ["--seqlen", "0"], ["--headdim", "100"], ["--rep", "0"], ["--seqlen", "many"],
+])
+def test_bad_args_exit_nonzero(argv: list[str], tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as exc:
+        bench.main(["--dry-run", "--no-plot", "--out", str(tmp_path), *argv])
+    assert exc.value.code != 0
+    assert not list(tmp_path.glob("*.jsonl"))  # argument errors come before any row
