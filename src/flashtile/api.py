@@ -14,6 +14,7 @@ to run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass
@@ -110,12 +111,17 @@ def _backend_for(device: torch.device) -> str:
     return choice
 
 
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
 def _triton_config(q: torch.Tensor, causal_like: bool, has_mask: bool):
     from .ops import configs
 
     if q.device.type != "cuda":
         return configs.INTERPRETER_FWD
-    capability = torch.cuda.get_device_capability(q.device)
+    capability = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
     dtype_name = str(q.dtype).replace("torch.", "")
     return configs.default_fwd_config(capability, q.shape[-1], dtype_name, causal_like, q.shape[2], has_mask)
 
