@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 
 import flashtile
-from flashtile.testing import assert_close, plain_attention
+from flashtile.testing import GRAD_FACTOR, assert_close, plain_attention
 
 DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 
@@ -123,3 +123,38 @@ def check_flash_case(case: Case, device: str = "cpu", seed: int = 0):
     assert_close(f"{case.id} out", out, ref_out, base_out)
     assert_close(f"{case.id} lse", lse, ref_lse, base_lse)
     return out, lse
+
+
+def _grads(fn, inputs, dout):
+    leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
+    out = fn(*leaves)
+    (dq, dk, dv) = torch.autograd.grad(out, leaves, dout)
+    return out.detach(), dq, dk, dv
+
+
+def check_flash_grads(case: Case, device: str = "cpu", seed: int = 0, noncontiguous_dout: bool = True):
+    """Gradients of ``flash_attn_func`` against float64 and plain-dtype references (QUALITY rule).
+
+    One shared upstream gradient for the kernel and both references; with
+    ``noncontiguous_dout`` it is a transposed view.
+    """
+    q, k, v, alibi = make_inputs(case, device, seed)
+    g = torch.Generator(device=device).manual_seed(seed + 1)
+    dout = torch.randn((case.batch, case.nheads, case.seqlen_q, case.head_dim), generator=g, device=device,
+                       dtype=torch.float32).to(case.dtype)
+    dout = dout.transpose(1, 2) if noncontiguous_dout else dout.transpose(1, 2).contiguous()
+
+    def kernel(q_, k_, v_):
+        return flashtile.flash_attn_func(q_, k_, v_, softmax_scale=case.scale, causal=case.causal,
+                                         window_size=case.window, softcap=case.softcap, alibi_slopes=alibi)
+
+    def ref_fn(dtype):
+        return lambda q_, k_, v_: reference(case, q_, k_, v_, alibi, dtype)[0]
+
+    got = _grads(kernel, (q, k, v), dout)
+    ref = _grads(ref_fn(torch.float64), (q, k, v), dout.double())
+    base = _grads(ref_fn(case.dtype), (q, k, v), dout)
+    for name, a, r, b in zip(("dq", "dk", "dv"), got[1:], ref[1:], base[1:]):
+        assert a.shape == r.shape and a.dtype == case.dtype, (name, a.shape, a.dtype)
+        assert_close(f"{case.id} {name}", a, r, b, factor=GRAD_FACTOR)
+    return got

@@ -29,16 +29,17 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def poison_outputs(monkeypatch):
-    """Make every output buffer the API allocates start as NaN, so unwritten elements fail."""
-    from flashtile import api
+    """Make every output and gradient buffer start as NaN, so unwritten elements fail."""
+    pytest.importorskip("torch")
+    from flashtile import autograd
 
-    for name in ("_new_out", "_new_lse"):
-        original = getattr(api, name)
+    for name in ("_bshd_view", "_new_lse"):
+        original = getattr(autograd, name)
 
-        def poisoned(q4, _original=original):
-            return _original(q4).fill_(float("nan"))
+        def poisoned(t, _original=original):
+            return _original(t).fill_(float("nan"))
 
-        monkeypatch.setattr(api, name, poisoned)
+        monkeypatch.setattr(autograd, name, poisoned)
     yield
 
 

@@ -143,14 +143,6 @@ def test_large_grid_is_flat():
     check_flash_case(Case(3, 5, 16, batch=300, nheads=4, nheads_k=1))
 
 
-def test_backward_not_yet_raises_clearly():
-    q, k, v, _ = _sdpa_case("none", None, dtype=torch.float32)
-    q.requires_grad_(True)
-    out = flashtile.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    with pytest.raises(NotImplementedError, match="backward"):
-        out.sum().backward()
-
-
 def test_bf16_under_interpreter_is_refused():
     q = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="bfloat16"):

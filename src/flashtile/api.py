@@ -14,7 +14,6 @@ to run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import dataclass
@@ -111,140 +110,39 @@ def _backend_for(device: torch.device) -> str:
     return choice
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
+def _torch_path(q4, k4, v4, problem: _Problem, alibi, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked torch twin; plain differentiable torch code, so autograd traces it."""
+    from . import autograd as ops
+    from .ops.chunked import chunked_attention_forward
 
-
-def _triton_config(q: torch.Tensor, causal_like: bool, has_mask: bool):
-    from .ops import configs
-
-    if q.device.type != "cuda":
-        return configs.INTERPRETER_FWD
-    capability = _capability(q.device.index if q.device.index is not None else torch.cuda.current_device())
-    dtype_name = str(q.dtype).replace("torch.", "")
-    return configs.default_fwd_config(capability, q.shape[-1], dtype_name, causal_like, q.shape[2], has_mask)
-
-
-def _new_out(q4: torch.Tensor) -> torch.Tensor:
-    """A (B, H, Sq, D) view of a (B, Sq, H, D) buffer: the memory layout both APIs return."""
-    batch, nheads, seqlen_q, head_dim = q4.shape
-    return torch.empty((batch, seqlen_q, nheads, head_dim), dtype=q4.dtype, device=q4.device).transpose(1, 2)
-
-
-def _new_lse(q4: torch.Tensor) -> torch.Tensor:
-    """(B, H, Sq) float32 log-sum-exp buffer."""
-    return torch.empty(q4.shape[:3], dtype=torch.float32, device=q4.device)
-
-
-def _run_forward(q4, k4, v4, problem: _Problem, alibi, mask) -> tuple[torch.Tensor, torch.Tensor]:
-    """Return out (B, H, Sq, D) (a view of a (B, Sq, H, D) buffer) and lse (B, H, Sq) float32."""
-    batch, nheads, seqlen_q, _ = q4.shape
-    out4 = _new_out(q4)
-    lse = _new_lse(q4)
-    if out4.numel() == 0:
-        return out4, lse.fill_(float("-inf"))
-    backend = _backend_for(q4.device)
-    if backend == "torch":
-        from .ops.chunked import chunked_attention_forward
-
-        out, lse_t = chunked_attention_forward(
-            q4, k4, v4, scale=problem.scale, diag_offset=problem.diag_offset,
-            window_left=problem.window_left, window_right=problem.window_right,
-            softcap=problem.softcap, alibi_slopes=alibi, attn_mask=mask,
-        )
-        out4.copy_(out)
-        lse.copy_(lse_t)
-        return out4, lse
-    if q4.dtype == torch.bfloat16 and q4.device.type != "cuda":
-        raise TypeError("bfloat16 cannot run under TRITON_INTERPRET=1 (triton 3.6's interpreter has no bf16 arithmetic)")
-    from .ops import configs
-    from .ops.forward import attention_forward
-
-    config = _triton_config(q4, problem.window_right >= 0, mask is not None)
-    num_programs = math.ceil(seqlen_q / config.block_m) * batch * nheads
-    if num_programs > 2**31 - 1:
-        raise ValueError(f"batch x heads x query blocks = {num_programs} exceeds the grid limit 2^31 - 1")
-    if q4.device.type == "cuda" and configs.autotune_enabled(None):
-        config = _autotune(q4, k4, v4, out4, lse, problem, alibi, mask, config)
-    with torch.cuda.device(q4.device) if q4.device.type == "cuda" else _nullcontext():
-        attention_forward(
-            q4, k4, v4, out4, lse, scale=problem.scale, diag_offset=problem.diag_offset,
-            window_left=problem.window_left, window_right=problem.window_right,
-            softcap=problem.softcap, alibi_slopes=alibi, attn_mask=mask, config=config,
-        )
-    return out4, lse
-
-
-class _nullcontext:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
-def _autotune(q4, k4, v4, out4, lse, problem: _Problem, alibi, mask, default):
-    from triton.testing import do_bench
-
-    from .ops import configs
-    from .ops.forward import attention_forward
-
-    key = "|".join(map(str, (
-        torch.cuda.get_device_name(q4.device), q4.dtype, q4.shape[-1], q4.shape[1] // k4.shape[1],
-        problem.window_left >= 0, problem.window_right >= 0, problem.softcap > 0, alibi is not None,
-        None if mask is None else mask.dtype, triton_version(),
-    )))
-
-    def time_ms(cfg):
-        def run():
-            attention_forward(q4, k4, v4, out4, lse, scale=problem.scale, diag_offset=problem.diag_offset,
-                              window_left=problem.window_left, window_right=problem.window_right,
-                              softcap=problem.softcap, alibi_slopes=alibi, attn_mask=mask, config=cfg)
-        return do_bench(run, warmup=5, rep=20, return_mode="median")
-
-    return configs.autotuned_fwd_config(key, [default] + configs.fwd_candidates(q4.shape[-1]), time_ms)
-
-
-def triton_version() -> str:
-    import triton
-
-    return triton.__version__
-
-
-class _ForwardOnly(torch.autograd.Function):
-    """Autograd node for the Triton forward until the backward kernel lands."""
-
-    @staticmethod
-    def forward(ctx, q4, k4, v4, problem, alibi, mask):
-        out4, lse = _run_forward(q4, k4, v4, problem, alibi, mask)
-        ctx.mark_non_differentiable(lse)
-        return out4, lse
-
-    @staticmethod
-    def backward(ctx, *grads):
-        raise NotImplementedError(
-            "flashtile's Triton backward is not implemented yet (the training work); "
-            "run under torch.no_grad() or use the CPU/torch backend for gradients"
-        )
+    out, lse = chunked_attention_forward(
+        q4, k4, v4, scale=problem.scale, diag_offset=problem.diag_offset,
+        window_left=problem.window_left, window_right=problem.window_right,
+        softcap=problem.softcap, alibi_slopes=alibi, attn_mask=mask,
+    )
+    if torch.is_grad_enabled() and out.requires_grad:
+        return out.to(q4.dtype).transpose(1, 2).contiguous().transpose(1, 2), lse.to(torch.float32)
+    out4 = ops._bshd_view(q4)
+    lse_out = ops._new_lse(q4)
+    out4.copy_(out)
+    lse_out.copy_(lse)
+    return out4, lse_out
 
 
 def _attention(q4, k4, v4, problem: _Problem, alibi, mask) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the canonical problem: out (B, H, Sq, D) laid out as (B, Sq, H, D), lse (B, H, Sq)."""
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (q4, k4, v4))
-    if needs_grad and _backend_for(q4.device) == "torch":
-        # The torch twin is plain differentiable torch code: let autograd trace it.
-        from .ops.chunked import chunked_attention_forward
+    if _backend_for(q4.device) == "torch":
+        return _torch_path(q4, k4, v4, problem, alibi, mask)
+    from . import autograd  # noqa: F401  (registers torch.ops.flashtile)
 
-        out, lse = chunked_attention_forward(
-            q4, k4, v4, scale=problem.scale, diag_offset=problem.diag_offset,
-            window_left=problem.window_left, window_right=problem.window_right,
-            softcap=problem.softcap, alibi_slopes=alibi, attn_mask=mask,
-        )
-        return out.to(q4.dtype).transpose(1, 2).contiguous().transpose(1, 2), lse.to(torch.float32)
-    if needs_grad:
-        return _ForwardOnly.apply(q4, k4, v4, problem, alibi, mask)
-    return _run_forward(q4, k4, v4, problem, alibi, mask)
+    if mask is not None and mask.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError(
+            "attn_mask requires grad: the Triton kernels do not compute mask gradients (that would need an "
+            "(L, S) gradient); detach the mask, or run on CPU tensors where the torch path differentiates it")
+    out, lse = torch.ops.flashtile.attn_fwd(
+        q4, k4, v4, problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
+        problem.softcap, alibi, mask)
+    return out.transpose(1, 2), lse
 
 
 # --------------------------------------------------------------------------- flash-attn

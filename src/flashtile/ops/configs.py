@@ -154,3 +154,44 @@ def autotuned_fwd_config(key: str, candidates: Sequence[FwdConfig], time_ms: Cal
         os.replace(tmp, path)
         _memory_cache[key] = best
         return best
+
+
+@dataclass(frozen=True)
+class BwdConfig:
+    """Tiles of the backward kernels: (queries, keys) per tile of the dk/dv and dq kernels."""
+
+    block_m_kv: int
+    block_n_kv: int
+    block_m_q: int
+    block_n_q: int
+    num_warps: int
+    num_stages: int
+
+
+# Not yet swept on a GPU (the backward landed without device time): FA2-like shapes that
+# fit Hopper's 228 KB of shared memory; d256 gets narrower tiles.
+_SM90_BWD = {
+    16: BwdConfig(64, 128, 128, 64, 8, 2),
+    32: BwdConfig(64, 128, 128, 64, 8, 2),
+    64: BwdConfig(64, 128, 128, 64, 8, 2),
+    128: BwdConfig(64, 128, 128, 64, 8, 2),
+    256: BwdConfig(32, 64, 64, 32, 8, 1),
+}
+_GENERIC_BWD = {
+    16: BwdConfig(32, 64, 64, 32, 4, 2),
+    32: BwdConfig(32, 64, 64, 32, 4, 2),
+    64: BwdConfig(32, 64, 64, 32, 4, 2),
+    128: BwdConfig(32, 64, 64, 32, 4, 1),
+    256: BwdConfig(16, 32, 32, 16, 4, 1),
+}
+INTERPRETER_BWD = BwdConfig(16, 16, 16, 16, 4, 1)
+
+
+def default_bwd_config(capability: tuple[int, int], head_dim: int, dtype_name: str) -> BwdConfig:
+    """Table lookup for the backward kernels; never times anything."""
+    bucket = head_dim_bucket(head_dim)
+    cfg = (_SM90_BWD if capability[0] == 9 else _GENERIC_BWD)[bucket]
+    if dtype_name == "float32":
+        cfg = BwdConfig(min(cfg.block_m_kv, 32), min(cfg.block_n_kv, 64), min(cfg.block_m_q, 64),
+                        min(cfg.block_n_q, 32), 4, 1)
+    return cfg

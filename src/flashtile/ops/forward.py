@@ -53,7 +53,7 @@ def _fwd_tiles(
     n_start, n_end,
     offs_m, offs_n0, offs_d,
     stride_kn, stride_vn, stride_mn,
-    seqlen_k, head_dim,
+    seqlen_q, seqlen_k, head_dim,
     qk_scale, softcap_in, softcap_out, alibi_slope,
     diag_offset, window_left, window_right,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
@@ -91,12 +91,13 @@ def _fwd_tiles(
             rel = offs_m[:, None] + diag_offset - offs_n[None, :]
             s = s - alibi_slope * tl.abs(rel).to(tl.float32)
         if MASK_MODE == 1:
+            # Rows past seqlen_q are not stored, but their mask bytes must not be read either.
             keep = tl.load(mask_base + offs_n0[None, :] * stride_mn,
-                           mask=offs_n[None, :] < seqlen_k, other=0)
+                           mask=(offs_n[None, :] < seqlen_k) & (offs_m[:, None] < seqlen_q), other=0)
             s = tl.where(keep != 0, s, float("-inf"))
         elif MASK_MODE == 2:
             bias = tl.load(mask_base + offs_n0[None, :] * stride_mn,
-                           mask=offs_n[None, :] < seqlen_k, other=0.0)
+                           mask=(offs_n[None, :] < seqlen_k) & (offs_m[:, None] < seqlen_q), other=0.0)
             s = s + bias.to(tl.float32) * 1.4426950408889634
         if BOUNDARY:
             visible = offs_n[None, :] < seqlen_k
@@ -227,17 +228,17 @@ def _fwd_kernel(
     if WINDOW_LEFT:
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, mask_base + lo_tile * stride_mn, desc_k, desc_v, b, kvh, lo_tile, inner_lo,
-            offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_k, head_dim,
+            offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
             qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
             BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA)
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, mask_base + inner_lo * stride_mn, desc_k, desc_v, b, kvh, inner_lo, inner_hi,
-        offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_k, head_dim,
+        offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
         qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
         BLOCK_N, BLOCK_D, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA)
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, mask_base + inner_hi * stride_mn, desc_k, desc_v, b, kvh, inner_hi, hi,
-        offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_k, head_dim,
+        offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
         qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
         BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA)
 

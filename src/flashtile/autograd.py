@@ -1,0 +1,176 @@
+"""torch.library registration of the Triton kernels, and their autograd formula.
+
+The public functions in ``flashtile.api`` validate their arguments and then call
+``torch.ops.flashtile.attn_fwd``: a custom op with a fake (meta) implementation, so
+``torch.compile(fullgraph=True)`` traces straight through it, and a registered backward
+(``torch.ops.flashtile.attn_bwd``). Launch configurations are chosen inside the ops at
+run time, never at trace time.
+
+Canonical layout at this boundary: q, k, v are (B, H, S, D) views with unit stride along
+D (as ``flashtile.ops.forward`` describes). Outputs are plain tensors: out and the
+gradients come back laid out (B, S, H, D) (flash-attn's layout; callers transpose the
+view), lse is (B, H, Sq) float32.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _device_capability(t: Tensor) -> Optional[tuple[int, int]]:
+    if t.device.type != "cuda":
+        return None  # the Triton interpreter on CPU tensors
+    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+
+
+def _bshd_view(t: Tensor) -> Tensor:
+    """(B, H, S, D) view of a new (B, S, H, D) buffer shaped like ``t``."""
+    b, h, s, d = t.shape
+    return t.new_empty((b, s, h, d)).transpose(1, 2)
+
+
+def _new_lse(t: Tensor) -> Tensor:
+    """(B, H, Sq) float32 log-sum-exp buffer for q of shape (B, H, Sq, D)."""
+    return torch.empty(t.shape[:3], dtype=torch.float32, device=t.device)
+
+
+def _check_grid(num_programs: int) -> None:
+    if num_programs > 2**31 - 1:
+        raise ValueError(f"batch x heads x blocks = {num_programs} exceeds the grid limit 2^31 - 1")
+
+
+@torch.library.custom_op("flashtile::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
+             window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+             attn_mask: Optional[Tensor]) -> tuple[Tensor, Tensor]:
+    """Forward kernel: returns out (B, Sq, H, D) and lse (B, H, Sq) float32."""
+    import math
+
+    from .ops import configs
+    from .ops.forward import attention_forward
+
+    if q.dtype == torch.bfloat16 and q.device.type != "cuda":
+        raise TypeError("bfloat16 cannot run under TRITON_INTERPRET=1 (triton 3.6's interpreter has no bf16 arithmetic)")
+    batch, nheads, seqlen_q, head_dim = q.shape
+    out4 = _bshd_view(q)
+    lse = _new_lse(q)
+    if out4.numel() == 0:
+        return out4.transpose(1, 2), lse.fill_(float("-inf"))
+    capability = _device_capability(q)
+    if capability is None:
+        config = configs.INTERPRETER_FWD
+    else:
+        config = configs.default_fwd_config(capability, head_dim, str(q.dtype).replace("torch.", ""),
+                                            window_right >= 0, seqlen_q, attn_mask is not None)
+    _check_grid(math.ceil(seqlen_q / config.block_m) * batch * nheads)
+    problem = dict(scale=scale, diag_offset=diag_offset, window_left=window_left, window_right=window_right,
+                   softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask)
+    if capability is not None and configs.autotune_enabled(None):
+        config = _autotune(q, k, v, out4, lse, problem, config)
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else _no_context():
+        attention_forward(q, k, v, out4, lse, config=config, **problem)
+    return out4.transpose(1, 2), lse
+
+
+@attn_fwd.register_fake
+def _attn_fwd_fake(q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask):
+    batch, nheads, seqlen_q, head_dim = q.shape
+    return (q.new_empty((batch, seqlen_q, nheads, head_dim)),
+            q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
+
+
+@torch.library.custom_op("flashtile::attn_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+             diag_offset: int, window_left: int, window_right: int, softcap: float,
+             alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward kernels. dout/out are (B, Sq, H, D); returns dq (B, Sq, H, D), dk/dv (B, Sk, Hk, D)."""
+    from .ops import configs
+    from .ops.backward import attention_backward
+
+    dq4, dk4, dv4 = _bshd_view(q), _bshd_view(k), _bshd_view(v)
+    if q.numel() == 0 or k.numel() == 0:
+        return dq4.transpose(1, 2).zero_(), dk4.transpose(1, 2).zero_(), dv4.transpose(1, 2).zero_()
+    if dout.stride(-1) != 1:
+        dout = dout.contiguous()
+    capability = _device_capability(q)
+    if capability is None:
+        config = configs.INTERPRETER_BWD
+    else:
+        config = configs.default_bwd_config(capability, q.shape[-1], str(q.dtype).replace("torch.", ""))
+    _check_grid(-(-q.shape[2] // config.block_m_q) * q.shape[0] * q.shape[1])
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else _no_context():
+        attention_backward(q, k, v, out.transpose(1, 2), lse, dout.transpose(1, 2), dq4, dk4, dv4,
+                           scale=scale, diag_offset=diag_offset, window_left=window_left,
+                           window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
+                           attn_mask=attn_mask, config=config)
+    return dq4.transpose(1, 2), dk4.transpose(1, 2), dv4.transpose(1, 2)
+
+
+@attn_bwd.register_fake
+def _attn_bwd_fake(dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap,
+                   alibi_slopes, attn_mask):
+    def bshd(t):
+        b, h, s, d = t.shape
+        return t.new_empty((b, s, h, d))
+
+    return bshd(q), bshd(k), bshd(v)
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.problem = (scale, diag_offset, window_left, window_right, softcap)
+    # Non-differentiable extras: kept as plain references (no gradient flows to them).
+    ctx.alibi_slopes = alibi_slopes
+    ctx.attn_mask = attn_mask
+    ctx.mark_non_differentiable(lse)
+
+
+def _backward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    dq, dk, dv = torch.ops.flashtile.attn_bwd(dout, q, k, v, out, lse, *ctx.problem,
+                                              ctx.alibi_slopes, ctx.attn_mask)
+    # The op returns (B, S, H, D); q, k, v entered as (B, H, S, D) views.
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None, None, None, None
+
+
+attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _no_context:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _autotune(q, k, v, out4, lse, problem: dict, default):
+    from triton.testing import do_bench
+
+    from .ops import configs
+    from .ops.forward import attention_forward
+    import triton
+
+    key = "|".join(map(str, (
+        torch.cuda.get_device_name(q.device), q.dtype, q.shape[-1], q.shape[1] // k.shape[1],
+        problem["window_left"] >= 0, problem["window_right"] >= 0, problem["softcap"] > 0,
+        problem["alibi_slopes"] is not None,
+        None if problem["attn_mask"] is None else problem["attn_mask"].dtype, triton.__version__,
+    )))
+
+    def time_ms(cfg):
+        return do_bench(lambda: attention_forward(q, k, v, out4, lse, config=cfg, **problem),
+                        warmup=5, rep=20, return_mode="median")
+
+    return configs.autotuned_fwd_config(key, [default] + configs.fwd_candidates(q.shape[-1]), time_ms)

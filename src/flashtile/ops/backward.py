@@ -1,0 +1,436 @@
+"""Triton FlashAttention backward: dq, dk, dv from q, k, v, out, dout and the saved LSE.
+
+Same canonical problem as ``forward.py`` (read its docstring first). The scores of a tile
+are recomputed from the LSE (P = exp(S - lse)), never stored. Three kernels:
+
+1. ``_bwd_preprocess``: Delta_i = rowsum(dO_i * O_i), the softmax-Jacobian term.
+2. ``_bwd_dkdv_kernel``: one program per (batch, key/value head, block of BLOCK_N keys).
+   It holds K_j, V_j and the fp32 accumulators dK_j, dV_j on chip and streams the query
+   tiles that see those keys, for every query head of the GQA group, so dK/dV come out
+   summed over the group without atomics::
+
+       S^T = K_j Q_i^T      P^T = exp2(S^T - lse_i)      dV_j += P^T dO_i
+       dP^T = V_j dO_i^T    dS^T = P^T * (dP^T - Delta_i)      dK_j += dS^T Q_i
+
+3. ``_bwd_dq_kernel``: one program per (batch, head, block of BLOCK_M queries), streaming
+   the key tiles that block sees: dQ_i += dS K_j.
+
+No atomics anywhere: every output element is written by exactly one program, in a fixed
+order, so gradients are bitwise reproducible (``deterministic=True`` holds by design).
+The price is recomputing S and dP in both kernels (7 tile matmuls instead of FA2's 5).
+
+Softcap: s = c * tanh(scale * q.k / c), so ds/d(q.k) = scale * (1 - tanh^2): the factor
+``dfac`` below. ALiBi and float masks are additive constants: they shift S but have no
+gradient with respect to q or k (mask gradients are not computed; see flashtile.api).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .configs import BwdConfig
+from .forward import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, _tanh
+
+
+@triton.jit
+def _bwd_preprocess(
+    Out, DO, Delta,
+    stride_ob, stride_oh, stride_om,
+    stride_db, stride_dh, stride_dm,
+    nheads, seqlen_q, head_dim, num_m_blocks,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bh = pid // num_m_blocks
+    m_block = pid % num_m_blocks
+    b = (bh // nheads).to(tl.int64)
+    h = (bh % nheads).to(tl.int64)
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    o = tl.load(Out + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :],
+                mask=ok, other=0.0).to(tl.float32)
+    do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None].to(tl.int64) * stride_dm + offs_d[None, :],
+                 mask=ok, other=0.0).to(tl.float32)
+    tl.store(Delta + bh.to(tl.int64) * seqlen_q + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _score_tile(
+    raw, i2, j2, mask_ptrs, seqlen_q, seqlen_k,
+    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
+    diag_offset, window_left, window_right,
+    BOUNDARY: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr,
+):
+    """Scores in base 2 (-inf where invisible) and d s / d(q.k) of a tile.
+
+    ``i2``/``j2`` are the query/key indices broadcast to the tile's orientation, so the
+    same code serves the (queries x keys) dq tiles and the (keys x queries) dk/dv tiles.
+    """
+    if SOFTCAP:
+        t = _tanh(raw * softcap_in)
+        s = softcap_out * t
+        dfac = sm_scale * (1.0 - t * t)
+    else:
+        s = raw * qk_scale
+        dfac = sm_scale
+    if HAS_ALIBI:
+        s = s - alibi_slope * tl.abs(i2 + diag_offset - j2).to(tl.float32)
+    if MASK_MODE == 1:
+        keep = tl.load(mask_ptrs, mask=(j2 < seqlen_k) & (i2 < seqlen_q), other=0)
+        s = tl.where(keep != 0, s, float("-inf"))
+    elif MASK_MODE == 2:
+        bias = tl.load(mask_ptrs, mask=(j2 < seqlen_k) & (i2 < seqlen_q), other=0.0)
+        s = s + bias.to(tl.float32) * 1.4426950408889634
+    if BOUNDARY:
+        visible = j2 < seqlen_k
+        if WINDOW_RIGHT:
+            visible = visible & (j2 <= i2 + diag_offset + window_right)
+        if WINDOW_LEFT:
+            visible = visible & (j2 >= i2 + diag_offset - window_left)
+        s = tl.where(visible, s, float("-inf"))
+    return s, dfac
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse2, delta,
+    k_base, v_base, mask_base, n_start, n_end,
+    offs_m, offs_n0, offs_d,
+    stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
+    diag_offset, window_left, window_right,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    if EVEN_D:
+        d_ok = offs_d < offs_d.shape[0]
+    else:
+        d_ok = offs_d < head_dim
+    for n0 in range(n_start, n_end, BLOCK_N):
+        offs_n = n0 + offs_n0
+        row = tl.cast(n0, tl.int64)
+        kv_ok = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
+        k = tl.load(k_base + row * stride_kn + offs_n0[:, None] * stride_kn + offs_d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_base + row * stride_vn + offs_n0[:, None] * stride_vn + offs_d[None, :], mask=kv_ok, other=0.0)
+        if IEEE_DOT:
+            raw = tl.dot(q, tl.trans(k), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        else:
+            raw = tl.dot(q, tl.trans(k))
+            dp = tl.dot(do, tl.trans(v))
+        s, dfac = _score_tile(
+            raw, offs_m[:, None], offs_n[None, :], mask_base + offs_n0[None, :] * stride_mn, seqlen_q, seqlen_k,
+            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+            BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE)
+        p = tl.exp2(s - lse2[:, None])
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * dfac
+        if IEEE_DOT:
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
+        else:
+            dq = tl.dot(ds.to(k.dtype), k, dq)
+        mask_base += BLOCK_N * stride_mn
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, Mask, Alibi,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ab, stride_ah,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, num_m_blocks,
+    qk_scale, sm_scale, softcap_in, softcap_out,
+    diag_offset, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bh = pid // num_m_blocks
+    m_block = num_m_blocks - 1 - pid % num_m_blocks
+    b = bh // nheads
+    h = bh % nheads
+    b64, h64, kvh64 = b.to(tl.int64), h.to(tl.int64), (h // group_size).to(tl.int64)
+    m0 = m_block * BLOCK_M
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_m = m0 + offs_m0
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seqlen_q
+    ok = m_ok[:, None] & (offs_d[None, :] < head_dim)
+    row0 = m0.to(tl.int64)
+    q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + row0 * stride_qm + offs_m0[:, None] * stride_qm
+                + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + row0 * stride_dom + offs_m0[:, None] * stride_dom
+                 + offs_d[None, :], mask=ok, other=0.0)
+    lse = tl.load(Lse + bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=float("inf"))
+    # Rows that saw no key (lse -inf) and rows past seqlen_q get lse +inf: P = exp2(s - inf) = 0.
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    delta = tl.load(Delta + bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=0.0)
+    k_base = K + b64 * stride_kb + kvh64 * stride_kh
+    v_base = V + b64 * stride_vb + kvh64 * stride_vh
+    mask_base = Mask
+    if MASK_MODE != 0:
+        mask_base = Mask + b64 * stride_mb + h64 * stride_mh + row0 * stride_mm + offs_m0[:, None] * stride_mm
+    alibi_slope = 0.0
+    if HAS_ALIBI:
+        alibi_slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah) * 1.4426950408889634
+
+    # The same key range and interior split as the forward kernel.
+    m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = seqlen_k
+    if WINDOW_LEFT:
+        lo = tl.maximum(m0 + diag_offset - window_left, 0)
+        full_lo = tl.maximum(m_last + diag_offset - window_left, 0)
+    if WINDOW_RIGHT:
+        hi = tl.minimum(m_last + diag_offset + window_right + 1, seqlen_k)
+        full_hi = tl.minimum(m0 + diag_offset + window_right + 1, seqlen_k)
+    hi = tl.maximum(hi, 0)
+    full_hi = tl.maximum(full_hi, 0)
+    lo_tile = (lo // BLOCK_N) * BLOCK_N
+    inner_lo = tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo_tile)
+    inner_hi = tl.minimum((full_hi // BLOCK_N) * BLOCK_N, hi)
+    empty_inner = inner_hi <= inner_lo
+    inner_lo = tl.where(empty_inner, lo_tile, inner_lo)
+    inner_hi = tl.where(empty_inner, lo_tile, inner_hi)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if WINDOW_LEFT:
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, mask_base + lo_tile * stride_mn, lo_tile, inner_lo,
+                       offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+                       qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
+                       diag_offset, window_left, window_right,
+                       BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, mask_base + inner_lo * stride_mn, inner_lo, inner_hi,
+                   offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+                   qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
+                   diag_offset, window_left, window_right,
+                   BLOCK_N, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, mask_base + inner_hi * stride_mn, inner_hi, hi,
+                   offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+                   qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
+                   diag_offset, window_left, window_right,
+                   BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT)
+    if not SOFTCAP:
+        dq = dq * sm_scale
+    tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + row0 * stride_dqm + offs_m0[:, None] * stride_dqm
+             + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v,
+    q_base, do_base, lse_base, delta_base, mask_base, m_start, m_end,
+    offs_n, offs_m0, offs_d,
+    stride_qm, stride_dom, stride_mm, seqlen_q, seqlen_k, head_dim,
+    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
+    diag_offset, window_left, window_right,
+    BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    if EVEN_D:
+        d_ok = offs_d < offs_d.shape[0]
+    else:
+        d_ok = offs_d < head_dim
+    for m0 in range(m_start, m_end, BLOCK_M):
+        offs_m = m0 + offs_m0
+        row = tl.cast(m0, tl.int64)
+        m_ok = offs_m < seqlen_q
+        ok = m_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_base + row * stride_qm + offs_m0[:, None] * stride_qm + offs_d[None, :], mask=ok, other=0.0)
+        do = tl.load(do_base + row * stride_dom + offs_m0[:, None] * stride_dom + offs_d[None, :], mask=ok, other=0.0)
+        lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+        if IEEE_DOT:
+            raw_t = tl.dot(k, tl.trans(q), input_precision="ieee")
+            dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
+        else:
+            raw_t = tl.dot(k, tl.trans(q))
+            dp_t = tl.dot(v, tl.trans(do))
+        s_t, dfac = _score_tile(
+            raw_t, offs_m[None, :], offs_n[:, None],
+            mask_base + row * stride_mm + offs_m0[None, :] * stride_mm, seqlen_q, seqlen_k,
+            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+            BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE)
+        p_t = tl.exp2(s_t - lse2[None, :])
+        ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * dfac
+        if IEEE_DOT:
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")
+        else:
+            dv = tl.dot(p_t.to(do.dtype), do, dv)
+            dk = tl.dot(ds_t.to(q.dtype), q, dk)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV, Mask, Alibi,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ab, stride_ah,
+    nheads, nheads_k, group_size, seqlen_q, seqlen_k, head_dim, num_n_blocks,
+    qk_scale, sm_scale, softcap_in, softcap_out,
+    diag_offset, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bkv = pid // num_n_blocks
+    n_block = pid % num_n_blocks
+    b = bkv // nheads_k
+    kvh = bkv % nheads_k
+    b64, kvh64 = b.to(tl.int64), kvh.to(tl.int64)
+    n0 = n_block * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < seqlen_k
+    ok = n_ok[:, None] & (offs_d[None, :] < head_dim)
+    row0 = n0.to(tl.int64)
+    k = tl.load(K + b64 * stride_kb + kvh64 * stride_kh + row0 * stride_kn
+                + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :], mask=ok, other=0.0)
+    v = tl.load(V + b64 * stride_vb + kvh64 * stride_vh + row0 * stride_vn
+                + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :], mask=ok, other=0.0)
+
+    # Query range that sees any key of [n0, n_last]; its interior sees all of them.
+    # Key j is visible to query i iff j - diag_offset - right <= i <= j - diag_offset + left.
+    n_last = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
+    lo = 0
+    hi = seqlen_q
+    full_lo = 0
+    full_hi = seqlen_q
+    if WINDOW_RIGHT:
+        lo = tl.maximum(n0 - diag_offset - window_right, 0)
+        full_lo = tl.maximum(n_last - diag_offset - window_right, 0)
+    if WINDOW_LEFT:
+        hi = tl.minimum(n_last - diag_offset + window_left + 1, seqlen_q)
+        full_hi = tl.minimum(n0 - diag_offset + window_left + 1, seqlen_q)
+    hi = tl.maximum(hi, 0)
+    full_hi = tl.maximum(full_hi, 0)
+    lo_tile = (lo // BLOCK_M) * BLOCK_M
+    inner_lo = tl.maximum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, lo_tile)
+    inner_hi = tl.minimum((full_hi // BLOCK_M) * BLOCK_M, hi)
+    # A key block running past seqlen_k needs the bounds mask on every tile.
+    empty_inner = (inner_hi <= inner_lo) | (n0 + BLOCK_N > seqlen_k)
+    inner_lo = tl.where(empty_inner, lo_tile, inner_lo)
+    inner_hi = tl.where(empty_inner, lo_tile, inner_hi)
+
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(0, group_size):
+        h = kvh * group_size + g
+        h64 = h.to(tl.int64)
+        bh64 = b64 * nheads + h64
+        q_base = Q + b64 * stride_qb + h64 * stride_qh
+        do_base = DO + b64 * stride_dob + h64 * stride_doh
+        lse_base = Lse + bh64 * seqlen_q
+        delta_base = Delta + bh64 * seqlen_q
+        mask_base = Mask
+        if MASK_MODE != 0:
+            mask_base = Mask + b64 * stride_mb + h64 * stride_mh + offs_n[:, None] * stride_mn
+        alibi_slope = 0.0
+        if HAS_ALIBI:
+            alibi_slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah) * 1.4426950408889634
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, lo_tile, inner_lo,
+            offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, seqlen_q, seqlen_k, head_dim,
+            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+            BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT)
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, inner_lo, inner_hi,
+            offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, seqlen_q, seqlen_k, head_dim,
+            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+            BLOCK_M, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT)
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, inner_hi, hi,
+            offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, seqlen_q, seqlen_k, head_dim,
+            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+            BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT)
+    if not SOFTCAP:
+        dk = dk * sm_scale
+    local_n = tl.arange(0, BLOCK_N)
+    tl.store(DK + b64 * stride_dkb + kvh64 * stride_dkh + row0 * stride_dkn + local_n[:, None] * stride_dkn
+             + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=ok)
+    tl.store(DV + b64 * stride_dvb + kvh64 * stride_dvh + row0 * stride_dvn + local_n[:, None] * stride_dvn
+             + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=ok)
+
+
+def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, diag_offset: int,
+                       window_left: int, window_right: int, softcap: float, alibi_slopes, attn_mask,
+                       config: BwdConfig) -> None:
+    """Launch the three backward kernels. Inputs are validated by ``flashtile.api``.
+
+    Args:
+        q, out, dout, dq: (B, H, Sq, D) views with unit stride along D.
+        k, v, dk, dv: (B, Hk, Sk, D) views with unit stride along D.
+        lse: (B, H, Sq) float32 contiguous, natural log, as the forward saved it.
+        alibi_slopes: None or float32 (B, H).  attn_mask: None or (B, H, Sq, Sk) view.
+    """
+    import torch
+
+    batch, nheads, seqlen_q, head_dim = q.shape
+    nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    softcap_on = softcap > 0.0
+    common = dict(
+        BLOCK_D=block_d, EVEN_D=block_d == head_dim,
+        WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
+        SOFTCAP=softcap_on, HAS_ALIBI=alibi_slopes is not None, IEEE_DOT=q.dtype == torch.float32,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    if attn_mask is None:
+        mask_mode, mask_arg, mstrides = MASK_NONE, q, (0, 0, 0, 0)
+    elif attn_mask.dtype == torch.bool:
+        mask_mode, mask_arg, mstrides = MASK_BOOL, attn_mask.view(torch.uint8), attn_mask.stride()
+    else:
+        mask_mode, mask_arg, mstrides = MASK_FLOAT, attn_mask, attn_mask.stride()
+    alibi_arg, astrides = (q, (0, 0)) if alibi_slopes is None else (alibi_slopes, alibi_slopes.stride())
+    scalars = (scale * LOG2E, scale,
+               scale / softcap if softcap_on else 0.0, softcap * LOG2E if softcap_on else 0.0,
+               diag_offset, window_left, window_right)
+
+    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    pre_blocks = triton.cdiv(seqlen_q, 64)
+    _bwd_preprocess[(pre_blocks * batch * nheads,)](
+        out, dout, delta, *out.stride()[:3], *dout.stride()[:3],
+        nheads, seqlen_q, head_dim, pre_blocks, BLOCK_M=64, BLOCK_D=block_d)
+
+    num_n_blocks = triton.cdiv(seqlen_k, config.block_n_kv)
+    _bwd_dkdv_kernel[(num_n_blocks * batch * nheads_k,)](
+        q, k, v, dout, lse, delta, dk, dv, mask_arg, alibi_arg,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
+        *dk.stride()[:3], *dv.stride()[:3], *mstrides, *astrides,
+        nheads, nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_n_blocks, *scalars,
+        BLOCK_M=config.block_m_kv, BLOCK_N=config.block_n_kv, MASK_MODE=mask_mode, **common)
+
+    num_m_blocks = triton.cdiv(seqlen_q, config.block_m_q)
+    _bwd_dq_kernel[(num_m_blocks * batch * nheads,)](
+        q, k, v, dout, lse, delta, dq, mask_arg, alibi_arg,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
+        *mstrides, *astrides,
+        nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_m_blocks, *scalars,
+        BLOCK_M=config.block_m_q, BLOCK_N=config.block_n_q, MASK_MODE=mask_mode, **common)

@@ -1,0 +1,140 @@
+"""The Triton backward kernels on CPU tensors under TRITON_INTERPRET=1 (fp16 and fp32).
+
+Gradients follow QUALITY.md's rule: at most 3x plain PyTorch's own error against a float64
+reference, one shared upstream gradient, NaN-poisoned gradient buffers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashtile
+from cases import Case, check_flash_grads
+from flashtile.testing import GRAD_FACTOR, assert_close, plain_attention
+
+pytestmark = pytest.mark.usefixtures("triton_backend", "poison_outputs")
+
+
+@pytest.mark.parametrize("seqs", [(1, 1), (2, 5), (5, 2), (17, 17), (37, 53), (53, 37), (64, 64)])
+@pytest.mark.parametrize("causal", [False, True])
+def test_seqlens(seqs, causal):
+    check_flash_grads(Case(*seqs, 32, causal=causal, batch=1, nheads=2, nheads_k=1))
+
+
+@pytest.mark.parametrize("head_dim", [1, 16, 40, 59, 80])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32], ids=["fp16", "fp32"])
+def test_head_dims(head_dim, dtype):
+    check_flash_grads(Case(29, 35, head_dim, dtype=dtype, causal=True, batch=1, nheads=2, nheads_k=2))
+
+
+@pytest.mark.parametrize("nheads_k", [6, 2, 1], ids=["mha", "gqa", "mqa"])
+def test_gqa_sums_dk_dv_over_groups(nheads_k):
+    check_flash_grads(Case(33, 41, 16, causal=True, batch=2, nheads=6, nheads_k=nheads_k))
+
+
+@pytest.mark.parametrize("window", [(0, 0), (3, 5), (-1, 2), (7, -1)])
+def test_windows(window):
+    check_flash_grads(Case(45, 38, 16, window=window, batch=1, nheads=2, nheads_k=1))
+
+
+@pytest.mark.parametrize("softcap", [2.0, 30.0])
+def test_softcap(softcap):
+    check_flash_grads(Case(40, 47, 32, causal=True, softcap=softcap, dist="q5", batch=1, nheads=2, nheads_k=1))
+
+
+def test_alibi_and_softcap_and_window():
+    check_flash_grads(Case(41, 59, 16, window=(20, 3), alibi="batch", softcap=5.0, batch=2, nheads=4, nheads_k=2))
+
+
+@pytest.mark.parametrize("layout", ["transposed", "packed"])
+def test_layouts_and_noncontiguous_dout(layout):
+    check_flash_grads(Case(36, 36, 24, layout=layout, causal=True, batch=2, nheads=3, nheads_k=3))
+    check_flash_grads(Case(36, 36, 24, layout=layout, batch=1, nheads=3, nheads_k=3), noncontiguous_dout=False)
+
+
+def test_fp32_gradients():
+    check_flash_grads(Case(50, 70, 48, dtype=torch.float32, causal=True, window=(25, -1), batch=1, nheads=2, nheads_k=1))
+
+
+def test_empty_rows_have_zero_gradient():
+    # Sq=20 > Sk=6, bottom-right causal: query rows 0..13 see nothing.
+    dq, dk, dv = check_flash_grads(Case(20, 6, 16, causal=True, batch=1, nheads=2, nheads_k=1))[1:]
+    assert torch.equal(dq[:, :14], torch.zeros_like(dq[:, :14]))
+    assert torch.isfinite(dk).all() and torch.isfinite(dv).all()
+
+
+def test_deterministic_bitwise():
+    case = Case(33, 47, 16, causal=True, batch=2, nheads=4, nheads_k=2)
+    first = check_flash_grads(case)
+    again = check_flash_grads(case)
+    for a, b in zip(first, again):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mask_kind", ["bool", "float"])
+def test_sdpa_mask_gradients(mask_kind):
+    g = torch.Generator().manual_seed(4)
+    B, H, Hk, L, S, E = 2, 4, 2, 23, 31, 16
+    q, k, v = (torch.randn(B, h, n, E, generator=g, dtype=torch.float16) for h, n in ((H, L), (Hk, S), (Hk, S)))
+    if mask_kind == "bool":
+        mask = torch.rand(B, 1, L, S, generator=g) > 0.4
+        mask[..., 3, :] = False
+    else:
+        mask = (torch.randn(1, H, L, S, generator=g) * 2).to(torch.float16)
+    dout = torch.randn(B, H, L, E, generator=g, dtype=torch.float16)
+    full = mask.expand(B, H, L, S)
+
+    def grads(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        return torch.autograd.grad(fn(*leaves), leaves, dout.to(leaves[0].dtype))
+
+    got = grads(lambda a, b, c: flashtile.scaled_dot_product_attention(a, b, c, attn_mask=mask, enable_gqa=True))
+    ref = grads(lambda a, b, c: plain_attention(a.double(), b.double(), c.double(), scale=E ** -0.5, attn_mask=full)[0])
+    base = grads(lambda a, b, c: plain_attention(a, b, c, scale=E ** -0.5, attn_mask=full)[0])
+    for name, a, r, b in zip(("dq", "dk", "dv"), got, ref, base):
+        assert_close(f"sdpa {mask_kind} {name}", a, r, b, factor=GRAD_FACTOR)
+
+
+def test_sdpa_causal_top_left_gradients():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(1, 2, n, 16, generator=g, dtype=torch.float32) for n in (30, 19, 19))
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = flashtile.scaled_dot_product_attention(*leaves, is_causal=True)
+    got = torch.autograd.grad(out.sum(), leaves)
+    ref_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*ref_leaves, is_causal=True)
+    want = torch.autograd.grad(ref.sum(), ref_leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=2e-5, rtol=0)
+
+
+def test_float_mask_requiring_grad_is_refused():
+    q = torch.randn(1, 2, 8, 16)
+    mask = torch.zeros(8, 8, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="attn_mask requires grad"):
+        flashtile.scaled_dot_product_attention(q, q, q, attn_mask=mask)
+
+
+def test_opcheck():
+    q, k, v = (torch.randn(1, 2, n, 16, dtype=torch.float32) for n in (9, 13, 13))
+    args = (q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), 0.25, 4, -1, 0, 0.0, None, None)
+    from flashtile import autograd  # noqa: F401
+
+    torch.library.opcheck(torch.ops.flashtile.attn_fwd.default, args,
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
+                                      "test_aot_dispatch_dynamic"))
+
+
+def test_torch_compile_fullgraph_forward_and_backward():
+    q, k, v = (torch.randn(1, n, 2, 16, dtype=torch.float32, requires_grad=True) for n in (12, 20, 20))
+
+    def f(q_, k_, v_):
+        return flashtile.flash_attn_func(q_, k_, v_, causal=True).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    loss = compiled(q, k, v)
+    got = torch.autograd.grad(loss, (q, k, v))
+    want = torch.autograd.grad(f(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
