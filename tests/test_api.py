@@ -121,7 +121,6 @@ def test_flash_attn_bad_tensors(mutate, exc, match):
 @pytest.mark.parametrize("kwargs,exc,match", [
     (dict(dropout_p=1.0), ValueError, r"dropout_p must be in \[0, 1\), got 1.0"),
     (dict(dropout_p=-0.1), ValueError, "dropout_p"),
-    (dict(dropout_p=0.1), NotImplementedError, "dropout"),
     (dict(softmax_scale=float("nan")), ValueError, "softmax_scale must be finite"),
     (dict(softmax_scale=float("inf")), ValueError, "softmax_scale must be finite"),
     (dict(softmax_scale="0.1"), TypeError, "softmax_scale"),
@@ -183,3 +182,19 @@ def test_nan_in_data_propagates_without_crash():
     out = flashtile.flash_attn_func(q, k, v)
     assert torch.isnan(out[:, :, 0]).all() and not torch.isnan(out[:, :, 1]).any()
     assert math.isfinite(out[:, :, 1].sum().item())
+
+
+def test_dropout_on_torch_path_is_seeded_and_rescaled():
+    q = torch.zeros(2, 30, 2, 32)
+    k = torch.randn(2, 24, 2, 32)
+    v = torch.zeros(2, 24, 2, 32)
+    v[:, torch.arange(24), :, torch.arange(24)] = 1.0
+    torch.manual_seed(0)
+    a = flashtile.flash_attn_func(q, k, v, dropout_p=0.4)
+    torch.manual_seed(0)
+    b = flashtile.flash_attn_func(q, k, v, dropout_p=0.4)
+    assert torch.equal(a, b)
+    kept = a[..., :24]
+    rate = 1.0 - (kept > 0).float().mean().item()
+    assert abs(rate - 0.4) < 0.03, rate
+    torch.testing.assert_close(kept[kept > 0], torch.full_like(kept[kept > 0], 1 / (24 * 0.6)))

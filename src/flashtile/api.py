@@ -54,16 +54,12 @@ def _check_scale(name: str, scale: Optional[float], head_dim: int) -> float:
     return float(scale)
 
 
-def _check_dropout(dropout_p) -> None:
+def _check_dropout(dropout_p) -> float:
     if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)):
         raise TypeError(f"dropout_p must be a float, got {type(dropout_p).__name__}")
     if not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if dropout_p > 0.0:
-        raise NotImplementedError(
-            f"dropout_p={dropout_p}: dropout arrives with the training (backward) work; "
-            "only dropout_p=0.0 is supported for now"
-        )
+    return float(dropout_p)
 
 
 def _check_heads(nheads: int, nheads_k: int, qname: str = "q", kname: str = "k") -> None:
@@ -95,6 +91,7 @@ class _Problem:
     window_left: int
     window_right: int
     softcap: float
+    dropout_p: float = 0.0
 
 
 def _backend_for(device: torch.device) -> str:
@@ -118,7 +115,7 @@ def _torch_path(q4, k4, v4, problem: _Problem, alibi, mask) -> tuple[torch.Tenso
     out, lse = chunked_attention_forward(
         q4, k4, v4, scale=problem.scale, diag_offset=problem.diag_offset,
         window_left=problem.window_left, window_right=problem.window_right,
-        softcap=problem.softcap, alibi_slopes=alibi, attn_mask=mask,
+        softcap=problem.softcap, alibi_slopes=alibi, attn_mask=mask, dropout_p=problem.dropout_p,
     )
     if torch.is_grad_enabled() and out.requires_grad:
         return out.to(q4.dtype).transpose(1, 2).contiguous().transpose(1, 2), lse.to(torch.float32)
@@ -139,9 +136,14 @@ def _attention(q4, k4, v4, problem: _Problem, alibi, mask) -> tuple[torch.Tensor
         raise NotImplementedError(
             "attn_mask requires grad: the Triton kernels do not compute mask gradients (that would need an "
             "(L, S) gradient); detach the mask, or run on CPU tensors where the torch path differentiates it")
+    seed = None
+    if problem.dropout_p > 0.0:
+        # The Philox key comes from torch's generator of that device: torch.manual_seed makes
+        # the mask reproducible, and the backward redraws the same mask from the same key.
+        seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q4.device)
     out, lse = torch.ops.flashtile.attn_fwd(
         q4, k4, v4, problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
-        problem.softcap, alibi, mask)
+        problem.softcap, alibi, mask, problem.dropout_p, seed)
     return out.transpose(1, 2), lse
 
 
@@ -200,7 +202,7 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     _check_head_dim(qn, head_dim)
     seqlen_k, nheads_k = k.shape[1], k.shape[2]
     _check_heads(nheads, nheads_k, qn, kn)
-    _check_dropout(dropout_p)
+    dropout_p = _check_dropout(dropout_p)
     scale = _check_scale("softmax_scale", softmax_scale, head_dim)
     left, right = _check_window(window_size)
     if not isinstance(causal, bool):
@@ -211,7 +213,7 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     alibi = _check_alibi(alibi_slopes, batch, nheads, q.device)
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
 
-    problem = _Problem(scale, seqlen_k - seqlen_q, left, right, softcap)
+    problem = _Problem(scale, seqlen_k - seqlen_q, left, right, softcap, dropout_p)
     out4, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), problem, alibi, None)
     out = out4.transpose(1, 2)
     if return_attn_probs:
@@ -240,7 +242,10 @@ def flash_attn_func(
             query head h reads key/value head h // (nheads // nheads_k)).
             Any strides with unit stride along headdim (views of a packed qkv tensor,
             transposes) run without copies; other layouts are copied once.
-        dropout_p: must be 0.0 for now (dropout lands with the backward pass).
+        dropout_p: probability of dropping each attention weight, in [0, 1); kept weights
+            are scaled by 1 / (1 - dropout_p). The mask is drawn with Philox from a key
+            taken from torch's generator of q's device (``torch.manual_seed`` reproduces
+            it); the backward redraws the same mask. Pass 0.0 at evaluation time.
         softmax_scale: defaults to 1 / sqrt(headdim).
         causal: bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
             For seqlen_q=2, seqlen_k=5 the mask is::
@@ -262,9 +267,10 @@ def flash_attn_func(
         softcap: if > 0, scores -> softcap * tanh(scores / softcap) after scaling.
         alibi_slopes: (nheads,) or (batch, nheads) float32; adds
             -slope * |i + seqlen_k - seqlen_q - j| to the scores after softcap.
-        deterministic: accepted for compatibility; the forward is always deterministic.
-        return_attn_probs: also return softmax_lse and (like flash-attn without dropout)
-            None in place of the probabilities.
+        deterministic: accepted for compatibility: forward and backward are always
+            deterministic (no atomics; gradients are bitwise reproducible).
+        return_attn_probs: also return softmax_lse and None in place of flash-attn's
+            debugging probability matrix (never materialised here).
 
     Returns:
         out (batch, seqlen_q, nheads, headdim) in q's dtype; with ``return_attn_probs``,
@@ -355,7 +361,7 @@ def scaled_dot_product_attention(
         attn_mask: broadcastable to (batch, heads, L, S). bool: True = take part;
             float (query's dtype or float32): added to the scores. Evaluated inside the
             kernel tile by tile, never expanded in memory.
-        dropout_p: must be 0.0 for now.
+        dropout_p: as in torch: applied only when > 0 (pass 0.0 at evaluation time).
         is_causal: top-left aligned (torch's ``tril``): query i sees keys j <= i. Not
             together with attn_mask (as in torch).
         scale: defaults to 1 / sqrt(E).
@@ -384,7 +390,7 @@ def scaled_dot_product_attention(
     if nheads_k != nheads and not enable_gqa:
         raise ValueError(f"query has {nheads} heads and key {nheads_k}: pass enable_gqa=True for grouped-query attention")
     _check_heads(nheads, nheads_k, "query", "key")
-    _check_dropout(dropout_p)
+    dropout_p = _check_dropout(dropout_p)
     scale = _check_scale("scale", scale, head_dim)
     if not isinstance(is_causal, bool):
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
@@ -393,6 +399,6 @@ def scaled_dot_product_attention(
     mask = _check_mask(attn_mask, query, (batch, nheads, seqlen_q, seqlen_k))
     query, key, value = (_unit_last_stride(t) for t in (query, key, value))
 
-    problem = _Problem(scale, 0, -1, 0 if is_causal else -1, 0.0)
+    problem = _Problem(scale, 0, -1, 0 if is_causal else -1, 0.0, dropout_p)
     out, _ = _attention(query, key, value, problem, None, mask)
     return out.squeeze(1) if squeeze else out

@@ -51,8 +51,12 @@ def _check_grid(num_programs: int) -> None:
 @torch.library.custom_op("flashtile::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
              window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-             attn_mask: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-    """Forward kernel: returns out (B, Sq, H, D) and lse (B, H, Sq) float32."""
+             attn_mask: Optional[Tensor], dropout_p: float = 0.0,
+             seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """Forward kernel: returns out (B, Sq, H, D) and lse (B, H, Sq) float32.
+
+    ``seed`` is a 1-element int64 tensor on q's device, the Philox key of the dropout mask.
+    """
     import math
 
     from .ops import configs
@@ -74,15 +78,16 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, wi
     _check_grid(math.ceil(seqlen_q / config.block_m) * batch * nheads)
     problem = dict(scale=scale, diag_offset=diag_offset, window_left=window_left, window_right=window_right,
                    softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask)
-    if capability is not None and configs.autotune_enabled(None):
+    if capability is not None and configs.autotune_enabled(None) and dropout_p == 0.0:
         config = _autotune(q, k, v, out4, lse, problem, config)
     with torch.cuda.device(q.device) if q.device.type == "cuda" else _no_context():
-        attention_forward(q, k, v, out4, lse, config=config, **problem)
+        attention_forward(q, k, v, out4, lse, config=config, dropout_p=dropout_p, seed=seed, **problem)
     return out4.transpose(1, 2), lse
 
 
 @attn_fwd.register_fake
-def _attn_fwd_fake(q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask):
+def _attn_fwd_fake(q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
+                   dropout_p=0.0, seed=None):
     batch, nheads, seqlen_q, head_dim = q.shape
     return (q.new_empty((batch, seqlen_q, nheads, head_dim)),
             q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
@@ -91,7 +96,8 @@ def _attn_fwd_fake(q, k, v, scale, diag_offset, window_left, window_right, softc
 @torch.library.custom_op("flashtile::attn_bwd", mutates_args=(), device_types=("cuda", "cpu"))
 def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
              diag_offset: int, window_left: int, window_right: int, softcap: float,
-             alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor]) -> tuple[Tensor, Tensor, Tensor]:
+             alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], dropout_p: float = 0.0,
+             seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Backward kernels. dout/out are (B, Sq, H, D); returns dq (B, Sq, H, D), dk/dv (B, Sk, Hk, D)."""
     from .ops import configs
     from .ops.backward import attention_backward
@@ -111,13 +117,13 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         attention_backward(q, k, v, out.transpose(1, 2), lse, dout.transpose(1, 2), dq4, dk4, dv4,
                            scale=scale, diag_offset=diag_offset, window_left=window_left,
                            window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
-                           attn_mask=attn_mask, config=config)
+                           attn_mask=attn_mask, config=config, dropout_p=dropout_p, seed=seed)
     return dq4.transpose(1, 2), dk4.transpose(1, 2), dv4.transpose(1, 2)
 
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap,
-                   alibi_slopes, attn_mask):
+                   alibi_slopes, attn_mask, dropout_p=0.0, seed=None):
     def bshd(t):
         b, h, s, d = t.shape
         return t.new_empty((b, s, h, d))
@@ -126,22 +132,23 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, scale, diag_offset, window_left, win
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask = inputs
+    q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.problem = (scale, diag_offset, window_left, window_right, softcap)
     # Non-differentiable extras: kept as plain references (no gradient flows to them).
     ctx.alibi_slopes = alibi_slopes
     ctx.attn_mask = attn_mask
+    ctx.dropout = (dropout_p, seed)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
     dq, dk, dv = torch.ops.flashtile.attn_bwd(dout, q, k, v, out, lse, *ctx.problem,
-                                              ctx.alibi_slopes, ctx.attn_mask)
+                                              ctx.alibi_slopes, ctx.attn_mask, *ctx.dropout)
     # The op returns (B, S, H, D); q, k, v entered as (B, H, S, D) views.
-    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2), None, None, None, None, None, None, None
+    return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) + (None,) * 9
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)

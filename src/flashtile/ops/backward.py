@@ -30,7 +30,7 @@ import triton
 import triton.language as tl
 
 from .configs import BwdConfig
-from .forward import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, _tanh
+from .forward import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, _dropout_keep, _tanh
 
 
 @triton.jit
@@ -101,10 +101,11 @@ def _dq_tiles(
     offs_m, offs_n0, offs_d,
     stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
     qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
-    diag_offset, window_left, window_right,
+    diag_offset, window_left, window_right, seed, bh, dropout_p,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     if EVEN_D:
         d_ok = offs_d < offs_d.shape[0]
@@ -127,6 +128,10 @@ def _dq_tiles(
             qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
             BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE)
         p = tl.exp2(s - lse2[:, None])
+        if DROPOUT:
+            # dO reaches P only through the kept, rescaled entries; Delta already holds them.
+            keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
+            dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
             ds = ds * dfac
@@ -140,7 +145,7 @@ def _dq_tiles(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, Mask, Alibi,
+    Q, K, V, DO, Lse, Delta, DQ, Mask, Alibi, Seed,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -150,10 +155,11 @@ def _bwd_dq_kernel(
     stride_ab, stride_ah,
     nheads, group_size, seqlen_q, seqlen_k, head_dim, num_m_blocks,
     qk_scale, sm_scale, softcap_in, softcap_out,
-    diag_offset, window_left, window_right,
+    diag_offset, window_left, window_right, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bh = pid // num_m_blocks
@@ -185,6 +191,9 @@ def _bwd_dq_kernel(
     alibi_slope = 0.0
     if HAS_ALIBI:
         alibi_slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah) * 1.4426950408889634
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
 
     # The same key range and interior split as the forward kernel.
     m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
@@ -212,18 +221,18 @@ def _bwd_dq_kernel(
         dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, mask_base + lo_tile * stride_mn, lo_tile, inner_lo,
                        offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
                        qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
-                       diag_offset, window_left, window_right,
-                       BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT)
+                       diag_offset, window_left, window_right, seed, bh, dropout_p,
+                       BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, mask_base + inner_lo * stride_mn, inner_lo, inner_hi,
                    offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
                    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
-                   diag_offset, window_left, window_right,
-                   BLOCK_N, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT)
+                   diag_offset, window_left, window_right, seed, bh, dropout_p,
+                   BLOCK_N, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
     dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, mask_base + inner_hi * stride_mn, inner_hi, hi,
                    offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
                    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
-                   diag_offset, window_left, window_right,
-                   BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT)
+                   diag_offset, window_left, window_right, seed, bh, dropout_p,
+                   BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
     if not SOFTCAP:
         dq = dq * sm_scale
     tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + row0 * stride_dqm + offs_m0[:, None] * stride_dqm
@@ -237,10 +246,11 @@ def _dkdv_tiles(
     offs_n, offs_m0, offs_d,
     stride_qm, stride_dom, stride_mm, seqlen_q, seqlen_k, head_dim,
     qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
-    diag_offset, window_left, window_right,
+    diag_offset, window_left, window_right, seed, bh, dropout_p,
     BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     if EVEN_D:
         d_ok = offs_d < offs_d.shape[0]
@@ -268,21 +278,26 @@ def _dkdv_tiles(
             qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
             BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE)
         p_t = tl.exp2(s_t - lse2[None, :])
+        pv_t = p_t
+        if DROPOUT:
+            keep_t = _dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], dropout_p)
+            pv_t = tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0)
+            dp_t = tl.where(keep_t, dp_t / (1.0 - dropout_p), 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
         if SOFTCAP:
             ds_t = ds_t * dfac
         if IEEE_DOT:
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision="ieee")
+            dv = tl.dot(pv_t.to(do.dtype), do, dv, input_precision="ieee")
             dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")
         else:
-            dv = tl.dot(p_t.to(do.dtype), do, dv)
+            dv = tl.dot(pv_t.to(do.dtype), do, dv)
             dk = tl.dot(ds_t.to(q.dtype), q, dk)
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, Mask, Alibi,
+    Q, K, V, DO, Lse, Delta, DK, DV, Mask, Alibi, Seed,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -293,10 +308,11 @@ def _bwd_dkdv_kernel(
     stride_ab, stride_ah,
     nheads, nheads_k, group_size, seqlen_q, seqlen_k, head_dim, num_n_blocks,
     qk_scale, sm_scale, softcap_in, softcap_out,
-    diag_offset, window_left, window_right,
+    diag_offset, window_left, window_right, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
+    DROPOUT: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bkv = pid // num_n_blocks
@@ -339,6 +355,9 @@ def _bwd_dkdv_kernel(
     inner_lo = tl.where(empty_inner, lo_tile, inner_lo)
     inner_hi = tl.where(empty_inner, lo_tile, inner_hi)
 
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     for g in range(0, group_size):
@@ -359,17 +378,17 @@ def _bwd_dkdv_kernel(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, lo_tile, inner_lo,
             offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, seqlen_q, seqlen_k, head_dim,
             qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-            BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT)
+            seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, inner_lo, inner_hi,
             offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, seqlen_q, seqlen_k, head_dim,
             qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-            BLOCK_M, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT)
+            seed, bh64, dropout_p, BLOCK_M, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, inner_hi, hi,
             offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, seqlen_q, seqlen_k, head_dim,
             qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-            BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT)
+            seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
     if not SOFTCAP:
         dk = dk * sm_scale
     local_n = tl.arange(0, BLOCK_N)
@@ -381,7 +400,7 @@ def _bwd_dkdv_kernel(
 
 def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, diag_offset: int,
                        window_left: int, window_right: int, softcap: float, alibi_slopes, attn_mask,
-                       config: BwdConfig) -> None:
+                       config: BwdConfig, dropout_p: float = 0.0, seed=None) -> None:
     """Launch the three backward kernels. Inputs are validated by ``flashtile.api``.
 
     Args:
@@ -389,6 +408,7 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
         k, v, dk, dv: (B, Hk, Sk, D) views with unit stride along D.
         lse: (B, H, Sq) float32 contiguous, natural log, as the forward saved it.
         alibi_slopes: None or float32 (B, H).  attn_mask: None or (B, H, Sq, Sk) view.
+        dropout_p, seed: as in the forward; the same seed redraws the same mask.
     """
     import torch
 
@@ -400,6 +420,7 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
         BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
         SOFTCAP=softcap_on, HAS_ALIBI=alibi_slopes is not None, IEEE_DOT=q.dtype == torch.float32,
+        DROPOUT=dropout_p > 0.0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if attn_mask is None:
@@ -411,7 +432,8 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
     alibi_arg, astrides = (q, (0, 0)) if alibi_slopes is None else (alibi_slopes, alibi_slopes.stride())
     scalars = (scale * LOG2E, scale,
                scale / softcap if softcap_on else 0.0, softcap * LOG2E if softcap_on else 0.0,
-               diag_offset, window_left, window_right)
+               diag_offset, window_left, window_right, float(dropout_p))
+    seed_arg = seed if dropout_p > 0.0 else q
 
     delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     pre_blocks = triton.cdiv(seqlen_q, 64)
@@ -421,7 +443,7 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
 
     num_n_blocks = triton.cdiv(seqlen_k, config.block_n_kv)
     _bwd_dkdv_kernel[(num_n_blocks * batch * nheads_k,)](
-        q, k, v, dout, lse, delta, dk, dv, mask_arg, alibi_arg,
+        q, k, v, dout, lse, delta, dk, dv, mask_arg, alibi_arg, seed_arg,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
         *dk.stride()[:3], *dv.stride()[:3], *mstrides, *astrides,
         nheads, nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_n_blocks, *scalars,
@@ -429,7 +451,7 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
 
     num_m_blocks = triton.cdiv(seqlen_q, config.block_m_q)
     _bwd_dq_kernel[(num_m_blocks * batch * nheads,)](
-        q, k, v, dout, lse, delta, dq, mask_arg, alibi_arg,
+        q, k, v, dout, lse, delta, dq, mask_arg, alibi_arg, seed_arg,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
         *mstrides, *astrides,
         nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_m_blocks, *scalars,

@@ -86,6 +86,7 @@ def chunked_attention_forward(
     alibi_slopes: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
     chunk_size: int = 256,
+    dropout_p: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention forward in torch ops, ``chunk_size`` query rows at a time.
 
@@ -107,6 +108,10 @@ def chunked_attention_forward(
         attn_mask: optional (B, H, Sq, Sk) (may be expanded, stride 0), bool or floating.
             bool: False hides the key (True = keep). floating: added to the scores.
         chunk_size: query rows per chunk; bounds the score block to (B, H, chunk_size, Sk).
+        dropout_p: drop each probability with this chance (torch's default generator) and
+            scale the kept ones by 1 / (1 - dropout_p); lse is that of the undropped row.
+            The Triton kernels draw their mask with Philox instead: the two backends give
+            different (each reproducible) masks for the same seed.
 
     The score of a visible key is, in this order,
     ``s = scale * (q_i . k_j)``; softcap; ``+ alibi``; ``+ float mask``. Then
@@ -212,7 +217,11 @@ def chunked_attention_forward(
         safe_sum = torch.where(nonempty, row_sum, torch.ones_like(row_sum))
 
         # (B, Hk, G*R, Sk) @ (B, Hk, Sk, Dv): again no per-head copy of V.
-        out_rows = torch.matmul(probs.reshape(batch, num_kv_heads, group * rows, seqlen_k), v_c)
+        probs_v = probs
+        if dropout_p > 0.0:
+            keep = torch.rand(probs.shape, device=probs.device) >= dropout_p
+            probs_v = torch.where(keep, probs / (1.0 - dropout_p), torch.zeros_like(probs))
+        out_rows = torch.matmul(probs_v.reshape(batch, num_kv_heads, group * rows, seqlen_k), v_c)
         out_rows = out_rows.reshape(batch, num_kv_heads, group, rows, head_dim_v) / safe_sum
         lse_rows = torch.where(nonempty, row_max + torch.log(safe_sum), neg_inf)
 

@@ -47,6 +47,21 @@ def _tanh(x):
 
 
 @triton.jit
+def _dropout_keep(seed, bh, i2, j2, dropout_p):
+    """Philox keep-mask of a tile: element (bh, i, j) is kept iff its uniform >= dropout_p.
+
+    The counter is (j, i, bh, 0) and the key the seed, so forward and backward kernels
+    draw the same bit for the same element whatever their tiling or orientation.
+    """
+    zero = (i2 * 0 + j2 * 0).to(tl.uint32)
+    c0 = (j2 + i2 * 0).to(tl.uint32)
+    c1 = (i2 + j2 * 0).to(tl.uint32)
+    c2 = zero + bh.to(tl.uint32)
+    r, _, _, _ = tl.philox(seed, c0, c1, c2, zero)
+    return tl.uint_to_uniform_float(r) >= dropout_p
+
+
+@triton.jit
 def _fwd_tiles(
     acc, l_i, m_i, q,
     k_base, v_base, mask_base, desc_k, desc_v, b, kvh,
@@ -55,11 +70,11 @@ def _fwd_tiles(
     stride_kn, stride_vn, stride_mn,
     seqlen_q, seqlen_k, head_dim,
     qk_scale, softcap_in, softcap_out, alibi_slope,
-    diag_offset, window_left, window_right,
+    diag_offset, window_left, window_right, seed, bh, dropout_p,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr,
-    IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr,
+    IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     """Consume key tiles [n_start, n_end) into the running (acc, l_i, m_i)."""
     if EVEN_D:
@@ -116,6 +131,9 @@ def _fwd_tiles(
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            # l_i keeps the undropped sum (the LSE is of the full softmax); only P @ V drops.
+            p = tl.where(_dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p), p, 0.0)
         acc = acc * alpha[:, None]
         v_ptrs = v_base + kv_row * stride_vn + offs_n0[:, None] * stride_vn + offs_d[None, :]
         if USE_TMA:
@@ -139,7 +157,7 @@ def _fwd_tiles(
 # to 20% at d64 (H200, 2026-11-29: masks lose their constancy, loads their vector width).
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, Lse, Mask, Alibi, desc_q, desc_k, desc_v, desc_o,
+    Q, K, V, Out, Lse, Mask, Alibi, Seed, desc_q, desc_k, desc_v, desc_o,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -148,11 +166,11 @@ def _fwd_kernel(
     stride_ab, stride_ah,
     nheads, group_size, seqlen_q, seqlen_k, head_dim, num_m_blocks,
     qk_scale, softcap_in, softcap_out,
-    diag_offset, window_left, window_right,
+    diag_offset, window_left, window_right, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr,
-    IEEE_DOT: tl.constexpr, REVERSE_M: tl.constexpr, USE_TMA: tl.constexpr,
+    IEEE_DOT: tl.constexpr, REVERSE_M: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
 ):
     # A flat 1-D grid: no 65,535 limit on batch x heads. Programs of one (b, h) are
     # adjacent so that their K/V tiles are shared through L2.
@@ -196,6 +214,9 @@ def _fwd_kernel(
     alibi_slope = 0.0
     if HAS_ALIBI:
         alibi_slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah) * 1.4426950408889634
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
 
     # Key range of this query block, then its interior [full_lo, full_hi) of tiles that
     # every row sees whole.
@@ -229,21 +250,24 @@ def _fwd_kernel(
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, mask_base + lo_tile * stride_mn, desc_k, desc_v, b, kvh, lo_tile, inner_lo,
             offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
-            qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-            BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA)
+            qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, seed, bh, dropout_p,
+            BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA, DROPOUT)
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, mask_base + inner_lo * stride_mn, desc_k, desc_v, b, kvh, inner_lo, inner_hi,
         offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
-        qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-        BLOCK_N, BLOCK_D, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA)
+        qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, seed, bh, dropout_p,
+        BLOCK_N, BLOCK_D, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA, DROPOUT)
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, mask_base + inner_hi * stride_mn, desc_k, desc_v, b, kvh, inner_hi, hi,
         offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
-        qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-        BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA)
+        qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, seed, bh, dropout_p,
+        BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA, DROPOUT)
 
     seen = l_i > 0.0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    if DROPOUT:
+        out = acc / (tl.where(seen, l_i, 1.0) * (1.0 - dropout_p))[:, None]
+    else:
+        out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
     o_ptrs = (Out + b64 * stride_ob + h64 * stride_oh + m0.to(tl.int64) * stride_om
               + offs_m0[:, None] * stride_om + offs_d[None, :])
@@ -274,7 +298,7 @@ def _tma_ok(*tensors) -> bool:
 
 def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, window_left: int,
                       window_right: int, softcap: float, alibi_slopes, attn_mask,
-                      config: FwdConfig) -> None:
+                      config: FwdConfig, dropout_p: float = 0.0, seed=None) -> None:
     """Launch the forward kernel. Inputs are already validated by ``flashtile.api``.
 
     Args:
@@ -284,6 +308,8 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
         alibi_slopes: None or float32 (B, H) (any strides).
         attn_mask: None or (B, H, Sq, Sk) bool/float view (broadcast strides allowed).
         config: block sizes, warps and stages.
+        dropout_p, seed: dropout probability and a 1-element int64 tensor on q's device
+            holding the Philox key (only read when dropout_p > 0).
     """
     import torch
 
@@ -316,7 +342,7 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
     else:
         descs = (q, k, v, out)
     _fwd_kernel[grid](
-        q, k, v, out, lse, mask_arg, alibi_arg, *descs,
+        q, k, v, out, lse, mask_arg, alibi_arg, seed if dropout_p > 0.0 else q, *descs,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -326,12 +352,12 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
         scale * LOG2E,
         scale / softcap if softcap_on else 0.0,
         softcap * LOG2E if softcap_on else 0.0,
-        diag_offset, window_left, window_right,
+        diag_offset, window_left, window_right, float(dropout_p),
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
         EVEN_D=block_d == head_dim,
         WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
         SOFTCAP=softcap_on, HAS_ALIBI=alibi_slopes is not None, MASK_MODE=mask_mode,
         IEEE_DOT=q.dtype == torch.float32,
-        REVERSE_M=window_right >= 0, USE_TMA=use_tma,
+        REVERSE_M=window_right >= 0, USE_TMA=use_tma, DROPOUT=dropout_p > 0.0,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
