@@ -152,3 +152,38 @@ def test_backward_memory_is_linear():
     extra = torch.cuda.max_memory_allocated() - before
     # out + lse saved, delta, dq/dk/dv: a few times the inputs, never (S, S) = 512 MiB per head.
     assert extra < 8 * q.numel() * q.element_size(), extra
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=["fp16", "bf16"])
+def test_dropout_rate_reproducibility_and_backward_mask(dtype):
+    # q = 0 and one-hot values expose the kept weights through the output (see the
+    # interpreter test for the construction).
+    B, Sq, H, Sk, D, p = 4, 256, 4, 128, 128, 0.2
+    q = torch.zeros(B, Sq, H, D, device="cuda", dtype=dtype)
+    k = torch.randn(B, Sk, H, D, device="cuda", dtype=dtype)
+    v = torch.zeros(B, Sk, H, D, device="cuda", dtype=dtype)
+    v[:, torch.arange(Sk), :, torch.arange(Sk)] = 1.0
+    torch.manual_seed(11)
+    keep = flashtile.flash_attn_func(q, k, v, dropout_p=p) > 0
+    torch.manual_seed(11)
+    assert torch.equal(flashtile.flash_attn_func(q, k, v, dropout_p=p) > 0, keep)
+    assert abs(1.0 - keep.float().mean().item() - p) < 0.01
+    keep = keep.permute(0, 2, 1, 3)  # (B, H, Sq, Sk)
+
+    g = torch.Generator(device="cuda").manual_seed(3)
+    qr, kr, vr = (torch.randn(B, n, H, D, device="cuda", dtype=dtype, generator=g) for n in (Sq, Sk, Sk))
+    dout = torch.randn(B, Sq, H, D, device="cuda", dtype=dtype, generator=g)
+    leaves = [t.clone().requires_grad_(True) for t in (qr, kr, vr)]
+    torch.manual_seed(11)
+    got = torch.autograd.grad(flashtile.flash_attn_func(*leaves, dropout_p=p), leaves, dout)
+
+    def reference(dt):
+        ls = [t.to(dt).requires_grad_(True) for t in (qr, kr, vr)]
+        qd, kd, vd = (t.transpose(1, 2) for t in ls)
+        probs = torch.softmax((qd @ kd.transpose(-1, -2)).float() * D ** -0.5, -1).to(dt) * keep / (1 - p)
+        return torch.autograd.grad((probs @ vd).transpose(1, 2), ls, dout.to(dt))
+
+    from flashtile.testing import GRAD_FACTOR, assert_close
+
+    for name, a, r, b in zip(("dq", "dk", "dv"), got, reference(torch.float64), reference(dtype)):
+        assert_close(f"dropout {name}", a, r, b, factor=GRAD_FACTOR)

@@ -1,0 +1,106 @@
+"""Training step of one transformer block (GQA attention + MLP, bf16): flashtile vs SDPA.
+
+    PYTHONPATH=src python3 benchmarks/train_block.py --seqlen 8192 --out $OUT/train-block.jsonl
+
+Issue 4's end-to-end target: at seqlen 8192 the forward + backward of this block must be
+faster with flashtile than with the fastest SDPA backend. Only the attention call differs
+between the runs; weights, inputs and the upstream gradient are the same.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+import flashtile
+
+
+class Block(torch.nn.Module):
+    """Pre-norm block: RMSNorm -> GQA attention (causal) -> RMSNorm -> SwiGLU MLP."""
+
+    def __init__(self, hidden: int, nheads: int, nheads_k: int, mlp: int):
+        super().__init__()
+        self.nheads, self.nheads_k, self.head_dim = nheads, nheads_k, hidden // nheads
+        self.qkv = torch.nn.Linear(hidden, (nheads + 2 * nheads_k) * self.head_dim, bias=False)
+        self.proj = torch.nn.Linear(hidden, hidden, bias=False)
+        self.up = torch.nn.Linear(hidden, 2 * mlp, bias=False)
+        self.down = torch.nn.Linear(mlp, hidden, bias=False)
+        self.norm1 = torch.nn.RMSNorm(hidden)
+        self.norm2 = torch.nn.RMSNorm(hidden)
+
+    def forward(self, x, attention):
+        B, S, _ = x.shape
+        qkv = self.qkv(self.norm1(x))
+        q, k, v = qkv.split([self.nheads * self.head_dim, self.nheads_k * self.head_dim,
+                             self.nheads_k * self.head_dim], dim=-1)
+        q = q.view(B, S, self.nheads, self.head_dim)
+        k = k.view(B, S, self.nheads_k, self.head_dim)
+        v = v.view(B, S, self.nheads_k, self.head_dim)
+        x = x + self.proj(attention(q, k, v).reshape(B, S, -1))
+        gate, up = self.up(self.norm2(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+def sdpa(backend):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def attention(q, k, v):
+        with sdpa_kernel(getattr(SDPBackend, backend)):
+            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                 is_causal=True, enable_gqa=True)
+        return out.transpose(1, 2)
+
+    return attention
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--seqlen", type=int, default=8192)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--hidden", type=int, default=4096)
+    p.add_argument("--nheads", type=int, default=32)
+    p.add_argument("--nheads-k", type=int, default=8)
+    p.add_argument("--mlp", type=int, default=14336)
+    p.add_argument("--out", default=None)
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    block = Block(args.hidden, args.nheads, args.nheads_k, args.mlp).cuda().to(torch.bfloat16)
+    x = torch.randn(args.batch, args.seqlen, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    g = torch.randn_like(x)
+    impls = {"flashtile": lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=True),
+             "sdpa-flash": sdpa("FLASH_ATTENTION"), "sdpa-cudnn": sdpa("CUDNN_ATTENTION"),
+             "sdpa-efficient": sdpa("EFFICIENT_ATTENTION")}
+    rows = []
+    for name, attention in impls.items():
+        def step():
+            out = block(x, attention)
+            torch.autograd.backward(out, g)
+        try:
+            step()
+            ms = do_bench(step, warmup=25, rep=100, return_mode="median", grad_to_none=[x, *block.parameters()])
+        except Exception as exc:  # noqa: BLE001  (a backend without a kernel for this shape)
+            print(f"{name}: skipped ({type(exc).__name__}: {str(exc)[:160]})")
+            continue
+        row = dict(impl=name, bench="train_block", pass_="fwd_bwd", dtype="bf16", batch=args.batch,
+                   seqlen=args.seqlen, hidden=args.hidden, nheads=args.nheads, nheads_k=args.nheads_k,
+                   mlp=args.mlp, ms=ms, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                   triton=__import__("triton").__version__)
+        rows.append(row)
+        print(f"{name:15s} {ms:8.3f} ms")
+    best_sdpa = min((r["ms"] for r in rows if r["impl"] != "flashtile"), default=float("nan"))
+    ours = next((r["ms"] for r in rows if r["impl"] == "flashtile"), float("nan"))
+    print(f"flashtile / fastest SDPA time: {ours / best_sdpa:.3f} (< 1 means flashtile is faster)")
+    if args.out:
+        with open(args.out, "a") as fh:
+            for r in rows:
+                fh.write(json.dumps(r) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
