@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import flashtile
-from cases import Case, check_flash_case
+from cases import Case, check_flash_case, check_flash_grads
 from flashtile.testing import assert_close, plain_attention
 
 pytestmark = pytest.mark.usefixtures("triton_backend", "poison_outputs")
@@ -147,3 +147,36 @@ def test_bf16_under_interpreter_is_refused():
     q = torch.randn(1, 8, 2, 16, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="bfloat16"):
         flashtile.flash_attn_func(q, q, q)
+
+
+@pytest.mark.parametrize("window", [(2**31 - 1, 2**31 - 1), (2**31 - 2, 0), (-1, 2**31 - 1)])
+def test_huge_windows_mean_unbounded(window):
+    q, k, v = (torch.randn(1, n, 2, 32, dtype=torch.float16) for n in (40, 25, 25))
+    out = flashtile.flash_attn_func(q, k, v, window_size=window)
+    left, right = window
+    ref = flashtile.flash_attn_func(q, k, v, window_size=(-1, right if right < 2**30 else -1))
+    assert torch.equal(out, ref)
+    check_flash_case(Case(40, 25, 32, window=window, batch=1, nheads=2, nheads_k=2))
+
+
+def test_no_keys_gives_zero_and_minus_inf():
+    q = torch.randn(1, 5, 2, 64, dtype=torch.float16)
+    kv = torch.randn(1, 0, 2, 64, dtype=torch.float16)
+    out, lse, _ = flashtile.flash_attn_func(q, kv, kv, causal=True, return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nan_or_inf_in_data_propagates_to_out_and_lse(bad):
+    q, k, v = (torch.randn(1, 9, 2, 16, dtype=torch.float32) for _ in range(3))
+    q[0, 3, 0, 0] = bad
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True)
+    assert torch.isnan(out[0, 3, 0]).all() and torch.isnan(lse[0, 0, 3])
+    assert torch.isfinite(out[0, :3]).all() and torch.isfinite(lse[0, 1]).all()
+
+
+@pytest.mark.parametrize("softcap", [1000.0, 1e5])
+def test_large_softcap_keeps_precision(softcap):
+    # tanh near 0 times a large cap: the kernel's tanh must be accurate relative to x there.
+    check_flash_case(Case(64, 80, 32, dtype=torch.float32, softcap=softcap, batch=1, nheads=2, nheads_k=2))
+    check_flash_grads(Case(33, 47, 16, dtype=torch.float32, softcap=softcap, batch=1, nheads=2, nheads_k=1))

@@ -82,6 +82,21 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- dispatch
+def _effective_window(left: int, right: int, seqlen_q: int, seqlen_k: int, diag_offset: int) -> tuple[int, int]:
+    """Replace window sides that cannot hide any key by -1 (unbounded).
+
+    Exact, not a heuristic: row i's left edge i + diag_offset - left is <= 0 for every row
+    once left >= seqlen_q - 1 + diag_offset, and its right edge is >= seqlen_k - 1 once
+    right >= seqlen_k - 1 - diag_offset. It also keeps huge windows (2**31 - 1) from
+    overflowing the kernels' int32 index arithmetic.
+    """
+    if left >= 0 and left >= seqlen_q - 1 + diag_offset:
+        left = -1
+    if right >= 0 and right >= seqlen_k - 1 - diag_offset:
+        right = -1
+    return left, right
+
+
 @dataclass(frozen=True)
 class _Problem:
     """The canonical attention problem (see module docstring)."""
@@ -213,6 +228,7 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     alibi = _check_alibi(alibi_slopes, batch, nheads, q.device)
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
 
+    left, right = _effective_window(left, right, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
     problem = _Problem(scale, seqlen_k - seqlen_q, left, right, softcap, dropout_p)
     out4, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), problem, alibi, None)
     out = out4.transpose(1, 2)
@@ -324,7 +340,7 @@ def flash_attn_kvpacked_func(
 
 
 # --------------------------------------------------------------------------- SDPA
-def _check_mask(attn_mask, query: torch.Tensor, shape4: tuple[int, int, int, int]) -> Optional[torch.Tensor]:
+def _check_mask(attn_mask, query: torch.Tensor, shape: tuple[int, ...]) -> Optional[torch.Tensor]:
     if attn_mask is None:
         return None
     if not isinstance(attn_mask, torch.Tensor):
@@ -333,13 +349,12 @@ def _check_mask(attn_mask, query: torch.Tensor, shape4: tuple[int, int, int, int
         raise TypeError(f"attn_mask must be bool, {query.dtype} or float32, got {attn_mask.dtype}")
     if attn_mask.device != query.device:
         raise ValueError(f"attn_mask must be on {query.device}, got {attn_mask.device}")
-    if attn_mask.dim() > 4:
-        raise ValueError(f"attn_mask must have at most 4 dimensions, got shape {tuple(attn_mask.shape)}")
+    if attn_mask.dim() > len(shape):
+        raise ValueError(f"attn_mask must have at most {len(shape)} dimensions, got shape {tuple(attn_mask.shape)}")
     try:
-        return attn_mask.expand(shape4)
+        return attn_mask.expand(shape)
     except RuntimeError:
-        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to "
-                         f"(batch, heads, L, S) = {shape4}") from None
+        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {shape}") from None
 
 
 def scaled_dot_product_attention(
@@ -396,6 +411,9 @@ def scaled_dot_product_attention(
         raise TypeError(f"is_causal must be a bool, got {type(is_causal).__name__}")
     if is_causal and attn_mask is not None:
         raise ValueError("attn_mask and is_causal=True cannot be given together (as in torch)")
+    if squeeze and attn_mask is not None:
+        # 3-D inputs: torch broadcasts the mask against (batch, L, S); the head axis is ours.
+        attn_mask = _check_mask(attn_mask, query, (batch, seqlen_q, seqlen_k)).unsqueeze(1)
     mask = _check_mask(attn_mask, query, (batch, nheads, seqlen_q, seqlen_k))
     query, key, value = (_unit_last_stride(t) for t in (query, key, value))
 

@@ -67,8 +67,9 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, wi
     batch, nheads, seqlen_q, head_dim = q.shape
     out4 = _bshd_view(q)
     lse = _new_lse(q)
-    if out4.numel() == 0:
-        return out4.transpose(1, 2), lse.fill_(float("-inf"))
+    if out4.numel() == 0 or k.shape[2] == 0:
+        # No keys at all: every row is empty (output 0, LSE -inf), as in the kernel.
+        return out4.transpose(1, 2).zero_(), lse.fill_(float("-inf"))
     capability = _device_capability(q)
     if capability is None:
         config = configs.INTERPRETER_FWD

@@ -218,17 +218,17 @@ def _bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if WINDOW_LEFT:
-        dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, mask_base + lo_tile * stride_mn, lo_tile, inner_lo,
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, mask_base + tl.cast(lo_tile, tl.int64) * stride_mn, lo_tile, inner_lo,
                        offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
                        qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
                        diag_offset, window_left, window_right, seed, bh, dropout_p,
                        BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, mask_base + inner_lo * stride_mn, inner_lo, inner_hi,
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, mask_base + tl.cast(inner_lo, tl.int64) * stride_mn, inner_lo, inner_hi,
                    offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
                    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
                    diag_offset, window_left, window_right, seed, bh, dropout_p,
                    BLOCK_N, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, mask_base + inner_hi * stride_mn, inner_hi, hi,
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, mask_base + tl.cast(inner_hi, tl.int64) * stride_mn, inner_hi, hi,
                    offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
                    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
                    diag_offset, window_left, window_right, seed, bh, dropout_p,
@@ -370,7 +370,7 @@ def _bwd_dkdv_kernel(
         delta_base = Delta + bh64 * seqlen_q
         mask_base = Mask
         if MASK_MODE != 0:
-            mask_base = Mask + b64 * stride_mb + h64 * stride_mh + offs_n[:, None] * stride_mn
+            mask_base = Mask + b64 * stride_mb + h64 * stride_mh + offs_n[:, None].to(tl.int64) * stride_mn
         alibi_slope = 0.0
         if HAS_ALIBI:
             alibi_slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah) * 1.4426950408889634

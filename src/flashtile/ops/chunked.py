@@ -16,6 +16,7 @@ so ``torch.autograd`` differentiates it and float64 ``gradcheck`` runs on it.
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 
 __all__ = ["chunked_attention_forward", "visible_mask", "visible_mask_rows"]
 
@@ -166,8 +167,8 @@ def chunked_attention_forward(
     out_chunks: list[torch.Tensor] = []
     lse_chunks: list[torch.Tensor] = []
     neg_inf = torch.tensor(float("-inf"), dtype=compute_dtype, device=q.device)
-    for row_start in range(0, seqlen_q, chunk_size):
-        row_end = min(row_start + chunk_size, seqlen_q)
+
+    def chunk(row_start: int, row_end: int, q_grouped, k_c, v_c, slopes, mask_grouped):
         rows = row_end - row_start
 
         # (B, Hk, G, R, D) -> (B, Hk, G*R, D): the G heads of a group become extra rows of
@@ -216,17 +217,30 @@ def chunked_attention_forward(
         # nor its gradient (1/l at l=0) can be NaN for empty rows.
         safe_sum = torch.where(nonempty, row_sum, torch.ones_like(row_sum))
 
-        # (B, Hk, G*R, Sk) @ (B, Hk, Sk, Dv): again no per-head copy of V.
         probs_v = probs
         if dropout_p > 0.0:
             keep = torch.rand(probs.shape, device=probs.device) >= dropout_p
             probs_v = torch.where(keep, probs / (1.0 - dropout_p), torch.zeros_like(probs))
+        # (B, Hk, G*R, Sk) @ (B, Hk, Sk, Dv): again no per-head copy of V.
         out_rows = torch.matmul(probs_v.reshape(batch, num_kv_heads, group * rows, seqlen_k), v_c)
         out_rows = out_rows.reshape(batch, num_kv_heads, group, rows, head_dim_v) / safe_sum
         lse_rows = torch.where(nonempty, row_max + torch.log(safe_sum), neg_inf)
+        return out_rows.to(q.dtype), lse_rows.squeeze(-1)
 
-        out_chunks.append(out_rows.to(q.dtype))
-        lse_chunks.append(lse_rows.squeeze(-1))
+    # Under autograd each chunk is checkpointed: only its inputs are kept and its scores
+    # are recomputed in the backward (with the same dropout draws: checkpoint restores the
+    # RNG state), so training memory stays O(Sq) too, not the sum of every chunk's scores.
+    tensors = (q_grouped, k_c, v_c, slopes, mask_grouped)
+    recompute = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    for row_start in range(0, seqlen_q, chunk_size):
+        row_end = min(row_start + chunk_size, seqlen_q)
+        if recompute:
+            out_rows, lse_rows = torch.utils.checkpoint.checkpoint(
+                chunk, row_start, row_end, *tensors, use_reentrant=False)
+        else:
+            out_rows, lse_rows = chunk(row_start, row_end, *tensors)
+        out_chunks.append(out_rows)
+        lse_chunks.append(lse_rows)
 
     out = torch.cat(out_chunks, dim=3).reshape(batch, num_heads, seqlen_q, head_dim_v)
     lse = torch.cat(lse_chunks, dim=3).reshape(batch, num_heads, seqlen_q)

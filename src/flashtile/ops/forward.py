@@ -41,9 +41,15 @@ MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 
 @triton.jit
 def _tanh(x):
-    # tanh(x) = 1 - 2 / (exp(2x) + 1): saturates cleanly to +-1 for large |x|, and works
-    # in the interpreter (no libdevice).
-    return 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+    # 1 - 2 / (exp(2x) + 1) saturates cleanly to +-1 and needs no libdevice (so it runs in
+    # the interpreter), but near 0 its absolute error (~6e-8) is large relative to tanh(x)
+    # itself, and softcap multiplies it back up: below |x| = 0.25 use the odd Taylor series
+    # to x^9 instead (truncation error < 1e-8 relative).
+    big = 1.0 - 2.0 / (tl.exp2(x * (2.0 * 1.4426950408889634)) + 1.0)
+    x2 = x * x
+    small = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333
+                 + x2 * (-0.05396825396825397 + x2 * 0.021869488536155203))))
+    return tl.where(tl.abs(x) < 0.25, small, big)
 
 
 @triton.jit
@@ -248,22 +254,24 @@ def _fwd_kernel(
 
     if WINDOW_LEFT:
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, k_base, v_base, mask_base + lo_tile * stride_mn, desc_k, desc_v, b, kvh, lo_tile, inner_lo,
+            acc, l_i, m_i, q, k_base, v_base, mask_base + tl.cast(lo_tile, tl.int64) * stride_mn, desc_k, desc_v, b, kvh, lo_tile, inner_lo,
             offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
             qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, seed, bh, dropout_p,
             BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA, DROPOUT)
     acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_base, v_base, mask_base + inner_lo * stride_mn, desc_k, desc_v, b, kvh, inner_lo, inner_hi,
+        acc, l_i, m_i, q, k_base, v_base, mask_base + tl.cast(inner_lo, tl.int64) * stride_mn, desc_k, desc_v, b, kvh, inner_lo, inner_hi,
         offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
         qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, seed, bh, dropout_p,
         BLOCK_N, BLOCK_D, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA, DROPOUT)
     acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_base, v_base, mask_base + inner_hi * stride_mn, desc_k, desc_v, b, kvh, inner_hi, hi,
+        acc, l_i, m_i, q, k_base, v_base, mask_base + tl.cast(inner_hi, tl.int64) * stride_mn, desc_k, desc_v, b, kvh, inner_hi, hi,
         offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
         qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, seed, bh, dropout_p,
         BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA, DROPOUT)
 
-    seen = l_i > 0.0
+    # l_i == 0 exactly when the row saw no key; NaN (from NaN/inf in the data) must
+    # propagate to out and lse rather than pass for an empty row.
+    seen = l_i != 0.0
     if DROPOUT:
         out = acc / (tl.where(seen, l_i, 1.0) * (1.0 - dropout_p))[:, None]
     else:
@@ -283,6 +291,8 @@ def _tma_ok(*tensors) -> bool:
     """The bulk tensor copy engine needs sm90+, 16-byte aligned bases and strides."""
     t0 = tensors[0]
     if t0.device.type != "cuda" or t0.dtype.itemsize != 2:
+        return False
+    if any(t.numel() == 0 for t in tensors):  # a descriptor needs positive sizes
         return False
     import torch
 
