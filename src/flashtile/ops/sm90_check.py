@@ -1,0 +1,122 @@
+"""Compile the kernels for Hopper (sm90) on a machine without a GPU.
+
+Triton compiles ahead of time for a named target with the ptxas it ships, so CI can
+check what otherwise only shows on the device: that every launch configuration in the
+tables compiles, fits in the 227 KB of shared memory a block may use on an H100/H200, and
+reaches the Hopper tensor-core instructions (wgmma). Run it in a process without
+TRITON_INTERPRET (under the interpreter ``@triton.jit`` builds no compilable function)::
+
+    python -m flashtile.ops.sm90_check
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+SM90_SHARED_LIMIT = 232448  # bytes a block may opt into on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+
+
+@dataclass(frozen=True)
+class Compiled:
+    name: str
+    shared: int
+    wgmma: bool
+    tma: bool
+
+
+def _signature(fn, pointers: dict, constexprs: dict) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+        elif name.startswith(("qk_scale", "softcap", "sm_scale", "dropout_p")):
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def _compile(name, fn, pointers, constexprs, num_warps, num_stages) -> Compiled:
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn, _signature(fn, pointers, constexprs), constexprs=constexprs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options=dict(num_warps=num_warps, num_stages=num_stages))
+    ptx = kernel.asm["ptx"]
+    return Compiled(name, kernel.metadata.shared, "wgmma.mma_async" in ptx, "cp.async.bulk.tensor" in ptx)
+
+
+def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: int = 0, extras: bool = False) -> Compiled:
+    """The forward kernel with ``cfg`` (a FwdConfig); ``extras`` turns on every option."""
+    from .forward import _fwd_kernel
+
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    c = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
+             WINDOW_LEFT=extras, WINDOW_RIGHT=causal or extras, SOFTCAP=extras, HAS_ALIBI=extras,
+             MASK_MODE=mask_mode, IEEE_DOT=dtype == "fp32", REVERSE_M=causal, USE_TMA=cfg.use_tma, DROPOUT=extras)
+    ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "Out", "desc_q", "desc_k", "desc_v", "desc_o")}
+    ptrs.update(Lse="*fp32", Mask="*u8" if mask_mode == 1 else f"*{dtype}", Alibi="*fp32", Seed="*i64")
+    if cfg.use_tma:
+        for n, rows in (("desc_q", cfg.block_m), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n), ("desc_o", cfg.block_m)):
+            ptrs[n] = f"tensordesc<{dtype}[1,1,{rows},{block_d}]>"
+    name = f"fwd {dtype} d{head_dim} causal={causal} mask={mask_mode} extras={extras} {cfg}"
+    return _compile(name, _fwd_kernel, ptrs, c, cfg.num_warps, cfg.num_stages)
+
+
+def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extras: bool = False) -> list[Compiled]:
+    """The dq and dk/dv kernels with ``cfg`` (a BwdConfig)."""
+    from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel
+
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    common = dict(BLOCK_D=block_d, EVEN_D=block_d == head_dim, WINDOW_LEFT=extras, WINDOW_RIGHT=True,
+                  SOFTCAP=extras, HAS_ALIBI=extras, MASK_MODE=mask_mode, IEEE_DOT=dtype == "fp32", DROPOUT=extras)
+    ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "DO", "DQ", "DK", "DV")}
+    ptrs.update(Lse="*fp32", Delta="*fp32", Mask="*u8" if mask_mode == 1 else f"*{dtype}", Alibi="*fp32", Seed="*i64")
+    out = []
+    for kname, fn, bm, bn in (("dkdv", _bwd_dkdv_kernel, cfg.block_m_kv, cfg.block_n_kv),
+                              ("dq", _bwd_dq_kernel, cfg.block_m_q, cfg.block_n_q)):
+        c = dict(common, BLOCK_M=bm, BLOCK_N=bn)
+        name = f"bwd-{kname} {dtype} d{head_dim} mask={mask_mode} extras={extras} {cfg}"
+        out.append(_compile(name, fn, ptrs, c, cfg.num_warps, cfg.num_stages))
+    return out
+
+
+def table_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
+    """Every distinct sm90 table entry, plain and with an explicit mask and every option."""
+    from . import configs
+
+    for head_dim in head_dims:
+        seen = set()
+        for causal in (False, True):
+            for seqlen in (1024, 8192):
+                for mask_mode, extras in ((0, False), (1, False), (2, True)):
+                    cfg = configs.default_fwd_config((9, 0), head_dim, "bfloat16", causal, seqlen, mask_mode != 0)
+                    key = (cfg, causal, mask_mode, extras)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    yield lambda cfg=cfg, causal=causal, m=mask_mode, e=extras: [
+                        compile_forward(cfg, dtype, head_dim, causal=causal, mask_mode=m, extras=e)]
+        bwd = configs.default_bwd_config((9, 0), head_dim, "bfloat16")
+        yield lambda bwd=bwd, head_dim=head_dim: compile_backward(bwd, dtype, head_dim)
+        yield lambda bwd=bwd, head_dim=head_dim: compile_backward(bwd, dtype, head_dim, mask_mode=2, extras=True)
+
+
+def main() -> int:
+    failures = 0
+    for check in table_checks():
+        for result in check():
+            ok = result.shared <= SM90_SHARED_LIMIT and result.wgmma
+            failures += not ok
+            print(f"{'ok  ' if ok else 'FAIL'} smem={result.shared:6d} wgmma={result.wgmma} tma={result.tma}  {result.name}",
+                  flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
