@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# One device call that checks and measures everything, within the 10-minute limit.
+#   run: bash benchmarks/device_run.sh [tests|bench|sweep-bwd|all]   (from the repo root)
+# Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
+set -u
+export PYTHONPATH=src PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/flashtile-out}
+mkdir -p "$OUT" /tmp/bench
+what=${1:-all}
+(nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
+ python3 -c "import torch, triton; print(torch.__version__, triton.__version__)") > "$OUT/env.txt" 2>&1
+
+if [[ $what == tests || $what == all ]]; then
+  # -n 8: compiles run in parallel on the host's cores; the GPU work per case is small.
+  timeout 300 python3 -m pytest -m gpu tests/test_forward_gpu.py tests/test_backward_gpu.py -q -n 8 \
+    --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
+  echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests.log" | cut -c1-200 | tail -15
+fi
+if [[ $what == bench || $what == all ]]; then
+  timeout 200 python3 -m flashtile.bench --dtype bf16 --pass fwd bwd --impl flashtile sdpa-flash sdpa-cudnn \
+    --out /tmp/bench --tag h200-bf16 > "$OUT/bench.log" 2>&1
+  echo "bench rc=$?"
+  timeout 60 python3 benchmarks/train_block.py --seqlen 8192 --out /tmp/bench/train-block.jsonl > "$OUT/train-block.log" 2>&1
+  echo "train block rc=$?"; tail -6 "$OUT/train-block.log"
+  tar czf "$OUT/bench.tgz" -C /tmp/bench .
+  grep "| fwd \|| bwd " "$OUT/bench.log" | awk -F'|' '{print $2,$3,$5,$6,$7,$8,$9,$10,$12,$13}' | tail -40
+fi
