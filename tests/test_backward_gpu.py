@@ -187,3 +187,9 @@ def test_dropout_rate_reproducibility_and_backward_mask(dtype):
 
     for name, a, r, b in zip(("dq", "dk", "dv"), got, reference(torch.float64), reference(dtype)):
         assert_close(f"dropout {name}", a, r, b, factor=GRAD_FACTOR)
+
+
+@pytest.mark.parametrize("case", [c for i, c in enumerate(_matrix()) if i % 7 == 0], ids=lambda c: c.id)
+def test_atomic_dq_variant(case, monkeypatch):
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "atomic")
+    check_flash_grads(case, device="cuda")

@@ -138,3 +138,23 @@ def test_torch_compile_fullgraph_forward_and_backward():
     want = torch.autograd.grad(f(q, k, v), (q, k, v))
     for a, b in zip(got, want):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("case", [
+    Case(33, 41, 16, causal=True, batch=2, nheads=6, nheads_k=2),
+    Case(45, 38, 16, window=(3, 5), softcap=5.0, alibi="heads", batch=1, nheads=2, nheads_k=1),
+    Case(29, 35, 40, dtype=torch.float32, batch=1, nheads=2, nheads_k=2),
+], ids=lambda c: c.id)
+def test_atomic_dq_variant(case, monkeypatch):
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "atomic")
+    check_flash_grads(case)
+
+
+def test_deterministic_flag_overrides_atomic(monkeypatch):
+    from flashtile.ops import configs
+
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "atomic")
+    assert configs.bwd_dq_mode(True) == "split" and configs.bwd_dq_mode(False) == "atomic"
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "fast")
+    with pytest.raises(ValueError, match="FLASHTILE_BWD_DQ"):
+        configs.bwd_dq_mode(False)

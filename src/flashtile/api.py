@@ -107,6 +107,7 @@ class _Problem:
     window_right: int
     softcap: float
     dropout_p: float = 0.0
+    deterministic: bool = False
 
 
 def _backend_for(device: torch.device) -> str:
@@ -158,7 +159,8 @@ def _attention(q4, k4, v4, problem: _Problem, alibi, mask) -> tuple[torch.Tensor
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q4.device)
     out, lse = torch.ops.flashtile.attn_fwd(
         q4, k4, v4, problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
-        problem.softcap, alibi, mask, problem.dropout_p, seed)
+        problem.softcap, alibi, mask, problem.dropout_p, seed,
+        problem.deterministic or torch.are_deterministic_algorithms_enabled())
     return out.transpose(1, 2), lse
 
 
@@ -199,8 +201,8 @@ def _check_alibi(alibi_slopes, batch: int, nheads: int, device) -> Optional[torc
     raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {tuple(alibi_slopes.shape)}")
 
 
-def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, return_attn_probs,
-                names=("q", "k", "v")):
+def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_attn_probs, names=("q", "k", "v")):
     qn, kn, vn = names
     _check_tensor(qn, q, 4)
     _check_tensor(kn, k, 4)
@@ -229,7 +231,7 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
 
     left, right = _effective_window(left, right, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
-    problem = _Problem(scale, seqlen_k - seqlen_q, left, right, softcap, dropout_p)
+    problem = _Problem(scale, seqlen_k - seqlen_q, left, right, softcap, dropout_p, bool(deterministic))
     out4, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), problem, alibi, None)
     out = out4.transpose(1, 2)
     if return_attn_probs:
@@ -283,8 +285,9 @@ def flash_attn_func(
         softcap: if > 0, scores -> softcap * tanh(scores / softcap) after scaling.
         alibi_slopes: (nheads,) or (batch, nheads) float32; adds
             -slope * |i + seqlen_k - seqlen_q - j| to the scores after softcap.
-        deterministic: accepted for compatibility: forward and backward are always
-            deterministic (no atomics; gradients are bitwise reproducible).
+        deterministic: forbid the backward's atomic dQ variant, so gradients are bitwise
+            reproducible (so does ``torch.use_deterministic_algorithms(True)``). The
+            default backward is deterministic too unless ``FLASHTILE_BWD_DQ=atomic``.
         return_attn_probs: also return softmax_lse and None in place of flash-attn's
             debugging probability matrix (never materialised here).
 
@@ -297,7 +300,7 @@ def flash_attn_func(
     fp32 accumulation and the probabilities rounded to the input dtype before P @ V.
     """
     return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       return_attn_probs)
+                       deterministic, return_attn_probs)
 
 
 def flash_attn_qkvpacked_func(
@@ -316,7 +319,8 @@ def flash_attn_qkvpacked_func(
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     return _flash_attn(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
-                       softcap, alibi_slopes, return_attn_probs, names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
+                       softcap, alibi_slopes, deterministic, return_attn_probs,
+                       names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
 
 
 def flash_attn_kvpacked_func(
@@ -336,7 +340,7 @@ def flash_attn_kvpacked_func(
     if kv.shape[2] != 2:
         raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     return _flash_attn(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
+                       alibi_slopes, deterministic, return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
 
 
 # --------------------------------------------------------------------------- SDPA

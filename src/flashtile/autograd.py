@@ -15,6 +15,7 @@ view), lse is (B, H, Sq) float32.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 from typing import Optional
 
 import torch
@@ -52,10 +53,11 @@ def _check_grid(num_programs: int) -> None:
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
              window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
              attn_mask: Optional[Tensor], dropout_p: float = 0.0,
-             seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+             seed: Optional[Tensor] = None, deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """Forward kernel: returns out (B, Sq, H, D) and lse (B, H, Sq) float32.
 
     ``seed`` is a 1-element int64 tensor on q's device, the Philox key of the dropout mask.
+    ``deterministic`` only matters to the backward (it forbids the atomic dQ variant).
     """
     import math
 
@@ -88,7 +90,7 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, wi
 
 @attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
-                   dropout_p=0.0, seed=None):
+                   dropout_p=0.0, seed=None, deterministic=False):
     batch, nheads, seqlen_q, head_dim = q.shape
     return (q.new_empty((batch, seqlen_q, nheads, head_dim)),
             q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
@@ -98,7 +100,7 @@ def _attn_fwd_fake(q, k, v, scale, diag_offset, window_left, window_right, softc
 def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
              diag_offset: int, window_left: int, window_right: int, softcap: float,
              alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], dropout_p: float = 0.0,
-             seed: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+             seed: Optional[Tensor] = None, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
     """Backward kernels. dout/out are (B, Sq, H, D); returns dq (B, Sq, H, D), dk/dv (B, Sk, Hk, D)."""
     from .ops import configs
     from .ops.backward import attention_backward
@@ -110,9 +112,10 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         dout = dout.contiguous()
     capability = _device_capability(q)
     if capability is None:
-        config = configs.INTERPRETER_BWD
+        config = replace(configs.INTERPRETER_BWD, fused_dq=configs.bwd_dq_mode(deterministic) == "atomic")
     else:
-        config = configs.default_bwd_config(capability, q.shape[-1], str(q.dtype).replace("torch.", ""))
+        config = configs.default_bwd_config(capability, q.shape[-1], str(q.dtype).replace("torch.", ""),
+                                            deterministic)
     _check_grid(-(-q.shape[2] // config.block_m_q) * q.shape[0] * q.shape[1])
     with torch.cuda.device(q.device) if q.device.type == "cuda" else _no_context():
         attention_backward(q, k, v, out.transpose(1, 2), lse, dout.transpose(1, 2), dq4, dk4, dv4,
@@ -124,7 +127,7 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap,
-                   alibi_slopes, attn_mask, dropout_p=0.0, seed=None):
+                   alibi_slopes, attn_mask, dropout_p=0.0, seed=None, deterministic=False):
     def bshd(t):
         b, h, s, d = t.shape
         return t.new_empty((b, s, h, d))
@@ -133,14 +136,15 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, scale, diag_offset, window_left, win
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed = inputs
+    (q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
+     deterministic) = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.problem = (scale, diag_offset, window_left, window_right, softcap)
     # Non-differentiable extras: kept as plain references (no gradient flows to them).
     ctx.alibi_slopes = alibi_slopes
     ctx.attn_mask = attn_mask
-    ctx.dropout = (dropout_p, seed)
+    ctx.dropout = (dropout_p, seed, deterministic)
     ctx.mark_non_differentiable(lse)
 
 
@@ -149,7 +153,7 @@ def _backward(ctx, dout, dlse):
     dq, dk, dv = torch.ops.flashtile.attn_bwd(dout, q, k, v, out, lse, *ctx.problem,
                                               ctx.alibi_slopes, ctx.attn_mask, *ctx.dropout)
     # The op returns (B, S, H, D); q, k, v entered as (B, H, S, D) views.
-    return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) + (None,) * 9
+    return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) + (None,) * 10
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)

@@ -13,11 +13,13 @@ are recomputed from the LSE (P = exp(S - lse)), never stored. Three kernels:
        dP^T = V_j dO_i^T    dS^T = P^T * (dP^T - Delta_i)      dK_j += dS^T Q_i
 
 3. ``_bwd_dq_kernel``: one program per (batch, head, block of BLOCK_M queries), streaming
-   the key tiles that block sees: dQ_i += dS K_j.
+   the key tiles that block sees: dQ_i += dS K_j. With ``BwdConfig.fused_dq`` the dk/dv
+   kernel instead adds dS K_j into a float32 dQ with atomics (FA2's single pass: 5 tile
+   matmuls, not 7, but the summation order varies between runs).
 
-No atomics anywhere: every output element is written by exactly one program, in a fixed
-order, so gradients are bitwise reproducible (``deterministic=True`` holds by design).
-The price is recomputing S and dP in both kernels (7 tile matmuls instead of FA2's 5).
+Without ``fused_dq`` there are no atomics: every output element is written by exactly
+one program, in a fixed order, so gradients are bitwise reproducible. The price is
+recomputing S and dP in both kernels (7 tile matmuls instead of FA2's 5).
 
 Softcap: s = c * tanh(scale * q.k / c), so ds/d(q.k) = scale * (1 - tanh^2): the factor
 ``dfac`` below. ALiBi and float masks are additive constants: they shift S but have no
@@ -242,15 +244,15 @@ def _bwd_dq_kernel(
 @triton.jit
 def _dkdv_tiles(
     dk, dv, k, v,
-    q_base, do_base, lse_base, delta_base, mask_base, m_start, m_end,
+    q_base, do_base, lse_base, delta_base, mask_base, dq_base, m_start, m_end,
     offs_n, offs_m0, offs_d,
-    stride_qm, stride_dom, stride_mm, seqlen_q, seqlen_k, head_dim,
+    stride_qm, stride_dom, stride_mm, stride_dqm, seqlen_q, seqlen_k, head_dim,
     qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
     diag_offset, window_left, window_right, seed, bh, dropout_p,
     BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr,
 ):
     if EVEN_D:
         d_ok = offs_d < offs_d.shape[0]
@@ -292,12 +294,25 @@ def _dkdv_tiles(
         else:
             dv = tl.dot(pv_t.to(do.dtype), do, dv)
             dk = tl.dot(ds_t.to(q.dtype), q, dk)
+        if FUSED_DQ:
+            # FA2's single-pass variant: this key block's share of dQ goes straight into a
+            # float32 accumulator. Faster (5 tile matmuls, not 7) but the order of the
+            # atomic adds varies from run to run, so it is never used when determinism
+            # is asked for.
+            if IEEE_DOT:
+                dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision="ieee")
+            else:
+                dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k)
+            if not SOFTCAP:
+                dq_part = dq_part * sm_scale
+            tl.atomic_add(dq_base + row * stride_dqm + offs_m0[:, None] * stride_dqm + offs_d[None, :], dq_part,
+                          mask=ok, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, Mask, Alibi, Seed,
+    Q, K, V, DO, Lse, Delta, DK, DV, Mask, Alibi, Seed, DQacc,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -306,13 +321,14 @@ def _bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ab, stride_ah,
+    stride_qab, stride_qah, stride_qam,
     nheads, nheads_k, group_size, seqlen_q, seqlen_k, head_dim, num_n_blocks,
     qk_scale, sm_scale, softcap_in, softcap_out,
     diag_offset, window_left, window_right, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bkv = pid // num_n_blocks
@@ -368,6 +384,7 @@ def _bwd_dkdv_kernel(
         do_base = DO + b64 * stride_dob + h64 * stride_doh
         lse_base = Lse + bh64 * seqlen_q
         delta_base = Delta + bh64 * seqlen_q
+        dq_base = DQacc + b64 * stride_qab + h64 * stride_qah
         mask_base = Mask
         if MASK_MODE != 0:
             mask_base = Mask + b64 * stride_mb + h64 * stride_mh + offs_n[:, None].to(tl.int64) * stride_mn
@@ -375,20 +392,23 @@ def _bwd_dkdv_kernel(
         if HAS_ALIBI:
             alibi_slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah) * 1.4426950408889634
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, lo_tile, inner_lo,
-            offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, seqlen_q, seqlen_k, head_dim,
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, lo_tile, inner_lo,
+            offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
             qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-            seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
+            seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT,
+            FUSED_DQ)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, inner_lo, inner_hi,
-            offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, seqlen_q, seqlen_k, head_dim,
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, inner_lo, inner_hi,
+            offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
             qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-            seed, bh64, dropout_p, BLOCK_M, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
+            seed, bh64, dropout_p, BLOCK_M, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT,
+            FUSED_DQ)
         dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, inner_hi, hi,
-            offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, seqlen_q, seqlen_k, head_dim,
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, inner_hi, hi,
+            offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
             qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-            seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
+            seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT,
+            FUSED_DQ)
     if not SOFTCAP:
         dk = dk * sm_scale
     local_n = tl.arange(0, BLOCK_N)
@@ -441,13 +461,18 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
         out, dout, delta, *out.stride()[:3], *dout.stride()[:3],
         nheads, seqlen_q, head_dim, pre_blocks, BLOCK_M=64, BLOCK_D=block_d)
 
+    fused = config.fused_dq
+    dq_acc = torch.zeros((batch, nheads, seqlen_q, head_dim), dtype=torch.float32, device=q.device) if fused else q
     num_n_blocks = triton.cdiv(seqlen_k, config.block_n_kv)
     _bwd_dkdv_kernel[(num_n_blocks * batch * nheads_k,)](
-        q, k, v, dout, lse, delta, dk, dv, mask_arg, alibi_arg, seed_arg,
+        q, k, v, dout, lse, delta, dk, dv, mask_arg, alibi_arg, seed_arg, dq_acc,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
-        *dk.stride()[:3], *dv.stride()[:3], *mstrides, *astrides,
+        *dk.stride()[:3], *dv.stride()[:3], *mstrides, *astrides, *dq_acc.stride()[:3],
         nheads, nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_n_blocks, *scalars,
-        BLOCK_M=config.block_m_kv, BLOCK_N=config.block_n_kv, MASK_MODE=mask_mode, **common)
+        BLOCK_M=config.block_m_kv, BLOCK_N=config.block_n_kv, MASK_MODE=mask_mode, FUSED_DQ=fused, **common)
+    if fused:
+        dq.copy_(dq_acc)
+        return
 
     num_m_blocks = triton.cdiv(seqlen_q, config.block_m_q)
     _bwd_dq_kernel[(num_m_blocks * batch * nheads,)](

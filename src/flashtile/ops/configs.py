@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -166,6 +166,7 @@ class BwdConfig:
     block_n_q: int
     num_warps: int
     num_stages: int
+    fused_dq: bool = False  # dQ by atomics inside the dk/dv kernel (nondeterministic)
 
 
 # Not yet swept on a GPU (the backward landed without device time): FA2-like shapes that
@@ -187,11 +188,29 @@ _GENERIC_BWD = {
 INTERPRETER_BWD = BwdConfig(16, 16, 16, 16, 4, 1)
 
 
-def default_bwd_config(capability: tuple[int, int], head_dim: int, dtype_name: str) -> BwdConfig:
+def bwd_dq_mode(deterministic: bool) -> str:
+    """"split" (dq kernel, deterministic) or "atomic" (fused, FA2's single pass).
+
+    Split is the default until a GPU sweep says otherwise; ``FLASHTILE_BWD_DQ=atomic``
+    opts in to the fused variant, and determinism (the call's flag or
+    ``torch.use_deterministic_algorithms``) always wins over it.
+    """
+    if deterministic:
+        return "split"
+    mode = os.environ.get("FLASHTILE_BWD_DQ", "split").strip().lower() or "split"
+    if mode not in ("split", "atomic"):
+        raise ValueError(f"FLASHTILE_BWD_DQ must be 'split' or 'atomic', got {mode!r}")
+    return mode
+
+
+def default_bwd_config(capability: tuple[int, int], head_dim: int, dtype_name: str,
+                       deterministic: bool = True) -> BwdConfig:
     """Table lookup for the backward kernels; never times anything."""
     bucket = head_dim_bucket(head_dim)
     cfg = (_SM90_BWD if capability[0] == 9 else _GENERIC_BWD)[bucket]
     if dtype_name == "float32":
         cfg = BwdConfig(min(cfg.block_m_kv, 32), min(cfg.block_n_kv, 64), min(cfg.block_m_q, 64),
                         min(cfg.block_n_q, 32), 4, 1)
+    if bwd_dq_mode(deterministic) == "atomic":
+        cfg = replace(cfg, fused_dq=True)
     return cfg

@@ -12,7 +12,7 @@ TRITON_INTERPRET (under the interpreter ``@triton.jit`` builds no compilable fun
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 SM90_SHARED_LIMIT = 232448  # bytes a block may opt into on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 
@@ -76,11 +76,14 @@ def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extr
     common = dict(BLOCK_D=block_d, EVEN_D=block_d == head_dim, WINDOW_LEFT=extras, WINDOW_RIGHT=True,
                   SOFTCAP=extras, HAS_ALIBI=extras, MASK_MODE=mask_mode, IEEE_DOT=dtype == "fp32", DROPOUT=extras)
     ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "DO", "DQ", "DK", "DV")}
-    ptrs.update(Lse="*fp32", Delta="*fp32", Mask="*u8" if mask_mode == 1 else f"*{dtype}", Alibi="*fp32", Seed="*i64")
+    ptrs.update(Lse="*fp32", Delta="*fp32", Mask="*u8" if mask_mode == 1 else f"*{dtype}", Alibi="*fp32",
+                Seed="*i64", DQacc="*fp32")
     out = []
-    for kname, fn, bm, bn in (("dkdv", _bwd_dkdv_kernel, cfg.block_m_kv, cfg.block_n_kv),
-                              ("dq", _bwd_dq_kernel, cfg.block_m_q, cfg.block_n_q)):
-        c = dict(common, BLOCK_M=bm, BLOCK_N=bn)
+    kernels = [("dkdv", _bwd_dkdv_kernel, cfg.block_m_kv, cfg.block_n_kv, dict(FUSED_DQ=cfg.fused_dq))]
+    if not cfg.fused_dq:
+        kernels.append(("dq", _bwd_dq_kernel, cfg.block_m_q, cfg.block_n_q, {}))
+    for kname, fn, bm, bn, extra in kernels:
+        c = dict(common, BLOCK_M=bm, BLOCK_N=bn, **extra)
         name = f"bwd-{kname} {dtype} d{head_dim} mask={mask_mode} extras={extras} {cfg}"
         out.append(_compile(name, fn, ptrs, c, cfg.num_warps, cfg.num_stages))
     return out
@@ -105,6 +108,7 @@ def table_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
         bwd = configs.default_bwd_config((9, 0), head_dim, "bfloat16")
         yield lambda bwd=bwd, head_dim=head_dim: compile_backward(bwd, dtype, head_dim)
         yield lambda bwd=bwd, head_dim=head_dim: compile_backward(bwd, dtype, head_dim, mask_mode=2, extras=True)
+        yield lambda bwd=bwd, head_dim=head_dim: compile_backward(replace(bwd, fused_dq=True), dtype, head_dim)
 
 
 def main() -> int:
