@@ -32,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .configs import BwdConfig
-from .forward import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, _dropout_keep, _tanh
+from .forward import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, _dropout_keep, _key_tiles, _tanh
 
 
 @triton.jit
@@ -198,25 +198,9 @@ def _bwd_dq_kernel(
         seed = tl.load(Seed)
 
     # The same key range and interior split as the forward kernel.
-    m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
-    lo = 0
-    hi = seqlen_k
-    full_lo = 0
-    full_hi = seqlen_k
-    if WINDOW_LEFT:
-        lo = tl.maximum(m0 + diag_offset - window_left, 0)
-        full_lo = tl.maximum(m_last + diag_offset - window_left, 0)
-    if WINDOW_RIGHT:
-        hi = tl.minimum(m_last + diag_offset + window_right + 1, seqlen_k)
-        full_hi = tl.minimum(m0 + diag_offset + window_right + 1, seqlen_k)
-    hi = tl.maximum(hi, 0)
-    full_hi = tl.maximum(full_hi, 0)
-    lo_tile = (lo // BLOCK_N) * BLOCK_N
-    inner_lo = tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo_tile)
-    inner_hi = tl.minimum((full_hi // BLOCK_N) * BLOCK_N, hi)
-    empty_inner = inner_hi <= inner_lo
-    inner_lo = tl.where(empty_inner, lo_tile, inner_lo)
-    inner_hi = tl.where(empty_inner, lo_tile, inner_hi)
+    lo_tile, inner_lo, inner_hi, hi = _key_tiles(
+        m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+        BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if WINDOW_LEFT:

@@ -68,6 +68,39 @@ def _dropout_keep(seed, bh, i2, j2, dropout_p):
 
 
 @triton.jit
+def _key_tiles(m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr):
+    """Key tiles of the query block starting at m0: (lo_tile, inner_lo, inner_hi, hi).
+
+    [lo_tile, inner_lo) and [inner_hi, hi) need element masks; the interior
+    [inner_lo, inner_hi) holds whole BLOCK_N tiles that every row of the block sees
+    entirely (and that end before seqlen_k). All bounds but hi are multiples of BLOCK_N;
+    values that could go negative are clamped before any division.
+    """
+    m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
+    lo = 0
+    hi = seqlen_k
+    full_lo = 0
+    full_hi = seqlen_k
+    if WINDOW_LEFT:
+        lo = tl.maximum(m0 + diag_offset - window_left, 0)
+        full_lo = tl.maximum(m_last + diag_offset - window_left, 0)
+    if WINDOW_RIGHT:
+        hi = tl.minimum(m_last + diag_offset + window_right + 1, seqlen_k)
+        full_hi = tl.minimum(m0 + diag_offset + window_right + 1, seqlen_k)
+    hi = tl.maximum(hi, 0)
+    full_hi = tl.maximum(full_hi, 0)
+    lo_tile = (lo // BLOCK_N) * BLOCK_N
+    inner_lo = tl.maximum(tl.cdiv(full_lo, BLOCK_N) * BLOCK_N, lo_tile)
+    inner_hi = tl.minimum((full_hi // BLOCK_N) * BLOCK_N, hi)
+    empty_inner = inner_hi <= inner_lo
+    inner_lo = tl.where(empty_inner, lo_tile, inner_lo)
+    inner_hi = tl.where(empty_inner, lo_tile, inner_hi)
+    return lo_tile, inner_lo, inner_hi, hi
+
+
+@triton.jit
 def _fwd_tiles(
     acc, l_i, m_i, q,
     k_base, v_base, mask_base, desc_k, desc_v, b, kvh,
@@ -224,29 +257,9 @@ def _fwd_kernel(
     if DROPOUT:
         seed = tl.load(Seed)
 
-    # Key range of this query block, then its interior [full_lo, full_hi) of tiles that
-    # every row sees whole.
-    m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
-    lo = 0
-    hi = seqlen_k
-    full_lo = 0
-    full_hi = seqlen_k
-    if WINDOW_LEFT:
-        lo = tl.maximum(m0 + diag_offset - window_left, 0)
-        full_lo = tl.maximum(m_last + diag_offset - window_left, 0)
-    if WINDOW_RIGHT:
-        hi = tl.minimum(m_last + diag_offset + window_right + 1, seqlen_k)
-        full_hi = tl.minimum(m0 + diag_offset + window_right + 1, seqlen_k)
-    hi = tl.maximum(hi, 0)
-    full_hi = tl.maximum(full_hi, 0)
-    lo_tile = (lo // BLOCK_N) * BLOCK_N
-    inner_lo = tl.cdiv(full_lo, BLOCK_N) * BLOCK_N
-    inner_hi = (full_hi // BLOCK_N) * BLOCK_N
-    inner_lo = tl.maximum(inner_lo, lo_tile)
-    inner_hi = tl.minimum(inner_hi, hi)
-    empty_inner = inner_hi <= inner_lo
-    inner_lo = tl.where(empty_inner, lo_tile, inner_lo)
-    inner_hi = tl.where(empty_inner, lo_tile, inner_hi)
+    lo_tile, inner_lo, inner_hi, hi = _key_tiles(
+        m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+        BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
