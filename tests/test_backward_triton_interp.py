@@ -158,3 +158,36 @@ def test_deterministic_flag_overrides_atomic(monkeypatch):
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "fast")
     with pytest.raises(ValueError, match="FLASHTILE_BWD_DQ"):
         configs.bwd_dq_mode(False)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_lse_gradient_z_loss(causal):
+    # A loss on the returned LSE (z-loss) must reach q and k: dS = P * (dP - (Delta - dlse)).
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (torch.randn(1, n, 2, 16, generator=g) for n in (23, 31, 31))
+
+    def loss(attention, q_, k_, v_):
+        out, lse = attention(q_, k_, v_)
+        return (out * 0.3).sum() + (lse.square() * 0.1).sum()
+
+    def ours(q_, k_, v_):
+        out, lse, _ = flashtile.flash_attn_func(q_, k_, v_, causal=causal, return_attn_probs=True)
+        return out, lse
+
+    def ref(q_, k_, v_):
+        return plain_attention(q_.transpose(1, 2), k_.transpose(1, 2), v_.transpose(1, 2), scale=0.25,
+                               diag_offset=8, window_right=0 if causal else -1, dtype=torch.float64)
+
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    got = torch.autograd.grad(loss(ours, *leaves), leaves)
+    ref_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+    want = torch.autograd.grad(loss(ref, *ref_leaves), ref_leaves)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, atol=3e-5, rtol=0)
+
+
+def test_alibi_requiring_grad_is_refused():
+    q = torch.randn(1, 8, 2, 16)
+    slopes = torch.rand(2, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="alibi_slopes requires grad"):
+        flashtile.flash_attn_func(q, q, q, alibi_slopes=slopes)

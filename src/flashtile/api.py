@@ -21,6 +21,8 @@ from typing import Optional, Sequence
 
 import torch
 
+from .ops.window import effective_window
+
 MAX_HEAD_DIM = 256
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _BACKENDS = ("auto", "triton", "torch")
@@ -82,21 +84,6 @@ def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
 
 
 # --------------------------------------------------------------------------- dispatch
-def _effective_window(left: int, right: int, seqlen_q: int, seqlen_k: int, diag_offset: int) -> tuple[int, int]:
-    """Replace window sides that cannot hide any key by -1 (unbounded).
-
-    Exact, not a heuristic: row i's left edge i + diag_offset - left is <= 0 for every row
-    once left >= seqlen_q - 1 + diag_offset, and its right edge is >= seqlen_k - 1 once
-    right >= seqlen_k - 1 - diag_offset. It also keeps huge windows (2**31 - 1) from
-    overflowing the kernels' int32 index arithmetic.
-    """
-    if left >= 0 and left >= seqlen_q - 1 + diag_offset:
-        left = -1
-    if right >= 0 and right >= seqlen_k - 1 - diag_offset:
-        right = -1
-    return left, right
-
-
 @dataclass(frozen=True)
 class _Problem:
     """The canonical attention problem (see module docstring)."""
@@ -148,6 +135,10 @@ def _attention(q4, k4, v4, problem: _Problem, alibi, mask) -> tuple[torch.Tensor
         return _torch_path(q4, k4, v4, problem, alibi, mask)
     from . import autograd  # noqa: F401  (registers torch.ops.flashtile)
 
+    if alibi is not None and alibi.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError(
+            "alibi_slopes requires grad: the Triton kernels do not compute slope gradients; detach the slopes, "
+            "or run on CPU tensors where the torch path differentiates them")
     if mask is not None and mask.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError(
             "attn_mask requires grad: the Triton kernels do not compute mask gradients (that would need an "
@@ -230,7 +221,7 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     alibi = _check_alibi(alibi_slopes, batch, nheads, q.device)
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
 
-    left, right = _effective_window(left, right, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
+    left, right = effective_window(left, right, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
     problem = _Problem(scale, seqlen_k - seqlen_q, left, right, softcap, dropout_p, bool(deterministic))
     out4, lse = _attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), problem, alibi, None)
     out = out4.transpose(1, 2)
@@ -289,7 +280,8 @@ def flash_attn_func(
             reproducible (so does ``torch.use_deterministic_algorithms(True)``). The
             default backward is deterministic too unless ``FLASHTILE_BWD_DQ=atomic``.
         return_attn_probs: also return softmax_lse and None in place of flash-attn's
-            debugging probability matrix (never materialised here).
+            debugging probability matrix (never materialised here). softmax_lse is
+            differentiable (e.g. for a z-loss).
 
     Returns:
         out (batch, seqlen_q, nheads, headdim) in q's dtype; with ``return_attn_probs``,

@@ -100,8 +100,13 @@ def _attn_fwd_fake(q, k, v, scale, diag_offset, window_left, window_right, softc
 def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
              diag_offset: int, window_left: int, window_right: int, softcap: float,
              alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], dropout_p: float = 0.0,
-             seed: Optional[Tensor] = None, deterministic: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-    """Backward kernels. dout/out are (B, Sq, H, D); returns dq (B, Sq, H, D), dk/dv (B, Sk, Hk, D)."""
+             seed: Optional[Tensor] = None, deterministic: bool = False,
+             dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Backward kernels. dout/out are (B, Sq, H, D); returns dq (B, Sq, H, D), dk/dv (B, Sk, Hk, D).
+
+    ``dlse`` (B, H, Sq), the gradient reaching the returned LSE (a z-loss, say), is folded
+    into the kernels' Delta: d lse / d s_j = p_j, so dS_j = p_j (dP_j - (Delta - dlse)).
+    """
     from .ops import configs
     from .ops.backward import attention_backward
 
@@ -121,13 +126,13 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         attention_backward(q, k, v, out.transpose(1, 2), lse, dout.transpose(1, 2), dq4, dk4, dv4,
                            scale=scale, diag_offset=diag_offset, window_left=window_left,
                            window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
-                           attn_mask=attn_mask, config=config, dropout_p=dropout_p, seed=seed)
+                           attn_mask=attn_mask, config=config, dropout_p=dropout_p, seed=seed, dlse=dlse)
     return dq4.transpose(1, 2), dk4.transpose(1, 2), dv4.transpose(1, 2)
 
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap,
-                   alibi_slopes, attn_mask, dropout_p=0.0, seed=None, deterministic=False):
+                   alibi_slopes, attn_mask, dropout_p=0.0, seed=None, deterministic=False, dlse=None):
     def bshd(t):
         b, h, s, d = t.shape
         return t.new_empty((b, s, h, d))
@@ -145,13 +150,14 @@ def _setup_context(ctx, inputs, output):
     ctx.alibi_slopes = alibi_slopes
     ctx.attn_mask = attn_mask
     ctx.dropout = (dropout_p, seed, deterministic)
-    ctx.mark_non_differentiable(lse)
 
 
 def _backward(ctx, dout, dlse):
     q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:  # only the LSE was used downstream
+        dout = torch.zeros_like(out)
     dq, dk, dv = torch.ops.flashtile.attn_bwd(dout, q, k, v, out, lse, *ctx.problem,
-                                              ctx.alibi_slopes, ctx.attn_mask, *ctx.dropout)
+                                              ctx.alibi_slopes, ctx.attn_mask, *ctx.dropout, dlse)
     # The op returns (B, S, H, D); q, k, v entered as (B, H, S, D) views.
     return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) + (None,) * 10
 

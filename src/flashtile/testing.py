@@ -113,5 +113,6 @@ def plain_attention(q, k, v, *, scale: float, diag_offset: int = 0, window_left:
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)
     e = torch.exp(s - m)
     denom = e.sum(dim=-1, keepdim=True)
-    p = torch.where(denom > 0, e / torch.where(denom > 0, denom, torch.ones_like(denom)), torch.zeros_like(e))
+    # Only an empty row sums to exactly 0; a NaN sum must stay NaN (NaN in the data propagates).
+    p = torch.where(denom != 0, e / torch.where(denom != 0, denom, torch.ones_like(denom)), torch.zeros_like(e))
     return p @ vd, lse

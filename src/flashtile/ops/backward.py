@@ -32,6 +32,7 @@ import triton
 import triton.language as tl
 
 from .configs import BwdConfig
+from .window import effective_window
 from .forward import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, _dropout_keep, _key_tiles, _tanh
 
 
@@ -404,7 +405,7 @@ def _bwd_dkdv_kernel(
 
 def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, diag_offset: int,
                        window_left: int, window_right: int, softcap: float, alibi_slopes, attn_mask,
-                       config: BwdConfig, dropout_p: float = 0.0, seed=None) -> None:
+                       config: BwdConfig, dropout_p: float = 0.0, seed=None, dlse=None) -> None:
     """Launch the three backward kernels. Inputs are validated by ``flashtile.api``.
 
     Args:
@@ -413,11 +414,13 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
         lse: (B, H, Sq) float32 contiguous, natural log, as the forward saved it.
         alibi_slopes: None or float32 (B, H).  attn_mask: None or (B, H, Sq, Sk) view.
         dropout_p, seed: as in the forward; the same seed redraws the same mask.
+        dlse: None or (B, H, Sq), the upstream gradient of the LSE (subtracted from Delta).
     """
     import torch
 
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    window_left, window_right = effective_window(window_left, window_right, seqlen_q, seqlen_k, diag_offset)
     block_d = max(16, triton.next_power_of_2(head_dim))
     softcap_on = softcap > 0.0
     common = dict(
@@ -444,6 +447,8 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
     _bwd_preprocess[(pre_blocks * batch * nheads,)](
         out, dout, delta, *out.stride()[:3], *dout.stride()[:3],
         nheads, seqlen_q, head_dim, pre_blocks, BLOCK_M=64, BLOCK_D=block_d)
+    if dlse is not None:
+        delta -= dlse.to(torch.float32)
 
     fused = config.fused_dq
     dq_acc = torch.zeros((batch, nheads, seqlen_q, head_dim), dtype=torch.float32, device=q.device) if fused else q

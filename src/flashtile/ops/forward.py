@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from .configs import FwdConfig
+from .window import effective_window
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -338,6 +339,7 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
 
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    window_left, window_right = effective_window(window_left, window_right, seqlen_q, seqlen_k, diag_offset)
     block_d = max(16, triton.next_power_of_2(head_dim))
     num_m_blocks = triton.cdiv(seqlen_q, config.block_m)
     grid = (num_m_blocks * batch * nheads,)
