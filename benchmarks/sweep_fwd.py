@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 
 import torch
-import triton
 from triton.testing import do_bench
 
 from flashtile import api
@@ -102,7 +100,7 @@ def main(argv=None) -> int:
                 for n, m in peers.items():
                     print(f"  peer {n}: {flops / m * 1e-9:6.1f} TF/s")
     print("\nbest per shape:")
-    for (d, causal, S), (cfg, ms, tf, ratios) in sorted(best.items()):
+    for (d, causal, S), (cfg, _ms, tf, ratios) in sorted(best.items()):
         print(f"d{d} causal={int(causal)} S{S}: {cfg} {tf:.1f} TF/s " + " ".join(f"x{n}={r:.3f}" for n, r in ratios.items()))
     return 0
 

@@ -8,7 +8,7 @@ float64 reference and plain PyTorch in the input dtype, for the output and the L
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch

@@ -12,7 +12,7 @@ import torch
 
 import flashtile
 from cases import Case, check_flash_case, make_inputs
-from flashtile.testing import assert_close, plain_attention
+from flashtile.testing import plain_attention
 
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 

@@ -6,7 +6,6 @@ Every case NaN-poisons the output and LSE buffers, then applies the accuracy rul
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch

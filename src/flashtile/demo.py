@@ -237,7 +237,7 @@ def _finite_difference_errors(
 ) -> float:
     """Largest |central difference - analytic| / max(1, |analytic|) over random coordinates."""
     worst = 0.0
-    for which, (x, g) in enumerate(zip(inputs, grads)):
+    for x, g in zip(inputs, grads):
         for _ in range(per_input):
             idx = tuple(int(rng.integers(n)) for n in x.shape)
             saved = x[idx]

@@ -25,7 +25,6 @@ Tiles outside [lo, hi) are never loaded.
 
 from __future__ import annotations
 
-import math
 
 import triton
 import triton.language as tl
