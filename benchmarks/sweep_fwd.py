@@ -16,7 +16,7 @@ import sys
 import torch
 from triton.testing import do_bench
 
-from flashtile import api
+from flashtile import autograd as ops
 from flashtile.ops.configs import FwdConfig
 from flashtile.ops.forward import attention_forward
 from flashtile.traffic import attention_flops
@@ -71,8 +71,8 @@ def main(argv=None) -> int:
                 cands = grid or [FwdConfig(*c, tma) for c in DEFAULT_GRID[min(d, 256) if d > 128 else 128]
                                  for tma in (False, True)]
                 q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))
-                out4 = api._new_out(q4)
-                lse = api._new_lse(q4)
+                out4 = ops._bshd_view(q4)
+                lse = ops._new_lse(q4)
                 problem = dict(scale=d ** -0.5, diag_offset=0, window_left=-1, window_right=0 if causal else -1,
                                softcap=0.0, alibi_slopes=None, attn_mask=None)
                 for cfg in cands:
