@@ -14,7 +14,7 @@ view), lse is (B, H, Sq) float32.
 
 from __future__ import annotations
 
-import functools
+import contextlib
 from dataclasses import replace
 from typing import Optional
 
@@ -22,15 +22,12 @@ import torch
 from torch import Tensor
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
-
-
 def _device_capability(t: Tensor) -> Optional[tuple[int, int]]:
     if t.device.type != "cuda":
         return None  # the Triton interpreter on CPU tensors
-    return _capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    from .ops.configs import cuda_capability
+
+    return cuda_capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def _bshd_view(t: Tensor) -> Tensor:
@@ -83,7 +80,7 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, wi
                    softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask)
     if capability is not None and configs.autotune_enabled(None) and dropout_p == 0.0:
         config = _autotune(q, k, v, out4, lse, problem, config)
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else _no_context():
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         attention_forward(q, k, v, out4, lse, config=config, dropout_p=dropout_p, seed=seed, **problem)
     return out4.transpose(1, 2), lse
 
@@ -122,7 +119,7 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
         config = configs.default_bwd_config(capability, q.shape[-1], str(q.dtype).replace("torch.", ""),
                                             deterministic)
     _check_grid(-(-q.shape[2] // config.block_m_q) * q.shape[0] * q.shape[1])
-    with torch.cuda.device(q.device) if q.device.type == "cuda" else _no_context():
+    with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         attention_backward(q, k, v, out.transpose(1, 2), lse, dout.transpose(1, 2), dq4, dk4, dv4,
                            scale=scale, diag_offset=diag_offset, window_left=window_left,
                            window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -163,14 +160,6 @@ def _backward(ctx, dout, dlse):
 
 
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
-
-
-class _no_context:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def _autotune(q, k, v, out4, lse, problem: dict, default):

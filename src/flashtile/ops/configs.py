@@ -8,6 +8,7 @@ a table lookup (measured choices live in docs/perf-notes.md). Optional autotunin
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -25,6 +26,14 @@ class FwdConfig:
     num_warps: int
     num_stages: int
     use_tma: bool = False  # loads/stores through the bulk tensor copy engine (sm90+, aligned strides)
+
+
+@functools.lru_cache(maxsize=None)
+def cuda_capability(device_index: int) -> tuple[int, int]:
+    """(major, minor) of a CUDA device, asked of the driver once per device."""
+    import torch
+
+    return torch.cuda.get_device_capability(device_index)
 
 
 def head_dim_bucket(head_dim: int) -> int:

@@ -309,7 +309,10 @@ def _tma_ok(*tensors) -> bool:
         return False
     import torch
 
-    if torch.cuda.get_device_capability(t0.device)[0] < 9:
+    from .configs import cuda_capability
+
+    index = t0.device.index if t0.device.index is not None else torch.cuda.current_device()
+    if cuda_capability(index)[0] < 9:
         return False
     for t in tensors:
         if t.data_ptr() % 16 or t.stride(-1) != 1:
