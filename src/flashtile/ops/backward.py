@@ -3,7 +3,8 @@
 Same canonical problem as ``forward.py`` (read its docstring first). The scores of a tile
 are recomputed from the LSE (P = exp(S - lse)), never stored. Three kernels:
 
-1. ``_bwd_preprocess``: Delta_i = rowsum(dO_i * O_i), the softmax-Jacobian term.
+1. ``_bwd_preprocess``: Delta_i = rowsum(dO_i * O_i), the softmax-Jacobian term (taken
+   from a tile matmul, so it rounds like dP: see the kernel).
 2. ``_bwd_dkdv_kernel``: one program per (batch, key/value head, block of BLOCK_N keys).
    It holds K_j, V_j and the fp32 accumulators dK_j, dV_j on chip and streams the query
    tiles that see those keys, for every query head of the GQA group, so dK/dV come out
@@ -42,8 +43,15 @@ def _bwd_preprocess(
     stride_ob, stride_oh, stride_om,
     stride_db, stride_dh, stride_dm,
     nheads, seqlen_q, head_dim, num_m_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, IEEE_DOT: tl.constexpr,
 ):
+    # Delta_i = O_i . dO_i, taken from the diagonal of the tile matmul O dO^T rather than
+    # an elementwise sum: the same tl.dot (same operand roles, same reduction order over
+    # the head dim) as dP^T = V dO^T in the dk/dv kernel. Where a row's output is one
+    # value row (a single visible key: O_i == V_j bitwise), dP_ij - Delta_i is then exactly
+    # 0, as in plain PyTorch, instead of two fp32 sums of ~sqrt(d) that differ by rounding
+    # (seen on the H200: dk off by 1e-5..5e-5 at seqlen_k = 1). Cost: BLOCK_M^2 * D FLOPs
+    # per BLOCK_M rows, negligible next to the attention itself.
     pid = tl.program_id(0)
     bh = pid // num_m_blocks
     m_block = pid % num_m_blocks
@@ -53,10 +61,16 @@ def _bwd_preprocess(
     offs_d = tl.arange(0, BLOCK_D)
     ok = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
     o = tl.load(Out + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :],
-                mask=ok, other=0.0).to(tl.float32)
+                mask=ok, other=0.0)
     do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None].to(tl.int64) * stride_dm + offs_d[None, :],
-                 mask=ok, other=0.0).to(tl.float32)
-    tl.store(Delta + bh.to(tl.int64) * seqlen_q + offs_m, tl.sum(o * do, 1), mask=offs_m < seqlen_q)
+                 mask=ok, other=0.0)
+    if IEEE_DOT:
+        gram = tl.dot(o, tl.trans(do), input_precision="ieee")
+    else:
+        gram = tl.dot(o, tl.trans(do))
+    diag = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
+    delta = tl.sum(tl.where(diag, gram, 0.0), 0)
+    tl.store(Delta + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -446,7 +460,7 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
     pre_blocks = triton.cdiv(seqlen_q, 64)
     _bwd_preprocess[(pre_blocks * batch * nheads,)](
         out, dout, delta, *out.stride()[:3], *dout.stride()[:3],
-        nheads, seqlen_q, head_dim, pre_blocks, BLOCK_M=64, BLOCK_D=block_d)
+        nheads, seqlen_q, head_dim, pre_blocks, BLOCK_M=64, BLOCK_D=block_d, IEEE_DOT=q.dtype == torch.float32)
     if dlse is not None:
         delta -= dlse.to(torch.float32)
 
