@@ -45,26 +45,25 @@ def head_dim_bucket(head_dim: int) -> int:
 
 
 # Hopper (sm90: H100, H200), keyed by (padded head dim, causal-like, long). "long" means
-# seqlen_q >= 2048: short causal problems want 64-row tiles (more programs, less of each
-# tile wasted on the diagonal). Chosen by the H200 sweep of 2026-11-29 (fp16; see
-# docs/perf-notes.md); TMA = loads/stores through the bulk tensor copy engine.
+# seqlen_q >= 2048: short problems at d128 and short causal ones at d<=64 want 64-row
+# tiles (more programs for 132 SMs, less of each tile wasted on the diagonal). Chosen by
+# the H200 sweeps of 2026-11-29 (fp16 long, bf16 S512/S1024; docs/perf-notes.md);
+# TMA = loads/stores through the bulk tensor copy engine.
 _SM90_FWD = {}
 for _bucket in (16, 32, 64):
     _SM90_FWD[(_bucket, False, False)] = FwdConfig(128, 64, 8, 3, False)
     _SM90_FWD[(_bucket, False, True)] = FwdConfig(128, 64, 8, 3, False)
     _SM90_FWD[(_bucket, True, False)] = FwdConfig(64, 64, 4, 3, True)
     _SM90_FWD[(_bucket, True, True)] = FwdConfig(128, 64, 8, 3, False)
-_SM90_FWD[(128, False, False)] = FwdConfig(128, 128, 8, 3, True)
+_SM90_FWD[(128, False, False)] = FwdConfig(64, 64, 4, 3, True)
 _SM90_FWD[(128, False, True)] = FwdConfig(128, 128, 8, 3, True)
 _SM90_FWD[(128, True, False)] = FwdConfig(64, 64, 4, 3, True)
 _SM90_FWD[(128, True, True)] = FwdConfig(128, 128, 8, 3, True)
+# d256: one config. The S512/S1024 re-sweep (bf16, run 7) put TMA ahead for short causal
+# too (316 vs 268 TFLOP/s at S1024, 236 vs 203 at S512); run 4's 93 TFLOP/s did not recur.
 for _causal in (False, True):
     for _long in (False, True):
         _SM90_FWD[(256, _causal, _long)] = FwdConfig(128, 64, 8, 2, True)
-# Short causal d256 through TMA measured 93-140 TFLOP/s at S512 in the final benchmark, against
-# 183 for the same tiles with pointer loads in the first run (H200, 2026-11-29): use those
-# until a sweep of S512/S1024 says otherwise.
-_SM90_FWD[(256, True, False)] = FwdConfig(128, 64, 8, 2, False)
 LONG_SEQLEN = 2048
 
 # Anything else (Ampere, Ada, unknown): conservative tiles that fit 100 KB of smem.
@@ -182,14 +181,16 @@ class BwdConfig:
     fused_dq: bool = False  # dQ by atomics inside the dk/dv kernel (nondeterministic)
 
 
-# Not yet swept on a GPU (the backward landed without device time): FA2-like shapes that
-# fit Hopper's 228 KB of shared memory; d256 gets narrower tiles.
+# Hopper, from the H200 backward sweep (bf16, S 1024/4096/16384, causal and not; runs 6-7
+# in docs/perf-notes.md). 64x64 tiles with 4 warps beat FA2's 64x128/8 warps by 2-10%
+# at d64/d128 and win or tie every seqlen; d256 needs 8 warps (the dk/dv accumulators
+# alone are 128 KB of registers) and gains 30% from a second pipeline stage.
 _SM90_BWD = {
-    16: BwdConfig(64, 128, 128, 64, 8, 2),
-    32: BwdConfig(64, 128, 128, 64, 8, 2),
-    64: BwdConfig(64, 128, 128, 64, 8, 2),
-    128: BwdConfig(64, 128, 128, 64, 8, 2),
-    256: BwdConfig(32, 64, 64, 32, 8, 1),
+    16: BwdConfig(64, 64, 64, 64, 4, 3),
+    32: BwdConfig(64, 64, 64, 64, 4, 3),
+    64: BwdConfig(64, 64, 64, 64, 4, 3),
+    128: BwdConfig(64, 64, 64, 64, 4, 2),
+    256: BwdConfig(64, 64, 64, 64, 8, 2),
 }
 _GENERIC_BWD = {
     16: BwdConfig(32, 64, 64, 32, 4, 2),
@@ -217,13 +218,19 @@ def bwd_dq_mode(deterministic: bool) -> str:
 
 
 def default_bwd_config(capability: tuple[int, int], head_dim: int, dtype_name: str,
-                       deterministic: bool = True) -> BwdConfig:
-    """Table lookup for the backward kernels; never times anything."""
+                       deterministic: bool = True, dq_mode: str | None = None) -> BwdConfig:
+    """Table lookup for the backward kernels; never times anything.
+
+    ``dq_mode`` ("split" or "atomic") overrides ``bwd_dq_mode(deterministic)``; the
+    compile check uses it to vet both variants.
+    """
     bucket = head_dim_bucket(head_dim)
     cfg = (_SM90_BWD if capability[0] == 9 else _GENERIC_BWD)[bucket]
     if dtype_name == "float32":
         cfg = BwdConfig(min(cfg.block_m_kv, 32), min(cfg.block_n_kv, 64), min(cfg.block_m_q, 64),
                         min(cfg.block_n_q, 32), 4, 1)
-    if bwd_dq_mode(deterministic) == "atomic":
-        cfg = replace(cfg, fused_dq=True)
+    if (dq_mode or bwd_dq_mode(deterministic)) == "atomic":
+        # The fused kernel also stages K for dQ: at d256 a second stage needs 263 KB of
+        # shared memory (H200 run 8), over the 227 KB limit.
+        cfg = replace(cfg, fused_dq=True, num_stages=1 if bucket >= 256 else cfg.num_stages)
     return cfg

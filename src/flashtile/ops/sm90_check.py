@@ -12,7 +12,7 @@ TRITON_INTERPRET (under the interpreter ``@triton.jit`` builds no compilable fun
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 SM90_SHARED_LIMIT = 232448  # bytes a block may opt into on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin)
 
@@ -108,7 +108,8 @@ def table_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
         bwd = configs.default_bwd_config((9, 0), head_dim, "bfloat16")
         yield lambda bwd=bwd, head_dim=head_dim: compile_backward(bwd, dtype, head_dim)
         yield lambda bwd=bwd, head_dim=head_dim: compile_backward(bwd, dtype, head_dim, mask_mode=2, extras=True)
-        yield lambda bwd=bwd, head_dim=head_dim: compile_backward(replace(bwd, fused_dq=True), dtype, head_dim)
+        fused = configs.default_bwd_config((9, 0), head_dim, "bfloat16", dq_mode="atomic")
+        yield lambda fused=fused, head_dim=head_dim: compile_backward(fused, dtype, head_dim)
 
 
 def main() -> int:
