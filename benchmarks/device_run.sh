@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|bench|sweep-bwd|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|bench|sweep|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -17,6 +17,8 @@ if [[ $what == tests || $what == all ]]; then
   echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests.log" | cut -c1-200 | tail -15
 fi
 if [[ $what == bench || $what == all ]]; then
+  timeout 60 python3 benchmarks/host_overhead.py > "$OUT/host-overhead.log" 2>&1
+  echo "host overhead rc=$?"; grep "^d" "$OUT/host-overhead.log"
   timeout 200 python3 -m flashtile.bench --dtype bf16 --pass fwd bwd --impl flashtile sdpa-flash sdpa-cudnn \
     --out /tmp/bench --tag h200-bf16 > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"
@@ -27,4 +29,10 @@ if [[ $what == bench || $what == all ]]; then
   echo "train block rc=$?"; tail -6 "$OUT/train-block.log"
   tar czf "$OUT/bench.tgz" -C /tmp/bench .
   grep "| fwd \|| bwd " "$OUT/bench.log" | awk -F'|' '{print $2,$3,$5,$6,$7,$8,$9,$10,$12,$13}' | tail -40
+fi
+if [[ $what == sweep ]]; then
+  timeout 280 python3 benchmarks/sweep_bwd.py --out "$OUT/sweep-bwd.jsonl" > "$OUT/sweep-bwd.log" 2>&1
+  echo "sweep bwd rc=$?"; sed -n '/best per shape/,$p' "$OUT/sweep-bwd.log"
+  timeout 250 python3 benchmarks/sweep_fwd.py --dtype bf16 --seqlen 512 1024 --out "$OUT/sweep-fwd.jsonl" > "$OUT/sweep-fwd.log" 2>&1
+  echo "sweep fwd rc=$?"; sed -n '/best per shape/,$p' "$OUT/sweep-fwd.log"
 fi

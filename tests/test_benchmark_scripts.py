@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.mark.parametrize("name", ["sweep_fwd", "train_block"])
+@pytest.mark.parametrize("name", ["sweep_fwd", "sweep_bwd", "train_block", "host_overhead"])
 def test_script_imports_and_shows_help(name, capsys):
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / f"{name}.py")
     module = importlib.util.module_from_spec(spec)

@@ -1,0 +1,72 @@
+"""Host cost per call vs GPU time, to tell launch-bound shapes from kernel-bound ones.
+
+    PYTHONPATH=src python3 benchmarks/host_overhead.py
+
+For each shape: do_bench of the kernel launcher alone (``attention_forward``), of the
+public API (``flash_attn_func``) and of torch SDPA (cuDNN); and the host time per call of
+each (perf_counter over 200 enqueued calls, no sync inside: while the GPU queue is not
+full this is the CPU cost of one call). When host us/call > kernel us, do_bench of the
+API measures the host, not the kernel.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+from triton.testing import do_bench
+
+import flashtile
+from flashtile import autograd as ops
+from flashtile.ops.configs import default_fwd_config
+from flashtile.ops.forward import attention_forward
+
+
+def host_us(fn, n=200):
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return host
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--shapes", default="64,512,1;256,512,1;128,512,1;128,1024,0;64,4096,0",
+                   help="d,seqlen,causal;... (batch*seqlen = 16k, hidden 2048)")
+    args = p.parse_args(argv)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    for spec in args.shapes.split(";"):
+        d, S, causal = (int(x) for x in spec.split(","))
+        causal = bool(causal)
+        B, H = max(1, 16384 // S), 2048 // d
+        q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
+        k, v = torch.randn_like(q), torch.randn_like(q)
+        q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))
+        out4, lse = ops._bshd_view(q4), ops._new_lse(q4)
+        cfg = default_fwd_config(torch.cuda.get_device_capability(), d, "bfloat16", causal, S)
+        problem = {"scale": d ** -0.5, "diag_offset": 0, "window_left": -1, "window_right": 0 if causal else -1,
+                   "softcap": 0.0, "alibi_slopes": None, "attn_mask": None}
+        direct = lambda: attention_forward(q4, k4, v4, out4, lse, config=cfg, **problem)
+        api = lambda: flashtile.flash_attn_func(q, k, v, causal=causal)
+        op = lambda: torch.ops.flashtile.attn_fwd(q4, k4, v4, d ** -0.5, 0, -1, 0 if causal else -1, 0.0, None, None)
+        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            cudnn = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
+            row = {}
+            for name, fn in (("direct", direct), ("op", op), ("api", api), ("cudnn", cudnn)):
+                fn()
+                torch.cuda.synchronize()
+                row[name] = (do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3, host_us(fn))
+        print(f"d{d} S{S} B{B} H{H} causal={int(causal)} {cfg}: "
+              + "  ".join(f"{n}: gpu {g:6.1f} us host {h:6.1f} us" for n, (g, h) in row.items()), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
