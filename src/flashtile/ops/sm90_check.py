@@ -6,12 +6,22 @@ tables compiles, fits in the 227 KB of shared memory a block may use on an H100/
 reaches the Hopper tensor-core instructions (wgmma). Run it in a process without
 TRITON_INTERPRET (under the interpreter ``@triton.jit`` builds no compilable function)::
 
-    python -m flashtile.ops.sm90_check
+    python -m flashtile.ops.sm90_check            # smem and wgmma of every table config
+    python -m flashtile.ops.sm90_check --regs     # plus registers and spills (ptxas -v)
+
+Registers per thread and spill bytes come from running Triton's bundled ptxas with
+``-v`` on the generated PTX: a kernel at the 255-register cap that spills to local
+memory runs slower than its tile sizes suggest (the backward kernels do, see
+docs/perf-notes.md).
 """
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 
 SM90_SHARED_LIMIT = 232448  # bytes a block may opt into on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin)
@@ -23,6 +33,22 @@ class Compiled:
     shared: int
     wgmma: bool
     tma: bool
+    ptx: str = ""
+
+    def registers(self) -> tuple[int, int]:
+        """(registers per thread, spill store + load bytes) from ptxas -v for sm_90a."""
+        import triton
+
+        ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.ptx")
+            with open(path, "w") as fh:
+                fh.write(self.ptx)
+            log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull],
+                                 capture_output=True, text=True, check=True).stderr
+        regs = re.search(r"Used (\d+) registers", log)
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+        return (int(regs.group(1)) if regs else -1), sum(spills)
 
 
 def _signature(fn, pointers: dict, constexprs: dict) -> dict:
@@ -48,7 +74,7 @@ def _compile(name, fn, pointers, constexprs, num_warps, num_stages) -> Compiled:
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=num_warps, num_stages=num_stages))
     ptx = kernel.asm["ptx"]
-    return Compiled(name, kernel.metadata.shared, "wgmma.mma_async" in ptx, "cp.async.bulk.tensor" in ptx)
+    return Compiled(name, kernel.metadata.shared, "wgmma.mma_async" in ptx, "cp.async.bulk.tensor" in ptx, ptx)
 
 
 def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: int = 0, extras: bool = False) -> Compiled:
@@ -112,14 +138,19 @@ def table_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
         yield lambda fused=fused, head_dim=head_dim: compile_backward(fused, dtype, head_dim)
 
 
-def main() -> int:
+def main(argv=None) -> int:
+    regs = "--regs" in (sys.argv[1:] if argv is None else argv)
     failures = 0
     for check in table_checks():
         for result in check():
             ok = result.shared <= SM90_SHARED_LIMIT and result.wgmma
             failures += not ok
-            print(f"{'ok  ' if ok else 'FAIL'} smem={result.shared:6d} wgmma={result.wgmma} tma={result.tma}  {result.name}",
-                  flush=True)
+            extra = ""
+            if regs:
+                n_regs, spill = result.registers()
+                extra = f" regs={n_regs:3d} spill={spill:5d}B"
+            print(f"{'ok  ' if ok else 'FAIL'} smem={result.shared:6d} wgmma={result.wgmma} tma={result.tma}{extra}  "
+                  f"{result.name}", flush=True)
     return 1 if failures else 0
 
 
