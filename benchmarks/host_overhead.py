@@ -7,6 +7,11 @@ public API (``flash_attn_func``) and of torch SDPA (cuDNN); and the host time pe
 each (perf_counter over 200 enqueued calls, no sync inside: while the GPU queue is not
 full this is the CPU cost of one call). When host us/call > kernel us, do_bench of the
 API measures the host, not the kernel.
+
+    TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/host_overhead.py --cpu-stub
+
+needs no GPU: it replaces the kernel launchers with no-ops and times the Python host
+path alone (validation, autograd, buffers, config lookup) on small CPU tensors.
 """
 
 from __future__ import annotations
@@ -35,11 +40,49 @@ def host_us(fn, n=200):
     return host
 
 
+def cpu_stub(n: int = 2000) -> None:
+    """Host microseconds per call of the API with the kernel launchers stubbed out."""
+    import os
+
+    os.environ["FLASHTILE_BACKEND"] = "triton"
+    import flashtile.ops.backward as bwd
+    import flashtile.ops.forward as fwd
+
+    fwd.attention_forward = lambda *a, **k: None
+    bwd.attention_backward = lambda *a, **k: None
+
+    def per_call(fn):
+        for _ in range(100):
+            fn()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t) / n * 1e6
+
+    q = torch.randn(2, 512, 8, 64, dtype=torch.float16)
+    leaves = [t.clone().requires_grad_(True) for t in (q, q, q)]
+    out = flashtile.flash_attn_func(*leaves, causal=True)
+    dout = torch.ones_like(out)
+    rows = {
+        "flash_attn_func, no grad": lambda: flashtile.flash_attn_func(q, q, q, causal=True),
+        "flash_attn_func, inputs require grad": lambda: flashtile.flash_attn_func(*leaves, causal=True),
+        "backward (autograd.grad, retained graph)": lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
+        "torch.ops.flashtile.attn_fwd, no grad": lambda: torch.ops.flashtile.attn_fwd(
+            *(t.transpose(1, 2) for t in (q, q, q)), 0.125, 0, -1, 0, 0.0, None, None),
+    }
+    for name, fn in rows.items():
+        print(f"{name:42s} {per_call(fn):7.1f} us", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
+    p.add_argument("--cpu-stub", action="store_true", help="no GPU: time the host path with stubbed launchers")
     p.add_argument("--shapes", default="64,512,1;256,512,1;128,512,1;128,1024,0;64,4096,0",
                    help="d,seqlen,causal;... (batch*seqlen = 16k, hidden 2048)")
     args = p.parse_args(argv)
+    if args.cpu_stub:
+        cpu_stub()
+        return 0
     from torch.nn.attention import SDPBackend, sdpa_kernel
     for spec in args.shapes.split(";"):
         d, S, causal = (int(x) for x in spec.split(","))

@@ -191,3 +191,41 @@ def test_alibi_requiring_grad_is_refused():
     slopes = torch.rand(2, requires_grad=True)
     with pytest.raises(NotImplementedError, match="alibi_slopes requires grad"):
         flashtile.flash_attn_func(q, q, q, alibi_slopes=slopes)
+
+
+def test_eager_path_matches_the_op():
+    # Eager calls skip the custom-op dispatch (flashtile.autograd.attention); the op is what
+    # torch.compile sees. Both must give the same out, LSE and gradients, bit for bit,
+    # including through an LSE-only loss term.
+    from flashtile import autograd
+
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 3, n, 16, generator=g) for n in (21, 27, 27))
+    args = (0.25, 6, -1, 0, 0.0, None, None, 0.0, None, False)
+    results = []
+    for call in (autograd.attention, torch.ops.flashtile.attn_fwd):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse = call(*leaves, *args)
+        loss = (out * torch.linspace(-1, 1, out.shape[-1])).sum() + 0.1 * lse.square().sum()
+        results.append((out.detach(), lse.detach(), *torch.autograd.grad(loss, leaves)))
+        lse_only = call(*[t.clone().requires_grad_(True) for t in (q, k, v)], *args)[1]
+        assert lse_only.grad_fn is not None
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
+
+
+def test_eager_path_without_grad_builds_no_graph():
+    q = torch.randn(1, 9, 2, 16, requires_grad=True)
+    with torch.no_grad():
+        out = flashtile.flash_attn_func(q, q, q, causal=True)
+    assert out.grad_fn is None and not out.requires_grad
+
+
+def test_double_backward_raises():
+    # The backward kernels have no derivative: a second backward must fail loudly, never
+    # treat the first gradient as a constant (which would give silent zeros).
+    q, k, v = (torch.randn(1, 11, 2, 16, requires_grad=True) for _ in range(3))
+    out = flashtile.flash_attn_func(q, k, v, causal=True)
+    (dq,) = torch.autograd.grad(out.square().sum(), (q,), create_graph=True)
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        torch.autograd.grad(dq.sum(), (q, k), allow_unused=True)

@@ -133,7 +133,7 @@ def _attention(q4, k4, v4, problem: _Problem, alibi, mask) -> tuple[torch.Tensor
     """Run the canonical problem: out (B, H, Sq, D) laid out as (B, Sq, H, D), lse (B, H, Sq)."""
     if _backend_for(q4.device) == "torch":
         return _torch_path(q4, k4, v4, problem, alibi, mask)
-    from . import autograd  # noqa: F401  (registers torch.ops.flashtile)
+    from . import autograd  # registers torch.ops.flashtile on first use
 
     if alibi is not None and alibi.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError(
@@ -148,7 +148,7 @@ def _attention(q4, k4, v4, problem: _Problem, alibi, mask) -> tuple[torch.Tensor
         # The Philox key comes from torch's generator of that device: torch.manual_seed makes
         # the mask reproducible, and the backward redraws the same mask from the same key.
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64, device=q4.device)
-    out, lse = torch.ops.flashtile.attn_fwd(
+    out, lse = autograd.attention(
         q4, k4, v4, problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
         problem.softcap, alibi, mask, problem.dropout_p, seed,
         problem.deterministic or torch.are_deterministic_algorithms_enabled())

@@ -46,18 +46,15 @@ def _check_grid(num_programs: int) -> None:
         raise ValueError(f"batch x heads x blocks = {num_programs} exceeds the grid limit 2^31 - 1")
 
 
-@torch.library.custom_op("flashtile::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
-def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
-             window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
-             attn_mask: Optional[Tensor], dropout_p: float = 0.0,
-             seed: Optional[Tensor] = None, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
+                   window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+                   attn_mask: Optional[Tensor], dropout_p: float = 0.0,
+                   seed: Optional[Tensor] = None, deterministic: bool = False) -> tuple[Tensor, Tensor]:
     """Forward kernel: returns out (B, Sq, H, D) and lse (B, H, Sq) float32.
 
     ``seed`` is a 1-element int64 tensor on q's device, the Philox key of the dropout mask.
     ``deterministic`` only matters to the backward (it forbids the atomic dQ variant).
     """
-    import math
-
     from .ops import configs
     from .ops.forward import attention_forward
 
@@ -75,7 +72,7 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, wi
     else:
         config = configs.default_fwd_config(capability, head_dim, str(q.dtype).replace("torch.", ""),
                                             window_right >= 0, seqlen_q, attn_mask is not None)
-    _check_grid(math.ceil(seqlen_q / config.block_m) * batch * nheads)
+    _check_grid(-(-seqlen_q // config.block_m) * batch * nheads)
     problem = dict(scale=scale, diag_offset=diag_offset, window_left=window_left, window_right=window_right,
                    softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask)
     if capability is not None and configs.autotune_enabled(None) and dropout_p == 0.0:
@@ -83,6 +80,16 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, wi
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         attention_forward(q, k, v, out4, lse, config=config, dropout_p=dropout_p, seed=seed, **problem)
     return out4.transpose(1, 2), lse
+
+
+@torch.library.custom_op("flashtile::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
+             window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
+             attn_mask: Optional[Tensor], dropout_p: float = 0.0,
+             seed: Optional[Tensor] = None, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    """The forward as a torch.library op (what torch.compile traces): see ``_attn_fwd_impl``."""
+    return _attn_fwd_impl(q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes,
+                          attn_mask, dropout_p, seed, deterministic)
 
 
 @attn_fwd.register_fake
@@ -93,12 +100,11 @@ def _attn_fwd_fake(q, k, v, scale, diag_offset, window_left, window_right, softc
             q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
 
 
-@torch.library.custom_op("flashtile::attn_bwd", mutates_args=(), device_types=("cuda", "cpu"))
-def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
-             diag_offset: int, window_left: int, window_right: int, softcap: float,
-             alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], dropout_p: float = 0.0,
-             seed: Optional[Tensor] = None, deterministic: bool = False,
-             dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+                   diag_offset: int, window_left: int, window_right: int, softcap: float,
+                   alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], dropout_p: float = 0.0,
+                   seed: Optional[Tensor] = None, deterministic: bool = False,
+                   dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """Backward kernels. dout/out are (B, Sq, H, D); returns dq (B, Sq, H, D), dk/dv (B, Sk, Hk, D).
 
     ``dlse`` (B, H, Sq), the gradient reaching the returned LSE (a z-loss, say), is folded
@@ -127,6 +133,17 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
     return dq4.transpose(1, 2), dk4.transpose(1, 2), dv4.transpose(1, 2)
 
 
+@torch.library.custom_op("flashtile::attn_bwd", mutates_args=(), device_types=("cuda", "cpu"))
+def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, scale: float,
+             diag_offset: int, window_left: int, window_right: int, softcap: float,
+             alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], dropout_p: float = 0.0,
+             seed: Optional[Tensor] = None, deterministic: bool = False,
+             dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward as a torch.library op: see ``_attn_bwd_impl``."""
+    return _attn_bwd_impl(dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap,
+                          alibi_slopes, attn_mask, dropout_p, seed, deterministic, dlse)
+
+
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap,
                    alibi_slopes, attn_mask, dropout_p=0.0, seed=None, deterministic=False, dlse=None):
@@ -149,17 +166,57 @@ def _setup_context(ctx, inputs, output):
     ctx.dropout = (dropout_p, seed, deterministic)
 
 
-def _backward(ctx, dout, dlse):
+def _grads(ctx, dout, dlse, bwd):
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:  # only the LSE was used downstream
         dout = torch.zeros_like(out)
-    dq, dk, dv = torch.ops.flashtile.attn_bwd(dout, q, k, v, out, lse, *ctx.problem,
-                                              ctx.alibi_slopes, ctx.attn_mask, *ctx.dropout, dlse)
-    # The op returns (B, S, H, D); q, k, v entered as (B, H, S, D) views.
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.problem, ctx.alibi_slopes, ctx.attn_mask, *ctx.dropout, dlse)
+    # The backward returns (B, S, H, D); q, k, v entered as (B, H, S, D) views.
     return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) + (None,) * 10
 
 
+def _backward(ctx, dout, dlse):
+    return _grads(ctx, dout, dlse, torch.ops.flashtile.attn_bwd)
+
+
 attn_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+class _EagerAttention(torch.autograd.Function):
+    """The same forward, saved tensors and backward as the op's registered autograd, without
+    the custom-op dispatch (measured on CPU, kernels stubbed: ~50 us of host time per
+    training call; short sequences are launch-bound on the GPU)."""
+
+    @staticmethod
+    def forward(*inputs):
+        return _attn_fwd_impl(*inputs)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        ctx.set_materialize_grads(False)  # an unused LSE (or out) gives None, as with the op
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        # create_graph=True: go through the op, whose missing autograd formula makes a
+        # double backward raise instead of treating the kernels' output as constant.
+        return _grads(ctx, dout, dlse, torch.ops.flashtile.attn_bwd if torch.is_grad_enabled() else _attn_bwd_impl)
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
+              window_right: int, softcap: float, alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor],
+              dropout_p: float = 0.0, seed: Optional[Tensor] = None,
+              deterministic: bool = False) -> tuple[Tensor, Tensor]:
+    """What ``flashtile.api`` calls: ``torch.ops.flashtile.attn_fwd`` under torch.compile (so
+    graphs hold the op and its fake implementation), the same code without the op
+    dispatch in eager mode. Arguments and outputs as ``attn_fwd``."""
+    args = (q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
+            dropout_p, seed, deterministic)
+    if torch.compiler.is_compiling():
+        return torch.ops.flashtile.attn_fwd(*args)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _EagerAttention.apply(*args)
+    return _attn_fwd_impl(*args)
 
 
 def _autotune(q, k, v, out4, lse, problem: dict, default):
