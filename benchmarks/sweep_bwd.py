@@ -24,18 +24,20 @@ from flashtile.ops.configs import BwdConfig, default_fwd_config
 from flashtile.ops.forward import attention_forward
 from flashtile.traffic import attention_flops
 
-# (block_m_kv, block_n_kv, block_m_q, block_n_q, warps, stages, fused_dq)
+# (block_m_kv, block_n_kv, block_m_q, block_n_q, warps, stages, fused_dq[, split_phases=1])
 DEFAULT_GRID = {
     64: [(64, 128, 128, 64, 8, 2, 0), (64, 128, 128, 64, 8, 3, 0), (64, 64, 64, 64, 4, 3, 0),
          (128, 128, 128, 128, 8, 2, 0), (64, 128, 128, 128, 8, 2, 0), (32, 128, 128, 32, 4, 3, 0),
-         (64, 128, 0, 0, 8, 2, 1), (128, 128, 0, 0, 8, 2, 1), (64, 64, 0, 0, 4, 3, 1)],
+         (64, 128, 0, 0, 8, 2, 1), (128, 128, 0, 0, 8, 2, 1), (64, 64, 0, 0, 4, 3, 1),
+         (64, 64, 64, 64, 4, 3, 0, 0), (64, 128, 128, 64, 8, 3, 0, 0)],
     128: [(64, 128, 128, 64, 8, 2, 0), (64, 128, 128, 64, 8, 1, 0), (32, 128, 128, 32, 8, 2, 0),
           (64, 64, 64, 64, 4, 2, 0), (64, 128, 64, 128, 8, 2, 0), (128, 128, 128, 128, 8, 1, 0),
           (32, 64, 64, 32, 4, 2, 0), (64, 128, 0, 0, 8, 2, 1), (64, 64, 0, 0, 4, 2, 1),
-          (128, 128, 0, 0, 8, 1, 1)],
+          (128, 128, 0, 0, 8, 1, 1), (64, 64, 64, 64, 4, 2, 0, 0), (64, 64, 64, 64, 8, 2, 0, 0),
+          (64, 128, 64, 64, 8, 2, 0, 0)],
     256: [(32, 64, 64, 32, 8, 1, 0), (32, 64, 64, 32, 4, 1, 0), (64, 64, 64, 64, 8, 1, 0),
           (32, 128, 128, 32, 8, 1, 0), (64, 32, 32, 64, 4, 1, 0), (16, 64, 64, 16, 4, 2, 0),
-          (32, 64, 0, 0, 8, 1, 1), (64, 64, 0, 0, 8, 1, 1)],
+          (32, 64, 0, 0, 8, 1, 1), (64, 64, 0, 0, 8, 1, 1), (64, 64, 64, 64, 8, 2, 0, 0)],
 }
 
 
@@ -56,7 +58,8 @@ def main(argv=None) -> int:
     p.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--seqlen", type=int, nargs="+", default=[4096])
     p.add_argument("--dtype", default="bf16")
-    p.add_argument("--configs", default="", help="semicolon list m,n,mq,nq,w,s,fused;... (default: built-in grid)")
+    p.add_argument("--configs", default="",
+                   help="semicolon list m,n,mq,nq,w,s,fused[,split_phases];... (default: built-in grid)")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}[args.dtype]
@@ -85,7 +88,7 @@ def main(argv=None) -> int:
                 attention_forward(q4, k4, v4, out4, lse, config=fcfg, **problem)
                 dq, dk, dv = ops._bshd_view(q4), ops._bshd_view(k4), ops._bshd_view(v4)
                 for c in grid or DEFAULT_GRID[d if d in DEFAULT_GRID else 128]:
-                    cfg = BwdConfig(*c[:6], fused_dq=bool(c[6]))
+                    cfg = BwdConfig(*c[:6], fused_dq=bool(c[6]), split_phases=bool(c[7]) if len(c) > 7 else True)
                     fn = lambda: attention_backward(q4, k4, v4, out4, lse, do4, dq, dk, dv, config=cfg, **problem)
                     try:
                         fn()
@@ -98,7 +101,7 @@ def main(argv=None) -> int:
                     ratios = {n: m / ms for n, m in peers.items()}
                     print(f"d{d} S{S} B{batch} H{nheads} causal={int(causal)} {args.dtype} {c}: {tf:6.1f} TF/s  "
                           + "  ".join(f"x{n}={r:.3f}" for n, r in ratios.items()), flush=True)
-                    key = (d, causal, S, bool(c[6]))
+                    key = (d, causal, S, bool(c[6]), c[7] if len(c) > 7 else 1)
                     if key not in best or ms < best[key][1]:
                         best[key] = (c, ms, tf, ratios)
                     if out_file:
@@ -108,9 +111,9 @@ def main(argv=None) -> int:
                         out_file.flush()
                 for n, m in peers.items():
                     print(f"  peer {n}: {flops / m * 1e-9:6.1f} TF/s", flush=True)
-    print("\nbest per shape (split dQ, then atomic dQ):")
-    for (d, causal, S, fused), (c, _ms, tf, ratios) in sorted(best.items()):
-        print(f"d{d} causal={int(causal)} S{S} fused={int(fused)}: {c} {tf:.1f} TF/s "
+    print("\nbest per shape (split dQ, then atomic dQ; three-phase, then one-loop dk/dv):")
+    for (d, causal, S, fused, phases), (c, _ms, tf, ratios) in sorted(best.items()):
+        print(f"d{d} causal={int(causal)} S{S} fused={int(fused)} split_phases={phases}: {c} {tf:.1f} TF/s "
               + " ".join(f"x{n}={r:.3f}" for n, r in ratios.items()))
     return 0
 

@@ -229,3 +229,19 @@ def test_double_backward_raises():
     (dq,) = torch.autograd.grad(out.square().sum(), (q,), create_graph=True)
     with pytest.raises(RuntimeError, match="no autograd formula"):
         torch.autograd.grad(dq.sum(), (q, k), allow_unused=True)
+
+
+@pytest.mark.parametrize("case", [
+    Case(33, 41, 16, causal=True, batch=2, nheads=6, nheads_k=2),
+    Case(45, 38, 16, window=(3, 5), softcap=5.0, alibi="heads", batch=1, nheads=2, nheads_k=1),
+    Case(29, 35, 40, dtype=torch.float32, batch=1, nheads=2, nheads_k=2),
+    Case(40, 24, 16, batch=1, nheads=2, nheads_k=1),
+], ids=lambda c: c.id)
+def test_one_loop_dkdv_variant(case, monkeypatch):
+    # BwdConfig.split_phases=False: the dk/dv kernel masks every query tile in one loop.
+    from dataclasses import replace
+
+    from flashtile.ops import configs
+
+    monkeypatch.setattr(configs, "INTERPRETER_BWD", replace(configs.INTERPRETER_BWD, split_phases=False))
+    check_flash_grads(case)

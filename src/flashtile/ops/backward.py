@@ -327,7 +327,7 @@ def _bwd_dkdv_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
-    DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr,
+    DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr, SPLIT_PHASES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bkv = pid // num_n_blocks
@@ -390,24 +390,33 @@ def _bwd_dkdv_kernel(
         alibi_slope = 0.0
         if HAS_ALIBI:
             alibi_slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah) * 1.4426950408889634
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, lo_tile, inner_lo,
-            offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
-            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-            seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT,
-            FUSED_DQ)
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, inner_lo, inner_hi,
-            offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
-            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-            seed, bh64, dropout_p, BLOCK_M, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT,
-            FUSED_DQ)
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, inner_hi, hi,
-            offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
-            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-            seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT,
-            FUSED_DQ)
+        if SPLIT_PHASES:
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, lo_tile, inner_lo,
+                offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
+                qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+                seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+                IEEE_DOT, DROPOUT, FUSED_DQ)
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, inner_lo, inner_hi,
+                offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
+                qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+                seed, bh64, dropout_p, BLOCK_M, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+                IEEE_DOT, DROPOUT, FUSED_DQ)
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, inner_hi, hi,
+                offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
+                qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+                seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+                IEEE_DOT, DROPOUT, FUSED_DQ)
+        else:
+            # One loop, every tile masked: less code and far fewer live values (see BwdConfig).
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, lo_tile, hi,
+                offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
+                qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+                seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+                IEEE_DOT, DROPOUT, FUSED_DQ)
     if not SOFTCAP:
         dk = dk * sm_scale
     local_n = tl.arange(0, BLOCK_N)
@@ -472,7 +481,8 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
         *dk.stride()[:3], *dv.stride()[:3], *mstrides, *astrides, *dq_acc.stride()[:3],
         nheads, nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_n_blocks, *scalars,
-        BLOCK_M=config.block_m_kv, BLOCK_N=config.block_n_kv, MASK_MODE=mask_mode, FUSED_DQ=fused, **common)
+        BLOCK_M=config.block_m_kv, BLOCK_N=config.block_n_kv, MASK_MODE=mask_mode, FUSED_DQ=fused,
+        SPLIT_PHASES=config.split_phases, **common)
     if fused:
         dq.copy_(dq_acc)
         return

@@ -179,6 +179,10 @@ class BwdConfig:
     num_warps: int
     num_stages: int
     fused_dq: bool = False  # dQ by atomics inside the dk/dv kernel (nondeterministic)
+    # dk/dv query loop in three phases (masked edge, unmasked interior, masked edge), as in
+    # the forward; False = one loop masking every tile. Three phases do less ALU work per
+    # interior tile, one loop spills far less (sm90_check --regs; unmeasured on a GPU).
+    split_phases: bool = True
 
 
 # Hopper, from the H200 backward sweep (bf16, S 1024/4096/16384, causal and not; runs 6-7
