@@ -245,3 +245,43 @@ def test_one_loop_dkdv_variant(case, monkeypatch):
 
     monkeypatch.setattr(configs, "INTERPRETER_BWD", replace(configs.INTERPRETER_BWD, split_phases=False))
     check_flash_grads(case)
+
+
+def _small_qkv(requires_grad=False):
+    g = torch.Generator().manual_seed(9)
+    return [torch.randn(1, 7, 2, 16, generator=g).requires_grad_(requires_grad) for _ in range(3)]
+
+
+def test_fake_tensors_and_make_fx_see_the_op():
+    # Tracing tools must get the op (and its fake kernel), never the real launch.
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    with FakeTensorMode():
+        q, k, v = (torch.empty(1, 7, 2, 16) for _ in range(3))
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+        assert type(out).__name__ == "FakeTensor" and out.shape == (1, 7, 2, 16)
+    graph = make_fx(lambda q_, k_, v_: flashtile.flash_attn_func(q_, k_, v_), tracing_mode="fake")(*_small_qkv())
+    assert any("flashtile.attn_fwd" in str(n.target) for n in graph.graph.nodes)
+    meta = [t.to("meta") for t in _small_qkv()]
+    assert flashtile.flash_attn_func(*meta).shape == (1, 7, 2, 16)
+
+
+def test_vmap_and_compiled_autograd():
+    q, k, v = _small_qkv(requires_grad=True)
+    want = torch.autograd.grad(flashtile.flash_attn_func(q, k, v).square().sum(), (q, k, v))
+    loss = flashtile.flash_attn_func(q, k, v).square().sum()
+    with torch._dynamo.compiled_autograd._enable(torch.compile(backend="aot_eager")):
+        loss.backward()
+    for got, ref in zip((q.grad, k.grad, v.grad), want):
+        assert torch.equal(got, ref)
+    batched = torch.vmap(lambda q_: flashtile.flash_attn_func(q_, k.detach(), v.detach()))(torch.stack([q.detach()] * 2))
+    assert torch.equal(batched[1], flashtile.flash_attn_func(q.detach(), k.detach(), v.detach()))
+
+
+def test_forward_mode_ad_is_refused():
+    import torch.autograd.forward_ad as fwad
+
+    q, k, v = _small_qkv()
+    with fwad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
+        flashtile.flash_attn_func(fwad.make_dual(q, torch.ones_like(q)), k, v)

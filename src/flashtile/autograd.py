@@ -116,6 +116,8 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     dq4, dk4, dv4 = _bshd_view(q), _bshd_view(k), _bshd_view(v)
     if q.numel() == 0 or k.numel() == 0:
         return dq4.transpose(1, 2).zero_(), dk4.transpose(1, 2).zero_(), dv4.transpose(1, 2).zero_()
+    if dout.dtype != out.dtype:  # autograd casts; a direct op call might not (tl.dot needs one dtype)
+        dout = dout.to(out.dtype)
     if dout.stride(-1) != 1:
         dout = dout.contiguous()
     capability = _device_capability(q)
@@ -193,26 +195,60 @@ class _EagerAttention(torch.autograd.Function):
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        ctx.set_materialize_grads(False)  # an unused LSE (or out) gives None, as with the op
+        # An unused LSE (or out) arrives as None and skips the Delta update; the op's
+        # autograd passes zeros instead. Same gradients either way.
+        ctx.set_materialize_grads(False)
         _setup_context(ctx, inputs, output)
 
     @staticmethod
     def backward(ctx, dout, dlse):
         # create_graph=True: go through the op, whose missing autograd formula makes a
-        # double backward raise instead of treating the kernels' output as constant.
-        return _grads(ctx, dout, dlse, torch.ops.flashtile.attn_bwd if torch.is_grad_enabled() else _attn_bwd_impl)
+        # double backward raise instead of treating the kernels' output as constant; a
+        # traced backward (compiled autograd) also needs the op and its fake kernel.
+        plain = not torch.is_grad_enabled() and _plain_eager(dout, dlse)
+        return _grads(ctx, dout, dlse, _attn_bwd_impl if plain else torch.ops.flashtile.attn_bwd)
+
+
+def _refuse_forward_ad(*tensors) -> None:
+    """Forward-mode AD (jvp) has no rule here; without this check the tangent of the
+    output would silently be missing."""
+    import torch.autograd.forward_ad as fwad
+
+    if getattr(fwad, "_current_level", -1) < 0:
+        return
+    if any(t is not None and fwad.unpack_dual(t).tangent is not None for t in tensors):
+        raise NotImplementedError("forward-mode AD (torch.autograd.forward_ad, torch.func.jvp) is not supported "
+                                  "by flashtile's Triton kernels; use reverse mode (backward)")
+
+
+def _plain_eager(*tensors) -> bool:
+    """True when the kernels may be called directly: real tensors of a real device, nothing
+    tracing or transforming them. Otherwise (torch.compile, compiled autograd, FakeTensor,
+    make_fx or any dispatch mode, vmap/functorch, jit.trace, meta tensors, tensor
+    subclasses) the call must go through the op, which those tools understand."""
+    if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
+        return False
+    if torch._C._are_functorch_transforms_active():
+        return False
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    if _get_current_dispatch_mode() is not None:
+        return False
+    return all(t is None or (type(t) is Tensor and t.device.type != "meta") for t in tensors)
 
 
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
               window_right: int, softcap: float, alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor],
               dropout_p: float = 0.0, seed: Optional[Tensor] = None,
               deterministic: bool = False) -> tuple[Tensor, Tensor]:
-    """What ``flashtile.api`` calls: ``torch.ops.flashtile.attn_fwd`` under torch.compile (so
-    graphs hold the op and its fake implementation), the same code without the op
-    dispatch in eager mode. Arguments and outputs as ``attn_fwd``."""
+    """What ``flashtile.api`` calls: the same code as ``torch.ops.flashtile.attn_fwd``
+    without the op dispatch for plain eager calls, the op itself whenever something traces
+    or transforms the tensors (torch.compile, FakeTensor, vmap, ...: see ``_plain_eager``).
+    Arguments and outputs as ``attn_fwd``."""
     args = (q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
             dropout_p, seed, deterministic)
-    if torch.compiler.is_compiling():
+    _refuse_forward_ad(q, k, v, alibi_slopes, attn_mask)
+    if not _plain_eager(q, k, v, alibi_slopes, attn_mask, seed):
         return torch.ops.flashtile.attn_fwd(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(*args)

@@ -233,6 +233,8 @@ def default_bwd_config(capability: tuple[int, int], head_dim: int, dtype_name: s
     if dtype_name == "float32":
         cfg = BwdConfig(min(cfg.block_m_kv, 32), min(cfg.block_n_kv, 64), min(cfg.block_m_q, 64),
                         min(cfg.block_n_q, 32), 4, 1)
+    if dq_mode not in (None, "split", "atomic"):
+        raise ValueError(f"dq_mode must be None, 'split' or 'atomic', got {dq_mode!r}")
     if (dq_mode or bwd_dq_mode(deterministic)) == "atomic":
         # The fused kernel also stages K for dQ: at d256 a second stage needs 263 KB of
         # shared memory (H200 run 8), over the 227 KB limit.

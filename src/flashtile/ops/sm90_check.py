@@ -72,9 +72,12 @@ def _divisibility(fn, sig: dict) -> dict:
     the kernels' address arithmetic vectorises only with that fact. Without it the
     register and spill counts describe a kernel that never runs."""
     attrs = {}
+    # Not modelled: ints equal to 1 become constants at run time (the key stride of a
+    # contiguous mask, a (H,)-broadcast ALiBi stride, group size 1); they stay plain here.
+    unit = ("stride_mn", "stride_ah")
     for i, name in enumerate(fn.arg_names):
         kind = sig[name]
-        if (kind.startswith("*") or name.startswith("stride_")
+        if (kind.startswith("*") or (name.startswith("stride_") and name not in unit)
                 or name in ("seqlen_q", "seqlen_k", "head_dim")):
             attrs[(i,)] = [["tt.divisibility", 16]]
     return attrs
