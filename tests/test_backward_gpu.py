@@ -193,3 +193,16 @@ def test_dropout_rate_reproducibility_and_backward_mask(dtype):
 def test_atomic_dq_variant(case, monkeypatch):
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "atomic")
     check_flash_grads(case, device="cuda")
+
+
+@pytest.mark.parametrize("case", [c for i, c in enumerate(_matrix()) if i % 7 == 3], ids=lambda c: c.id)
+def test_one_loop_dkdv_variant(case, monkeypatch):
+    # BwdConfig.split_phases=False (one masked query loop in the dk/dv kernel): the
+    # candidate for the table once it is timed (docs/perf-notes.md, registers and spills).
+    from dataclasses import replace
+
+    from flashtile.ops import configs
+
+    table = configs.default_bwd_config
+    monkeypatch.setattr(configs, "default_bwd_config", lambda *a, **kw: replace(table(*a, **kw), split_phases=False))
+    check_flash_grads(case, device="cuda")
