@@ -390,13 +390,18 @@ def _bwd_dkdv_kernel(
         alibi_slope = 0.0
         if HAS_ALIBI:
             alibi_slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah) * 1.4426950408889634
+        # Three phases (masked edge, unmasked interior, masked edge), or with SPLIT_PHASES
+        # off one loop that masks every tile: less code, far fewer live values (BwdConfig).
+        first_end = hi
         if SPLIT_PHASES:
-            dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, lo_tile, inner_lo,
-                offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
-                qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-                seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
-                IEEE_DOT, DROPOUT, FUSED_DQ)
+            first_end = inner_lo
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, lo_tile, first_end,
+            offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
+            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+            seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+            IEEE_DOT, DROPOUT, FUSED_DQ)
+        if SPLIT_PHASES:
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, inner_lo, inner_hi,
                 offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
@@ -405,14 +410,6 @@ def _bwd_dkdv_kernel(
                 IEEE_DOT, DROPOUT, FUSED_DQ)
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, inner_hi, hi,
-                offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
-                qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-                seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
-                IEEE_DOT, DROPOUT, FUSED_DQ)
-        else:
-            # One loop, every tile masked: less code and far fewer live values (see BwdConfig).
-            dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, lo_tile, hi,
                 offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
                 qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
                 seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
