@@ -19,7 +19,9 @@ from dataclasses import replace
 from typing import Optional
 
 import torch
+import torch.autograd.forward_ad as fwad
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 
 def _device_capability(t: Tensor) -> Optional[tuple[int, int]]:
@@ -212,8 +214,6 @@ class _EagerAttention(torch.autograd.Function):
 def _refuse_forward_ad(*tensors) -> None:
     """Forward-mode AD (jvp) has no rule here; without this check the tangent of the
     output would silently be missing."""
-    import torch.autograd.forward_ad as fwad
-
     if getattr(fwad, "_current_level", -1) < 0:
         return
     if any(t is not None and fwad.unpack_dual(t).tangent is not None for t in tensors):
@@ -228,11 +228,7 @@ def _plain_eager(*tensors) -> bool:
     subclasses) the call must go through the op, which those tools understand."""
     if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
         return False
-    if torch._C._are_functorch_transforms_active():
-        return False
-    from torch.utils._python_dispatch import _get_current_dispatch_mode
-
-    if _get_current_dispatch_mode() is not None:
+    if torch._C._are_functorch_transforms_active() or _get_current_dispatch_mode() is not None:
         return False
     return all(t is None or (type(t) is Tensor and t.device.type != "meta") for t in tensors)
 
