@@ -24,9 +24,10 @@ import torch
 from triton.testing import do_bench
 
 import flashtile
-from flashtile import autograd as ops
+from flashtile.bench import make_shape
 from flashtile.ops.configs import default_fwd_config
 from flashtile.ops.forward import attention_forward
+from sweep_common import canonical
 
 
 def host_us(fn, n=200):
@@ -87,14 +88,12 @@ def main(argv=None) -> int:
     for spec in args.shapes.split(";"):
         d, S, causal = (int(x) for x in spec.split(","))
         causal = bool(causal)
-        B, H = max(1, 16384 // S), 2048 // d
+        shape = make_shape(S, d, causal, "bf16")
+        B, H = shape.batch, shape.nheads
         q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
         k, v = torch.randn_like(q), torch.randn_like(q)
-        q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))
-        out4, lse = ops._bshd_view(q4), ops._new_lse(q4)
+        q4, k4, v4, out4, lse, problem = canonical(q, k, v, causal)
         cfg = default_fwd_config(torch.cuda.get_device_capability(), d, "bfloat16", causal, S)
-        problem = {"scale": d ** -0.5, "diag_offset": 0, "window_left": -1, "window_right": 0 if causal else -1,
-                   "softcap": 0.0, "alibi_slopes": None, "attn_mask": None}
         direct = lambda: attention_forward(q4, k4, v4, out4, lse, config=cfg, **problem)
         api = lambda: flashtile.flash_attn_func(q, k, v, causal=causal)
         op = lambda: torch.ops.flashtile.attn_fwd(q4, k4, v4, d ** -0.5, 0, -1, 0 if causal else -1, 0.0, None, None)

@@ -12,7 +12,8 @@ ROOT = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.mark.parametrize("name", ["sweep_fwd", "sweep_bwd", "train_block", "host_overhead"])
-def test_script_imports_and_shows_help(name, capsys):
+def test_script_imports_and_shows_help(name, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))  # as when run as a script: benchmarks/ holds sweep_common
     spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -21,3 +22,25 @@ def test_script_imports_and_shows_help(name, capsys):
     assert exc.value.code == 0
     assert "usage" in capsys.readouterr().out
 
+
+
+def test_sweep_records_rows_and_the_best_candidate(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    import json
+
+    from flashtile.bench import make_shape
+    from sweep_common import Sweep
+
+    shape = make_shape(4096, 128, True, "bf16")
+    sweep = Sweep("bwd", str(tmp_path / "rows.jsonl"))
+    peers = {"sdpa-cudnn": 2.0}
+    sweep.record(shape, "slow", [1], 4.0, peers, variant="split")
+    sweep.record(shape, "fast", [2], 1.0, peers, variant="split")
+    sweep.record(shape, "atomic", [3], 3.0, peers, variant="atomic")
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [r["cfg"] for r in rows] == [[1], [2], [3]]
+    assert rows[1]["tflops"] == pytest.approx(shape.flops("bwd") / 1.0 * 1e-9)
+    best = {key[-1]: value[0] for key, value in sweep.best.items()}
+    assert best == {"split": "fast", "atomic": "atomic"}
+    sweep.report()
+    assert "xsdpa-cudnn=2.000" in capsys.readouterr().out

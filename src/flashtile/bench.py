@@ -266,7 +266,7 @@ def measure_shape(shape: Shape, impls: list[str], passes: list[str], warmup: int
             continue
         for pass_ in passes:
             try:
-                ms = triton.testing.do_bench(_timed_call(impl, shape, pass_, inputs),
+                ms = triton.testing.do_bench(timed_call(impl, shape, pass_, inputs),
                                              warmup=warmup, rep=rep, return_mode="median")
                 emit(impl, pass_, {"ms": ms, "max_abs_diff": diff})
             except Exception as err:  # e.g. flashtile's NotImplementedError backward, OOM
@@ -276,7 +276,7 @@ def measure_shape(shape: Shape, impls: list[str], passes: list[str], warmup: int
     torch.cuda.empty_cache()
 
 
-def _timed_call(impl: str, shape: Shape, pass_: str, inputs: list[Any]) -> Callable[[], Any]:
+def timed_call(impl: str, shape: Shape, pass_: str, inputs: list[Any]) -> Callable[[], Any]:
     """What do_bench times: the forward, the backward on a retained graph, or both."""
     import torch
     if pass_ == "fwd":
