@@ -59,3 +59,12 @@ def test_autotune_switch(monkeypatch):
     assert not configs.autotune_enabled(None)
     monkeypatch.setenv("FLASHTILE_AUTOTUNE", "1")
     assert configs.autotune_enabled(None) and not configs.autotune_enabled(False)
+
+
+def test_bwd_dq_mode_override():
+    split = configs.default_bwd_config((9, 0), 256, "bfloat16", dq_mode="split")
+    atomic = configs.default_bwd_config((9, 0), 256, "bfloat16", dq_mode="atomic")
+    assert not split.fused_dq and atomic.fused_dq
+    assert atomic.num_stages == 1  # d256 fused: a second stage overflows shared memory (H200 run 8)
+    with pytest.raises(ValueError, match="dq_mode"):
+        configs.default_bwd_config((9, 0), 128, "bfloat16", dq_mode="fast")
