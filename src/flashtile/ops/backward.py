@@ -33,6 +33,7 @@ import triton
 import triton.language as tl
 
 from .configs import BwdConfig
+from .launch import Launcher
 from .window import effective_window
 from .forward import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, _dropout_keep, _key_tiles, _tanh
 
@@ -423,6 +424,11 @@ def _bwd_dkdv_kernel(
              + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=ok)
 
 
+_launch_pre = Launcher(_bwd_preprocess)
+_launch_dkdv = Launcher(_bwd_dkdv_kernel)
+_launch_dq = Launcher(_bwd_dq_kernel)
+
+
 def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, diag_offset: int,
                        window_left: int, window_right: int, softcap: float, alibi_slopes, attn_mask,
                        config: BwdConfig, dropout_p: float = 0.0, seed=None, dlse=None) -> None:
@@ -448,7 +454,6 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
         WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
         SOFTCAP=softcap_on, HAS_ALIBI=alibi_slopes is not None, IEEE_DOT=q.dtype == torch.float32,
         DROPOUT=dropout_p > 0.0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if attn_mask is None:
         mask_mode, mask_arg, mstrides = MASK_NONE, q, (0, 0, 0, 0)
@@ -464,30 +469,34 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
 
     delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     pre_blocks = triton.cdiv(seqlen_q, 64)
-    _bwd_preprocess[(pre_blocks * batch * nheads,)](
-        out, dout, delta, *out.stride()[:3], *dout.stride()[:3],
-        nheads, seqlen_q, head_dim, pre_blocks, BLOCK_M=64, BLOCK_D=block_d, IEEE_DOT=q.dtype == torch.float32)
+    _launch_pre((pre_blocks * batch * nheads,),
+                (out, dout, delta, *out.stride()[:3], *dout.stride()[:3], nheads, seqlen_q, head_dim, pre_blocks),
+                dict(BLOCK_M=64, BLOCK_D=block_d, IEEE_DOT=q.dtype == torch.float32), 4, 3)
     if dlse is not None:
         delta -= dlse.to(torch.float32)
 
     fused = config.fused_dq
     dq_acc = torch.zeros((batch, nheads, seqlen_q, head_dim), dtype=torch.float32, device=q.device) if fused else q
     num_n_blocks = triton.cdiv(seqlen_k, config.block_n_kv)
-    _bwd_dkdv_kernel[(num_n_blocks * batch * nheads_k,)](
-        q, k, v, dout, lse, delta, dk, dv, mask_arg, alibi_arg, seed_arg, dq_acc,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
-        *dk.stride()[:3], *dv.stride()[:3], *mstrides, *astrides, *dq_acc.stride()[:3],
-        nheads, nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_n_blocks, *scalars,
-        BLOCK_M=config.block_m_kv, BLOCK_N=config.block_n_kv, MASK_MODE=mask_mode, FUSED_DQ=fused,
-        SPLIT_PHASES=config.split_phases, **common)
+    _launch_dkdv(
+        (num_n_blocks * batch * nheads_k,),
+        (q, k, v, dout, lse, delta, dk, dv, mask_arg, alibi_arg, seed_arg, dq_acc,
+         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
+         *dk.stride()[:3], *dv.stride()[:3], *mstrides, *astrides, *dq_acc.stride()[:3],
+         nheads, nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_n_blocks, *scalars),
+        dict(BLOCK_M=config.block_m_kv, BLOCK_N=config.block_n_kv, MASK_MODE=mask_mode, FUSED_DQ=fused,
+             SPLIT_PHASES=config.split_phases, **common),
+        config.num_warps, config.num_stages)
     if fused:
         dq.copy_(dq_acc)
         return
 
     num_m_blocks = triton.cdiv(seqlen_q, config.block_m_q)
-    _bwd_dq_kernel[(num_m_blocks * batch * nheads,)](
-        q, k, v, dout, lse, delta, dq, mask_arg, alibi_arg, seed_arg,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
-        *mstrides, *astrides,
-        nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_m_blocks, *scalars,
-        BLOCK_M=config.block_m_q, BLOCK_N=config.block_n_q, MASK_MODE=mask_mode, **common)
+    _launch_dq(
+        (num_m_blocks * batch * nheads,),
+        (q, k, v, dout, lse, delta, dq, mask_arg, alibi_arg, seed_arg,
+         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
+         *mstrides, *astrides,
+         nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_m_blocks, *scalars),
+        dict(BLOCK_M=config.block_m_q, BLOCK_N=config.block_n_q, MASK_MODE=mask_mode, **common),
+        config.num_warps, config.num_stages)

@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .configs import FwdConfig
+from .launch import Launcher
 from .window import effective_window
 
 LOG2E = 1.4426950408889634
@@ -300,6 +301,9 @@ def _fwd_kernel(
     tl.store(lse_ptrs, lse, mask=m_ok)
 
 
+_launch_fwd = Launcher(_fwd_kernel)
+
+
 def _tma_ok(*tensors) -> bool:
     """The bulk tensor copy engine needs sm90+, 16-byte aligned bases and strides."""
     t0 = tensors[0]
@@ -368,23 +372,24 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
         descs = (desc(q, config.block_m), desc(k, config.block_n), desc(v, config.block_n), desc(out, config.block_m))
     else:
         descs = (q, k, v, out)
-    _fwd_kernel[grid](
-        q, k, v, out, lse, mask_arg, alibi_arg, seed if dropout_p > 0.0 else q, *descs,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        out.stride(0), out.stride(1), out.stride(2),
-        *mstrides, *astrides,
-        nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_m_blocks,
-        scale * LOG2E,
-        scale / softcap if softcap_on else 0.0,
-        softcap * LOG2E if softcap_on else 0.0,
-        diag_offset, window_left, window_right, float(dropout_p),
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
-        EVEN_D=block_d == head_dim,
-        WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
-        SOFTCAP=softcap_on, HAS_ALIBI=alibi_slopes is not None, MASK_MODE=mask_mode,
-        IEEE_DOT=q.dtype == torch.float32,
-        REVERSE_M=window_right >= 0, USE_TMA=use_tma, DROPOUT=dropout_p > 0.0,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+    _launch_fwd(
+        grid,
+        (q, k, v, out, lse, mask_arg, alibi_arg, seed if dropout_p > 0.0 else q, *descs,
+         q.stride(0), q.stride(1), q.stride(2),
+         k.stride(0), k.stride(1), k.stride(2),
+         v.stride(0), v.stride(1), v.stride(2),
+         out.stride(0), out.stride(1), out.stride(2),
+         *mstrides, *astrides,
+         nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_m_blocks,
+         scale * LOG2E,
+         scale / softcap if softcap_on else 0.0,
+         softcap * LOG2E if softcap_on else 0.0,
+         diag_offset, window_left, window_right, float(dropout_p)),
+        dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
+             EVEN_D=block_d == head_dim,
+             WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
+             SOFTCAP=softcap_on, HAS_ALIBI=alibi_slopes is not None, MASK_MODE=mask_mode,
+             IEEE_DOT=q.dtype == torch.float32,
+             REVERSE_M=window_right >= 0, USE_TMA=use_tma, DROPOUT=dropout_p > 0.0),
+        config.num_warps, config.num_stages,
     )

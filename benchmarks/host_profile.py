@@ -1,0 +1,84 @@
+"""Where the host time of one call goes (GPU needed): cProfile over many enqueued calls.
+
+    PYTHONPATH=src python3 benchmarks/host_profile.py [--calls 300] [--top 25]
+
+Profiles, at d128 S512 causal (bf16, batch 32, 16 heads), the forward launcher alone with
+the TMA config and with pointer loads, the public forward without and with grad, and the
+backward. Prints per-call wall time without the profiler, then the profile's top functions
+by own time. Use it with host_overhead.py: that one says whether a shape is launch-bound,
+this one says which Python or driver call to cut.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import pstats
+import sys
+import time
+
+import torch
+
+import flashtile
+from flashtile.ops.configs import FwdConfig, default_fwd_config
+from flashtile.ops.forward import attention_forward
+from sweep_common import canonical
+
+
+def per_call_us(fn, n: int) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+def profile(name: str, fn, n: int, top: int) -> None:
+    us = per_call_us(fn, n)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).strip_dirs().sort_stats("tottime").print_stats(top)
+    print(f"\n===== {name}: {us:.1f} us/call host (no profiler)\n" + buf.getvalue(), flush=True)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--calls", type=int, default=300)
+    p.add_argument("--top", type=int, default=25)
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=512)
+    args = p.parse_args(argv)
+    d, S = args.headdim, args.seqlen
+    B, H = 16384 // S, 2048 // d
+    q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
+    k, v = torch.randn_like(q), torch.randn_like(q)
+    q4, k4, v4, out4, lse, problem = canonical(q, k, v, True)
+    cfg = default_fwd_config(torch.cuda.get_device_capability(), d, "bfloat16", True, S)
+    ptr = FwdConfig(cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, False)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = flashtile.flash_attn_func(*leaves, causal=True)
+    dout = torch.randn_like(out)
+    cases = {
+        f"launcher {cfg}": lambda: attention_forward(q4, k4, v4, out4, lse, config=cfg, **problem),
+        f"launcher {ptr}": lambda: attention_forward(q4, k4, v4, out4, lse, config=ptr, **problem),
+        "flash_attn_func, no grad": lambda: flashtile.flash_attn_func(q, k, v, causal=True),
+        "flash_attn_func, grad": lambda: flashtile.flash_attn_func(*leaves, causal=True),
+        "backward (autograd.grad)": lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
+    }
+    for name, fn in cases.items():
+        profile(name, fn, args.calls, args.top)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

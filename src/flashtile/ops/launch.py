@@ -1,0 +1,123 @@
+"""Kernel launches whose host cost is close to the driver's.
+
+``kernel[grid](*args, **constexprs)`` makes Triton re-derive, on every call, how each
+argument specializes the binary (pointer dtype and 16-byte alignment, ints equal to 1 or
+divisible by 16, 32- vs 64-bit ints), format a cache key from that and look it up. Our
+kernels take 30-45 arguments, so this is most of the launcher's host time: the H200
+host spent 60-100 us per forward launch (``benchmarks/host_profile.py``), about as long
+as the kernel itself at seqlen 512.
+
+``launch`` derives the same facts with a few comparisons per argument, keeps the compiled
+kernel Triton returned for them, and calls it directly (``CompiledKernel.run``, the call
+``JITFunction.run`` ends in). The key it builds is at least as fine as Triton's, so a new
+key only costs one ordinary ``kernel[grid]`` call (which finds Triton's own cached binary
+or compiles it), never a wrong binary. ``FLASHTILE_LAUNCH_CHECK=1`` (set by the GPU tests)
+also runs Triton's own lookup on every direct launch and raises if it would have picked
+another binary. ``FLASHTILE_FAST_LAUNCH=0`` turns the direct path off; it is also off under
+``TRITON_INTERPRET=1``, with launch hooks installed, and for triton versions other than
+the 3.6 it was written against.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+import triton
+from triton.runtime import driver
+
+_I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
+_UNKNOWN = object()  # an argument type without a rule here: take Triton's own path
+_TESTED_VERSION = triton.__version__.startswith("3.6.")
+
+
+def _fast_ok() -> bool:
+    return (_TESTED_VERSION and os.environ.get("FLASHTILE_FAST_LAUNCH", "1") != "0"
+            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+
+
+def arg_key(a: Any) -> Any:
+    """What about one runtime argument can change the binary Triton builds for it."""
+    t = type(a)
+    if t is int:
+        if a == 1:
+            return 1
+        return (a % 16 == 0, _I32_MIN <= a <= _I32_MAX, a > _I64_MAX)
+    if t is float or a is None:
+        return t
+    if t is bool:
+        return ("u1", a)
+    if hasattr(a, "data_ptr"):  # torch.Tensor (or a tensor-like Triton accepts)
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    if hasattr(a, "block_shape"):  # triton.tools.tensor_descriptor.TensorDescriptor
+        return ("desc", a.base.dtype, tuple(a.block_shape), getattr(a, "padding", None),
+                a.base.data_ptr() % 16 == 0)
+    return _UNKNOWN
+
+
+class Launcher:
+    """Direct launches of one ``@triton.jit`` kernel; see the module docstring."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.cache: dict[tuple, Any] = {}
+        self._tail: dict[int, tuple[str, ...]] = {}
+
+    def _full_args(self, args: Sequence[Any], constexprs: dict[str, Any]) -> list[Any]:
+        """Every kernel parameter in signature order (what Triton's binder returns)."""
+        names = self._tail.get(len(args))
+        if names is None:
+            names = self._tail[len(args)] = tuple(self.fn.arg_names[len(args):])
+        full = list(args)
+        for name in names:
+            if name in constexprs:
+                full.append(constexprs[name])
+            else:
+                full.append(self.fn.params[self.fn.arg_names.index(name)].default)
+        return full
+
+    def __call__(self, grid: tuple[int, ...], args: Sequence[Any], constexprs: dict[str, Any],
+                 num_warps: int, num_stages: int) -> None:
+        if not _fast_ok() or self.fn.pre_run_hooks or _hooks_installed():
+            self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            return
+        device = driver.active.get_current_device()
+        arg_keys = tuple(map(arg_key, args))
+        if _UNKNOWN in arg_keys:
+            self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            return
+        key = (device, num_warps, num_stages, tuple(constexprs.items()), arg_keys)
+        compiled = self.cache.get(key)
+        if compiled is None:
+            self.cache[key] = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+            return
+        if os.environ.get("FLASHTILE_LAUNCH_CHECK", "0") == "1":
+            self._check(device, compiled, args, constexprs, num_warps, num_stages)
+        stream = driver.active.get_current_stream(device)
+        grid = tuple(grid) + (1, 1)
+        compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
+                     None, None, None, *self._full_args(args, constexprs))
+
+    def _check(self, device, compiled, args, constexprs, num_warps, num_stages) -> None:
+        from triton.runtime.jit import compute_cache_key
+
+        kernel_cache, key_cache, _, _, binder = self.fn.device_caches[device]
+        bound, spec, options = binder(*args, **constexprs, num_warps=num_warps, num_stages=num_stages,
+                                      debug=self.fn.debug or triton.knobs.runtime.debug,
+                                      instrumentation_mode=triton.knobs.compilation.instrumentation_mode)
+        theirs = kernel_cache.get(compute_cache_key(key_cache, spec, options))
+        if theirs is not compiled:
+            raise AssertionError(f"flashtile.ops.launch: the direct launch of {self.fn.__name__} picked another "
+                                 f"binary than Triton would (key {spec})")
+        mine = self._full_args(args, constexprs)
+        if len(mine) != len(bound) or not all(_same(a, b) for a, b in zip(bound.values(), mine)):
+            raise AssertionError(f"flashtile.ops.launch: argument order differs from Triton's for {self.fn.__name__}")
+
+
+def _same(a: Any, b: Any) -> bool:
+    return a is b or (type(a) in (int, float, bool) and type(a) is type(b) and a == b)
+
+
+def _hooks_installed() -> bool:
+    rt = triton.knobs.runtime
+    return rt.launch_enter_hook is not None or rt.launch_exit_hook is not None

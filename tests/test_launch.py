@@ -1,0 +1,140 @@
+"""The direct launch path (flashtile.ops.launch): its specialization key must be at least
+as fine as Triton's own, or a launch could run a binary built for other arguments."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+triton = pytest.importorskip("triton")
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from flashtile.ops import launch  # noqa: E402
+
+
+def _triton_spec(a):
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    return native_specialize_impl(CUDABackend, a, False, True, True)
+
+
+_EDGES = [0, 1, 2, 15, 16, 17, -1, -16, 2**31 - 16, 2**31 - 1, 2**31, 2**31 + 16, -(2**31), -(2**31) - 1,
+          2**40, 2**63 - 16, 2**63, 2**63 + 16, 2**64 - 16]
+
+
+_SCALARS = _EDGES + [0.0, 1.0, -2.5, 1e30, None, True, False]
+
+
+def test_equal_keys_mean_equal_triton_specialization_at_the_edges():
+    for a in _SCALARS:
+        for b in _SCALARS:
+            if launch.arg_key(a) == launch.arg_key(b):
+                assert _triton_spec(a) == _triton_spec(b), (a, b)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(-(2**63), 2**64 - 1), st.sampled_from(_SCALARS))
+def test_equal_keys_mean_equal_triton_specialization(a, b):
+    if launch.arg_key(a) == launch.arg_key(b):
+        assert _triton_spec(a) == _triton_spec(b), (a, b)
+
+
+def _tensors():
+    base = torch.zeros(4096, dtype=torch.uint8)
+    out = []
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.uint8, torch.int64):
+        for offset_bytes in (0, 2, 8, 16, 24, 32):
+            size = dtype.itemsize if hasattr(dtype, "itemsize") else torch.tensor([], dtype=dtype).element_size()
+            if offset_bytes % size:
+                continue
+            out.append(base[offset_bytes:offset_bytes + 64 * size].view(dtype))
+    return out
+
+
+def test_tensor_keys_refine_triton_specialization():
+    ts = _tensors()
+    assert len({launch.arg_key(t) for t in ts}) > 5
+    for a in ts:
+        for b in ts:
+            if launch.arg_key(a) == launch.arg_key(b):
+                assert _triton_spec(a) == _triton_spec(b)
+            if _triton_spec(a) != _triton_spec(b):
+                assert launch.arg_key(a) != launch.arg_key(b)
+
+
+def test_descriptor_keys_refine_triton_specialization():
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    descs = []
+    for dtype in (torch.float16, torch.bfloat16):
+        t = torch.zeros(2, 3, 64, 128, dtype=dtype)
+        for rows in (64, 128):
+            for d in (64, 128):
+                descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d]))
+    for a in descs:
+        for b in descs:
+            if launch.arg_key(a) == launch.arg_key(b):
+                assert _triton_spec(a) == _triton_spec(b)
+
+
+def test_unknown_argument_types_take_tritons_path():
+    class Odd:
+        pass
+
+    assert launch.arg_key(Odd()) is launch._UNKNOWN
+    import numpy as np
+
+    assert launch.arg_key(np.int64(3)) is launch._UNKNOWN
+
+
+def test_full_args_follow_the_kernel_signature(monkeypatch):
+    """What the direct call passes must line up with every parameter of the kernel."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    from triton.runtime.jit import JITFunction
+
+    @triton.jit
+    def k(a, b, n, BLOCK: triton.language.constexpr, FLAG: triton.language.constexpr = 3):
+        pass
+
+    if not isinstance(k, JITFunction):  # TRITON_INTERPRET=1 at import gives an InterpretedFunction
+        k = JITFunction(k.fn)
+    lz = launch.Launcher(k)
+    assert lz._full_args((1, 2, 5), {"BLOCK": 64}) == [1, 2, 5, 64, 3]
+    assert lz._full_args((1, 2, 5), {"FLAG": 1, "BLOCK": 64}) == [1, 2, 5, 64, 1]
+
+
+def test_the_interpreter_takes_tritons_path(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert not launch._fast_ok()
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("FLASHTILE_FAST_LAUNCH", "0")
+    assert not launch._fast_ok()
+
+
+@pytest.mark.gpu
+def test_direct_launches_hit_and_match(monkeypatch):
+    """Second call of a shape goes direct; misaligned inputs and odd lengths get their own
+    binaries; every direct launch is checked against Triton's own lookup."""
+    monkeypatch.setenv("FLASHTILE_LAUNCH_CHECK", "1")
+    import flashtile
+    from flashtile.ops import backward, forward
+
+    torch.manual_seed(0)
+    outs = []
+    for seqlen, offset in ((512, 0), (512, 0), (500, 0), (512, 1), (512, 0)):
+        n = 2 * seqlen * 4 * 64
+        buf = torch.randn(3 * n + offset, device="cuda", dtype=torch.float16)
+        q, k, v = (buf[offset + i * n: offset + (i + 1) * n].view(2, seqlen, 4, 64) for i in range(3))
+        before = len(forward._launch_fwd.cache)
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        out = flashtile.flash_attn_func(*leaves, causal=True)
+        out.backward(torch.ones_like(out))
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            *(t.transpose(1, 2).float() for t in (q, k, v)), is_causal=True).transpose(1, 2)
+        torch.testing.assert_close(out.float(), ref, atol=2e-3, rtol=0)
+        outs.append((before, len(forward._launch_fwd.cache)))
+        assert all(t.grad is not None and torch.isfinite(t.grad).all() for t in leaves)
+    assert outs[1][0] == outs[1][1], "the repeated shape compiled or re-keyed instead of launching directly"
+    assert outs[3][1] == outs[3][0] + 1, "a misaligned input must get its own key"
+    assert len(backward._launch_dkdv.cache) >= 3
