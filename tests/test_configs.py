@@ -68,3 +68,14 @@ def test_bwd_dq_mode_override():
     assert atomic.num_stages == 1  # d256 fused: a second stage overflows shared memory (H200 run 8)
     with pytest.raises(ValueError, match="dq_mode"):
         configs.default_bwd_config((9, 0), 128, "bfloat16", dq_mode="fast")
+
+
+def test_bwd_one_loop_only_without_tile_masks():
+    """The single-loop dk/dv variant is picked where the H200 sweep measured it ahead."""
+    for d in (40, 64, 256):
+        assert not configs.default_bwd_config((9, 0), d, "bfloat16", tile_masks=False).split_phases
+        assert configs.default_bwd_config((9, 0), d, "bfloat16", tile_masks=True).split_phases
+    assert configs.default_bwd_config((9, 0), 128, "bfloat16", tile_masks=False).split_phases
+    assert configs.default_bwd_config((8, 0), 64, "bfloat16", tile_masks=False).split_phases
+    atomic = configs.default_bwd_config((9, 0), 64, "bfloat16", dq_mode="atomic", tile_masks=False)
+    assert atomic.fused_dq and atomic.split_phases

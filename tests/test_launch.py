@@ -104,6 +104,22 @@ def test_full_args_follow_the_kernel_signature(monkeypatch):
     assert lz._full_args((1, 2, 5), {"FLAG": 1, "BLOCK": 64}) == [1, 2, 5, 64, 1]
 
 
+def test_no_launch_hooks_by_default_and_an_added_one_is_seen():
+    """Direct launches pass no hooks, so they must only run while none is installed."""
+    assert not launch._hooks_installed()
+    hooks = triton.knobs.runtime.launch_enter_hook
+
+    def hook(metadata):
+        pass
+
+    hooks.add(hook)
+    try:
+        assert launch._hooks_installed()
+    finally:
+        hooks.remove(hook)
+    assert not launch._hooks_installed()
+
+
 def test_the_interpreter_takes_tritons_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     assert not launch._fast_ok()

@@ -126,8 +126,9 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     if capability is None:
         config = replace(configs.INTERPRETER_BWD, fused_dq=configs.bwd_dq_mode(deterministic) == "atomic")
     else:
-        config = configs.default_bwd_config(capability, q.shape[-1], str(q.dtype).replace("torch.", ""),
-                                            deterministic)
+        config = configs.default_bwd_config(
+            capability, q.shape[-1], str(q.dtype).replace("torch.", ""), deterministic,
+            tile_masks=window_left >= 0 or window_right >= 0 or attn_mask is not None)
     _check_grid(-(-q.shape[2] // config.block_m_q) * q.shape[0] * q.shape[1])
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         attention_backward(q, k, v, out.transpose(1, 2), lse, dout.transpose(1, 2), dq4, dk4, dv4,

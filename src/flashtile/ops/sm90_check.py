@@ -156,6 +156,9 @@ def table_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
         yield lambda bwd=bwd, head_dim=head_dim: compile_backward(bwd, dtype, head_dim, mask_mode=2, extras=True)
         fused = configs.default_bwd_config((9, 0), head_dim, "bfloat16", dq_mode="atomic")
         yield lambda fused=fused, head_dim=head_dim: compile_backward(fused, dtype, head_dim)
+        plain = configs.default_bwd_config((9, 0), head_dim, "bfloat16", tile_masks=False)
+        if plain != bwd:  # the one-loop variant, for calls without causal/window/mask
+            yield lambda plain=plain, head_dim=head_dim: compile_backward(plain, dtype, head_dim)
 
 
 def main(argv=None) -> int:
