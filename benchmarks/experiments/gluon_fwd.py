@@ -222,7 +222,7 @@ def _schedule(ptx: str) -> str:
     return " ".join(f"{t}x{n}" if n > 1 else t for t, n in seq)
 
 
-def check_and_time(shapes) -> None:
+def check_and_time(shapes, configs=((128, 128, 8),)) -> None:
     import torch
     from triton.testing import do_bench
 
@@ -233,31 +233,35 @@ def check_and_time(shapes) -> None:
     for d, S, causal in shapes:
         B, H = 16384 // S, 2048 // d
         q4, k4, v4 = (torch.randn(B, H, S, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
-        out, lse = gluon_forward(q4, k4, v4, causal)
         ref = torch.nn.functional.scaled_dot_product_attention(q4.float(), k4.float(), v4.float(), is_causal=causal)
-        err = (out.float() - ref).abs().max().item()
         ref_lse = torch.logsumexp((q4.float() @ k4.float().transpose(-1, -2)) * d ** -0.5
                                   + (torch.full((S, S), float("-inf"), device="cuda").triu(1) if causal else 0), -1)
-        lse_err = (lse - ref_lse).abs().max().item()
         flops = 4 * B * H * S * S * d / (2 if causal else 1)
         out_t, lse_t = torch.empty_like(q4), torch.empty((B, H, S), device="cuda", dtype=torch.float32)
         cfg = default_fwd_config(torch.cuda.get_device_capability(), d, "bfloat16", causal, S)
         problem = dict(scale=d ** -0.5, diag_offset=0, window_left=-1, window_right=0 if causal else -1,
                        softcap=0.0, alibi_slopes=None, attn_mask=None)
-        times = {"gluon": do_bench(lambda: gluon_forward(q4, k4, v4, causal), warmup=25, rep=100),
-                 "triton": do_bench(lambda: attention_forward(q4, k4, v4, out_t, lse_t, config=cfg, **problem),
+        times, errs = {}, []
+        for bm, bn, w in configs:
+            out, lse = gluon_forward(q4, k4, v4, causal, bm, bn, w)
+            errs.append(f"m{bm}n{bn}w{w} out {(out.float() - ref).abs().max().item():.1e} "
+                        f"lse {(lse - ref_lse).abs().max().item():.1e}")
+            times[f"gluon m{bm}n{bn}w{w}"] = do_bench(lambda: gluon_forward(q4, k4, v4, causal, bm, bn, w),
+                                                      warmup=25, rep=100)
+        times |= {"triton": do_bench(lambda: attention_forward(q4, k4, v4, out_t, lse_t, config=cfg, **problem),
                                     warmup=25, rep=100)}
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             times["cudnn"] = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(
                 q4, k4, v4, is_causal=causal), warmup=25, rep=100)
         tf = {k: flops / ms * 1e-9 for k, ms in times.items()}
-        print(f"d{d} S{S} causal={int(causal)} max|out-ref| {err:.2e} max|lse-ref| {lse_err:.2e}  "
-              + "  ".join(f"{k} {v:6.1f} TF/s" for k, v in tf.items()), flush=True)
+        print(f"d{d} S{S} causal={int(causal)} max err: {'; '.join(errs)}\n   "
+              + "  ".join(f"{k} {v:6.1f}" for k, v in tf.items()) + " TF/s", flush=True)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--compile", action="store_true", help="compile for sm_90a only (no GPU needed)")
+    p.add_argument("--configs", default="128,128,8", help="block_m,block_n,warps;... (GPU run)")
     args = p.parse_args(argv)
     if args.compile:
         for d, bm, bn, w, causal in ((128, 128, 128, 8, False), (128, 128, 128, 8, True), (64, 128, 128, 8, False),
@@ -269,8 +273,9 @@ def main(argv=None) -> int:
             print(f"d{d} m{bm} n{bn} w{w} causal={int(causal)}: regs={regs} spill={spills}B "
                   f"smem={k.metadata.shared}\n  {_schedule(k.asm['ptx'])}", flush=True)
         return 0
+    p_cfg = [tuple(map(int, c.split(","))) for c in args.configs.split(";")]
     check_and_time([(128, 4096, False), (128, 4096, True), (128, 16384, False), (128, 16384, True),
-                    (64, 4096, False), (64, 16384, True)])
+                    (64, 4096, False), (64, 16384, True)], p_cfg)
     return 0
 
 
