@@ -157,6 +157,175 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seqlen, qk_scale,
     tma.store_wait(pendings=0)
 
 
+# ---------------------------------------------------------------------------------------
+# Warp-specialized variant (FA3's other half): one loader warp issues every TMA copy; two
+# consumer warpgroups each own 64 rows of the 128-row query tile and run the loop above.
+# K/V slots are freed by both consumers (mbarriers with count 2), so the loader can run
+# NUM_BUF tiles ahead; the warp scheduler interleaves one warpgroup's softmax with the
+# other's wgmma (no explicit ping-pong barrier yet).
+
+
+@gluon.jit
+def _ws_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem,
+                 q_bar, k_ready, k_empty, v_ready, v_empty, row0, m0, n_tiles, seqlen, bh, qk_scale):
+    # triton 3.6 turns constexprs passed through warp_specialize into tensors: every
+    # compile-time size comes from a type instead (q_bar has a third, unused barrier
+    # when the call is causal).
+    HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+    CAUSAL: gl.constexpr = q_bar.type.shape[0] == 3
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    mq = m0 + WG * HALF_M  # first query row of this warpgroup
+    q_tile = q_smem.index(WG)
+    zeros_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
+
+    mbarrier.wait(q_bar.index(WG), 0)
+    mbarrier.wait(k_ready.index(0), 0)
+    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+    mbarrier.arrive(k_empty.index(0), count=1)
+    s = _scores(s, qk_scale, mq, 0, HALF_M, BLOCK_N, CAUSAL, s_layout)
+    m_i = gl.max(s, axis=1)
+    p = gl.exp2(s - m_i[:, None])
+    l_i = gl.sum(p, axis=1)
+    acc = gl.zeros([HALF_M, HEAD_D], gl.float32, o_layout)
+
+    for j in range(1, n_tiles):
+        slot = j % NUM_BUF
+        prev = (j - 1) % NUM_BUF
+        mbarrier.wait(k_ready.index(slot), (j // NUM_BUF) & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_BUF) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        s = _scores(s, qk_scale, mq, j * BLOCK_N, HALF_M, BLOCK_N, CAUSAL, s_layout)
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        p = gl.exp2(s - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, axis=1)
+        m_i = m_new
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+
+    last = (n_tiles - 1) % NUM_BUF
+    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_BUF) & 1)
+    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc, is_async=True)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(v_empty.index(last), count=1)
+
+    out = acc / gl.convert_layout(l_i, row_o)[:, None]
+    q_tile.store(out.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [row0 + mq, 0], q_tile)
+    rows = mq + gl.arange(0, HALF_M, layout=row_s)
+    gl.store(Lse + bh.to(gl.int64) * seqlen + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _ws_consumer0(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                  v_ready, v_empty, row0, m0, n_tiles, seqlen, bh, qk_scale):
+    _ws_consumer(0, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                 v_ready, v_empty, row0, m0, n_tiles, seqlen, bh, qk_scale)
+
+
+@gluon.jit
+def _ws_consumer1(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                  v_ready, v_empty, row0, m0, n_tiles, seqlen, bh, qk_scale):
+    _ws_consumer(1, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+                 v_ready, v_empty, row0, m0, n_tiles, seqlen, bh, qk_scale)
+
+
+@gluon.jit
+def _ws_loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+               v_ready, v_empty, row0, m0, n_tiles, seqlen, bh, qk_scale):
+    HALF_M: gl.constexpr = q_desc.block_type.shape[0]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+    NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [row0 + m0 + wg * HALF_M, 0], q_bar.index(wg), q_smem.index(wg))
+    for j in range(n_tiles):
+        slot = j % NUM_BUF
+        free_phase = ((j // NUM_BUF) & 1) ^ 1  # a fresh mbarrier counts as having completed phase 1
+        mbarrier.wait(k_empty.index(slot), free_phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free_phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _gluon_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seqlen, qk_scale,
+                         HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
+                         CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    pid_m = gl.program_id(0)
+    bh = gl.program_id(1)
+    if CAUSAL:
+        pid_m = gl.num_programs(0) - 1 - pid_m
+    m0 = pid_m * (2 * HALF_M)
+    row0 = bh * seqlen
+    dtype: gl.constexpr = q_desc.dtype
+    if CAUSAL:
+        n_tiles = gl.cdiv(m0 + 2 * HALF_M, BLOCK_N)
+    else:
+        n_tiles = seqlen // BLOCK_N
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(v_empty.index(i), count=2)
+
+    args = (q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+            v_empty, row0, m0, n_tiles, seqlen, bh, qk_scale)
+    gl.warp_specialize([(_ws_consumer0, args), (_ws_consumer1, args), (_ws_loader, args)],
+                       [4, 1], [CONSUMER_REGS, 24])
+
+
+def gluon_forward_ws(q4, k4, v4, causal: bool, block_n: int = 128, num_buf: int = 2, consumer_regs: int = 240):
+    """Warp-specialized variant: 128 query rows per program (two 64-row consumer warpgroups)."""
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    B, H, S, D = q4.shape
+    assert k4.shape == q4.shape and S % 128 == 0 and S % block_n == 0 and D in (64, 128)
+    out4 = torch.empty_like(q4)
+    lse = torch.empty((B, H, S), device=q4.device, dtype=torch.float32)
+
+    def desc(t, rows):
+        flat = t.reshape(B * H * S, D)
+        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, D], _layout([rows, D], t.dtype))
+
+    grid = (S // 128, B * H)
+    _gluon_fwd_ws_kernel[grid](desc(q4, 64), desc(k4, block_n), desc(v4, block_n), desc(out4, 64), lse, S,
+                               D ** -0.5 * LOG2E, HALF_M=64, BLOCK_N=block_n, HEAD_D=D, CAUSAL=causal,
+                               NUM_BUF=num_buf, CONSUMER_REGS=consumer_regs, num_warps=4)
+    return out4, lse
+
+
 def _layout(block, torch_dtype):
     import torch
 
@@ -242,12 +411,22 @@ def check_and_time(shapes, configs=((128, 128, 8),)) -> None:
         problem = dict(scale=d ** -0.5, diag_offset=0, window_left=-1, window_right=0 if causal else -1,
                        softcap=0.0, alibi_slopes=None, attn_mask=None)
         times, errs = {}, []
-        for bm, bn, w in configs:
-            out, lse = gluon_forward(q4, k4, v4, causal, bm, bn, w)
-            errs.append(f"m{bm}n{bn}w{w} out {(out.float() - ref).abs().max().item():.1e} "
+        for cfg in configs:
+            if cfg[0] == "ws":  # ("ws", block_n, num_buf, consumer_regs)
+                name = f"ws n{cfg[1]} buf{cfg[2]} r{cfg[3]}"
+                fn = lambda cfg=cfg: gluon_forward_ws(q4, k4, v4, causal, *map(int, cfg[1:]))
+            else:  # (block_m, block_n, warps)
+                name = f"gluon m{cfg[0]}n{cfg[1]}w{cfg[2]}"
+                fn = lambda cfg=cfg: gluon_forward(q4, k4, v4, causal, *map(int, cfg))
+            try:
+                out, lse = fn()
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001  (an experiment: report and go on)
+                errs.append(f"{name} failed: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            errs.append(f"{name} out {(out.float() - ref).abs().max().item():.1e} "
                         f"lse {(lse - ref_lse).abs().max().item():.1e}")
-            times[f"gluon m{bm}n{bn}w{w}"] = do_bench(lambda: gluon_forward(q4, k4, v4, causal, bm, bn, w),
-                                                      warmup=25, rep=100)
+            times[name] = do_bench(fn, warmup=25, rep=100)
         times |= {"triton": do_bench(lambda: attention_forward(q4, k4, v4, out_t, lse_t, config=cfg, **problem),
                                     warmup=25, rep=100)}
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
@@ -261,7 +440,7 @@ def check_and_time(shapes, configs=((128, 128, 8),)) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--compile", action="store_true", help="compile for sm_90a only (no GPU needed)")
-    p.add_argument("--configs", default="128,128,8", help="block_m,block_n,warps;... (GPU run)")
+    p.add_argument("--configs", default="128,128,8", help="block_m,block_n,warps or ws,block_n,num_buf,consumer_regs;... (GPU run)")
     args = p.parse_args(argv)
     if args.compile:
         for d, bm, bn, w, causal in ((128, 128, 128, 8, False), (128, 128, 128, 8, True), (64, 128, 128, 8, False),
@@ -273,7 +452,7 @@ def main(argv=None) -> int:
             print(f"d{d} m{bm} n{bn} w{w} causal={int(causal)}: regs={regs} spill={spills}B "
                   f"smem={k.metadata.shared}\n  {_schedule(k.asm['ptx'])}", flush=True)
         return 0
-    p_cfg = [tuple(map(int, c.split(","))) for c in args.configs.split(";")]
+    p_cfg = [tuple(x if x == "ws" else int(x) for x in c.split(",")) for c in args.configs.split(";")]
     check_and_time([(128, 4096, False), (128, 4096, True), (128, 16384, False), (128, 16384, True),
                     (64, 4096, False), (64, 16384, True)], p_cfg)
     return 0
