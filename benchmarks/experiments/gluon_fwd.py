@@ -411,13 +411,13 @@ def check_and_time(shapes, configs=((128, 128, 8),)) -> None:
         problem = dict(scale=d ** -0.5, diag_offset=0, window_left=-1, window_right=0 if causal else -1,
                        softcap=0.0, alibi_slopes=None, attn_mask=None)
         times, errs = {}, []
-        for cfg in configs:
-            if cfg[0] == "ws":  # ("ws", block_n, num_buf, consumer_regs)
-                name = f"ws n{cfg[1]} buf{cfg[2]} r{cfg[3]}"
-                fn = lambda cfg=cfg: gluon_forward_ws(q4, k4, v4, causal, *map(int, cfg[1:]))
+        for c in configs:
+            if c[0] == "ws":  # ("ws", block_n, num_buf, consumer_regs)
+                name = f"ws n{c[1]} buf{c[2]} r{c[3]}"
+                fn = lambda c=c: gluon_forward_ws(q4, k4, v4, causal, *map(int, c[1:]))
             else:  # (block_m, block_n, warps)
-                name = f"gluon m{cfg[0]}n{cfg[1]}w{cfg[2]}"
-                fn = lambda cfg=cfg: gluon_forward(q4, k4, v4, causal, *map(int, cfg))
+                name = f"gluon m{c[0]}n{c[1]}w{c[2]}"
+                fn = lambda c=c: gluon_forward(q4, k4, v4, causal, *map(int, c))
             try:
                 out, lse = fn()
                 torch.cuda.synchronize()
