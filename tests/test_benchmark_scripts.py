@@ -11,10 +11,11 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-@pytest.mark.parametrize("name", ["sweep_fwd", "sweep_bwd", "train_block", "host_overhead"])
+@pytest.mark.parametrize("name", ["sweep_fwd", "sweep_bwd", "train_block", "host_overhead", "host_profile",
+                                  "experiments/gluon_fwd"])
 def test_script_imports_and_shows_help(name, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))  # as when run as a script: benchmarks/ holds sweep_common
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"bench_{name.replace('/', '_')}", ROOT / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     with pytest.raises(SystemExit) as exc:
@@ -44,3 +45,19 @@ def test_sweep_records_rows_and_the_best_candidate(tmp_path, capsys, monkeypatch
     assert best == {"split": "fast", "atomic": "atomic"}
     sweep.report()
     assert "xsdpa-cudnn=2.000" in capsys.readouterr().out
+
+
+def test_launch_key_cost_runs_on_cpu(tmp_path):
+    # A subprocess: under TRITON_INTERPRET=1 the kernels are interpreter functions, with
+    # no binder to time.
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT.parent / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, str(ROOT / "launch_key_cost.py")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "triton_binder" in proc.stdout and "flashtile_key" in proc.stdout

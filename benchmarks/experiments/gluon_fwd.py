@@ -353,22 +353,31 @@ def gluon_forward(q4, k4, v4, causal: bool, block_m: int = 128, block_n: int = 1
     return out4, lse
 
 
-def compile_only(block_m=128, block_n=128, head_d=128, num_warps=8, causal=False):
-    """sm_90a compile on any machine: registers, spills, and the wgmma/wait order."""
+def compile_only(block_m=128, block_n=128, head_d=128, num_warps=8, causal=False, ws=False, num_buf=2,
+                 consumer_regs=240):
+    """sm_90a compile on any machine (no GPU): the kernel's PTX and metadata.
+
+    ws=True compiles the warp-specialized kernel (block_m is then 2 x 64 rows)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def td(rows):
         return f"tensordesc<bf16[{rows}, {head_d}],{_layout_str(rows, head_d)}>"
 
-    sig = {"q_desc": td(block_m), "k_desc": td(block_n), "v_desc": td(block_n), "o_desc": td(block_m),
-           "Lse": "*fp32", "seqlen": "i32", "qk_scale": "fp32", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr",
-           "HEAD_D": "constexpr", "CAUSAL": "constexpr", "num_warps": "constexpr"}
-    consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_D": head_d, "CAUSAL": causal, "num_warps": num_warps}
+    q_rows = 64 if ws else block_m
+    sig = {"q_desc": td(q_rows), "k_desc": td(block_n), "v_desc": td(block_n), "o_desc": td(q_rows),
+           "Lse": "*fp32", "seqlen": "i32", "qk_scale": "fp32"}
+    if ws:
+        consts = {"HALF_M": 64, "BLOCK_N": block_n, "HEAD_D": head_d, "CAUSAL": causal, "NUM_BUF": num_buf,
+                  "CONSUMER_REGS": consumer_regs}
+        fn, num_warps = _gluon_fwd_ws_kernel, 4
+    else:
+        consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_D": head_d, "CAUSAL": causal, "num_warps": num_warps}
+        fn = _gluon_fwd_kernel
+    sig.update({name: "constexpr" for name in consts})
     attrs = {(4,): [["tt.divisibility", 16]], (5,): [["tt.divisibility", 16]]}
-    src = GluonASTSource(_gluon_fwd_kernel, sig, constexprs=consts, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    return kernel
+    src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
 def _layout_str(rows, d):
@@ -443,14 +452,16 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="128,128,8", help="block_m,block_n,warps or ws,block_n,num_buf,consumer_regs;... (GPU run)")
     args = p.parse_args(argv)
     if args.compile:
-        for d, bm, bn, w, causal in ((128, 128, 128, 8, False), (128, 128, 128, 8, True), (64, 128, 128, 8, False),
-                                     (128, 128, 64, 8, False), (64, 128, 64, 4, False)):
-            from flashtile.ops.sm90_check import Compiled
+        from flashtile.ops.sm90_check import Compiled
 
-            k = compile_only(bm, bn, d, w, causal)
+        for d, bm, bn, w, causal, ws in ((128, 128, 128, 8, False, False), (128, 128, 128, 8, True, False),
+                                         (64, 64, 64, 4, False, False), (128, 128, 128, 4, False, True),
+                                         (128, 128, 128, 4, True, True), (64, 128, 128, 4, False, True)):
+            k = compile_only(bm, bn, d, w, causal, ws)
             regs, spills = Compiled("gluon", k.metadata.shared, True, True, k.asm["ptx"]).registers()
-            print(f"d{d} m{bm} n{bn} w{w} causal={int(causal)}: regs={regs} spill={spills}B "
-                  f"smem={k.metadata.shared}\n  {_schedule(k.asm['ptx'])}", flush=True)
+            print(f"{'ws ' if ws else ''}d{d} m{bm} n{bn} w{w} causal={int(causal)}: regs={regs} spill={spills}B "
+                  f"smem={k.metadata.shared} setmaxnreg={k.asm['ptx'].count('setmaxnreg')}\n"
+                  f"  {_schedule(k.asm['ptx'])}", flush=True)
         return 0
     p_cfg = [tuple(x if x == "ws" else int(x) for x in c.split(",")) for c in args.configs.split(";")]
     check_and_time([(128, 4096, False), (128, 4096, True), (128, 16384, False), (128, 16384, True),
