@@ -154,3 +154,95 @@ def test_direct_launches_hit_and_match(monkeypatch):
     assert outs[1][0] == outs[1][1], "the repeated shape compiled or re-keyed instead of launching directly"
     assert outs[3][1] == outs[3][0] + 1, "a misaligned input must get its own key"
     assert len(backward._launch_dkdv.cache) >= 3
+
+
+class _FakeCompiled:
+    function = "fn"
+    packed_metadata = "meta"
+
+    def __init__(self):
+        self.runs = []
+
+    def run(self, *args):
+        self.runs.append(args)
+
+
+class _FakeKernel:
+    """What Launcher needs of a JITFunction; counts the launches that go through Triton."""
+
+    __name__ = "fake"
+
+    def __init__(self):
+        self.arg_names = ["a", "n", "BLOCK"]
+        self.params = [None, None, type("P", (), {"default": 7})()]
+        self.debug = False
+        self.pre_run_hooks = []
+        self.used_global_vals = {}
+        self.triton_launches = 0
+        self.compiled = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.triton_launches += 1
+            self.compiled.append(_FakeCompiled())
+            return self.compiled[-1]
+        return launch
+
+
+@pytest.fixture
+def fake_launcher(monkeypatch):
+    class Active:
+        @staticmethod
+        def get_current_device():
+            return 0
+
+        @staticmethod
+        def get_current_stream(device):
+            return 1234
+
+    monkeypatch.setattr(launch, "driver", type("D", (), {"active": Active})())
+    monkeypatch.setattr(launch, "_fast_ok", lambda: True)
+    monkeypatch.delenv("FLASHTILE_LAUNCH_CHECK", raising=False)
+    fn = _FakeKernel()
+    return fn, launch.Launcher(fn)
+
+
+def test_launcher_goes_direct_on_a_known_key(fake_launcher):
+    fn, lz = fake_launcher
+    t = torch.zeros(8)
+    lz((3,), (t, 32), {"BLOCK": 16}, 4, 2)
+    lz((3,), (t, 32), {"BLOCK": 16}, 4, 2)
+    assert fn.triton_launches == 1
+    (grid_x, grid_y, grid_z, stream, function, meta, *rest), = fn.compiled[0].runs
+    assert (grid_x, grid_y, grid_z, stream, function, meta) == (3, 1, 1, 1234, "fn", "meta")
+    assert rest[3:] == [t, 32, 16]  # launch metadata and hooks, then every parameter in order
+    lz((3,), (t, 33), {"BLOCK": 16}, 4, 2)  # 33 is not divisible by 16: another binary
+    lz((3,), (t, 32), {"BLOCK": 16}, 8, 2)  # other warps
+    assert fn.triton_launches == 3
+
+
+def test_launcher_rekeys_on_triton_debug_and_instrumentation(fake_launcher, monkeypatch):
+    fn, lz = fake_launcher
+    t = torch.zeros(8)
+    lz((1,), (t, 32), {"BLOCK": 16}, 4, 2)
+    fn.debug = True
+    lz((1,), (t, 32), {"BLOCK": 16}, 4, 2)
+    assert fn.triton_launches == 2
+    monkeypatch.setattr(triton.knobs.compilation, "instrumentation_mode", "proton")
+    lz((1,), (t, 32), {"BLOCK": 16}, 4, 2)
+    assert fn.triton_launches == 3
+
+
+def test_launcher_leaves_unknown_arguments_and_changed_globals_to_triton(fake_launcher):
+    import numpy as np
+
+    fn, lz = fake_launcher
+    t = torch.zeros(8)
+    lz((1,), (t, np.int64(32)), {"BLOCK": 16}, 4, 2)
+    lz((1,), (t, np.int64(32)), {"BLOCK": 16}, 4, 2)
+    lz((1,), (t, 2**70), {"BLOCK": 16}, 4, 2)
+    assert fn.triton_launches == 3 and not lz.cache
+    lz((1,), (t, 32), {"BLOCK": 16}, 4, 2)
+    fn.used_global_vals = {("MODE", 0): (1, {"MODE": 2})}
+    with pytest.raises(RuntimeError, match="MODE"):
+        lz((1,), (t, 32), {"BLOCK": 16}, 4, 2)

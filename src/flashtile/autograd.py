@@ -77,9 +77,9 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: i
     _check_grid(-(-seqlen_q // config.block_m) * batch * nheads)
     problem = dict(scale=scale, diag_offset=diag_offset, window_left=window_left, window_right=window_right,
                    softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask)
-    if capability is not None and configs.autotune_enabled(None) and dropout_p == 0.0:
-        config = _autotune(q, k, v, out4, lse, problem, config)
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
+        if capability is not None and configs.autotune_enabled(None) and dropout_p == 0.0:
+            config = _autotune(q, k, v, out4, lse, problem, config)  # on q's device, as the launch
         attention_forward(q, k, v, out4, lse, config=config, dropout_p=dropout_p, seed=seed, **problem)
     return out4.transpose(1, 2), lse
 

@@ -15,7 +15,9 @@ or compiles it), never a wrong binary. ``FLASHTILE_LAUNCH_CHECK=1`` (set by the 
 also runs Triton's own lookup on every direct launch and raises if it would have picked
 another binary. ``FLASHTILE_FAST_LAUNCH=0`` turns the direct path off; it is also off under
 ``TRITON_INTERPRET=1``, with launch hooks installed, and for triton versions other than
-the 3.6 it was written against.
+the 3.6 it was written against. Not seen by the direct path:
+``fn.device_caches`` cleared by hand (the launcher keeps its own references to compiled
+kernels; build a new ``Launcher`` to drop them).
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from typing import Any, Sequence
 import triton
 from triton.runtime import driver
 
-_I32_MIN, _I32_MAX, _I64_MAX = -(2**31), 2**31 - 1, 2**63 - 1
+_I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
+_I64_MIN, _I64_MAX, _U64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
 _UNKNOWN = object()  # an argument type without a rule here: take Triton's own path
 _TESTED_VERSION = triton.__version__.startswith("3.6.")
 
@@ -42,6 +45,8 @@ def arg_key(a: Any) -> Any:
     if t is int:
         if a == 1:
             return 1
+        if not _I64_MIN <= a <= _U64_MAX:  # Triton refuses these; let it say so
+            return _UNKNOWN
         return (a % 16 == 0, _I32_MIN <= a <= _I32_MAX, a > _I64_MAX)
     if t is float or a is None:
         return t
@@ -51,7 +56,7 @@ def arg_key(a: Any) -> Any:
         return (a.dtype, a.data_ptr() % 16 == 0)
     if hasattr(a, "block_shape"):  # triton.tools.tensor_descriptor.TensorDescriptor
         return ("desc", a.base.dtype, tuple(a.block_shape), getattr(a, "padding", None),
-                a.base.data_ptr() % 16 == 0)
+                str(getattr(a, "layout", None)), a.base.data_ptr() % 16 == 0)
     return _UNKNOWN
 
 
@@ -86,11 +91,17 @@ class Launcher:
         if _UNKNOWN in arg_keys:
             self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return
-        key = (device, num_warps, num_stages, tuple(constexprs.items()), arg_keys)
+        # Triton's key also holds its debug flag and instrumentation mode (both can change at run time).
+        modes = (self.fn.debug or triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
+        key = (device, num_warps, num_stages, modes, tuple(constexprs.items()), arg_keys)
         compiled = self.cache.get(key)
         if compiled is None:
             self.cache[key] = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
             return
+        # As jit.run: a global the kernel read at compile time must not have changed since.
+        for (name, _), (val, globals_dict) in self.fn.used_global_vals.items():
+            if globals_dict.get(name, _UNKNOWN) != val:
+                raise RuntimeError(f"Global variable {name} has changed since {self.fn.__name__} was compiled")
         if os.environ.get("FLASHTILE_LAUNCH_CHECK", "0") == "1":
             self._check(device, compiled, args, constexprs, num_warps, num_stages)
         stream = driver.active.get_current_stream(device)
