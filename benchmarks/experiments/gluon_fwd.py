@@ -60,6 +60,30 @@ def _scores(s, qk_scale, m0, n0, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, C
 
 
 @gluon.jit
+def _softmax_step(s, m_i, l_i):
+    """One online-softmax step on a score tile in log2 units: (P, alpha, m, l), where alpha
+    rescales what was accumulated against the old row maximum."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    p = gl.exp2(s - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _store_out(acc, m_i, l_i, o_smem, o_desc, Lse, row0, m_first, bh, seqlen,
+               row_s: gl.constexpr, row_o: gl.constexpr):
+    """O = acc / l through shared memory and a TMA store (o_smem: the finished Q tile);
+    the natural-log LSE by plain stores."""
+    out = acc / gl.convert_layout(l_i, row_o)[:, None]
+    o_smem.store(out.to(o_desc.dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [row0 + m_first, 0], o_smem)
+    rows = m_first + gl.arange(0, o_desc.block_type.shape[0], layout=row_s)
+    gl.store(Lse + bh.to(gl.int64) * seqlen + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
 def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seqlen, qk_scale,
                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
                       CAUSAL: gl.constexpr, num_warps: gl.constexpr):
@@ -127,11 +151,7 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seqlen, qk_scale,
         if j + 1 < n_tiles:
             _load_kv(k_desc, k_smem, k_bar, prev, row0 + (j + 1) * BLOCK_N)
         s = _scores(s, qk_scale, m0, j * BLOCK_N, BLOCK_M, BLOCK_N, CAUSAL, s_layout)
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        p = gl.exp2(s - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         if j + 1 < n_tiles:  # P_{j-1} V_{j-1} is done: V_{j-1}'s slot is free
@@ -147,14 +167,8 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seqlen, qk_scale,
         mbarrier.invalidate(k_bar.index(i))
         mbarrier.invalidate(v_bar.index(i))
 
-    out = acc / gl.convert_layout(l_i, row_o)[:, None]
-    q_smem.store(out.to(dtype))  # Q is no longer read: its tile holds O for the TMA store
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [row0 + m0, 0], q_smem)
-    rows = m0 + gl.arange(0, BLOCK_M, layout=row_s)
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453
-    gl.store(Lse + bh.to(gl.int64) * seqlen + rows, lse)
-    tma.store_wait(pendings=0)
+    # Q is no longer read: its tile holds O for the TMA store.
+    _store_out(acc, m_i, l_i, q_smem, o_desc, Lse, row0, m0, bh, seqlen, row_s, row_o)
 
 
 # ---------------------------------------------------------------------------------------
@@ -209,11 +223,7 @@ def _ws_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, 
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         mbarrier.arrive(k_empty.index(slot), count=1)
         s = _scores(s, qk_scale, mq, j * BLOCK_N, HALF_M, BLOCK_N, CAUSAL, s_layout)
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        p = gl.exp2(s - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        m_i = m_new
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -224,13 +234,7 @@ def _ws_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, 
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(v_empty.index(last), count=1)
 
-    out = acc / gl.convert_layout(l_i, row_o)[:, None]
-    q_tile.store(out.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [row0 + mq, 0], q_tile)
-    rows = mq + gl.arange(0, HALF_M, layout=row_s)
-    gl.store(Lse + bh.to(gl.int64) * seqlen + rows, (m_i + gl.log2(l_i)) * 0.6931471805599453)
-    tma.store_wait(pendings=0)
+    _store_out(acc, m_i, l_i, q_tile, o_desc, Lse, row0, mq, bh, seqlen, row_s, row_o)
 
 
 @gluon.jit
