@@ -30,8 +30,10 @@ from flashtile.ops.forward import attention_forward
 from sweep_common import canonical
 
 
-def host_us(fn, n=200):
-    fn()
+def host_us(fn, n=200, warmup=1):
+    """Host microseconds per call: ``n`` calls enqueued back to back after ``warmup``."""
+    for _ in range(warmup):
+        fn()
     torch.cuda.synchronize()
     t = time.perf_counter()
     for _ in range(n):

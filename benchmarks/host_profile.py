@@ -16,30 +16,18 @@ import cProfile
 import io
 import pstats
 import sys
-import time
 
 import torch
 
 import flashtile
 from flashtile.ops.configs import FwdConfig, default_fwd_config
 from flashtile.ops.forward import attention_forward
+from host_overhead import host_us
 from sweep_common import canonical
 
 
-def per_call_us(fn, n: int) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return us
-
-
 def profile(name: str, fn, n: int, top: int) -> None:
-    us = per_call_us(fn, n)
+    us = host_us(fn, n, warmup=20)
     prof = cProfile.Profile()
     prof.enable()
     for _ in range(n):

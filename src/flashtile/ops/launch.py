@@ -83,39 +83,41 @@ class Launcher:
 
     def __call__(self, grid: tuple[int, ...], args: Sequence[Any], constexprs: dict[str, Any],
                  num_warps: int, num_stages: int) -> None:
-        if not _fast_ok() or self.fn.pre_run_hooks or _hooks_installed():
-            self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
-            return
-        device = driver.active.get_current_device()
-        arg_keys = tuple(map(arg_key, args))
-        if _UNKNOWN in arg_keys:
-            self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
-            return
-        # Triton's key also holds its debug flag and instrumentation mode (both can change at run time).
-        modes = (self.fn.debug or triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
-        key = (device, num_warps, num_stages, modes, tuple(constexprs.items()), arg_keys)
-        compiled = self.cache.get(key)
-        if compiled is None:
-            self.cache[key] = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
-            return
+        key = None
+        if _fast_ok() and not self.fn.pre_run_hooks and not _hooks_installed():
+            arg_keys = tuple(map(arg_key, args))
+            if _UNKNOWN not in arg_keys:
+                device = driver.active.get_current_device()
+                # Triton's key also holds its debug flag and instrumentation mode (both can change at run time).
+                modes = (self.fn.debug or triton.knobs.runtime.debug, triton.knobs.compilation.instrumentation_mode)
+                key = (device, num_warps, num_stages, modes, tuple(constexprs.items()), arg_keys)
+                compiled = self.cache.get(key)
+                if compiled is not None:
+                    self._run(compiled, device, modes, grid, args, constexprs, num_warps, num_stages)
+                    return
+        compiled = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
+        if key is not None:
+            self.cache[key] = compiled
+
+    def _run(self, compiled, device, modes, grid, args, constexprs, num_warps, num_stages) -> None:
+        """The end of ``JITFunction.run`` for a kernel it has already compiled."""
         # As jit.run: a global the kernel read at compile time must not have changed since.
         for (name, _), (val, globals_dict) in self.fn.used_global_vals.items():
             if globals_dict.get(name, _UNKNOWN) != val:
                 raise RuntimeError(f"Global variable {name} has changed since {self.fn.__name__} was compiled")
         if os.environ.get("FLASHTILE_LAUNCH_CHECK", "0") == "1":
-            self._check(device, compiled, args, constexprs, num_warps, num_stages)
+            self._check(device, modes, compiled, args, constexprs, num_warps, num_stages)
         stream = driver.active.get_current_stream(device)
         grid = tuple(grid) + (1, 1)
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
                      None, None, None, *self._full_args(args, constexprs))
 
-    def _check(self, device, compiled, args, constexprs, num_warps, num_stages) -> None:
+    def _check(self, device, modes, compiled, args, constexprs, num_warps, num_stages) -> None:
         from triton.runtime.jit import compute_cache_key
 
         kernel_cache, key_cache, _, _, binder = self.fn.device_caches[device]
         bound, spec, options = binder(*args, **constexprs, num_warps=num_warps, num_stages=num_stages,
-                                      debug=self.fn.debug or triton.knobs.runtime.debug,
-                                      instrumentation_mode=triton.knobs.compilation.instrumentation_mode)
+                                      debug=modes[0], instrumentation_mode=modes[1])
         theirs = kernel_cache.get(compute_cache_key(key_cache, spec, options))
         if theirs is not compiled:
             raise AssertionError(f"flashtile.ops.launch: the direct launch of {self.fn.__name__} picked another "
