@@ -25,6 +25,7 @@ Tiles outside [lo, hi) are never loaded.
 
 from __future__ import annotations
 
+import os
 
 import triton
 import triton.language as tl
@@ -337,7 +338,9 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
         lse: (B, H, Sq) float32, contiguous.
         alibi_slopes: None or float32 (B, H) (any strides).
         attn_mask: None or (B, H, Sq, Sk) bool/float view (broadcast strides allowed).
-        config: block sizes, warps and stages.
+        config: block sizes, warps and stages; ``use_ws`` sends problems in its scope
+            (sm90, fp16/bf16, head dim 64/128, plain or causal, no extras) to the
+            warp-specialized Gluon kernel of ``forward_sm90``.
         dropout_p, seed: dropout probability and a 1-element int64 tensor on q's device
             holding the Philox key (only read when dropout_p > 0).
     """
@@ -361,6 +364,14 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
         mstrides = attn_mask.stride()
     alibi_arg, astrides = (q, (0, 0)) if alibi_slopes is None else (alibi_slopes, alibi_slopes.stride())
 
+    if config.use_ws and os.environ.get("FLASHTILE_WS", "1") != "0" and _tma_ok(q, k, v, out):
+        from . import forward_sm90
+
+        if forward_sm90.ws_applies(q, head_dim, window_left, window_right, softcap, alibi_slopes, attn_mask,
+                                   dropout_p):
+            forward_sm90.attention_forward_ws(q, k, v, out, lse, scale=scale, diag_offset=diag_offset,
+                                              causal=window_right == 0)
+            return
     softcap_on = softcap > 0.0
     use_tma = config.use_tma and _tma_ok(q, k, v, out)
     if use_tma:

@@ -113,6 +113,38 @@ def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: 
     return _compile(name, _fwd_kernel, ptrs, c, cfg.num_warps, cfg.num_stages)
 
 
+def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int | None = None,
+                       num_buf: int | None = None) -> Compiled:
+    """The warp-specialized Gluon forward (``forward_sm90``; its default tiles unless given)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    import triton
+
+    from . import forward_sm90
+    from .forward_sm90 import HALF_M, _fwd_ws_kernel, _smem_layout
+
+    block_n = block_n or forward_sm90.BLOCK_N
+    num_buf = num_buf or forward_sm90.NUM_BUF
+
+    torch_name = {"bf16": "bfloat16", "fp16": "float16"}[dtype]
+
+    def td(rows):
+        return f"tensordesc<{dtype}[1, 1, {rows}, {head_dim}],{_smem_layout(rows, head_dim, torch_name)}>"
+
+    constexprs = dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240)
+    sig = {"q_desc": td(HALF_M), "k_desc": td(block_n), "v_desc": td(block_n), "o_desc": td(HALF_M),
+           "Lse": "*fp32"}
+    sig.update({n: "i32" for n in ("nheads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "diag_offset")})
+    sig.update(qk_scale="fp32", **{n: "constexpr" for n in constexprs})
+    src = GluonASTSource(_fwd_ws_kernel, sig, constexprs=constexprs, attrs={(4,): [["tt.divisibility", 16]]})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    ptx = kernel.asm["ptx"]
+    return Compiled(f"fwd-ws {dtype} d{head_dim} causal={causal} block_n={block_n} num_buf={num_buf}",
+                    kernel.metadata.shared,
+                    "wgmma.mma_async" in ptx, "cp.async.bulk.tensor" in ptx, ptx)
+
+
 def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extras: bool = False) -> list[Compiled]:
     """The dq and dk/dv kernels with ``cfg`` (a BwdConfig)."""
     from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel
@@ -151,6 +183,9 @@ def table_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
                     seen.add(key)
                     yield lambda cfg=cfg, causal=causal, m=mask_mode, e=extras: [
                         compile_forward(cfg, dtype, head_dim, causal=causal, mask_mode=m, extras=e)]
+                    if cfg.use_ws and mask_mode == 0 and not extras and (head_dim, causal) not in seen:
+                        seen.add((head_dim, causal))
+                        yield lambda causal=causal: [compile_forward_ws(dtype, head_dim, causal=causal)]
         bwd = configs.default_bwd_config((9, 0), head_dim, "bfloat16")
         yield lambda bwd=bwd, head_dim=head_dim: compile_backward(bwd, dtype, head_dim)
         yield lambda bwd=bwd, head_dim=head_dim: compile_backward(bwd, dtype, head_dim, mask_mode=2, extras=True)

@@ -1,0 +1,285 @@
+"""Hopper forward in Gluon: warp-specialized, FA3-style (sm90, fp16/bf16, head dim 64/128).
+
+The same algorithm as ``forward.py`` for the common case, no causal window edge other
+than the diagonal, no softcap/alibi/mask/dropout, scheduled by hand because plain Triton
+3.6 cannot keep a tensor-core product in flight across the softmax (docs/perf-notes.md,
+runs 16-18):
+
+    one program = 128 query rows of one (batch, head), three partitions:
+      loader   (1 warp, 24 registers)  Q once, then K_j and V_j through a NUM_BUF-slot
+                                        shared-memory ring by TMA; waits for free slots
+      consumer (2 x 4 warps, 64 rows each, CONSUMER_REGS registers), per key tile j:
+          issue S_j = Q K_j^T (async wgmma)
+          issue O  += P_{j-1} V_{j-1} (async, P from registers)
+          wait for S_j only; release K_j's slot
+          mask if the tile straddles the diagonal or the end of the keys; softmax of S_j
+          wait for O; release V_{j-1}'s slot; rescale O by alpha_j
+      so the P V product runs on the tensor cores while the softmax runs on the ALUs,
+      and the warp scheduler interleaves one consumer's softmax with the other's wgmma.
+
+Inputs are (B, H, S, D) views with any 16-byte-aligned strides (flash's (B, S, H, D)
+layout arrives transposed): 4-D TMA descriptors with a [1, 1, rows, D] box read them in
+place, zero-fill rows past the sequence end and clip stores to it, so any seqlen works.
+Query head h reads key/value head h // group_size; causal is bottom-right by
+``diag_offset`` (key j visible to query i iff j <= i + diag_offset). Rows that see no
+key give out 0 and lse -inf. Scores are in base 2 (the scale folded with log2 e).
+
+Triton 3.6 turns constexprs passed through ``gl.warp_specialize`` into tensors, so the
+partitions read every compile-time size from the descriptor and shared-memory types
+(CAUSAL: the Q barrier array has a third, unused entry).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .launch import Launcher
+
+LOG2E = 1.4426950408889634
+HALF_M = 64  # query rows per consumer warpgroup; a program holds two
+BLOCK_M = 2 * HALF_M
+BLOCK_N = 128  # keys per tile
+NUM_BUF = 2  # K/V ring slots (H200 run 18: 2 slots of 128 keys)
+HEAD_DIMS = (64, 128)
+
+
+@gluon.jit
+def _mask_scores(s, mq, n0, seqlen_k, diag_offset, CAUSAL: gl.constexpr, s_layout: gl.constexpr):
+    """-inf where key n0 + c is past the end, or (causal) right of row mq + r's diagonal."""
+    rows = mq + gl.arange(0, s.shape[0], layout=gl.SliceLayout(1, s_layout))
+    cols = n0 + gl.arange(0, s.shape[1], layout=gl.SliceLayout(0, s_layout))
+    ok = cols[None, :] < seqlen_k
+    if CAUSAL:
+        ok = ok & (cols[None, :] <= rows[:, None] + diag_offset)
+    return gl.where(ok, s, float("-inf"))
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i):
+    """One online-softmax step on a score tile in log2 units: (P, alpha, m, l); alpha
+    rescales what was accumulated against the old row maximum. A row that has seen no
+    key yet keeps m = -inf and is exponentiated against 0, so -inf - -inf never occurs."""
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+    p = gl.exp2(s - m_use[:, None])
+    alpha = gl.exp2(m_i - m_use)
+    return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem,
+              q_bar, k_ready, k_empty, v_ready, v_empty, b, h, kvh, bh, m0, n_tiles,
+              seqlen_q, seqlen_k, diag_offset, qk_scale):
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+    CAUSAL: gl.constexpr = q_bar.type.shape[0] == 3
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    mq = m0 + WG * ROWS  # first query row of this warpgroup
+    q_tile = q_smem.index(WG).reshape([ROWS, HEAD_D])
+    zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    # A key tile needs element masks iff it reaches past the keys or past the diagonal
+    # of this warpgroup's first row (the last tile, and the diagonal ones when causal).
+    mask_from = seqlen_k - BLOCK_N
+    if CAUSAL:
+        mask_from = gl.minimum(mask_from, mq + diag_offset - BLOCK_N + 1)
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([ROWS], gl.float32, row_s)
+    acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    p = zeros_s
+    mbarrier.wait(q_bar.index(WG), 0)  # also before an empty block: its tile becomes O's staging
+    if n_tiles > 0:  # tile 0: nothing to overlap with yet
+        mbarrier.wait(k_ready.index(0), 0)
+        s = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        mbarrier.arrive(k_empty.index(0), count=1)
+        s = s * qk_scale
+        if mask_from < 0:
+            s = _mask_scores(s, mq, 0, seqlen_k, diag_offset, CAUSAL, s_layout)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+
+    for j in range(1, n_tiles):
+        slot = j % NUM_BUF
+        prev = (j - 1) % NUM_BUF
+        mbarrier.wait(k_ready.index(slot), (j // NUM_BUF) & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
+                          use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_BUF) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev).reshape([BLOCK_N, HEAD_D]),
+                            acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        s = s * qk_scale
+        n0 = j * BLOCK_N
+        if n0 > mask_from:
+            s = _mask_scores(s, mq, n0, seqlen_k, diag_offset, CAUSAL, s_layout)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+
+    if n_tiles > 0:
+        last = (n_tiles - 1) % NUM_BUF
+        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_BUF) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last).reshape([BLOCK_N, HEAD_D]),
+                            acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+    # l == 0 exactly when a row saw no key (NaN from the data propagates instead).
+    seen = l_i != 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    # Q is no longer read: its tile stages O for the TMA store, which clips rows past seqlen_q.
+    o_tile = q_smem.index(WG)
+    o_tile.reshape([ROWS, HEAD_D]).store(out.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, mq, 0], o_tile)
+    rows = mq + gl.arange(0, ROWS, layout=row_s)
+    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    gl.store(Lse + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _consumer0(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+               v_ready, v_empty, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale):
+    _consumer(0, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+              v_ready, v_empty, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale)
+
+
+@gluon.jit
+def _consumer1(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+               v_ready, v_empty, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale):
+    _consumer(1, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+              v_ready, v_empty, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
+            v_ready, v_empty, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale):
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + wg * ROWS, 0], q_bar.index(wg), q_smem.index(wg))
+    for j in range(n_tiles):
+        slot = j % NUM_BUF
+        free_phase = ((j // NUM_BUF) & 1) ^ 1  # a fresh mbarrier counts as having completed phase 1
+        mbarrier.wait(k_empty.index(slot), free_phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, kvh, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free_phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, kvh, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seqlen_q, seqlen_k,
+                   num_m_blocks, diag_offset, qk_scale,
+                   CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+    ROWS: gl.constexpr = q_desc.block_type.shape[2]
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    # A flat 1-D grid (no 65,535 limit on batch x heads); programs of one head adjacent.
+    pid = gl.program_id(0)
+    bh = pid // num_m_blocks
+    m_block = pid % num_m_blocks
+    if CAUSAL:
+        m_block = num_m_blocks - 1 - m_block  # the rows that see the most keys first
+    b = bh // nheads
+    h = bh % nheads
+    kvh = h // group_size
+    m0 = m_block * (2 * ROWS)
+    hi = seqlen_k
+    if CAUSAL:
+        hi = gl.maximum(gl.minimum(gl.minimum(m0 + 2 * ROWS, seqlen_q) + diag_offset, seqlen_k), 0)
+    n_tiles = gl.cdiv(hi, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
+    q_bar = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_bar.index(i), count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(v_empty.index(i), count=2)
+
+    args = (q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
+            v_empty, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale)
+    gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 1], [CONSUMER_REGS, 24])
+
+
+_launch = Launcher(_fwd_ws_kernel)
+
+
+@functools.lru_cache(maxsize=None)
+def _smem_layout(rows: int, head_dim: int, dtype_name: str):
+    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], getattr(gl, dtype_name))
+
+
+def ws_applies(q, head_dim: int, window_left: int, window_right: int, softcap: float, alibi_slopes,
+               attn_mask, dropout_p: float) -> bool:
+    """Whether a (validated, window-normalized) problem is in this kernel's scope."""
+    import torch
+
+    return (head_dim in HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16) and window_left < 0
+            and window_right in (-1, 0) and softcap == 0.0 and alibi_slopes is None and attn_mask is None
+            and dropout_p == 0.0)
+
+
+def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, causal: bool,
+                         block_n: int = BLOCK_N, num_buf: int = NUM_BUF) -> None:
+    """Launch the warp-specialized forward; the caller checked ``ws_applies`` and TMA alignment.
+
+    Args:
+        q: (B, H, Sq, D); k, v: (B, Hk, Sk, D); out: (B, H, Sq, D); 16-byte-aligned
+            bases and strides, unit stride along D, D in (64, 128), fp16 or bf16.
+        lse: (B, H, Sq) float32, contiguous.
+        causal: key j visible to query i iff j <= i + diag_offset.
+        block_n, num_buf: keys per tile and K/V ring slots (128 query rows per program).
+    """
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    batch, nheads, seqlen_q, head_dim = q.shape
+    dtype_name = str(q.dtype).replace("torch.", "")
+
+    def desc(t, rows):
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim],
+                                _smem_layout(rows, head_dim, dtype_name))
+
+    num_m_blocks = triton.cdiv(seqlen_q, BLOCK_M)
+    _launch((num_m_blocks * batch * nheads,),
+            (desc(q, HALF_M), desc(k, block_n), desc(v, block_n), desc(out, HALF_M), lse,
+             nheads, nheads // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, diag_offset, scale * LOG2E),
+            dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240), 4, 1)

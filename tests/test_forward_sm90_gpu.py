@@ -1,0 +1,110 @@
+"""GPU tests of the warp-specialized Gluon forward (``ops/forward_sm90.py``, Hopper only).
+
+Every case asserts that the Gluon kernel really ran (a spy counts its launches), so the
+matrix cannot pass on the Triton kernel alone; out and LSE are NaN-poisoned first and
+checked with the accuracy rule against float64. The edge cases are the kernel's own:
+sequence ends inside a tile (TMA zero-fill, masked last key tile, clipped stores), rows
+past the diagonal with no key (bottom-right causal with seqlen_q > seqlen_k), GQA, the
+(B, S, H, D) layout and packed views read in place through 4-D descriptors.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashtile
+from cases import Case, check_flash_case, check_flash_grads
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
+
+
+@pytest.fixture
+def ws_calls(monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon forward is for sm90 (Hopper)")
+    from flashtile.ops import forward_sm90
+
+    calls = []
+    original = forward_sm90.attention_forward_ws
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(forward_sm90, "attention_forward_ws", spy)
+    return calls
+
+
+SEQ_PAIRS = [(1, 1), (17, 17), (64, 64), (127, 129), (128, 128), (129, 127), (200, 1000), (1000, 200),
+             (1000, 1000), (4097, 4097)]
+
+
+def _cases():
+    cases, n = [], 0
+    for dtype in (torch.float16, torch.bfloat16):
+        for head_dim in (64, 128):
+            for seqs in SEQ_PAIRS:
+                for causal in (False, True):
+                    h, hk = ((8, 8), (8, 2), (8, 1))[n % 3]
+                    layout = ("contiguous", "transposed", "packed")[(n // 3) % 3]
+                    n += 1
+                    cases.append(Case(*seqs, head_dim, dtype=dtype, causal=causal, batch=2, nheads=h, nheads_k=hk,
+                                      layout=layout))
+    return cases
+
+
+@pytest.mark.parametrize("case", _cases(), ids=lambda c: c.id)
+def test_ws_matrix(case, ws_calls):
+    check_flash_case(case, device="cuda")
+    assert len(ws_calls) == 1 and ws_calls[0]["causal"] == (case.causal and case.seqlen_q > 1), ws_calls
+
+
+@pytest.mark.parametrize("seqs", [(1, 1), (333, 333), (2048, 2048)])
+def test_sdpa_top_left_causal(seqs, ws_calls):
+    L, S = seqs
+    g = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(2, 8, n, 128, device="cuda", dtype=torch.bfloat16, generator=g) for n in (L, S, S))
+    out = flashtile.scaled_dot_product_attention(q, k, v, is_causal=True)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
+    base = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    from flashtile.testing import assert_close
+
+    assert_close("sdpa causal", out, ref, base)
+    assert len(ws_calls) == 1
+
+
+def test_batch_heads_beyond_grid_limit(ws_calls):
+    check_flash_case(Case(5, 7, 64, batch=70_000, nheads=1, nheads_k=1), device="cuda")
+    assert len(ws_calls) == 1
+
+
+@pytest.mark.parametrize("case", [Case(300, 300, 128, dtype=torch.bfloat16, causal=True, nheads=4, nheads_k=2),
+                                  Case(257, 513, 64, dtype=torch.float16, nheads=4, nheads_k=1)],
+                         ids=lambda c: c.id)
+def test_ws_gradients(case, ws_calls):
+    # The backward recomputes from this kernel's out and LSE.
+    check_flash_grads(case, device="cuda")
+    assert len(ws_calls) == 1
+
+
+def test_out_of_scope_and_switch_use_the_triton_kernel(ws_calls, monkeypatch):
+    check_flash_case(Case(300, 300, 128, dtype=torch.bfloat16, softcap=20.0), device="cuda")
+    check_flash_case(Case(300, 300, 128, dtype=torch.bfloat16, window=(64, 0)), device="cuda")
+    check_flash_case(Case(300, 300, 96, dtype=torch.bfloat16), device="cuda")
+    check_flash_case(Case(300, 300, 256, dtype=torch.bfloat16), device="cuda")
+    assert ws_calls == []
+    monkeypatch.setenv("FLASHTILE_WS", "0")
+    check_flash_case(Case(300, 300, 128, dtype=torch.bfloat16), device="cuda")
+    assert ws_calls == []
+    monkeypatch.setenv("FLASHTILE_WS", "1")
+    check_flash_case(Case(300, 300, 128, dtype=torch.bfloat16), device="cuda")
+    assert len(ws_calls) == 1
+
+
+def test_deterministic_bitwise(ws_calls):
+    q, k, v = (torch.randn(4, 2048, 8, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    first = flashtile.flash_attn_func(q, k, v, causal=True)
+    for _ in range(5):
+        assert torch.equal(flashtile.flash_attn_func(q, k, v, causal=True), first)
+    assert len(ws_calls) == 6
