@@ -171,162 +171,20 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seqlen, qk_scale,
     _store_out(acc, m_i, l_i, q_smem, o_desc, Lse, row0, m0, bh, seqlen, row_s, row_o)
 
 
-# ---------------------------------------------------------------------------------------
-# Warp-specialized variant (FA3's other half): one loader warp issues every TMA copy; two
-# consumer warpgroups each own 64 rows of the 128-row query tile and run the loop above.
-# K/V slots are freed by both consumers (mbarriers with count 2), so the loader can run
-# NUM_BUF tiles ahead; the warp scheduler interleaves one warpgroup's softmax with the
-# other's wgmma (no explicit ping-pong barrier yet).
+# The warp-specialized variant (run 18) became the library's sm90 forward:
+# flashtile/ops/forward_sm90.py. ``ws`` configs below time that kernel.
 
 
-@gluon.jit
-def _ws_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem,
-                 q_bar, k_ready, k_empty, v_ready, v_empty, row0, m0, n_tiles, seqlen, bh, qk_scale):
-    # triton 3.6 turns constexprs passed through warp_specialize into tensors: every
-    # compile-time size comes from a type instead (q_bar has a third, unused barrier
-    # when the call is causal).
-    HALF_M: gl.constexpr = q_desc.block_type.shape[0]
-    HEAD_D: gl.constexpr = q_desc.block_type.shape[1]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    NUM_BUF: gl.constexpr = k_smem.type.shape[0]
-    CAUSAL: gl.constexpr = q_bar.type.shape[0] == 3
-    dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
-    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    mq = m0 + WG * HALF_M  # first query row of this warpgroup
-    q_tile = q_smem.index(WG)
-    zeros_s = gl.zeros([HALF_M, BLOCK_N], gl.float32, s_layout)
-
-    mbarrier.wait(q_bar.index(WG), 0)
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q_tile, k_smem.index(0).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-    mbarrier.arrive(k_empty.index(0), count=1)
-    s = _scores(s, qk_scale, mq, 0, HALF_M, BLOCK_N, CAUSAL, s_layout)
-    m_i = gl.max(s, axis=1)
-    p = gl.exp2(s - m_i[:, None])
-    l_i = gl.sum(p, axis=1)
-    acc = gl.zeros([HALF_M, HEAD_D], gl.float32, o_layout)
-
-    for j in range(1, n_tiles):
-        slot = j % NUM_BUF
-        prev = (j - 1) % NUM_BUF
-        mbarrier.wait(k_ready.index(slot), (j // NUM_BUF) & 1)
-        s = warpgroup_mma(q_tile, k_smem.index(slot).permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_BUF) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev), acc, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        s = _scores(s, qk_scale, mq, j * BLOCK_N, HALF_M, BLOCK_N, CAUSAL, s_layout)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-
-    last = (n_tiles - 1) % NUM_BUF
-    mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_BUF) & 1)
-    acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-    mbarrier.arrive(v_empty.index(last), count=1)
-
-    _store_out(acc, m_i, l_i, q_tile, o_desc, Lse, row0, mq, bh, seqlen, row_s, row_o)
-
-
-@gluon.jit
-def _ws_consumer0(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                  v_ready, v_empty, row0, m0, n_tiles, seqlen, bh, qk_scale):
-    _ws_consumer(0, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                 v_ready, v_empty, row0, m0, n_tiles, seqlen, bh, qk_scale)
-
-
-@gluon.jit
-def _ws_consumer1(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                  v_ready, v_empty, row0, m0, n_tiles, seqlen, bh, qk_scale):
-    _ws_consumer(1, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-                 v_ready, v_empty, row0, m0, n_tiles, seqlen, bh, qk_scale)
-
-
-@gluon.jit
-def _ws_loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-               v_ready, v_empty, row0, m0, n_tiles, seqlen, bh, qk_scale):
-    HALF_M: gl.constexpr = q_desc.block_type.shape[0]
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-    NUM_BUF: gl.constexpr = k_smem.type.shape[0]
-    for wg in gl.static_range(2):
-        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [row0 + m0 + wg * HALF_M, 0], q_bar.index(wg), q_smem.index(wg))
-    for j in range(n_tiles):
-        slot = j % NUM_BUF
-        free_phase = ((j // NUM_BUF) & 1) ^ 1  # a fresh mbarrier counts as having completed phase 1
-        mbarrier.wait(k_empty.index(slot), free_phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [row0 + j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), free_phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [row0 + j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
-
-
-@gluon.jit
-def _gluon_fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seqlen, qk_scale,
-                         HALF_M: gl.constexpr, BLOCK_N: gl.constexpr, HEAD_D: gl.constexpr,
-                         CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr):
-    pid_m = gl.program_id(0)
-    bh = gl.program_id(1)
-    if CAUSAL:
-        pid_m = gl.num_programs(0) - 1 - pid_m
-    m0 = pid_m * (2 * HALF_M)
-    row0 = bh * seqlen
-    dtype: gl.constexpr = q_desc.dtype
-    if CAUSAL:
-        n_tiles = gl.cdiv(m0 + 2 * HALF_M, BLOCK_N)
-    else:
-        n_tiles = seqlen // BLOCK_N
-
-    q_smem = gl.allocate_shared_memory(dtype, [2, HALF_M, HEAD_D], q_desc.layout)
-    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], k_desc.layout)
-    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(q_bar.index(i), count=1)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(k_ready.index(i), count=1)
-        mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
-        mbarrier.init(v_empty.index(i), count=2)
-
-    args = (q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-            v_empty, row0, m0, n_tiles, seqlen, bh, qk_scale)
-    gl.warp_specialize([(_ws_consumer0, args), (_ws_consumer1, args), (_ws_loader, args)],
-                       [4, 1], [CONSUMER_REGS, 24])
-
-
-def gluon_forward_ws(q4, k4, v4, causal: bool, block_n: int = 128, num_buf: int = 2, consumer_regs: int = 240):
-    """Warp-specialized variant: 128 query rows per program (two 64-row consumer warpgroups)."""
+def library_ws(q4, k4, v4, causal: bool, block_n: int = 128, num_buf: int = 2, pingpong: int = 0):
+    """flashtile.ops.forward_sm90 on (B, H, S, D) inputs with explicit tiles."""
     import torch
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    B, H, S, D = q4.shape
-    assert k4.shape == q4.shape and S % 128 == 0 and S % block_n == 0 and D in (64, 128)
+    from flashtile.ops.forward_sm90 import attention_forward_ws
+
     out4 = torch.empty_like(q4)
-    lse = torch.empty((B, H, S), device=q4.device, dtype=torch.float32)
-
-    def desc(t, rows):
-        flat = t.reshape(B * H * S, D)
-        return TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [rows, D], _layout([rows, D], t.dtype))
-
-    grid = (S // 128, B * H)
-    _gluon_fwd_ws_kernel[grid](desc(q4, 64), desc(k4, block_n), desc(v4, block_n), desc(out4, 64), lse, S,
-                               D ** -0.5 * LOG2E, HALF_M=64, BLOCK_N=block_n, HEAD_D=D, CAUSAL=causal,
-                               NUM_BUF=num_buf, CONSUMER_REGS=consumer_regs, num_warps=4)
+    lse = torch.empty(q4.shape[:3], device=q4.device, dtype=torch.float32)
+    attention_forward_ws(q4, k4, v4, out4, lse, scale=q4.shape[-1] ** -0.5, diag_offset=0, causal=causal,
+                         block_n=block_n, num_buf=num_buf, pingpong=bool(pingpong))
     return out4, lse
 
 
@@ -357,31 +215,30 @@ def gluon_forward(q4, k4, v4, causal: bool, block_m: int = 128, block_n: int = 1
     return out4, lse
 
 
-def compile_only(block_m=128, block_n=128, head_d=128, num_warps=8, causal=False, ws=False, num_buf=2,
-                 consumer_regs=240):
-    """sm_90a compile on any machine (no GPU): the kernel's PTX and metadata.
+def compile_only(block_m=128, block_n=128, head_d=128, num_warps=8, causal=False, ws=False):
+    """sm_90a compile on any machine (no GPU): (PTX, shared bytes).
 
-    ws=True compiles the warp-specialized kernel (block_m is then 2 x 64 rows)."""
+    ws=True compiles the library's warp-specialized kernel (block_m is then 2 x 64 rows)."""
+    if ws:
+        from flashtile.ops.sm90_check import compile_forward_ws
+
+        c = compile_forward_ws("bf16", head_d, causal=causal, block_n=block_n)
+        return c.ptx, c.shared
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
 
     def td(rows):
         return f"tensordesc<bf16[{rows}, {head_d}],{_layout_str(rows, head_d)}>"
 
-    q_rows = 64 if ws else block_m
-    sig = {"q_desc": td(q_rows), "k_desc": td(block_n), "v_desc": td(block_n), "o_desc": td(q_rows),
+    sig = {"q_desc": td(block_m), "k_desc": td(block_n), "v_desc": td(block_n), "o_desc": td(block_m),
            "Lse": "*fp32", "seqlen": "i32", "qk_scale": "fp32"}
-    if ws:
-        consts = {"HALF_M": 64, "BLOCK_N": block_n, "HEAD_D": head_d, "CAUSAL": causal, "NUM_BUF": num_buf,
-                  "CONSUMER_REGS": consumer_regs}
-        fn, num_warps = _gluon_fwd_ws_kernel, 4
-    else:
-        consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_D": head_d, "CAUSAL": causal, "num_warps": num_warps}
-        fn = _gluon_fwd_kernel
+    consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_D": head_d, "CAUSAL": causal, "num_warps": num_warps}
+    fn = _gluon_fwd_kernel
     sig.update({name: "constexpr" for name in consts})
     attrs = {(4,): [["tt.divisibility", 16]], (5,): [["tt.divisibility", 16]]}
     src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    return k.asm["ptx"], k.metadata.shared
 
 
 def _layout_str(rows, d):
@@ -425,9 +282,9 @@ def check_and_time(shapes, configs=((128, 128, 8),)) -> None:
                        softcap=0.0, alibi_slopes=None, attn_mask=None)
         times, errs = {}, []
         for c in configs:
-            if c[0] == "ws":  # ("ws", block_n, num_buf, consumer_regs)
-                name = f"ws n{c[1]} buf{c[2]} r{c[3]}"
-                fn = lambda c=c: gluon_forward_ws(q4, k4, v4, causal, *map(int, c[1:]))
+            if c[0] == "ws":  # ("ws", block_n, num_buf, pingpong)
+                name = f"ws n{c[1]} buf{c[2]} pp{c[3]}"
+                fn = lambda c=c: library_ws(q4, k4, v4, causal, *map(int, c[1:]))
             else:  # (block_m, block_n, warps)
                 name = f"gluon m{c[0]}n{c[1]}w{c[2]}"
                 fn = lambda c=c: gluon_forward(q4, k4, v4, causal, *map(int, c))
@@ -453,7 +310,9 @@ def check_and_time(shapes, configs=((128, 128, 8),)) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--compile", action="store_true", help="compile for sm_90a only (no GPU needed)")
-    p.add_argument("--configs", default="128,128,8", help="block_m,block_n,warps or ws,block_n,num_buf,consumer_regs;... (GPU run)")
+    p.add_argument("--configs", default="128,128,8", help="block_m,block_n,warps or ws,block_n,num_buf,pingpong;... (GPU run)")
+    p.add_argument("--shapes", default="128,4096,0;128,4096,1;128,16384,0;128,16384,1;64,4096,0;64,16384,1",
+                   help="headdim,seqlen,causal;... (GPU run)")
     args = p.parse_args(argv)
     if args.compile:
         from flashtile.ops.sm90_check import Compiled
@@ -461,15 +320,15 @@ def main(argv=None) -> int:
         for d, bm, bn, w, causal, ws in ((128, 128, 128, 8, False, False), (128, 128, 128, 8, True, False),
                                          (64, 64, 64, 4, False, False), (128, 128, 128, 4, False, True),
                                          (128, 128, 128, 4, True, True), (64, 128, 128, 4, False, True)):
-            k = compile_only(bm, bn, d, w, causal, ws)
-            regs, spills = Compiled("gluon", k.metadata.shared, True, True, k.asm["ptx"]).registers()
+            ptx, shared = compile_only(bm, bn, d, w, causal, ws)
+            regs, spills = Compiled("gluon", shared, True, True, ptx).registers()
             print(f"{'ws ' if ws else ''}d{d} m{bm} n{bn} w{w} causal={int(causal)}: regs={regs} spill={spills}B "
-                  f"smem={k.metadata.shared} setmaxnreg={k.asm['ptx'].count('setmaxnreg')}\n"
-                  f"  {_schedule(k.asm['ptx'])}", flush=True)
+                  f"smem={shared} setmaxnreg={ptx.count('setmaxnreg')}\n"
+                  f"  {_schedule(ptx)}", flush=True)
         return 0
     p_cfg = [tuple(x if x == "ws" else int(x) for x in c.split(",")) for c in args.configs.split(";")]
-    check_and_time([(128, 4096, False), (128, 4096, True), (128, 16384, False), (128, 16384, True),
-                    (64, 4096, False), (64, 16384, True)], p_cfg)
+    shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")]
+    check_and_time([(d, S, bool(c)) for d, S, c in shapes], p_cfg)
     return 0
 
 

@@ -51,6 +51,7 @@ HALF_M = 64  # query rows per consumer warpgroup; a program holds two
 BLOCK_M = 2 * HALF_M
 BLOCK_N = 128  # keys per tile
 NUM_BUF = 2  # K/V ring slots (H200 run 18: 2 slots of 128 keys)
+PINGPONG = False
 HEAD_DIMS = (64, 128)
 
 
@@ -78,14 +79,31 @@ def _softmax_step(s, m_i, l_i):
 
 
 @gluon.jit
+def _my_turn(turn, WG: gl.constexpr, k, PINGPONG: gl.constexpr):
+    """Ping-pong (FA3): the two consumers take turns to issue their tensor-core work, so
+    that one's softmax runs while the other's products run. The k-th issue of a
+    warpgroup waits for the k-th completion of its barrier (the other's k-th hand-over;
+    warpgroup 1 hands warpgroup 0 its first turn)."""
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), k & 1)
+
+
+@gluon.jit
+def _their_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index(1 - WG), count=1)
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem,
-              q_bar, k_ready, k_empty, v_ready, v_empty, b, h, kvh, bh, m0, n_tiles,
+              q_bar, k_ready, k_empty, v_ready, v_empty, turn, b, h, kvh, bh, m0, n_tiles,
               seqlen_q, seqlen_k, diag_offset, qk_scale):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     NUM_BUF: gl.constexpr = k_smem.type.shape[0]
     CAUSAL: gl.constexpr = q_bar.type.shape[0] == 3
+    PINGPONG: gl.constexpr = turn.type.shape[0] == 2
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -107,11 +125,15 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_s
     l_i = gl.zeros([ROWS], gl.float32, row_s)
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
     p = zeros_s
+    if PINGPONG and WG == 1:
+        mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
     mbarrier.wait(q_bar.index(WG), 0)  # also before an empty block: its tile becomes O's staging
     if n_tiles > 0:  # tile 0: nothing to overlap with yet
         mbarrier.wait(k_ready.index(0), 0)
+        _my_turn(turn, WG, 0, PINGPONG)
         s = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
                           use_acc=False, is_async=True)
+        _their_turn(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(0), count=1)
         s = s * qk_scale
@@ -123,11 +145,13 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_s
         slot = j % NUM_BUF
         prev = (j - 1) % NUM_BUF
         mbarrier.wait(k_ready.index(slot), (j // NUM_BUF) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_BUF) & 1)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        _my_turn(turn, WG, j, PINGPONG)
         s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
                           use_acc=False, is_async=True)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_BUF) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(prev).reshape([BLOCK_N, HEAD_D]),
-                            acc, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+        _their_turn(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         mbarrier.arrive(k_empty.index(slot), count=1)
         s = s * qk_scale
@@ -142,8 +166,10 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_s
     if n_tiles > 0:
         last = (n_tiles - 1) % NUM_BUF
         mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_BUF) & 1)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_layout), v_smem.index(last).reshape([BLOCK_N, HEAD_D]),
-                            acc, is_async=True)
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+        _my_turn(turn, WG, n_tiles, PINGPONG)
+        acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+        _their_turn(turn, WG, PINGPONG)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
 
@@ -164,21 +190,21 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_s
 
 @gluon.jit
 def _consumer0(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-               v_ready, v_empty, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale):
+               v_ready, v_empty, turn, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale):
     _consumer(0, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-              v_ready, v_empty, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale)
+              v_ready, v_empty, turn, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale)
 
 
 @gluon.jit
 def _consumer1(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-               v_ready, v_empty, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale):
+               v_ready, v_empty, turn, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale):
     _consumer(1, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-              v_ready, v_empty, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale)
+              v_ready, v_empty, turn, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale)
 
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-            v_ready, v_empty, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale):
+            v_ready, v_empty, turn, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     NUM_BUF: gl.constexpr = k_smem.type.shape[0]
@@ -199,7 +225,8 @@ def _loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, 
 @gluon.jit
 def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seqlen_q, seqlen_k,
                    num_m_blocks, diag_offset, qk_scale,
-                   CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr):
+                   CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                   PINGPONG: gl.constexpr):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -227,8 +254,11 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seql
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [2 if PINGPONG else 1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(q_bar.index(i), count=1)
+        if PINGPONG:
+            mbarrier.init(turn.index(i), count=1)
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -236,7 +266,7 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seql
         mbarrier.init(v_empty.index(i), count=2)
 
     args = (q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-            v_empty, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale)
+            v_empty, turn, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale)
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 1], [CONSUMER_REGS, 24])
 
 
@@ -259,7 +289,7 @@ def ws_applies(q, head_dim: int, window_left: int, window_right: int, softcap: f
 
 
 def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, causal: bool,
-                         block_n: int = BLOCK_N, num_buf: int = NUM_BUF) -> None:
+                         block_n: int = BLOCK_N, num_buf: int = NUM_BUF, pingpong: bool = PINGPONG) -> None:
     """Launch the warp-specialized forward; the caller checked ``ws_applies`` and TMA alignment.
 
     Args:
@@ -268,6 +298,7 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
         lse: (B, H, Sq) float32, contiguous.
         causal: key j visible to query i iff j <= i + diag_offset.
         block_n, num_buf: keys per tile and K/V ring slots (128 query rows per program).
+        pingpong: the consumers take turns issuing their products.
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -282,4 +313,4 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
     _launch((num_m_blocks * batch * nheads,),
             (desc(q, HALF_M), desc(k, block_n), desc(v, block_n), desc(out, HALF_M), lse,
              nheads, nheads // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, diag_offset, scale * LOG2E),
-            dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240), 4, 1)
+            dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, PINGPONG=pingpong), 4, 1)
