@@ -93,6 +93,7 @@ def test_out_of_scope_and_switch_use_the_triton_kernel(ws_calls, monkeypatch):
     check_flash_case(Case(300, 300, 128, dtype=torch.bfloat16, window=(64, 0)), device="cuda")
     check_flash_case(Case(300, 300, 96, dtype=torch.bfloat16), device="cuda")
     check_flash_case(Case(300, 300, 256, dtype=torch.bfloat16), device="cuda")
+    check_flash_case(Case(300, 300, 128, dtype=torch.bfloat16, scale=-0.05), device="cuda")
     assert ws_calls == []
     monkeypatch.setenv("FLASHTILE_WS", "0")
     check_flash_case(Case(300, 300, 128, dtype=torch.bfloat16), device="cuda")

@@ -367,7 +367,7 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
     if config.use_ws and os.environ.get("FLASHTILE_WS", "1") != "0" and _tma_ok(q, k, v, out):
         from . import forward_sm90
 
-        if forward_sm90.ws_applies(q, head_dim, window_left, window_right, softcap, alibi_slopes, attn_mask,
+        if forward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes, attn_mask,
                                    dropout_p):
             forward_sm90.attention_forward_ws(q, k, v, out, lse, scale=scale, diag_offset=diag_offset,
                                               causal=window_right == 0)

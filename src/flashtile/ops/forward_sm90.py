@@ -22,7 +22,8 @@ layout arrives transposed): 4-D TMA descriptors with a [1, 1, rows, D] box read 
 place, zero-fill rows past the sequence end and clip stores to it, so any seqlen works.
 Query head h reads key/value head h // group_size; causal is bottom-right by
 ``diag_offset`` (key j visible to query i iff j <= i + diag_offset). Rows that see no
-key give out 0 and lse -inf. Scores are in base 2 (the scale folded with log2 e).
+key give out 0 and lse -inf. Scores are in base 2 (the scale folded with log2 e into
+the exponent's FFMA; the scale must be positive).
 
 Triton 3.6 turns constexprs passed through ``gl.warp_specialize`` into tensors, so the
 partitions read every compile-time size from the descriptor and shared-memory types
@@ -67,14 +68,16 @@ def _mask_scores(s, mq, n0, seqlen_k, diag_offset, CAUSAL: gl.constexpr, s_layou
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i):
-    """One online-softmax step on a score tile in log2 units: (P, alpha, m, l); alpha
-    rescales what was accumulated against the old row maximum. A row that has seen no
-    key yet keeps m = -inf and is exponentiated against 0, so -inf - -inf never occurs."""
+def _softmax_step(s, m_i, l_i, qk_scale):
+    """One online-softmax step on a tile of raw scores: (P, alpha, m, l) with m the running
+    row maximum of the raw scores and P = exp2(s * qk_scale - m * qk_scale), one FFMA and
+    one MUFU op per element (qk_scale > 0 makes the max commute with the scaling); alpha
+    rescales what was accumulated against the old maximum. A row that has seen no key yet
+    keeps m = -inf and is exponentiated against 0, so -inf - -inf never occurs."""
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
-    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-    p = gl.exp2(s - m_use[:, None])
-    alpha = gl.exp2(m_i - m_use)
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new * qk_scale)
+    p = gl.exp2(s * qk_scale - m_use[:, None])
+    alpha = gl.exp2(m_i * qk_scale - m_use)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
 
 
@@ -136,10 +139,9 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_s
         _their_turn(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
         mbarrier.arrive(k_empty.index(0), count=1)
-        s = s * qk_scale
         if mask_from < 0:
             s = _mask_scores(s, mq, 0, seqlen_k, diag_offset, CAUSAL, s_layout)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
 
     for j in range(1, n_tiles):
         slot = j % NUM_BUF
@@ -154,11 +156,10 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_s
         _their_turn(turn, WG, PINGPONG)
         s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
         mbarrier.arrive(k_empty.index(slot), count=1)
-        s = s * qk_scale
         n0 = j * BLOCK_N
         if n0 > mask_from:
             s = _mask_scores(s, mq, n0, seqlen_k, diag_offset, CAUSAL, s_layout)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(prev), count=1)
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
@@ -183,7 +184,7 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_s
     fence_async_shared()
     tma.async_copy_shared_to_global(o_desc, [b, h, mq, 0], o_tile)
     rows = mq + gl.arange(0, ROWS, layout=row_s)
-    lse = gl.where(seen, (m_i + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
     gl.store(Lse + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
     tma.store_wait(pendings=0)
 
@@ -278,12 +279,12 @@ def _smem_layout(rows: int, head_dim: int, dtype_name: str):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], getattr(gl, dtype_name))
 
 
-def ws_applies(q, head_dim: int, window_left: int, window_right: int, softcap: float, alibi_slopes,
-               attn_mask, dropout_p: float) -> bool:
+def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: int, softcap: float,
+               alibi_slopes, attn_mask, dropout_p: float) -> bool:
     """Whether a (validated, window-normalized) problem is in this kernel's scope."""
     import torch
 
-    return (head_dim in HEAD_DIMS and q.dtype in (torch.float16, torch.bfloat16) and window_left < 0
+    return (head_dim in HEAD_DIMS and scale > 0.0 and q.dtype in (torch.float16, torch.bfloat16) and window_left < 0
             and window_right in (-1, 0) and softcap == 0.0 and alibi_slopes is None and attn_mask is None
             and dropout_p == 0.0)
 
