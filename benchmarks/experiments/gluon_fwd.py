@@ -176,7 +176,7 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seqlen, qk_scale,
 # flashtile/ops/forward_sm90.py. ``ws`` configs below time that kernel.
 
 
-def library_ws(q4, k4, v4, causal: bool, block_n: int = 128, num_buf: int = 2, pingpong: int = 0):
+def library_ws(q4, k4, v4, causal: bool, block_n: int = 128, num_buf: int = 2, persistent: int = 1):
     """flashtile.ops.forward_sm90 on (B, H, S, D) inputs with explicit tiles."""
     import torch
 
@@ -185,7 +185,7 @@ def library_ws(q4, k4, v4, causal: bool, block_n: int = 128, num_buf: int = 2, p
     out4 = torch.empty_like(q4)
     lse = torch.empty(q4.shape[:3], device=q4.device, dtype=torch.float32)
     attention_forward_ws(q4, k4, v4, out4, lse, scale=q4.shape[-1] ** -0.5, diag_offset=0, causal=causal,
-                         block_n=block_n, num_buf=num_buf, pingpong=bool(pingpong))
+                         block_n=block_n, num_buf=num_buf, persistent=bool(persistent))
     return out4, lse
 
 
@@ -285,8 +285,8 @@ def check_and_time(shapes, configs=((128, 128, 8),)) -> None:
                        softcap=0.0, alibi_slopes=None, attn_mask=None)
         times, errs = {}, []
         for c in configs:
-            if c[0] == "ws":  # ("ws", block_n, num_buf, pingpong)
-                name = f"ws n{c[1]} buf{c[2]} pp{c[3]}"
+            if c[0] == "ws":  # ("ws", block_n, num_buf, persistent)
+                name = f"ws n{c[1]} buf{c[2]} pers{c[3]}"
                 fn = lambda c=c: library_ws(q4, k4, v4, causal, *map(int, c[1:]))
             else:  # (block_m, block_n, warps)
                 name = f"gluon m{c[0]}n{c[1]}w{c[2]}"
@@ -313,7 +313,7 @@ def check_and_time(shapes, configs=((128, 128, 8),)) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--compile", action="store_true", help="compile for sm_90a only (no GPU needed)")
-    p.add_argument("--configs", default="128,128,8", help="block_m,block_n,warps or ws,block_n,num_buf,pingpong;... (GPU run)")
+    p.add_argument("--configs", default="128,128,8", help="block_m,block_n,warps or ws,block_n,num_buf,persistent;... (GPU run)")
     p.add_argument("--shapes", default="128,4096,0;128,4096,1;128,16384,0;128,16384,1;64,4096,0;64,16384,1",
                    help="headdim,seqlen,causal;... (GPU run)")
     args = p.parse_args(argv)

@@ -52,7 +52,8 @@ HALF_M = 64  # query rows per consumer warpgroup; a program holds two
 BLOCK_M = 2 * HALF_M
 BLOCK_N = 128  # keys per tile
 NUM_BUF = 2  # K/V ring slots (H200 run 18: 2 slots of 128 keys)
-PINGPONG = False
+PERSISTENT = True
+LOADER_REGS = 24  # registers of the loader warp (setmaxnreg; the consumers take 240)
 HEAD_DIMS = (64, 128)
 
 
@@ -82,31 +83,35 @@ def _softmax_step(s, m_i, l_i, qk_scale):
 
 
 @gluon.jit
-def _my_turn(turn, WG: gl.constexpr, k, PINGPONG: gl.constexpr):
-    """Ping-pong (FA3): the two consumers take turns to issue their tensor-core work, so
-    that one's softmax runs while the other's products run. The k-th issue of a
-    warpgroup waits for the k-th completion of its barrier (the other's k-th hand-over;
-    warpgroup 1 hands warpgroup 0 its first turn)."""
-    if PINGPONG:
-        mbarrier.wait(turn.index(WG), k & 1)
+def _work_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
+               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work item t -> (b, h, kvh, bh, m0, n_tiles): a block of 2 * ROWS query rows of one
+    (batch, head) and the number of key tiles it sees. Non-causal items run head by head
+    (programs working at the same time share K/V through L2); causal items run the last
+    query blocks of every head first (they see the most keys: longest job first)."""
+    if CAUSAL:
+        m_block = num_m_blocks - 1 - t // num_bh
+        bh = t % num_bh
+    else:
+        bh = t // num_m_blocks
+        m_block = t % num_m_blocks
+    h = bh % nheads
+    m0 = m_block * (2 * ROWS)
+    hi = seqlen_k
+    if CAUSAL:
+        hi = gl.maximum(gl.minimum(gl.minimum(m0 + 2 * ROWS, seqlen_q) + diag_offset, seqlen_k), 0)
+    return bh // nheads, h, h // group_size, bh, m0, gl.cdiv(hi, BLOCK_N)
 
 
 @gluon.jit
-def _their_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.arrive(turn.index(1 - WG), count=1)
-
-
-@gluon.jit
-def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem,
-              q_bar, k_ready, k_empty, v_ready, v_empty, turn, b, h, kvh, bh, m0, n_tiles,
+def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
+              q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size,
               seqlen_q, seqlen_k, diag_offset, qk_scale):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     NUM_BUF: gl.constexpr = k_smem.type.shape[0]
-    CAUSAL: gl.constexpr = q_bar.type.shape[0] == 3
-    PINGPONG: gl.constexpr = turn.type.shape[0] == 2
+    CAUSAL: gl.constexpr = q_ready.type.shape[0] == 3
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -115,160 +120,167 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_s
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
-    mq = m0 + WG * ROWS  # first query row of this warpgroup
     q_tile = q_smem.index(WG).reshape([ROWS, HEAD_D])
+    o_tile = o_smem.index(WG)
     zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    # A key tile needs element masks iff it reaches past the keys or past the diagonal
-    # of this warpgroup's first row (the last tile, and the diagonal ones when causal).
-    mask_from = seqlen_k - BLOCK_N
-    if CAUSAL:
-        mask_from = gl.minimum(mask_from, mq + diag_offset - BLOCK_N + 1)
 
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
-    l_i = gl.zeros([ROWS], gl.float32, row_s)
-    acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
-    p = zeros_s
-    if PINGPONG and WG == 1:
-        mbarrier.arrive(turn.index(0), count=1)  # warpgroup 0 issues first
-    mbarrier.wait(q_bar.index(WG), 0)  # also before an empty block: its tile becomes O's staging
-    if n_tiles > 0:  # tile 0: nothing to overlap with yet
-        mbarrier.wait(k_ready.index(0), 0)
-        _my_turn(turn, WG, 0, PINGPONG)
-        s = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
-                          use_acc=False, is_async=True)
-        _their_turn(turn, WG, PINGPONG)
-        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-        mbarrier.arrive(k_empty.index(0), count=1)
-        if mask_from < 0:
-            s = _mask_scores(s, mq, 0, seqlen_k, diag_offset, CAUSAL, s_layout)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+    it = 0  # key tiles consumed so far: the position in the K/V ring
+    done = 0  # work items finished
+    for t in range(gl.program_id(0), num_m_blocks * num_bh, gl.num_programs(0)):
+        b, h, kvh, bh, m0, n_tiles = _work_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+                                                diag_offset, ROWS, BLOCK_N, CAUSAL)
+        mq = m0 + WG * ROWS  # first query row of this warpgroup
+        # A key tile needs element masks iff it reaches past the keys or past the diagonal
+        # of this warpgroup's first row (the last tile, and the diagonal ones when causal).
+        mask_from = seqlen_k - BLOCK_N
+        if CAUSAL:
+            mask_from = gl.minimum(mask_from, mq + diag_offset - BLOCK_N + 1)
+        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+        l_i = gl.zeros([ROWS], gl.float32, row_s)
+        acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+        p = gl.zeros([ROWS, BLOCK_N], dtype, s_layout)  # carried in 16 bits: 32 registers, not 64
+        mbarrier.wait(q_ready.index(WG), done & 1)
+        if n_tiles > 0:  # tile 0: nothing to overlap with yet
+            slot = it % NUM_BUF
+            mbarrier.wait(k_ready.index(slot), (it // NUM_BUF) & 1)
+            s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
+                              use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            if mask_from < 0:
+                s = _mask_scores(s, mq, 0, seqlen_k, diag_offset, CAUSAL, s_layout)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+            p = p.to(dtype)
 
-    for j in range(1, n_tiles):
-        slot = j % NUM_BUF
-        prev = (j - 1) % NUM_BUF
-        mbarrier.wait(k_ready.index(slot), (j // NUM_BUF) & 1)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // NUM_BUF) & 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        _my_turn(turn, WG, j, PINGPONG)
-        s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
-                          use_acc=False, is_async=True)
-        acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
-        _their_turn(turn, WG, PINGPONG)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-        mbarrier.arrive(k_empty.index(slot), count=1)
-        n0 = j * BLOCK_N
-        if n0 > mask_from:
-            s = _mask_scores(s, mq, n0, seqlen_k, diag_offset, CAUSAL, s_layout)
-        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(prev), count=1)
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        for j in range(1, n_tiles):
+            slot = (it + j) % NUM_BUF
+            prev = (it + j - 1) % NUM_BUF
+            mbarrier.wait(k_ready.index(slot), ((it + j) // NUM_BUF) & 1)
+            mbarrier.wait(v_ready.index(prev), ((it + j - 1) // NUM_BUF) & 1)
+            p_op = gl.convert_layout(p, p_layout)
+            s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
+                              use_acc=False, is_async=True)
+            acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+            mbarrier.arrive(k_empty.index(slot), count=1)
+            n0 = j * BLOCK_N
+            if n0 > mask_from:
+                s = _mask_scores(s, mq, n0, seqlen_k, diag_offset, CAUSAL, s_layout)
+            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+            p = p.to(dtype)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(prev), count=1)
+            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        mbarrier.arrive(q_empty.index(WG), count=1)  # every Q K^T of this item is done
 
-    if n_tiles > 0:
-        last = (n_tiles - 1) % NUM_BUF
-        mbarrier.wait(v_ready.index(last), ((n_tiles - 1) // NUM_BUF) & 1)
-        p_op = gl.convert_layout(p.to(dtype), p_layout)
-        _my_turn(turn, WG, n_tiles, PINGPONG)
-        acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
-        _their_turn(turn, WG, PINGPONG)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(v_empty.index(last), count=1)
+        if n_tiles > 0:
+            last = (it + n_tiles - 1) % NUM_BUF
+            mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // NUM_BUF) & 1)
+            acc = warpgroup_mma(gl.convert_layout(p, p_layout),
+                                v_smem.index(last).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            mbarrier.arrive(v_empty.index(last), count=1)
 
-    # l == 0 exactly when a row saw no key (NaN from the data propagates instead).
-    seen = l_i != 0.0
-    l_safe = gl.where(seen, l_i, 1.0)
-    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
-    # Q is no longer read: its tile stages O for the TMA store, which clips rows past seqlen_q.
-    o_tile = q_smem.index(WG)
-    o_tile.reshape([ROWS, HEAD_D]).store(out.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, mq, 0], o_tile)
-    rows = mq + gl.arange(0, ROWS, layout=row_s)
-    lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    gl.store(Lse + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+        # l == 0 exactly when a row saw no key (NaN from the data propagates instead).
+        seen = l_i != 0.0
+        l_safe = gl.where(seen, l_i, 1.0)
+        out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+        tma.store_wait(pendings=0)  # the previous item's O has left the staging tile
+        o_tile.reshape([ROWS, HEAD_D]).store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, h, mq, 0], o_tile)  # clips rows past seqlen_q
+        rows = mq + gl.arange(0, ROWS, layout=row_s)
+        lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+        gl.store(Lse + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+        it += n_tiles
+        done += 1
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
-def _consumer0(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-               v_ready, v_empty, turn, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale):
-    _consumer(0, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-              v_ready, v_empty, turn, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale)
+def _consumer0(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+               k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
+               qk_scale):
+    _consumer(0, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+              k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
+              qk_scale)
 
 
 @gluon.jit
-def _consumer1(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-               v_ready, v_empty, turn, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale):
-    _consumer(1, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-              v_ready, v_empty, turn, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale)
+def _consumer1(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+               k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
+               qk_scale):
+    _consumer(1, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+              k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
+              qk_scale)
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty,
-            v_ready, v_empty, turn, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale):
+def _loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+            k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
+            qk_scale):
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     NUM_BUF: gl.constexpr = k_smem.type.shape[0]
-    for wg in gl.static_range(2):
-        mbarrier.expect(q_bar.index(wg), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + wg * ROWS, 0], q_bar.index(wg), q_smem.index(wg))
-    for j in range(n_tiles):
-        slot = j % NUM_BUF
-        free_phase = ((j // NUM_BUF) & 1) ^ 1  # a fresh mbarrier counts as having completed phase 1
-        mbarrier.wait(k_empty.index(slot), free_phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, kvh, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), free_phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, kvh, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+    CAUSAL: gl.constexpr = q_ready.type.shape[0] == 3
+    it = 0
+    done = 0
+    for t in range(gl.program_id(0), num_m_blocks * num_bh, gl.num_programs(0)):
+        b, h, kvh, bh, m0, n_tiles = _work_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+                                                diag_offset, ROWS, BLOCK_N, CAUSAL)
+        for wg in gl.static_range(2):
+            # A fresh mbarrier counts as having completed phase 1: the first wait passes.
+            mbarrier.wait(q_empty.index(wg), (done & 1) ^ 1)
+            mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + wg * ROWS, 0], q_ready.index(wg), q_smem.index(wg))
+        for j in range(n_tiles):
+            slot = (it + j) % NUM_BUF
+            free_phase = (((it + j) // NUM_BUF) & 1) ^ 1
+            mbarrier.wait(k_empty.index(slot), free_phase)
+            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, kvh, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+            mbarrier.wait(v_empty.index(slot), free_phase)
+            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [b, kvh, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        it += n_tiles
+        done += 1
 
 
 @gluon.jit
 def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seqlen_q, seqlen_k,
-                   num_m_blocks, diag_offset, qk_scale,
+                   num_m_blocks, num_bh, diag_offset, qk_scale,
                    CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   PINGPONG: gl.constexpr):
+                   LOADER_REGS: gl.constexpr):
+    """Persistent when launched on fewer programs than work items: each program walks the
+    items t = pid, pid + grid, ... and the loader fetches the next item's Q and first
+    K/V tiles while the consumers finish the last one."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
-    # A flat 1-D grid (no 65,535 limit on batch x heads); programs of one head adjacent.
-    pid = gl.program_id(0)
-    bh = pid // num_m_blocks
-    m_block = pid % num_m_blocks
-    if CAUSAL:
-        m_block = num_m_blocks - 1 - m_block  # the rows that see the most keys first
-    b = bh // nheads
-    h = bh % nheads
-    kvh = h // group_size
-    m0 = m_block * (2 * ROWS)
-    hi = seqlen_k
-    if CAUSAL:
-        hi = gl.maximum(gl.minimum(gl.minimum(m0 + 2 * ROWS, seqlen_q) + diag_offset, seqlen_k), 0)
-    n_tiles = gl.cdiv(hi, BLOCK_N)
-
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], q_desc.layout)
+    o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
-    q_bar = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [2 if PINGPONG else 1, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
-        mbarrier.init(q_bar.index(i), count=1)
-        if PINGPONG:
-            mbarrier.init(turn.index(i), count=1)
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
     for i in gl.static_range(NUM_BUF):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
         mbarrier.init(v_empty.index(i), count=2)
 
-    args = (q_desc, k_desc, v_desc, o_desc, Lse, q_smem, k_smem, v_smem, q_bar, k_ready, k_empty, v_ready,
-            v_empty, turn, b, h, kvh, bh, m0, n_tiles, seqlen_q, seqlen_k, diag_offset, qk_scale)
-    gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 1], [CONSUMER_REGS, 24])
+    args = (q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+            v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, qk_scale)
+    gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 1],
+                       [CONSUMER_REGS, LOADER_REGS])
 
 
 _launch = Launcher(_fwd_ws_kernel)
@@ -290,7 +302,7 @@ def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: i
 
 
 def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, causal: bool,
-                         block_n: int = BLOCK_N, num_buf: int = NUM_BUF, pingpong: bool = PINGPONG) -> None:
+                         block_n: int = BLOCK_N, num_buf: int = NUM_BUF, persistent: bool = PERSISTENT) -> None:
     """Launch the warp-specialized forward; the caller checked ``ws_applies`` and TMA alignment.
 
     Args:
@@ -299,7 +311,7 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
         lse: (B, H, Sq) float32, contiguous.
         causal: key j visible to query i iff j <= i + diag_offset.
         block_n, num_buf: keys per tile and K/V ring slots (128 query rows per program).
-        pingpong: the consumers take turns issuing their products.
+        persistent: one program per SM walking the work items (else one per item).
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -311,7 +323,23 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
                                 _smem_layout(rows, head_dim, dtype_name))
 
     num_m_blocks = triton.cdiv(seqlen_q, BLOCK_M)
-    _launch((num_m_blocks * batch * nheads,),
+    items = num_m_blocks * batch * nheads
+    grid = min(items, _num_sms(q.device)) if persistent else items
+    _launch((grid,),
             (desc(q, HALF_M), desc(k, block_n), desc(v, block_n), desc(out, HALF_M), lse,
-             nheads, nheads // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, diag_offset, scale * LOG2E),
-            dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, PINGPONG=pingpong), 4, 1)
+             nheads, nheads // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, batch * nheads, diag_offset,
+             scale * LOG2E),
+            dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS), 4, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(index: int) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def _num_sms(device) -> int:
+    import torch
+
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

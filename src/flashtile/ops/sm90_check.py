@@ -114,7 +114,7 @@ def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: 
 
 
 def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int | None = None,
-                       num_buf: int | None = None, pingpong: bool | None = None) -> Compiled:
+                       num_buf: int | None = None) -> Compiled:
     """The warp-specialized Gluon forward (``forward_sm90``; its default tiles unless given)."""
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -122,27 +122,26 @@ def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int 
     import triton
 
     from . import forward_sm90
-    from .forward_sm90 import HALF_M, _fwd_ws_kernel, _smem_layout
+    from .forward_sm90 import HALF_M, LOADER_REGS, _fwd_ws_kernel, _smem_layout
 
     block_n = block_n or forward_sm90.BLOCK_N
     num_buf = num_buf or forward_sm90.NUM_BUF
-    pingpong = forward_sm90.PINGPONG if pingpong is None else pingpong
 
     torch_name = {"bf16": "bfloat16", "fp16": "float16"}[dtype]
 
     def td(rows):
         return f"tensordesc<{dtype}[1, 1, {rows}, {head_dim}],{_smem_layout(rows, head_dim, torch_name)}>"
 
-    constexprs = dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, PINGPONG=pingpong)
+    constexprs = dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS)
     sig = {"q_desc": td(HALF_M), "k_desc": td(block_n), "v_desc": td(block_n), "o_desc": td(HALF_M),
            "Lse": "*fp32"}
-    sig.update({n: "i32" for n in ("nheads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "diag_offset")})
+    sig.update({n: "i32" for n in ("nheads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "num_bh",
+                                   "diag_offset")})
     sig.update(qk_scale="fp32", **{n: "constexpr" for n in constexprs})
     src = GluonASTSource(_fwd_ws_kernel, sig, constexprs=constexprs, attrs={(4,): [["tt.divisibility", 16]]})
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
     ptx = kernel.asm["ptx"]
-    return Compiled(f"fwd-ws {dtype} d{head_dim} causal={causal} block_n={block_n} num_buf={num_buf} "
-                    f"pingpong={pingpong}",
+    return Compiled(f"fwd-ws {dtype} d{head_dim} causal={causal} block_n={block_n} num_buf={num_buf}",
                     kernel.metadata.shared,
                     "wgmma.mma_async" in ptx, "cp.async.bulk.tensor" in ptx, ptx)
 
