@@ -10,6 +10,8 @@ past the diagonal with no key (bottom-right causal with seqlen_q > seqlen_k), GQ
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -25,6 +27,11 @@ def ws_calls(monkeypatch):
         pytest.skip("the Gluon forward is for sm90 (Hopper)")
     from flashtile.ops import forward_sm90
 
+    from flashtile.ops import configs
+
+    # Every call in the kernel's scope takes it, whatever the table prefers for speed.
+    for key, cfg in list(configs._SM90_FWD.items()):
+        monkeypatch.setitem(configs._SM90_FWD, key, dataclasses.replace(cfg, use_ws=True))
     calls = []
     original = forward_sm90.attention_forward_ws
 
@@ -109,3 +116,26 @@ def test_deterministic_bitwise(ws_calls):
     for _ in range(5):
         assert torch.equal(flashtile.flash_attn_func(q, k, v, causal=True), first)
     assert len(ws_calls) == 6
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("persistent", [False, True])
+def test_both_schedules(causal, persistent, ws_calls):
+    """Persistent (programs walk several work items: ring phases and Q/O staging carried
+    across items) and one program per item, whichever the default is for the call."""
+    from flashtile.ops.forward_sm90 import attention_forward_ws
+    from flashtile.testing import assert_close, plain_attention
+
+    g = torch.Generator(device="cuda").manual_seed(5)
+    B, H, Hk, Sq, Sk, D = 3, 10, 2, 1500, 1777, 128
+    q = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(B, Hk, Sk, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B, H, Sq), float("nan"), device="cuda")
+    attention_forward_ws(q, k, v, out, lse, scale=D ** -0.5, diag_offset=Sk - Sq, causal=causal,
+                         persistent=persistent)
+    kwargs = dict(scale=D ** -0.5, diag_offset=Sk - Sq, window_right=0 if causal else -1)
+    ref, ref_lse = plain_attention(q, k, v, dtype=torch.float64, **kwargs)
+    base, base_lse = plain_attention(q, k, v, **kwargs)
+    assert_close("out", out, ref, base)
+    assert_close("lse", lse, ref_lse, base_lse)
