@@ -1,4 +1,4 @@
-"""Hopper forward in Gluon: warp-specialized, FA3-style (sm90, fp16/bf16, head dim 64/128).
+"""Hopper forward in Gluon: warp-specialized, FA3-style (sm90, fp16/bf16, head dim 64/128/256).
 
 The same algorithm as ``forward.py`` for the common case, no causal window edge other
 than the diagonal, no softcap/alibi/mask/dropout, scheduled by hand because plain Triton
@@ -50,10 +50,15 @@ from .launch import Launcher
 LOG2E = 1.4426950408889634
 HALF_M = 64  # query rows per consumer warpgroup; a program holds two
 BLOCK_M = 2 * HALF_M
-BLOCK_N = 128  # keys per tile
 NUM_BUF = 2  # K/V ring slots (H200 run 18: 2 slots of 128 keys)
 LOADER_REGS = 24  # registers of the loader warp (setmaxnreg; the consumers take 240)
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = (64, 128, 256)
+
+
+def default_block_n(head_dim: int) -> int:
+    """Keys per tile: 128, or 64 at d256 (registers: the 64 x 256 fp32 output tile of a
+    consumer already takes 128 per thread; shared memory: 2 K/V slots of 64 keys, Q/O)."""
+    return 64 if head_dim > 128 else 128
 
 
 @gluon.jit
@@ -121,6 +126,9 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_s
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     q_tile = q_smem.index(WG).reshape([ROWS, HEAD_D])
     o_tile = o_smem.index(WG)
+    # d256: no room for separate O tiles, so O is staged in the Q tile, which the loader
+    # may refill only once O has left it.
+    ALIAS_O: gl.constexpr = HEAD_D > 128
     zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
 
     it = 0  # key tiles consumed so far: the position in the K/V ring
@@ -170,7 +178,8 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_s
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             mbarrier.arrive(v_empty.index(prev), count=1)
             acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        mbarrier.arrive(q_empty.index(WG), count=1)  # every Q K^T of this item is done
+        if not ALIAS_O:
+            mbarrier.arrive(q_empty.index(WG), count=1)  # every Q K^T of this item is done
 
         if n_tiles > 0:
             last = (it + n_tiles - 1) % NUM_BUF
@@ -188,6 +197,9 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_s
         o_tile.reshape([ROWS, HEAD_D]).store(out.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [b, h, mq, 0], o_tile)  # clips rows past seqlen_q
+        if ALIAS_O:
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(q_empty.index(WG), count=1)
         rows = mq + gl.arange(0, ROWS, layout=row_s)
         lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
         gl.store(Lse + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
@@ -258,7 +270,10 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seql
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
     q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], q_desc.layout)
-    o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], o_desc.layout)
+    if HEAD_D > 128:
+        o_smem = q_smem  # see ALIAS_O in _consumer
+    else:
+        o_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], o_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
@@ -301,15 +316,16 @@ def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: i
 
 
 def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, causal: bool,
-                         block_n: int = BLOCK_N, num_buf: int = NUM_BUF, persistent: bool | None = None) -> None:
+                         block_n: int | None = None, num_buf: int = NUM_BUF, persistent: bool | None = None) -> None:
     """Launch the warp-specialized forward; the caller checked ``ws_applies`` and TMA alignment.
 
     Args:
         q: (B, H, Sq, D); k, v: (B, Hk, Sk, D); out: (B, H, Sq, D); 16-byte-aligned
-            bases and strides, unit stride along D, D in (64, 128), fp16 or bf16.
+            bases and strides, unit stride along D, D in HEAD_DIMS, fp16 or bf16.
         lse: (B, H, Sq) float32, contiguous.
         causal: key j visible to query i iff j <= i + diag_offset.
-        block_n, num_buf: keys per tile and K/V ring slots (128 query rows per program).
+        block_n, num_buf: keys per tile (default ``default_block_n``) and K/V ring slots
+            (128 query rows per program).
         persistent: one program per SM walking the work items, or one program per item.
             Default: persistent without causal (+2-20% on the H200, most at short
             seqlens), one per item with causal (the hardware's in-order dispatch keeps the
@@ -320,6 +336,7 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
 
     batch, nheads, seqlen_q, head_dim = q.shape
     dtype_name = str(q.dtype).replace("torch.", "")
+    block_n = block_n or default_block_n(head_dim)
 
     def desc(t, rows):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim],

@@ -124,7 +124,7 @@ def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int 
     from . import forward_sm90
     from .forward_sm90 import HALF_M, LOADER_REGS, _fwd_ws_kernel, _smem_layout
 
-    block_n = block_n or forward_sm90.BLOCK_N
+    block_n = block_n or forward_sm90.default_block_n(head_dim)
     num_buf = num_buf or forward_sm90.NUM_BUF
 
     torch_name = {"bf16": "bfloat16", "fp16": "float16"}[dtype]
