@@ -67,12 +67,13 @@ _SM90_FWD[(128, True, True)] = FwdConfig(128, 128, 8, 3, True)
 for _causal in (False, True):
     for _long in (False, True):
         _SM90_FWD[(256, _causal, _long)] = FwdConfig(128, 64, 8, 2, True)
-# d64/d128 in fp16/bf16 without extras: the warp-specialized Gluon kernel, except short
-# causal calls at d64, where the Triton kernel's 64-row tiles waste less on the diagonal
-# (H200 runs 22-23, bf16, TF/s Gluon vs Triton: d128 S4096 612 vs 481, causal 543 vs
-# 427; d64 S4096 459 vs 409, causal 395 vs 367; d64 causal S1024 247 vs 294).
+# d64/d128/d256 in fp16/bf16 without extras: the warp-specialized Gluon kernel, except
+# short causal calls at d64, where the Triton kernel's 64-row tiles waste less on the
+# diagonal (H200 runs 22-23 and 26, bf16, TF/s Gluon vs Triton: d128 S4096 612 vs 481,
+# causal 543 vs 427; d64 S4096 459 vs 409, causal 395 vs 367; d64 causal S1024 247 vs
+# 294; d256 S4096 641 vs 511, causal 571 vs 435).
 for _key, _cfg in list(_SM90_FWD.items()):
-    if _key[0] in (64, 128) and _key != (64, True, False):
+    if _key[0] in (64, 128, 256) and _key != (64, True, False):
         _SM90_FWD[_key] = replace(_cfg, use_ws=True)
 LONG_SEQLEN = 2048
 
@@ -121,7 +122,7 @@ def fwd_candidates(head_dim: int) -> list[FwdConfig]:
     else:
         blocks = [(128, 64), (64, 64), (128, 32)]
     cands = [FwdConfig(m, n, w, s, tma) for (m, n) in blocks for w in (4, 8) for s in (2, 3) for tma in (False, True)]
-    if bucket in (64, 128):  # the Gluon kernel (its own tiles) where it applies
+    if bucket in (64, 128, 256):  # the Gluon kernel (its own tiles) where it applies
         cands.append(FwdConfig(128, 128, 8, 3, True, use_ws=True))
     return cands
 

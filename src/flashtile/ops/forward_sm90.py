@@ -327,10 +327,11 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
         block_n, num_buf: keys per tile (default ``default_block_n``) and K/V ring slots
             (128 query rows per program).
         persistent: one program per SM walking the work items, or one program per item.
-            Default: persistent without causal (+2-20% on the H200, most at short
-            seqlens), one per item with causal (the hardware's in-order dispatch keeps the
-            running programs on one head, so its K/V stays in L2; a static persistent
-            order lost 25% at S16384, run 23).
+            Default: persistent without causal at d <= 128 (+2-20% on the H200, most at
+            short seqlens), one per item with causal (the hardware's in-order dispatch
+            keeps the running programs on one head, so its K/V stays in L2; a static
+            persistent order lost 25% at S16384, run 23) and at d256 (O staged in Q's
+            tile serializes the next item's Q load: -1-3% persistent, run 26).
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -345,7 +346,7 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
     num_m_blocks = triton.cdiv(seqlen_q, BLOCK_M)
     items = num_m_blocks * batch * nheads
     if persistent is None:
-        persistent = not causal
+        persistent = not causal and head_dim <= 128
     grid = min(items, _num_sms(q.device)) if persistent else items
     _launch((grid,),
             (desc(q, HALF_M), desc(k, block_n), desc(v, block_n), desc(out, HALF_M), lse,
