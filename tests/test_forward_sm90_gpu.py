@@ -118,17 +118,20 @@ def test_deterministic_bitwise(ws_calls):
     assert len(ws_calls) == 6
 
 
+@pytest.mark.parametrize("seqs", [(1500, 1777), (1777, 300)], ids=lambda s: f"Q{s[0]}-K{s[1]}")
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("persistent", [False, True])
-def test_both_schedules(head_dim, causal, persistent, ws_calls):
+def test_both_schedules(seqs, head_dim, causal, persistent, ws_calls):
     """Persistent (programs walk several work items: ring phases and Q/O staging carried
-    across items) and one program per item, whichever the default is for the call."""
+    across items) and one program per item, whichever the default is for the call. With
+    seqlen_q > seqlen_k and causal, whole work items see no key (n_tiles == 0)."""
     from flashtile.ops.forward_sm90 import attention_forward_ws
     from flashtile.testing import assert_close, plain_attention
 
     g = torch.Generator(device="cuda").manual_seed(5)
-    B, H, Hk, Sq, Sk, D = 3, 10, 2, 1500, 1777, head_dim
+    B, H, Hk, D = 3, 10, 2, head_dim
+    Sq, Sk = seqs
     q = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(B, Hk, Sk, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
     out = torch.full_like(q, float("nan"))

@@ -122,7 +122,7 @@ def fwd_candidates(head_dim: int) -> list[FwdConfig]:
     else:
         blocks = [(128, 64), (64, 64), (128, 32)]
     cands = [FwdConfig(m, n, w, s, tma) for (m, n) in blocks for w in (4, 8) for s in (2, 3) for tma in (False, True)]
-    if bucket in (64, 128, 256):  # the Gluon kernel (its own tiles) where it applies
+    if bucket in (64, 128, 256):  # the Gluon kernel (its own tiles) where it applies (sm90 only)
         cands.append(FwdConfig(128, 128, 8, 3, True, use_ws=True))
     return cands
 

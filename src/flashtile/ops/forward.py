@@ -305,6 +305,15 @@ def _fwd_kernel(
 _launch_fwd = Launcher(_fwd_kernel)
 
 
+def _tma_layout_ok(t) -> bool:
+    """A tensor the bulk tensor copy engine can address: 16-byte aligned base and strides,
+    unit last stride, no zero stride (broadcast views) on a dimension longer than 1."""
+    if t.data_ptr() % 16 or t.stride(-1) != 1:
+        return False
+    size = t.element_size()
+    return not any((s * size) % 16 or (s == 0 and n > 1) for s, n in zip(t.stride()[:-1], t.shape[:-1]))
+
+
 def _tma_ok(*tensors) -> bool:
     """The bulk tensor copy engine needs sm90+, 16-byte aligned bases and strides."""
     t0 = tensors[0]
@@ -312,19 +321,17 @@ def _tma_ok(*tensors) -> bool:
         return False
     if any(t.numel() == 0 for t in tensors):  # a descriptor needs positive sizes
         return False
+    if _capability(t0)[0] < 9:
+        return False
+    return all(_tma_layout_ok(t) for t in tensors)
+
+
+def _capability(t) -> tuple[int, int]:
     import torch
 
     from .configs import cuda_capability
 
-    index = t0.device.index if t0.device.index is not None else torch.cuda.current_device()
-    if cuda_capability(index)[0] < 9:
-        return False
-    for t in tensors:
-        if t.data_ptr() % 16 or t.stride(-1) != 1:
-            return False
-        if any((s * t.element_size()) % 16 for s in t.stride()[:-1]):
-            return False
-    return True
+    return cuda_capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, window_left: int,
@@ -339,7 +346,7 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
         alibi_slopes: None or float32 (B, H) (any strides).
         attn_mask: None or (B, H, Sq, Sk) bool/float view (broadcast strides allowed).
         config: block sizes, warps and stages; ``use_ws`` sends problems in its scope
-            (sm90, fp16/bf16, head dim 64/128, plain or causal, no extras) to the
+            (sm90, fp16/bf16, head dim 64/128/256, plain or causal, no extras) to the
             warp-specialized Gluon kernel of ``forward_sm90``.
         dropout_p, seed: dropout probability and a 1-element int64 tensor on q's device
             holding the Philox key (only read when dropout_p > 0).
@@ -364,7 +371,8 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
         mstrides = attn_mask.stride()
     alibi_arg, astrides = (q, (0, 0)) if alibi_slopes is None else (alibi_slopes, alibi_slopes.stride())
 
-    if config.use_ws and os.environ.get("FLASHTILE_WS", "1") != "0" and _tma_ok(q, k, v, out):
+    if (config.use_ws and os.environ.get("FLASHTILE_WS", "1") != "0" and _tma_ok(q, k, v, out)
+            and _capability(q)[0] == 9):  # wgmma and setmaxnreg: Hopper only
         from . import forward_sm90
 
         if forward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes, attn_mask,

@@ -310,7 +310,9 @@ def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: i
     """Whether a (validated, window-normalized) problem is in this kernel's scope."""
     import torch
 
-    return (head_dim in HEAD_DIMS and scale > 0.0 and q.dtype in (torch.float16, torch.bfloat16) and window_left < 0
+    # The scale enters as an fp32 factor of the exponent: it must stay a normal positive
+    # float there (m * scale with m = -inf must not become -inf * 0).
+    return (head_dim in HEAD_DIMS and 1e-30 < scale < 1e30 and q.dtype in (torch.float16, torch.bfloat16) and window_left < 0
             and window_right in (-1, 0) and softcap == 0.0 and alibi_slopes is None and attn_mask is None
             and dropout_p == 0.0)
 
