@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|bench|sweep|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|bench|sweep|gluon-bwd|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -35,4 +35,9 @@ if [[ $what == sweep ]]; then
   echo "sweep bwd rc=$?"; sed -n '/best per shape/,$p' "$OUT/sweep-bwd.log"
   timeout 250 python3 benchmarks/sweep_fwd.py --dtype bf16 --seqlen 512 1024 --out "$OUT/sweep-fwd.jsonl" > "$OUT/sweep-fwd.log" 2>&1
   echo "sweep fwd rc=$?"; sed -n '/best per shape/,$p' "$OUT/sweep-fwd.log"
+fi
+if [[ $what == gluon-bwd ]]; then
+  # The warp-specialized dK/dV experiment: correctness on odd shapes, then TF/s vs the library and cuDNN.
+  timeout 240 python3 benchmarks/experiments/gluon_bwd.py > "$OUT/gluon-bwd.log" 2>&1
+  echo "gluon bwd rc=$?"; grep -v Warning "$OUT/gluon-bwd.log" | tail -20
 fi
