@@ -17,6 +17,7 @@ import torch
 
 import flashtile
 from cases import Case, check_flash_case, check_flash_grads
+from flashtile.testing import assert_close, plain_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
 
@@ -75,8 +76,6 @@ def test_sdpa_top_left_causal(seqs, ws_calls):
     out = flashtile.scaled_dot_product_attention(q, k, v, is_causal=True)
     ref = torch.nn.functional.scaled_dot_product_attention(q.double(), k.double(), v.double(), is_causal=True)
     base = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-    from flashtile.testing import assert_close
-
     assert_close("sdpa causal", out, ref, base)
     assert len(ws_calls) == 1
 
@@ -127,7 +126,6 @@ def test_both_schedules(seqs, head_dim, causal, persistent, ws_calls):
     across items) and one program per item, whichever the default is for the call. With
     seqlen_q > seqlen_k and causal, whole work items see no key (n_tiles == 0)."""
     from flashtile.ops.forward_sm90 import attention_forward_ws
-    from flashtile.testing import assert_close, plain_attention
 
     g = torch.Generator(device="cuda").manual_seed(5)
     B, H, Hk, D = 3, 10, 2, head_dim

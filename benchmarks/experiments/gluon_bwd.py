@@ -29,7 +29,6 @@ on a GPU.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 
 import triton
@@ -43,7 +42,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-LOG2E = 1.4426950408889634
+from flashtile.ops.forward import LOG2E
+from flashtile.ops.forward_sm90 import _smem_layout
+
 BLOCK = 64  # keys per consumer warpgroup, and queries per step
 ROWS = gl.constexpr(BLOCK)  # the same, for the kernels
 # (Q, dO) ring slots: the step in use, the previous one (its dK/dV products in flight) and
@@ -238,11 +239,6 @@ def _dkdv_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delt
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 1], [CONSUMER_REGS, 24])
 
 
-@functools.lru_cache(maxsize=None)
-def _smem_layout(head_dim: int, dtype_name: str):
-    return gl.NVMMASharedLayout.get_default_for([1, 1, BLOCK, head_dim], getattr(gl, dtype_name))
-
-
 def gluon_dkdv(q, k, v, dout, lse, delta, *, scale: float, causal: bool, diag_offset: int = 0,
                num_buf: int = NUM_BUF, consumer_regs: int = 240):
     """dK, dV (B, Hk, Sk, D) from q, dout (B, H, Sq, D), k, v (B, Hk, Sk, D) views with
@@ -255,7 +251,7 @@ def gluon_dkdv(q, k, v, dout, lse, delta, *, scale: float, causal: bool, diag_of
     Hk, Sk = k.shape[1], k.shape[2]
     dk = torch.empty(B, Sk, Hk, D, device=q.device, dtype=q.dtype).transpose(1, 2)
     dv = torch.empty_like(dk)
-    layout = _smem_layout(D, str(q.dtype).replace("torch.", ""))
+    layout = _smem_layout(BLOCK, D, str(q.dtype).replace("torch.", ""))
 
     def desc(t):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, BLOCK, D], layout)
@@ -269,21 +265,19 @@ def gluon_dkdv(q, k, v, dout, lse, delta, *, scale: float, causal: bool, diag_of
 
 
 def compile_only(head_dim: int, causal: bool, num_buf: int = NUM_BUF, dtype: str = "bf16", consumer_regs: int = 240):
-    """sm_90a compile on any machine (no GPU): (PTX, shared bytes)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    """sm_90a compile on any machine (no GPU): a ``flashtile.ops.sm90_check.Compiled``."""
+    from flashtile.ops.sm90_check import compile_gluon
 
-    td = f"tensordesc<{dtype}[1, 1, {BLOCK}, {head_dim}],{_smem_layout(head_dim, {'bf16': 'bfloat16', 'fp16': 'float16'}[dtype])}>"
+    layout = _smem_layout(BLOCK, head_dim, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
+    td = f"tensordesc<{dtype}[1, 1, {BLOCK}, {head_dim}],{layout}>"
     consts = dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=consumer_regs)
     sig = {n: td for n in ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc")}
     sig.update(Lse="*fp32", Delta="*fp32")
     sig.update({n: "i32" for n in ("nheads", "nheads_k", "group_size", "seqlen_q", "seqlen_k", "num_n_blocks",
                                    "diag_offset")})
-    sig.update(qk_scale="fp32", scale="fp32", **{n: "constexpr" for n in consts})
+    sig.update(qk_scale="fp32", scale="fp32")
     attrs = {(6,): [["tt.divisibility", 16]], (7,): [["tt.divisibility", 16]]}
-    k = triton.compile(GluonASTSource(_dkdv_ws_kernel, sig, constexprs=consts, attrs=attrs),
-                       target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    return k.asm["ptx"], k.metadata.shared
+    return compile_gluon(f"dkdv d{head_dim} causal={int(causal)}", _dkdv_ws_kernel, sig, consts, attrs, num_warps=4)
 
 
 def check_and_time(shapes) -> None:
@@ -371,15 +365,12 @@ def main(argv=None) -> int:
                    help="headdim,seqlen,causal;... (GPU run)")
     args = p.parse_args(argv)
     if args.compile:
-        from flashtile.ops.sm90_check import Compiled
-
         for d in (64, 128):
             for causal in (False, True):
-                ptx, shared = compile_only(d, causal)
-                regs, spills = Compiled("gluon-bwd", shared, True, True, ptx).registers()
-                print(f"dkdv d{d} causal={int(causal)}: regs={regs} spill={spills}B smem={shared} "
-                      f"setmaxnreg={ptx.count('setmaxnreg')} wait2={ptx.count('wgmma.wait_group.sync.aligned 2')}",
-                      flush=True)
+                c = compile_only(d, causal)
+                regs, spills = c.registers()
+                print(f"{c.name}: regs={regs} spill={spills}B smem={c.shared} setmaxnreg={c.ptx.count('setmaxnreg')} "
+                      f"wait2={c.ptx.count('wgmma.wait_group.sync.aligned 2')}", flush=True)
         return 0
     shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")]
     check_and_time([(d, S, bool(c)) for d, S, c in shapes])

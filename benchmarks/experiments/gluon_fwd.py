@@ -28,7 +28,6 @@ import dataclasses
 import re
 import sys
 
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -217,16 +216,13 @@ def gluon_forward(q4, k4, v4, causal: bool, block_m: int = 128, block_n: int = 1
 
 
 def compile_only(block_m=128, block_n=128, head_d=128, num_warps=8, causal=False, ws=False):
-    """sm_90a compile on any machine (no GPU): (PTX, shared bytes).
+    """sm_90a compile on any machine (no GPU): a ``flashtile.ops.sm90_check.Compiled``.
 
     ws=True compiles the library's warp-specialized kernel (block_m is then 2 x 64 rows)."""
-    if ws:
-        from flashtile.ops.sm90_check import compile_forward_ws
+    from flashtile.ops.sm90_check import compile_forward_ws, compile_gluon
 
-        c = compile_forward_ws("bf16", head_d, causal=causal, block_n=block_n)
-        return c.ptx, c.shared
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
+    if ws:
+        return compile_forward_ws("bf16", head_d, causal=causal, block_n=block_n)
 
     def td(rows):
         return f"tensordesc<bf16[{rows}, {head_d}],{_layout_str(rows, head_d)}>"
@@ -234,12 +230,8 @@ def compile_only(block_m=128, block_n=128, head_d=128, num_warps=8, causal=False
     sig = {"q_desc": td(block_m), "k_desc": td(block_n), "v_desc": td(block_n), "o_desc": td(block_m),
            "Lse": "*fp32", "seqlen": "i32", "qk_scale": "fp32"}
     consts = {"BLOCK_M": block_m, "BLOCK_N": block_n, "HEAD_D": head_d, "CAUSAL": causal, "num_warps": num_warps}
-    fn = _gluon_fwd_kernel
-    sig.update({name: "constexpr" for name in consts})
     attrs = {(4,): [["tt.divisibility", 16]], (5,): [["tt.divisibility", 16]]}
-    src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
-    k = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
-    return k.asm["ptx"], k.metadata.shared
+    return compile_gluon("gluon", _gluon_fwd_kernel, sig, consts, attrs, num_warps=num_warps)
 
 
 def _layout_str(rows, d):
@@ -318,16 +310,14 @@ def main(argv=None) -> int:
                    help="headdim,seqlen,causal;... (GPU run)")
     args = p.parse_args(argv)
     if args.compile:
-        from flashtile.ops.sm90_check import Compiled
-
         for d, bm, bn, w, causal, ws in ((128, 128, 128, 8, False, False), (128, 128, 128, 8, True, False),
                                          (64, 64, 64, 4, False, False), (128, 128, 128, 4, False, True),
                                          (128, 128, 128, 4, True, True), (64, 128, 128, 4, False, True)):
-            ptx, shared = compile_only(bm, bn, d, w, causal, ws)
-            regs, spills = Compiled("gluon", shared, True, True, ptx).registers()
+            c = compile_only(bm, bn, d, w, causal, ws)
+            regs, spills = c.registers()
             print(f"{'ws ' if ws else ''}d{d} m{bm} n{bn} w{w} causal={int(causal)}: regs={regs} spill={spills}B "
-                  f"smem={shared} setmaxnreg={ptx.count('setmaxnreg')}\n"
-                  f"  {_schedule(ptx)}", flush=True)
+                  f"smem={c.shared} setmaxnreg={c.ptx.count('setmaxnreg')}\n"
+                  f"  {_schedule(c.ptx)}", flush=True)
         return 0
     p_cfg = [tuple(x if x == "ws" else int(x) for x in c.split(",")) for c in args.configs.split(";")]
     shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")]

@@ -27,9 +27,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 def _device_capability(t: Tensor) -> Optional[tuple[int, int]]:
     if t.device.type != "cuda":
         return None  # the Triton interpreter on CPU tensors
-    from .ops.configs import cuda_capability
+    from .ops.configs import cuda_capability, device_index
 
-    return cuda_capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
+    return cuda_capability(device_index(t.device))
 
 
 def _bshd_view(t: Tensor) -> Tensor:

@@ -31,12 +31,29 @@ class FwdConfig:
     use_ws: bool = False
 
 
+def device_index(device) -> int:
+    """The index of a CUDA ``torch.device`` (a bare "cuda" means the current device)."""
+    if device.index is not None:
+        return device.index
+    import torch
+
+    return torch.cuda.current_device()
+
+
 @functools.lru_cache(maxsize=None)
 def cuda_capability(device_index: int) -> tuple[int, int]:
     """(major, minor) of a CUDA device, asked of the driver once per device."""
     import torch
 
     return torch.cuda.get_device_capability(device_index)
+
+
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of a CUDA device, asked of the driver once per device."""
+    import torch
+
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def head_dim_bucket(head_dim: int) -> int:

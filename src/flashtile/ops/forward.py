@@ -30,7 +30,7 @@ import os
 import triton
 import triton.language as tl
 
-from .configs import FwdConfig
+from .configs import FwdConfig, cuda_capability, device_index
 from .launch import Launcher
 from .window import effective_window
 
@@ -321,17 +321,9 @@ def _tma_ok(*tensors) -> bool:
         return False
     if any(t.numel() == 0 for t in tensors):  # a descriptor needs positive sizes
         return False
-    if _capability(t0)[0] < 9:
+    if cuda_capability(device_index(t0.device))[0] < 9:
         return False
     return all(_tma_layout_ok(t) for t in tensors)
-
-
-def _capability(t) -> tuple[int, int]:
-    import torch
-
-    from .configs import cuda_capability
-
-    return cuda_capability(t.device.index if t.device.index is not None else torch.cuda.current_device())
 
 
 def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, window_left: int,
@@ -371,17 +363,19 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
         mstrides = attn_mask.stride()
     alibi_arg, astrides = (q, (0, 0)) if alibi_slopes is None else (alibi_slopes, alibi_slopes.stride())
 
-    if (config.use_ws and os.environ.get("FLASHTILE_WS", "1") != "0" and _tma_ok(q, k, v, out)
-            and _capability(q)[0] == 9):  # wgmma and setmaxnreg: Hopper only
+    tma_ok = (config.use_ws or config.use_tma) and _tma_ok(q, k, v, out)
+    if tma_ok and config.use_ws and os.environ.get("FLASHTILE_WS", "1") != "0":
         from . import forward_sm90
 
-        if forward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes, attn_mask,
-                                   dropout_p):
+        # wgmma and setmaxnreg: Hopper only (_tma_ok lets later architectures through).
+        if (cuda_capability(device_index(q.device))[0] == 9
+                and forward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes,
+                                            attn_mask, dropout_p)):
             forward_sm90.attention_forward_ws(q, k, v, out, lse, scale=scale, diag_offset=diag_offset,
                                               causal=window_right == 0)
             return
     softcap_on = softcap > 0.0
-    use_tma = config.use_tma and _tma_ok(q, k, v, out)
+    use_tma = config.use_tma and tma_ok
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -45,9 +45,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .configs import device_index, sm_count
+from .forward import LOG2E
 from .launch import Launcher
 
-LOG2E = 1.4426950408889634
 HALF_M = 64  # query rows per consumer warpgroup; a program holds two
 BLOCK_M = 2 * HALF_M
 NUM_BUF = 2  # K/V ring slots (H200 run 18: 2 slots of 128 keys)
@@ -312,9 +313,9 @@ def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: i
 
     # The scale enters as an fp32 factor of the exponent: it must stay a normal positive
     # float there (m * scale with m = -inf must not become -inf * 0).
-    return (head_dim in HEAD_DIMS and 1e-30 < scale < 1e30 and q.dtype in (torch.float16, torch.bfloat16) and window_left < 0
-            and window_right in (-1, 0) and softcap == 0.0 and alibi_slopes is None and attn_mask is None
-            and dropout_p == 0.0)
+    return (head_dim in HEAD_DIMS and 1e-30 < scale < 1e30 and q.dtype in (torch.float16, torch.bfloat16)
+            and window_left < 0 and window_right in (-1, 0) and softcap == 0.0 and alibi_slopes is None
+            and attn_mask is None and dropout_p == 0.0)
 
 
 def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, causal: bool,
@@ -349,22 +350,9 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
     items = num_m_blocks * batch * nheads
     if persistent is None:
         persistent = not causal and head_dim <= 128
-    grid = min(items, _num_sms(q.device)) if persistent else items
+    grid = min(items, sm_count(device_index(q.device))) if persistent else items
     _launch((grid,),
             (desc(q, HALF_M), desc(k, block_n), desc(v, block_n), desc(out, HALF_M), lse,
              nheads, nheads // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, batch * nheads, diag_offset,
              scale * LOG2E),
             dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS), 4, 1)
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(index: int) -> int:
-    import torch
-
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def _num_sms(device) -> int:
-    import torch
-
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -83,17 +83,31 @@ def _divisibility(fn, sig: dict) -> dict:
     return attrs
 
 
-def _compile(name, fn, pointers, constexprs, num_warps, num_stages) -> Compiled:
+def _build(name: str, src, **options) -> Compiled:
+    """Compile a kernel source (Triton's ASTSource or Gluon's) for sm_90a."""
     import triton
     from triton.backends.compiler import GPUTarget
+
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    ptx = kernel.asm["ptx"]
+    return Compiled(name, kernel.metadata.shared, "wgmma.mma_async" in ptx, "cp.async.bulk.tensor" in ptx, ptx)
+
+
+def _compile(name, fn, pointers, constexprs, num_warps, num_stages) -> Compiled:
     from triton.compiler import ASTSource
 
     sig = _signature(fn, pointers, constexprs)
     src = ASTSource(fn, sig, constexprs=constexprs, attrs=_divisibility(fn, sig))
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options=dict(num_warps=num_warps, num_stages=num_stages))
-    ptx = kernel.asm["ptx"]
-    return Compiled(name, kernel.metadata.shared, "wgmma.mma_async" in ptx, "cp.async.bulk.tensor" in ptx, ptx)
+    return _build(name, src, num_warps=num_warps, num_stages=num_stages)
+
+
+def compile_gluon(name: str, fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int) -> Compiled:
+    """A Gluon kernel for sm_90a. ``sig``: the type string of every runtime argument
+    (constexprs are added); ``attrs``: {(arg index,): [["tt.divisibility", 16]]} facts."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = dict(sig, **{n: "constexpr" for n in constexprs})
+    return _build(name, GluonASTSource(fn, sig, constexprs=constexprs, attrs=attrs), num_warps=num_warps)
 
 
 def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: int = 0, extras: bool = False) -> Compiled:
@@ -116,11 +130,6 @@ def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: 
 def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int | None = None,
                        num_buf: int | None = None) -> Compiled:
     """The warp-specialized Gluon forward (``forward_sm90``; its default tiles unless given)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.experimental.gluon._runtime import GluonASTSource
-
-    import triton
-
     from . import forward_sm90
     from .forward_sm90 import HALF_M, LOADER_REGS, _fwd_ws_kernel, _smem_layout
 
@@ -137,13 +146,9 @@ def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int 
            "Lse": "*fp32"}
     sig.update({n: "i32" for n in ("nheads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "num_bh",
                                    "diag_offset")})
-    sig.update(qk_scale="fp32", **{n: "constexpr" for n in constexprs})
-    src = GluonASTSource(_fwd_ws_kernel, sig, constexprs=constexprs, attrs={(4,): [["tt.divisibility", 16]]})
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
-    ptx = kernel.asm["ptx"]
-    return Compiled(f"fwd-ws {dtype} d{head_dim} causal={causal} block_n={block_n} num_buf={num_buf}",
-                    kernel.metadata.shared,
-                    "wgmma.mma_async" in ptx, "cp.async.bulk.tensor" in ptx, ptx)
+    sig.update(qk_scale="fp32")
+    return compile_gluon(f"fwd-ws {dtype} d{head_dim} causal={causal} block_n={block_n} num_buf={num_buf}",
+                         _fwd_ws_kernel, sig, constexprs, {(4,): [["tt.divisibility", 16]]}, num_warps=4)
 
 
 def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extras: bool = False) -> list[Compiled]:
