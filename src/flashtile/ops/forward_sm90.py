@@ -5,9 +5,12 @@ than the diagonal, no softcap/alibi/mask/dropout, scheduled by hand because plai
 3.6 cannot keep a tensor-core product in flight across the softmax (docs/perf-notes.md,
 runs 16-18):
 
-    one program = 128 query rows of one (batch, head), three partitions:
-      loader   (1 warp, 24 registers)  Q once, then K_j and V_j through a NUM_BUF-slot
-                                        shared-memory ring by TMA; waits for free slots
+    one work item = 128 query rows of one (batch, head); a program takes one item, or
+    (persistent) walks the items pid, pid + grid, ...; three partitions:
+      loader   (1 warp, 24 registers)  an item's Q, then its K_j and V_j through a
+                                        NUM_BUF-slot shared-memory ring by TMA; waits for
+                                        free slots, and fetches the next item's tiles
+                                        while the consumers finish the last one
       consumer (2 x 4 warps, 64 rows each, CONSUMER_REGS registers), per key tile j:
           issue S_j = Q K_j^T (async wgmma)
           issue O  += P_{j-1} V_{j-1} (async, P from registers)
@@ -27,7 +30,7 @@ the exponent's FFMA; the scale must be positive).
 
 Triton 3.6 turns constexprs passed through ``gl.warp_specialize`` into tensors, so the
 partitions read every compile-time size from the descriptor and shared-memory types
-(CAUSAL: the Q barrier array has a third, unused entry).
+(CAUSAL: the q_ready barrier array has a third, unused entry).
 """
 
 from __future__ import annotations
