@@ -62,15 +62,29 @@ def test_gluon_forward_experiment_compiles_with_the_overlap(tmp_path):
         assert "WAIT1" in sched and sched.index("WAIT1") < sched.index("EX2x", sched.index("WAIT1")), sched
 
 
-def test_gluon_backward_experiment_compiles(tmp_path):
-    """benchmarks/experiments/gluon_bwd.py (the dK/dV kernel, not yet run on a GPU): it
-    compiles for sm_90a within shared memory, redistributes registers, keeps step s-1's
-    dK/dV products in flight over the elementwise work (wait_group 2), and its tiles do not
-    spill (the causal d128 variant spills 136 bytes in its diagonal branch)."""
-    out = _compile_run(tmp_path, str(ROOT / "benchmarks" / "experiments" / "gluon_bwd.py"), "--compile")
-    lines = [line for line in out.splitlines() if line.startswith("dkdv ")]
-    assert len(lines) == 4, out
+def test_gluon_backward_compiles_with_the_overlap(tmp_path):
+    """ops/backward_sm90.py: both kernels compile for sm_90a within shared memory,
+    redistribute registers, keep the previous step's products in flight over the
+    elementwise work (dK/dV: wait_group 2, dQ: wait_group 1), and do not spill (the causal
+    d128 dK/dV kernel keeps up to 160 bytes in its diagonal branch)."""
+    script = (
+        "from flashtile.ops.sm90_check import compile_backward_ws\n"
+        "for d in (64, 128):\n"
+        "    for causal in (False, True):\n"
+        "        for c in compile_backward_ws('bf16', d, causal=causal):\n"
+        "            regs, spill = c.registers()\n"
+        "            print(c.name.split()[0], f'd={d} causal={int(causal)} spill={spill} smem={c.shared}',\n"
+        "                  f\"setmaxnreg={c.ptx.count('setmaxnreg')}\",\n"
+        "                  f\"wait1={c.ptx.count('wgmma.wait_group.sync.aligned 1')}\",\n"
+        "                  f\"wait2={c.ptx.count('wgmma.wait_group.sync.aligned 2')}\", flush=True)\n"
+    )
+    out = _compile_run(tmp_path, "-c", script)
+    lines = [line for line in out.splitlines() if line.startswith("bwd-ws-")]
+    assert len(lines) == 8, out
     for line in lines:
-        fields = dict(f.split("=") for f in line.split()[2:])
-        assert int(fields["smem"]) <= SM90_SHARED_LIMIT and int(fields["setmaxnreg"]) > 0 and int(fields["wait2"]) > 0, line
-        assert int(fields["spill"].rstrip("B")) <= (160 if "causal=1" in line else 0), line
+        fields = dict(f.split("=") for f in line.split()[1:])
+        assert int(fields["smem"]) <= SM90_SHARED_LIMIT and int(fields["setmaxnreg"]) > 0, line
+        overlap = "wait2" if line.startswith("bwd-ws-dkdv") else "wait1"
+        assert int(fields[overlap]) > 0, line
+        limit = 160 if line.startswith("bwd-ws-dkdv") and "causal=1" in line else 0
+        assert int(fields["spill"]) <= limit, line

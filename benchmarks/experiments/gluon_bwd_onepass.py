@@ -1,8 +1,8 @@
-"""Experiment (H200 runs 29-33): a ONE-PASS warp-specialized Gluon backward, dQ by
+"""Experiment (H200 runs 30-34): a ONE-PASS warp-specialized Gluon backward, dQ by
 reductions into a float32 buffer. Correct, but capped at ~290-375 TF/s (d128) by the dQ
 reductions; superseded by flashtile/ops/backward_sm90.py (dK/dV and dQ in two kernels).
 
-Kept because its measurements steer the design (docs/perf-notes.md, runs 29-33):
+Kept because its measurements steer the design (docs/perf-notes.md, runs 30-34):
   * with the dQ reductions switched off (FLASHTILE_EXP_DQ=1) the same kernel does all
     five products at 658 TF/s (d128, S4096) and 468 (d64): 1.24x / 1.05x cuDNN;
   * with them on, a TMA reduce (staged, waited at once), red.global.add.v2.f32 and

@@ -29,13 +29,15 @@ gradient with respect to q or k (mask gradients are not computed; see flashtile.
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
-from .configs import BwdConfig
+from .configs import BwdConfig, cuda_capability, device_index
 from .launch import Launcher
 from .window import effective_window
-from .forward import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, _dropout_keep, _key_tiles, _tanh
+from .forward import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, _dropout_keep, _key_tiles, _tanh, _tma_ok
 
 
 @triton.jit
@@ -432,7 +434,11 @@ _launch_dq = Launcher(_bwd_dq_kernel)
 def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, diag_offset: int,
                        window_left: int, window_right: int, softcap: float, alibi_slopes, attn_mask,
                        config: BwdConfig, dropout_p: float = 0.0, seed=None, dlse=None) -> None:
-    """Launch the three backward kernels. Inputs are validated by ``flashtile.api``.
+    """Launch the backward kernels. Inputs are validated by ``flashtile.api``.
+
+    On Hopper, plain and causal fp16/bf16 calls at head dim 64/128 take the two
+    warp-specialized Gluon kernels of ``backward_sm90`` (deterministic too);
+    ``FLASHTILE_WS=0`` turns them off, as it does the Gluon forward.
 
     Args:
         q, out, dout, dq: (B, H, Sq, D) views with unit stride along D.
@@ -474,6 +480,16 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
                 dict(BLOCK_M=64, BLOCK_D=block_d, IEEE_DOT=q.dtype == torch.float32), 4, 3)
     if dlse is not None:
         delta -= dlse.to(torch.float32)
+
+    if (q.is_cuda and os.environ.get("FLASHTILE_WS", "1") != "0" and _tma_ok(q, k, v, dout, dq, dk, dv)
+            and cuda_capability(device_index(q.device))[0] == 9):  # wgmma, setmaxnreg: Hopper only
+        from . import backward_sm90
+
+        if backward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes,
+                                    attn_mask, dropout_p):
+            backward_sm90.attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=scale,
+                                                diag_offset=diag_offset, causal=window_right == 0)
+            return
 
     fused = config.fused_dq
     dq_acc = torch.zeros((batch, nheads, seqlen_q, head_dim), dtype=torch.float32, device=q.device) if fused else q

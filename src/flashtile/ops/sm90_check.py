@@ -151,6 +151,39 @@ def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int 
                          _fwd_ws_kernel, sig, constexprs, {(4,): [["tt.divisibility", 16]]}, num_warps=4)
 
 
+def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf: int | None = None,
+                        dq_block_n: int | None = None, dq_num_buf: int | None = None) -> list[Compiled]:
+    """The warp-specialized Gluon backward (``backward_sm90``): the dK/dV and dQ kernels."""
+    from . import backward_sm90 as bw
+    from .forward_sm90 import _smem_layout
+
+    dkdv_num_buf = dkdv_num_buf or bw.DKDV_NUM_BUF
+    dq_block_n = dq_block_n or bw.DQ_BLOCK_N
+    dq_num_buf = dq_num_buf or bw.DQ_NUM_BUF
+
+    def td(rows):
+        layout = _smem_layout(rows, head_dim, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
+        return f"tensordesc<{dtype}[1, 1, {rows}, {head_dim}],{layout}>"
+
+    regs = dict(CONSUMER_REGS=bw.CONSUMER_REGS, LOADER_REGS=bw.LOADER_REGS)
+    sig = {n: td(bw.BLOCK) for n in ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc")}
+    sig.update(Lse="*fp32", Delta="*fp32")
+    sig.update({n: "i32" for n in ("nheads", "nheads_k", "group_size", "seqlen_q", "num_n_blocks", "diag_offset")})
+    sig.update(qk_scale="fp32", scale="fp32")
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (6, 7)}
+    dkdv = compile_gluon(f"bwd-ws-dkdv {dtype} d{head_dim} causal={causal} num_buf={dkdv_num_buf}", bw._dkdv_kernel,
+                         sig, dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), attrs, num_warps=4)
+    sig = {"q_desc": td(bw.BLOCK), "k_desc": td(dq_block_n), "v_desc": td(dq_block_n), "do_desc": td(bw.BLOCK),
+           "dq_desc": td(bw.BLOCK), "Lse": "*fp32", "Delta": "*fp32"}
+    sig.update({n: "i32" for n in ("nheads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "num_bh",
+                                   "diag_offset")})
+    sig.update(qk_scale="fp32", scale="fp32")
+    attrs = {(i,): [["tt.divisibility", 16]] for i in (5, 6)}
+    dq = compile_gluon(f"bwd-ws-dq {dtype} d{head_dim} causal={causal} block_n={dq_block_n} num_buf={dq_num_buf}",
+                       bw._dq_kernel, sig, dict(CAUSAL=causal, NUM_BUF=dq_num_buf, **regs), attrs, num_warps=4)
+    return [dkdv, dq]
+
+
 def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extras: bool = False) -> list[Compiled]:
     """The dq and dk/dv kernels with ``cfg`` (a BwdConfig)."""
     from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel

@@ -1,0 +1,493 @@
+"""Hopper backward in Gluon: two warp-specialized kernels, FA3-style (sm90, fp16/bf16, head
+dim 64/128, plain or causal, no softcap/alibi/mask/dropout).
+
+The same algebra as ``backward.py`` (read its docstring first), split like it into a dK/dV
+kernel and a dQ kernel, so there are no atomics and gradients are bitwise reproducible.
+A one-pass kernel with dQ by reductions was measured and lost: the float32 reductions
+saturate the L2 (benchmarks/experiments/gluon_bwd_onepass.py, docs/perf-notes.md).
+
+dK/dV (``_dkdv_kernel``): one program owns 2 x 64 keys of one (batch, kv head):
+
+    loader   (1 warp)  K and V once, then (Q_s, dO_s) tiles of 64 queries, for every query
+                       head of the GQA group, through a DKDV_NUM_BUF-slot ring by TMA
+    consumer (2 x 4 warps; warpgroup w owns keys w*64 .. w*64+63), per step s:
+        issue  S_s = Q_s K_w^T,  dP_s = dO_s V_w^T                 (async wgmma)
+        issue  dV_w += P_{s-1}^T dO_{s-1},  dK_w += dS_{s-1}^T Q_{s-1}   (async)
+        wait for S_s, dP_s only
+        P_s = exp2(S_s * c - lse),  dS_s = P_s (dP_s - Delta)    (under step s-1's products)
+        wait for dV, dK; release slot s-1; store P_s, dS_s to shared memory
+
+dQ (``_dq_kernel``): one program owns 2 x 64 queries of one (batch, head), like the forward:
+
+    loader   (1 warp)  Q and dO once, then K_j and V_j through a DQ_NUM_BUF-slot ring
+    consumer (2 x 4 warps, 64 queries each), per key tile j:
+        issue  S_j = Q K_j^T,  dP_j = dO V_j^T                      (async)
+        issue  dQ += dS_{j-1} K_{j-1}                  (async, dS from registers)
+        wait for S_j, dP_j; release V_j; P_j, dS_j (under the dQ product)
+        wait for dQ; release K_{j-1}
+
+So the elementwise work of a step runs while the tensor cores do the previous step's
+products, in both kernels. 7 tile products per tile pair (S and dP are computed twice),
+against FA2/FA3's 5 with a dQ reduction.
+
+Queries are the rows of every score tile, so LSE and Delta are row vectors (2 registers
+per thread each). dK and dQ come out scaled by the softmax scale at the end. Inputs are
+(B, H, S, D) views with 16-byte-aligned strides (4-D TMA descriptors; any seqlen:
+zero-filled loads, clipped stores). Causal is bottom-right by ``diag_offset``; rows that
+see no key have lse -inf and get P = 0 (the causal mask), so dQ = 0 there.
+
+Triton 3.6 turns constexprs passed through ``gl.warp_specialize`` into tensors, so the
+partitions read compile-time sizes from descriptor and shared-memory types (CAUSAL: a
+barrier array has a third, unused entry).
+"""
+
+from __future__ import annotations
+
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from .forward import LOG2E
+from .forward_sm90 import _smem_layout, _work_item
+from .launch import Launcher
+
+BLOCK = 64  # rows per consumer warpgroup (keys in dK/dV, queries in dQ), queries per dK/dV step
+ROWS = gl.constexpr(BLOCK)
+# (Q, dO) ring slots of the dK/dV kernel: the step in use, the previous one (its products
+# in flight) and two loading. 4, not 3: the modulo-3 slot arithmetic made d128 spill.
+DKDV_NUM_BUF = 4
+DQ_NUM_BUF = 3  # K/V ring slots of the dQ kernel (H200 run 35: 3 beat 2 by 17-30%)
+DQ_BLOCK_N = 64  # keys per tile of the dQ kernel
+LOADER_REGS = 24
+CONSUMER_REGS = 240
+HEAD_DIMS = (64, 128)
+
+
+@gluon.jit
+def _probs(s, lse2, rows, keys, seqlen_k, diag_offset, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr):
+    """P = exp2(S * c - lse) on a (queries x keys) tile, 0 where key j is past seqlen_k or
+    (causal) right of row i's diagonal. The mask is applied to P, not to S: a row that sees
+    no key has lse = -inf, and -inf - -inf would be NaN."""
+    p = gl.exp2(s * qk_scale - lse2[:, None])
+    if MASK:
+        ok = keys[None, :] < seqlen_k
+        if CAUSAL:
+            ok = ok & (keys[None, :] <= rows[:, None] + diag_offset)
+        p = gl.where(ok, p, 0.0)
+    return p
+
+
+# ---------------------------------------------------------------------------- dK / dV
+
+
+@gluon.jit
+def _step_range(n0, seqlen_q, diag_offset, ROWS: gl.constexpr, CAUSAL: gl.constexpr):
+    """First query block that sees key n0, and the number of query blocks."""
+    q_lo = 0
+    if CAUSAL:
+        q_lo = gl.maximum(n0 - diag_offset, 0) // ROWS
+    return q_lo, gl.maximum(gl.cdiv(seqlen_q, ROWS) - q_lo, 0)
+
+
+@gluon.jit
+def _step_tiles(s, q_lo, nq, kvh, group_size, q_smem, do_smem, q_ready):
+    """Step s = (query head of the group, query block): the head, the first query row, and
+    the (Q, dO) tiles once they have landed."""
+    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+    HEAD_D: gl.constexpr = q_smem.type.shape[4]
+    slot = s % NUM_BUF
+    mbarrier.wait(q_ready.index(slot), (s // NUM_BUF) & 1)
+    return (kvh * group_size + s // nq, (q_lo + s % nq) * ROWS, q_smem.index(slot).reshape([ROWS, HEAD_D]),
+            do_smem.index(slot).reshape([ROWS, HEAD_D]))
+
+
+@gluon.jit
+def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale,
+              CAUSAL: gl.constexpr, dtype: gl.constexpr, s_layout: gl.constexpr):
+    """P and dS = P (dP - Delta) of a (queries x keys) tile, in the input dtype for the
+    dV/dK products. Keys past seqlen_k are zero-filled: their dK/dV rows are clipped."""
+    rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    keys = nk + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+    row_off = (b * nheads + hq).to(gl.int64) * seqlen_q
+    # Rows past seqlen_q get lse = +inf, so their P is 0 (their Q and dO are zero-filled).
+    lse2 = gl.load(Lse + row_off + rows, mask=rows < seqlen_q, other=float("inf")) * 1.4426950408889634
+    delta = gl.load(Delta + row_off + rows, mask=rows < seqlen_q, other=0.0)
+    # No mask for keys past seqlen_k: they only reach their own (clipped) dK/dV rows.
+    if CAUSAL and nk + ROWS - 1 > m0 + diag_offset:  # a tile on (or past) the diagonal
+        p = _probs(s, lse2, rows, keys, 2147483647, diag_offset, qk_scale, True, CAUSAL)
+    else:
+        p = _probs(s, lse2, rows, keys, 2147483647, diag_offset, qk_scale, False, CAUSAL)
+    ds = p * (dp - delta[:, None])
+    return p.to(dtype), ds.to(dtype)
+
+
+@gluon.jit
+def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta,
+                   q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty,
+                   b, kvh, n0, group_size, nheads, seqlen_q, diag_offset, qk_scale, scale):
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+    CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    nk = n0 + WG * ROWS  # first key of this warpgroup
+    k_tile = k_smem.index(WG).reshape([ROWS, HEAD_D])
+    v_tile = v_smem.index(WG).reshape([ROWS, HEAD_D])
+    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    n_steps = nq * group_size
+
+    # P and dS (queries x keys) of the previous step wait in shared memory for their dV/dK
+    # products, which read them transposed (as register operands they kept 32 more
+    # registers live: spills at d128).
+    p_tile = p_smem.index(WG)
+    ds_tile = ds_smem.index(WG)
+    dk = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    dv = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    mbarrier.wait(kv_bar.index(WG), 0)
+    if n_steps > 0:  # step 0: nothing to overlap with yet
+        hq, m0, q_t, do_t = _step_tiles(0, q_lo, nq, kvh, group_size, q_smem, do_smem, q_ready)
+        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+        dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+                            use_acc=False, is_async=True)
+        st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+        pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale,
+                            CAUSAL, dtype, s_layout)
+        p_tile.store(pt)
+        ds_tile.store(dst)
+        fence_async_shared()
+    for s in range(1, n_steps):
+        prev = (s - 1) % NUM_BUF
+        hq, m0, q_t, do_t = _step_tiles(s, q_lo, nq, kvh, group_size, q_smem, do_smem, q_ready)
+        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+        dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+                            use_acc=False, is_async=True)
+        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(prev).reshape([ROWS, HEAD_D]), dv, is_async=True)
+        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(prev).reshape([ROWS, HEAD_D]), dk, is_async=True)
+        st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # step s-1's products stay in flight
+        pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale,
+                            CAUSAL, dtype, s_layout)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
+        p_tile.store(pt)
+        ds_tile.store(dst)
+        fence_async_shared()
+
+    if n_steps > 0:
+        last = (n_steps - 1) % NUM_BUF
+        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(last).reshape([ROWS, HEAD_D]), dv, is_async=True)
+        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(last).reshape([ROWS, HEAD_D]), dk, is_async=True)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        mbarrier.arrive(q_empty.index(last), count=1)
+
+    # K and V are no longer read: their tiles stage dK and dV for the TMA stores, which
+    # clip rows past seqlen_k.
+    k_smem.index(WG).reshape([ROWS, HEAD_D]).store((dk * scale).to(dtype))
+    v_smem.index(WG).reshape([ROWS, HEAD_D]).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, kvh, nk, 0], k_smem.index(WG))
+    tma.async_copy_shared_to_global(dv_desc, [b, kvh, nk, 0], v_smem.index(WG))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _dkdv_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+                    p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, diag_offset,
+                    qk_scale, scale):
+    _dkdv_consumer(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+                   p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, diag_offset,
+                   qk_scale, scale)
+
+
+@gluon.jit
+def _dkdv_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+                    p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, diag_offset,
+                    qk_scale, scale):
+    _dkdv_consumer(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+                   p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, diag_offset,
+                   qk_scale, scale)
+
+
+@gluon.jit
+def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+                 p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, diag_offset,
+                 qk_scale, scale):
+    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+    CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
+    for wg in gl.static_range(2):
+        mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), k_smem.index(wg))
+        tma.async_copy_global_to_shared(v_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), v_smem.index(wg))
+    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    for s in range(nq * group_size):
+        slot = s % NUM_BUF
+        hq = kvh * group_size + s // nq
+        m0 = (q_lo + s % nq) * ROWS
+        mbarrier.wait(q_empty.index(slot), ((s // NUM_BUF) & 1) ^ 1)  # fresh barriers pass phase 1
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, hq, m0, 0], q_ready.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [b, hq, m0, 0], q_ready.index(slot), do_smem.index(slot))
+
+
+@gluon.jit
+def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size,
+                 seqlen_q, num_n_blocks, diag_offset, qk_scale, scale,
+                 CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                 LOADER_REGS: gl.constexpr):
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    pid = gl.program_id(0)  # flat grid: (batch, kv head, block of 2 * ROWS keys)
+    bk = pid // num_n_blocks
+    n0 = (pid % num_n_blocks) * (2 * ROWS)
+    b = bk // nheads_k
+    kvh = bk % nheads_k
+
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], v_desc.layout)
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], pds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], pds_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_bar.index(i), count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a slot
+
+    args = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+            p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, diag_offset,
+            qk_scale, scale)
+    gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_consumer1, args), (_dkdv_loader, args)], [4, 1],
+                       [CONSUMER_REGS, LOADER_REGS])
+
+
+# ---------------------------------------------------------------------------- dQ
+
+
+@gluon.jit
+def _dq_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem,
+                 k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads,
+                 group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, scale):
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+    CAUSAL: gl.constexpr = q_ready.type.shape[0] == 3
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    b, h, kvh, bh, m0, n_tiles = _work_item(gl.program_id(0), num_m_blocks, num_bh, nheads, group_size, seqlen_q,
+                                            seqlen_k, diag_offset, ROWS, BLOCK_N, CAUSAL)
+    mq = m0 + WG * ROWS  # first query row of this warpgroup
+    # A key tile needs element masks iff it reaches past the keys or past the diagonal of
+    # this warpgroup's first row.
+    mask_from = seqlen_k - BLOCK_N
+    if CAUSAL:
+        mask_from = gl.minimum(mask_from, mq + diag_offset - BLOCK_N + 1)
+    rows = mq + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    # Rows past seqlen_q get lse = +inf, so their P is 0 (their Q and dO are zero-filled).
+    lse2 = gl.load(Lse + bh.to(gl.int64) * seqlen_q + rows, mask=rows < seqlen_q,
+                   other=float("inf")) * 1.4426950408889634
+    delta = gl.load(Delta + bh.to(gl.int64) * seqlen_q + rows, mask=rows < seqlen_q, other=0.0)
+    q_tile = q_smem.index(WG).reshape([ROWS, HEAD_D])
+    do_tile = do_smem.index(WG).reshape([ROWS, HEAD_D])
+    zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    dq = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    ds = gl.zeros([ROWS, BLOCK_N], dtype, s_layout)
+    mbarrier.wait(q_ready.index(WG), 0)
+    if n_tiles > 0:  # tile 0: nothing to overlap with yet
+        mbarrier.wait(k_ready.index(0), 0)
+        mbarrier.wait(v_ready.index(0), 0)
+        s = warpgroup_mma(q_tile, k_smem.index(0).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
+                          use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_tile, v_smem.index(0).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
+                           use_acc=False, is_async=True)
+        s, dp = warpgroup_mma_wait(num_outstanding=0, deps=(s, dp))
+        mbarrier.arrive(v_empty.index(0), count=1)
+        if mask_from < 0:
+            p = _probs(s, lse2, rows, cols, seqlen_k, diag_offset, qk_scale, True, CAUSAL)
+        else:
+            p = _probs(s, lse2, rows, cols, seqlen_k, diag_offset, qk_scale, False, CAUSAL)
+        ds = (p * (dp - delta[:, None])).to(dtype)
+    for j in range(1, n_tiles):
+        slot = j % NUM_BUF
+        prev = (j - 1) % NUM_BUF
+        mbarrier.wait(k_ready.index(slot), (j // NUM_BUF) & 1)
+        mbarrier.wait(v_ready.index(slot), (j // NUM_BUF) & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
+                          use_acc=False, is_async=True)
+        dp = warpgroup_mma(do_tile, v_smem.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
+                           use_acc=False, is_async=True)
+        dq = warpgroup_mma(gl.convert_layout(ds, ds_layout), k_smem.index(prev).reshape([BLOCK_N, HEAD_D]), dq,
+                           is_async=True)
+        s, dp = warpgroup_mma_wait(num_outstanding=1, deps=(s, dp))  # dS_{j-1} K_{j-1} stays in flight
+        mbarrier.arrive(v_empty.index(slot), count=1)
+        n0 = j * BLOCK_N
+        if n0 > mask_from:
+            p = _probs(s, lse2, rows, n0 + cols, seqlen_k, diag_offset, qk_scale, True, CAUSAL)
+        else:
+            p = _probs(s, lse2, rows, n0 + cols, seqlen_k, diag_offset, qk_scale, False, CAUSAL)
+        ds = (p * (dp - delta[:, None])).to(dtype)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        mbarrier.arrive(k_empty.index(prev), count=1)
+    if n_tiles > 0:
+        last = (n_tiles - 1) % NUM_BUF
+        dq = warpgroup_mma(gl.convert_layout(ds, ds_layout), k_smem.index(last).reshape([BLOCK_N, HEAD_D]), dq,
+                           is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        mbarrier.arrive(k_empty.index(last), count=1)
+    # dO is no longer read: its tile stages dQ for the TMA store, which clips rows past
+    # seqlen_q.
+    do_tile.store((dq * scale).to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dq_desc, [b, h, mq, 0], do_smem.index(WG))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _dq_consumer0(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
+                  k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+                  diag_offset, qk_scale, scale):
+    _dq_consumer(0, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
+                 k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+                 diag_offset, qk_scale, scale)
+
+
+@gluon.jit
+def _dq_consumer1(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
+                  k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+                  diag_offset, qk_scale, scale):
+    _dq_consumer(1, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
+                 k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+                 diag_offset, qk_scale, scale)
+
+
+@gluon.jit
+def _dq_loader(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
+               k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+               diag_offset, qk_scale, scale):
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    NUM_BUF: gl.constexpr = k_smem.type.shape[0]
+    CAUSAL: gl.constexpr = q_ready.type.shape[0] == 3
+    b, h, kvh, bh, m0, n_tiles = _work_item(gl.program_id(0), num_m_blocks, num_bh, nheads, group_size, seqlen_q,
+                                            seqlen_k, diag_offset, ROWS, BLOCK_N, CAUSAL)
+    for wg in gl.static_range(2):
+        mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + wg * ROWS, 0], q_ready.index(wg), q_smem.index(wg))
+        tma.async_copy_global_to_shared(do_desc, [b, h, m0 + wg * ROWS, 0], q_ready.index(wg), do_smem.index(wg))
+    for j in range(n_tiles):
+        slot = j % NUM_BUF
+        free_phase = ((j // NUM_BUF) & 1) ^ 1  # fresh barriers pass phase 1
+        mbarrier.wait(k_empty.index(slot), free_phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, kvh, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free_phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, kvh, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+
+
+@gluon.jit
+def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, nheads, group_size, seqlen_q, seqlen_k,
+               num_m_blocks, num_bh, diag_offset, qk_scale, scale,
+               CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+               LOADER_REGS: gl.constexpr):
+    """One program per work item (2 x ROWS queries of one (batch, head)), in the forward's
+    order (``forward_sm90._work_item``: head by head, causal heads from their last block)."""
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, BLOCK_N, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, BLOCK_N, HEAD_D], v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    k_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    v_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(q_ready.index(i), count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
+        mbarrier.init(v_empty.index(i), count=2)
+
+    args = (q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
+            k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+            diag_offset, qk_scale, scale)
+    gl.warp_specialize([(_dq_consumer0, args), (_dq_consumer1, args), (_dq_loader, args)], [4, 1],
+                       [CONSUMER_REGS, LOADER_REGS])
+
+
+# ---------------------------------------------------------------------------- host
+
+_launch_dkdv = Launcher(_dkdv_kernel)
+_launch_dq = Launcher(_dq_kernel)
+
+
+def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: int, softcap: float,
+               alibi_slopes, attn_mask, dropout_p: float) -> bool:
+    """Whether a (validated, window-normalized) backward is in these kernels' scope."""
+    import torch
+
+    # The scale enters as an fp32 factor of the exponent (see forward_sm90.ws_applies).
+    return (head_dim in HEAD_DIMS and 1e-30 < scale < 1e30 and q.dtype in (torch.float16, torch.bfloat16)
+            and window_left < 0 and window_right in (-1, 0) and softcap == 0.0 and alibi_slopes is None
+            and attn_mask is None and dropout_p == 0.0)
+
+
+def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int, causal: bool,
+                          dkdv_num_buf: int = DKDV_NUM_BUF, dq_block_n: int = DQ_BLOCK_N,
+                          dq_num_buf: int = DQ_NUM_BUF) -> None:
+    """Launch the dK/dV and dQ kernels; the caller checked ``ws_applies`` and TMA alignment.
+
+    Args:
+        q, dout, dq: (B, H, Sq, D); k, v, dk, dv: (B, Hk, Sk, D); 16-byte-aligned bases and
+            strides, unit stride along D, D in HEAD_DIMS, fp16 or bf16.
+        lse, delta: (B, H, Sq) float32 contiguous (natural log; delta = rowsum(dO * O),
+            minus the LSE's own upstream gradient if any).
+        causal: key j visible to query i iff j <= i + diag_offset.
+        dkdv_num_buf, dq_block_n, dq_num_buf: ring slots and key tile (experiments).
+    """
+    batch, nheads, seqlen_q, head_dim = q.shape
+    nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    dtype_name = str(q.dtype).replace("torch.", "")
+
+    def desc(t, rows):
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim],
+                                _smem_layout(rows, head_dim, dtype_name))
+
+    q_d, do_d = desc(q, BLOCK), desc(dout, BLOCK)
+    regs = dict(CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
+    num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
+    _launch_dkdv((num_n_blocks * batch * nheads_k,),
+                 (q_d, desc(k, BLOCK), desc(v, BLOCK), do_d, desc(dk, BLOCK), desc(dv, BLOCK), lse, delta,
+                  nheads, nheads_k, nheads // nheads_k, seqlen_q, num_n_blocks, diag_offset, scale * LOG2E, scale),
+                 dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), 4, 1)
+    num_m_blocks = triton.cdiv(seqlen_q, 2 * BLOCK)
+    _launch_dq((num_m_blocks * batch * nheads,),
+               (q_d, desc(k, dq_block_n), desc(v, dq_block_n), do_d, desc(dq, BLOCK), lse, delta,
+                nheads, nheads // nheads_k, seqlen_q, seqlen_k, num_m_blocks, batch * nheads, diag_offset,
+                scale * LOG2E, scale),
+               dict(CAUSAL=causal, NUM_BUF=dq_num_buf, **regs), 4, 1)

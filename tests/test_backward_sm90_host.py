@@ -1,0 +1,46 @@
+"""Host-side rules of the Gluon backward (CPU): which calls may take it. The kernels are
+GPU-only (tests/test_backward_sm90_gpu.py) and compile-checked for sm_90a in
+test_sm90_compile.py."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from flashtile.ops.backward_sm90 import ws_applies  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_ws_scope(dtype):
+    q = torch.zeros(1, dtype=dtype)
+    plain = dict(window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, attn_mask=None, dropout_p=0.0)
+    for d in (64, 128):
+        assert ws_applies(q, d, 0.125, **plain)
+        assert ws_applies(q, d, 0.125, **dict(plain, window_right=0))  # causal
+    for d in (32, 80, 96, 192, 256):
+        assert not ws_applies(q, d, 0.125, **plain)
+    for scale in (0.0, -0.1, 1e-46, 1e31):
+        assert not ws_applies(q, 128, scale, **plain)
+    assert not ws_applies(torch.zeros(1), 128, 0.125, **plain)  # fp32
+    for extra in (dict(window_left=5), dict(window_right=3), dict(softcap=30.0), dict(dropout_p=0.1),
+                  dict(alibi_slopes=torch.zeros(1)), dict(attn_mask=torch.zeros(1))):
+        assert not ws_applies(q, 128, 0.125, **dict(plain, **extra)), extra
+
+
+def test_cpu_tensors_never_reach_the_gluon_backward(monkeypatch):
+    """The dispatch in ops/backward.py looks at the device first: the interpreter and CPU
+    tensors keep the Triton kernels (the Gluon kernels are sm90-only)."""
+    from flashtile.ops import backward_sm90
+
+    def boom(*args, **kwargs):
+        raise AssertionError("Gluon backward called for a CPU tensor")
+
+    monkeypatch.setattr(backward_sm90, "attention_backward_ws", boom)
+    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+    import flashtile
+
+    q, k, v = (torch.randn(1, 37, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    flashtile.flash_attn_func(q, k, v, causal=True).float().sum().backward()
+    assert q.grad is not None and torch.isfinite(q.grad.float()).all()
