@@ -1,5 +1,7 @@
 """GPU backward tests (``pytest -m gpu``): QUALITY.md's gradient rule, determinism, races,
-torch.compile, opcheck and CUDA-graph capture for the Triton backward kernels."""
+torch.compile, opcheck and CUDA-graph capture, through the default dispatch (on Hopper,
+plain/causal fp16/bf16 calls at d64/d128 run the Gluon backward: test_backward_sm90_gpu.py).
+The tests named for a Triton variant set FLASHTILE_WS=0 so that they run it."""
 
 from __future__ import annotations
 
@@ -33,6 +35,13 @@ def _matrix():
 
 @pytest.mark.parametrize("case", _matrix(), ids=lambda c: c.id)
 def test_matrix(case):
+    check_flash_grads(case, device="cuda")
+
+
+@pytest.mark.parametrize("case", [c for c in _matrix() if c.head_dim in (64, 128)], ids=lambda c: c.id)
+def test_matrix_triton_kernels(case, monkeypatch):
+    """The Triton backward where the Gluon one takes these calls by default (Hopper)."""
+    monkeypatch.setenv("FLASHTILE_WS", "0")
     check_flash_grads(case, device="cuda")
 
 
@@ -191,6 +200,7 @@ def test_dropout_rate_reproducibility_and_backward_mask(dtype):
 
 @pytest.mark.parametrize("case", [c for i, c in enumerate(_matrix()) if i % 7 == 0], ids=lambda c: c.id)
 def test_atomic_dq_variant(case, monkeypatch):
+    monkeypatch.setenv("FLASHTILE_WS", "0")
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "atomic")
     check_flash_grads(case, device="cuda")
 
@@ -203,6 +213,7 @@ def test_one_loop_dkdv_variant(case, monkeypatch):
 
     from flashtile.ops import configs
 
+    monkeypatch.setenv("FLASHTILE_WS", "0")
     table = configs.default_bwd_config
     monkeypatch.setattr(configs, "default_bwd_config", lambda *a, **kw: replace(table(*a, **kw), split_phases=False))
     check_flash_grads(case, device="cuda")

@@ -1,12 +1,15 @@
 """GPU tests of the warp-specialized Gluon backward (``ops/backward_sm90.py``, Hopper only).
 
 Every case asserts that the Gluon kernels really ran (a spy counts their launches), so the
-matrix cannot pass on the Triton backward alone; gradients are checked with the accuracy
-rule (QUALITY.md: at most GRAD_FACTOR x PyTorch's own error) against float64. The edge
+matrix cannot pass on the Triton backward alone; gradient buffers are NaN-poisoned first
+(an element the kernels never write fails) and checked with the accuracy rule
+(QUALITY.md: at most GRAD_FACTOR x PyTorch's own error) against float64. The edge
 cases are the kernels' own: sequence ends inside a tile (TMA zero-fill, clipped stores,
 the masked last key tile of the dQ kernel), causal rows with no key (seqlen_q >
-seqlen_k), GQA/MQA (dK/dV summed over the query heads of a group), the (B, S, H, D)
-layout and packed views read in place.
+seqlen_k), key blocks that no query sees (SDPA's top-left causal with seqlen_q <
+seqlen_k: their dK/dV are zeros), GQA/MQA (dK/dV summed over the query heads of a group),
+the (B, S, H, D) layout and packed views read in place, and a loss on the returned LSE
+(folded into Delta).
 """
 
 from __future__ import annotations
@@ -15,9 +18,10 @@ import pytest
 import torch
 
 import flashtile
-from cases import Case, check_flash_grads
+from cases import Case, check_flash_grads, make_inputs, reference
+from flashtile.testing import GRAD_FACTOR, assert_close
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
 
 
 @pytest.fixture
@@ -94,3 +98,48 @@ def test_bitwise_reproducible(bwd_ws_calls):
         again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         assert all(torch.equal(a, b) for a, b in zip(again, first))
     assert len(bwd_ws_calls) == 11
+
+
+@pytest.mark.parametrize("seqs", [(100, 1000), (1000, 100), (333, 333)], ids=lambda s: f"L{s[0]}-S{s[1]}")
+def test_sdpa_top_left_causal(seqs, bwd_ws_calls):
+    """diag_offset 0 with L < S: key blocks past the last query have no step at all."""
+    L, S = seqs
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(2, 4, n, 128, device="cuda", dtype=torch.bfloat16, generator=g) for n in (L, S, S))
+    dout = torch.randn(2, 4, L, 128, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def grads(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+        return torch.autograd.grad(fn(*leaves), leaves, dout.to(dtype))
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    got = grads(lambda *a: flashtile.scaled_dot_product_attention(*a, is_causal=True), torch.bfloat16)
+    ref = grads(lambda *a: sdpa(*a, is_causal=True), torch.float64)
+    base = grads(lambda *a: sdpa(*a, is_causal=True), torch.bfloat16)
+    for name, a, r, b in zip(("dq", "dk", "dv"), got, ref, base):
+        assert_close(f"sdpa causal {name}", a, r, b, factor=GRAD_FACTOR)
+    if L < S:
+        assert torch.equal(got[1][:, :, L:], torch.zeros_like(got[1][:, :, L:]))
+    assert len(bwd_ws_calls) == 1
+
+
+def test_lse_gradient(bwd_ws_calls):
+    """A loss on softmax_lse (a z-loss, say) reaches the kernels through Delta."""
+    case = Case(300, 517, 128, dtype=torch.bfloat16, causal=True, nheads=4, nheads_k=2)
+    q, k, v, _ = make_inputs(case, "cuda", 0)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    dout = torch.randn(q.shape, device="cuda", generator=g)
+    w = torch.randn(case.batch, case.nheads, case.seqlen_q, device="cuda", generator=g)
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse = fn(*leaves)
+        loss = (out.double() * dout.double()).sum() + (lse.double() * w.double()).sum()
+        return torch.autograd.grad(loss, leaves)
+
+    got = grads(lambda *a: flashtile.flash_attn_func(*a, causal=True, return_attn_probs=True)[:2])
+    ref = grads(lambda *a: reference(case, *a, None, torch.float64))
+    base = grads(lambda *a: reference(case, *a, None, case.dtype))
+    for name, a, r, b in zip(("dq", "dk", "dv"), got, ref, base):
+        assert_close(f"lse loss {name}", a, r, b, factor=GRAD_FACTOR)
+    assert len(bwd_ws_calls) == 1

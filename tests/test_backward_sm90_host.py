@@ -29,7 +29,7 @@ def test_ws_scope(dtype):
         assert not ws_applies(q, 128, 0.125, **dict(plain, **extra)), extra
 
 
-def test_cpu_tensors_never_reach_the_gluon_backward(monkeypatch):
+def test_cpu_tensors_never_reach_the_gluon_backward(monkeypatch, triton_backend):
     """The dispatch in ops/backward.py looks at the device first: the interpreter and CPU
     tensors keep the Triton kernels (the Gluon kernels are sm90-only)."""
     from flashtile.ops import backward_sm90
@@ -38,7 +38,6 @@ def test_cpu_tensors_never_reach_the_gluon_backward(monkeypatch):
         raise AssertionError("Gluon backward called for a CPU tensor")
 
     monkeypatch.setattr(backward_sm90, "attention_backward_ws", boom)
-    monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
     import flashtile
 
     q, k, v = (torch.randn(1, 37, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))

@@ -71,6 +71,9 @@ from flashtile.ops.forward import LOG2E
 from flashtile.ops.forward_sm90 import _smem_layout
 from flashtile.ops.launch import Launcher
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gluon_bwd import ref_grads  # noqa: E402  (the same fp32 reference as the library's experiment)
+
 BLOCK = 64  # keys per consumer warpgroup, and queries per step
 ROWS = gl.constexpr(BLOCK)
 # (Q, dO) ring slots: the step in use, the previous one (its products in flight) and two
@@ -505,26 +508,6 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
     dq.copy_(dq_acc[:, :, :seqlen_q])
 
 
-
-
-def ref_grads(q, k, v, dout, causal, diag):
-    """fp32 autograd on (B, H, S, D) tensors; rows that see no key give 0."""
-    import torch
-
-    qf, kf, vf = (t.detach().float().requires_grad_(True) for t in (q, k, v))
-    rep = q.shape[1] // k.shape[1]
-    s = qf @ kf.repeat_interleave(rep, 1).transpose(-1, -2) * q.shape[-1] ** -0.5
-    valid = torch.ones(q.shape[2], 1, device=q.device)
-    if causal:
-        i = torch.arange(q.shape[2], device=q.device)[:, None]
-        j = torch.arange(k.shape[2], device=q.device)[None, :]
-        valid = (i + diag >= 0).float()
-        s = s.masked_fill((j > i + diag) & (i + diag >= 0), float("-inf"))
-    p = torch.softmax(s, -1) * valid
-    out = p @ vf.repeat_interleave(rep, 1)
-    out.backward(dout.float())
-    lse = torch.logsumexp(s, -1).masked_fill(valid[:, 0] == 0, float("-inf"))
-    return out, lse, qf.grad, kf.grad, vf.grad
 
 
 def run(variants, shapes) -> None:

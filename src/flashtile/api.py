@@ -278,7 +278,8 @@ def flash_attn_func(
             -slope * |i + seqlen_k - seqlen_q - j| to the scores after softcap.
         deterministic: forbid the backward's atomic dQ variant, so gradients are bitwise
             reproducible (so does ``torch.use_deterministic_algorithms(True)``). The
-            default backward is deterministic too unless ``FLASHTILE_BWD_DQ=atomic``.
+            default backward is deterministic too: the Gluon backward on Hopper has no
+            atomics, and the Triton kernels use them only with ``FLASHTILE_BWD_DQ=atomic``.
         return_attn_probs: also return softmax_lse and None in place of flash-attn's
             debugging probability matrix (never materialised here). softmax_lse is
             differentiable (e.g. for a z-loss).

@@ -468,6 +468,8 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
         causal: key j visible to query i iff j <= i + diag_offset.
         dkdv_num_buf, dq_block_n, dq_num_buf: ring slots and key tile (experiments).
     """
+    if dkdv_num_buf < 2 or dq_num_buf < 2:  # one slot: the loader waits for a release that never comes
+        raise ValueError(f"ring slots must be >= 2, got dkdv_num_buf={dkdv_num_buf}, dq_num_buf={dq_num_buf}")
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     dtype_name = str(q.dtype).replace("torch.", "")
