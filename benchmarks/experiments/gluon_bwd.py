@@ -6,7 +6,9 @@ variants, checked against fp32 autograd and timed next to the Triton backward an
 
 A variant is (dK/dV ring slots, dQ key tile, dQ ring slots). "api" is the library's
 backward as a user calls it (delta preprocess and the default variant), "triton" the same
-with FLASHTILE_WS=0.
+with FLASHTILE_WS=0. ``--split`` also times each kernel alone, in TF/s of its own tile
+products (one product over all tile pairs: 2 B H S^2 D FLOPs, half the forward's; the
+dK/dV kernel does 4, the dQ kernel 3).
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ def ref_grads(q, k, v, dout, causal, diag):
     return out, lse, qf.grad, kf.grad, vf.grad
 
 
-def run(variants, shapes) -> None:
+def run(variants, shapes, split: bool = False) -> None:
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
@@ -44,10 +46,11 @@ def run(variants, shapes) -> None:
     import flashtile
     from flashtile.ops.backward_sm90 import attention_backward_ws
 
-    def ws(q, k, v, dout, lse, delta, causal, diag, variant):
+    def ws(q, k, v, dout, lse, delta, causal, diag, variant, kernels="dkdv,dq"):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
         attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5, diag_offset=diag,
-                              causal=causal, dkdv_num_buf=variant[0], dq_block_n=variant[1], dq_num_buf=variant[2])
+                              causal=causal, dkdv_num_buf=variant[0], dq_block_n=variant[1], dq_num_buf=variant[2],
+                              kernels=kernels)
         return dq, dk, dv
 
     for B, H, Hk, Sq, Sk, D, causal in ((2, 4, 2, 333, 517, 128, True), (1, 4, 4, 1000, 1000, 64, False),
@@ -82,6 +85,11 @@ def run(variants, shapes) -> None:
             try:
                 ms = do_bench(lambda: ws(q, k, v, dout, lse, delta, causal, 0, variant), warmup=25, rep=100)
                 row["ws" + ",".join(map(str, variant))] = bwd_flops / ms * 1e-9
+                if split:  # each kernel alone, as TF/s of its own products (4 and 3 of the 7)
+                    for part, n_products in (("dkdv", 4), ("dq", 3)):
+                        ms_part = do_bench(lambda: ws(q, k, v, dout, lse, delta, causal, 0, variant, part),
+                                           warmup=25, rep=100)
+                        row[f"  {part}"] = bwd_flops * n_products / 5 / ms_part * 1e-9
             except Exception as exc:  # noqa: BLE001
                 print(f"d{D} S{S} {variant} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         qb, kb, vb = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
@@ -105,12 +113,13 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default="4,64,2;4,64,3;4,128,2",
                    help="dkdv_num_buf,dq_block_n,dq_num_buf;...")
+    p.add_argument("--split", action="store_true", help="also time the dK/dV and dQ kernels alone")
     p.add_argument("--shapes", default="128,4096,0;128,4096,1;128,16384,1;64,4096,0;64,16384,1;64,1024,0;128,1024,1",
                    help="headdim,seqlen,causal;...")
     args = p.parse_args(argv)
     variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
     shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")]
-    run(variants, [(d, S, bool(c)) for d, S, c in shapes])
+    run(variants, [(d, S, bool(c)) for d, S, c in shapes], split=args.split)
     return 0
 
 
