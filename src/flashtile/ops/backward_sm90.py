@@ -71,6 +71,16 @@ HEAD_DIMS = (64, 128)
 
 
 @gluon.jit
+def _row_stats(Lse, Delta, bh, rows, seqlen_q):
+    """LSE (in base 2) and Delta of query rows ``rows`` of head row bh = b * nheads + h.
+    Rows past seqlen_q get lse = +inf, so their P is 0 (their Q and dO are zero-filled)."""
+    row_off = bh.to(gl.int64) * seqlen_q
+    lse2 = gl.load(Lse + row_off + rows, mask=rows < seqlen_q, other=float("inf")) * 1.4426950408889634
+    delta = gl.load(Delta + row_off + rows, mask=rows < seqlen_q, other=0.0)
+    return lse2, delta
+
+
+@gluon.jit
 def _probs(s, lse2, rows, keys, seqlen_k, diag_offset, qk_scale, MASK: gl.constexpr, CAUSAL: gl.constexpr):
     """P = exp2(S * c - lse) on a (queries x keys) tile, 0 where key j is past seqlen_k or
     (causal) right of row i's diagonal. The mask is applied to P, not to S: a row that sees
@@ -115,10 +125,7 @@ def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, q
     dV/dK products. Keys past seqlen_k are zero-filled: their dK/dV rows are clipped."""
     rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     keys = nk + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
-    row_off = (b * nheads + hq).to(gl.int64) * seqlen_q
-    # Rows past seqlen_q get lse = +inf, so their P is 0 (their Q and dO are zero-filled).
-    lse2 = gl.load(Lse + row_off + rows, mask=rows < seqlen_q, other=float("inf")) * 1.4426950408889634
-    delta = gl.load(Delta + row_off + rows, mask=rows < seqlen_q, other=0.0)
+    lse2, delta = _row_stats(Lse, Delta, b * nheads + hq, rows, seqlen_q)
     # No mask for keys past seqlen_k: they only reach their own (clipped) dK/dV rows.
     if CAUSAL and nk + ROWS - 1 > m0 + diag_offset:  # a tile on (or past) the diagonal
         p = _probs(s, lse2, rows, keys, 2147483647, diag_offset, qk_scale, True, CAUSAL)
@@ -303,10 +310,7 @@ def _dq_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse
         mask_from = gl.minimum(mask_from, mq + diag_offset - BLOCK_N + 1)
     rows = mq + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    # Rows past seqlen_q get lse = +inf, so their P is 0 (their Q and dO are zero-filled).
-    lse2 = gl.load(Lse + bh.to(gl.int64) * seqlen_q + rows, mask=rows < seqlen_q,
-                   other=float("inf")) * 1.4426950408889634
-    delta = gl.load(Delta + bh.to(gl.int64) * seqlen_q + rows, mask=rows < seqlen_q, other=0.0)
+    lse2, delta = _row_stats(Lse, Delta, bh, rows, seqlen_q)
     q_tile = q_smem.index(WG).reshape([ROWS, HEAD_D])
     do_tile = do_smem.index(WG).reshape([ROWS, HEAD_D])
     zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
