@@ -58,7 +58,7 @@ def _signature(fn, pointers: dict, constexprs: dict) -> dict:
             sig[name] = "constexpr"
         elif name in pointers:
             sig[name] = pointers[name]
-        elif name.startswith(("qk_scale", "softcap", "sm_scale", "dropout_p")):
+        elif name.startswith(("qk_scale", "softcap", "sm_scale", "dropout_p")) or name == "scale":
             sig[name] = "fp32"
         else:
             sig[name] = "i32"
@@ -127,60 +127,52 @@ def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: 
     return _compile(name, _fwd_kernel, ptrs, c, cfg.num_warps, cfg.num_stages)
 
 
+def _compile_ws(name: str, fn, dtype: str, head_dim: int, rows: dict, constexprs: dict) -> Compiled:
+    """A warp-specialized Gluon kernel of ``forward_sm90``/``backward_sm90``: ``rows`` gives
+    the box rows of each tensor-descriptor argument; Lse and Delta are float32 pointers
+    (16-byte aligned at run time), the other runtime arguments typed as ``_signature`` does."""
+    from .forward_sm90 import _smem_layout
+
+    torch_name = {"bf16": "bfloat16", "fp16": "float16"}[dtype]
+    pointers = {n: f"tensordesc<{dtype}[1, 1, {r}, {head_dim}],{_smem_layout(r, head_dim, torch_name)}>"
+                for n, r in rows.items()}
+    pointers.update(Lse="*fp32", Delta="*fp32")
+    sig = _signature(fn, pointers, constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    return compile_gluon(name, fn, sig, constexprs, attrs, num_warps=4)
+
+
 def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int | None = None,
                        num_buf: int | None = None) -> Compiled:
     """The warp-specialized Gluon forward (``forward_sm90``; its default tiles unless given)."""
     from . import forward_sm90
-    from .forward_sm90 import HALF_M, LOADER_REGS, _fwd_ws_kernel, _smem_layout
+    from .forward_sm90 import HALF_M, LOADER_REGS, _fwd_ws_kernel
 
     block_n = block_n or forward_sm90.default_block_n(head_dim)
     num_buf = num_buf or forward_sm90.NUM_BUF
-
-    torch_name = {"bf16": "bfloat16", "fp16": "float16"}[dtype]
-
-    def td(rows):
-        return f"tensordesc<{dtype}[1, 1, {rows}, {head_dim}],{_smem_layout(rows, head_dim, torch_name)}>"
-
-    constexprs = dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS)
-    sig = {"q_desc": td(HALF_M), "k_desc": td(block_n), "v_desc": td(block_n), "o_desc": td(HALF_M),
-           "Lse": "*fp32"}
-    sig.update({n: "i32" for n in ("nheads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "num_bh",
-                                   "diag_offset")})
-    sig.update(qk_scale="fp32")
-    return compile_gluon(f"fwd-ws {dtype} d{head_dim} causal={causal} block_n={block_n} num_buf={num_buf}",
-                         _fwd_ws_kernel, sig, constexprs, {(4,): [["tt.divisibility", 16]]}, num_warps=4)
+    return _compile_ws(f"fwd-ws {dtype} d{head_dim} causal={causal} block_n={block_n} num_buf={num_buf}",
+                       _fwd_ws_kernel, dtype, head_dim,
+                       dict(q_desc=HALF_M, k_desc=block_n, v_desc=block_n, o_desc=HALF_M),
+                       dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS))
 
 
 def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf: int | None = None,
                         dq_block_n: int | None = None, dq_num_buf: int | None = None) -> list[Compiled]:
     """The warp-specialized Gluon backward (``backward_sm90``): the dK/dV and dQ kernels."""
     from . import backward_sm90 as bw
-    from .forward_sm90 import _smem_layout
 
     dkdv_num_buf = dkdv_num_buf or bw.DKDV_NUM_BUF
     dq_block_n = dq_block_n or bw.DQ_BLOCK_N
     dq_num_buf = dq_num_buf or bw.DQ_NUM_BUF
-
-    def td(rows):
-        layout = _smem_layout(rows, head_dim, {"bf16": "bfloat16", "fp16": "float16"}[dtype])
-        return f"tensordesc<{dtype}[1, 1, {rows}, {head_dim}],{layout}>"
-
     regs = dict(CONSUMER_REGS=bw.CONSUMER_REGS, LOADER_REGS=bw.LOADER_REGS)
-    sig = {n: td(bw.BLOCK) for n in ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc")}
-    sig.update(Lse="*fp32", Delta="*fp32")
-    sig.update({n: "i32" for n in ("nheads", "nheads_k", "group_size", "seqlen_q", "num_n_blocks", "diag_offset")})
-    sig.update(qk_scale="fp32", scale="fp32")
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (6, 7)}
-    dkdv = compile_gluon(f"bwd-ws-dkdv {dtype} d{head_dim} causal={causal} num_buf={dkdv_num_buf}", bw._dkdv_kernel,
-                         sig, dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), attrs, num_warps=4)
-    sig = {"q_desc": td(bw.BLOCK), "k_desc": td(dq_block_n), "v_desc": td(dq_block_n), "do_desc": td(bw.BLOCK),
-           "dq_desc": td(bw.BLOCK), "Lse": "*fp32", "Delta": "*fp32"}
-    sig.update({n: "i32" for n in ("nheads", "group_size", "seqlen_q", "seqlen_k", "num_m_blocks", "num_bh",
-                                   "diag_offset")})
-    sig.update(qk_scale="fp32", scale="fp32")
-    attrs = {(i,): [["tt.divisibility", 16]] for i in (5, 6)}
-    dq = compile_gluon(f"bwd-ws-dq {dtype} d{head_dim} causal={causal} block_n={dq_block_n} num_buf={dq_num_buf}",
-                       bw._dq_kernel, sig, dict(CAUSAL=causal, NUM_BUF=dq_num_buf, **regs), attrs, num_warps=4)
+    dkdv = _compile_ws(f"bwd-ws-dkdv {dtype} d{head_dim} causal={causal} num_buf={dkdv_num_buf}", bw._dkdv_kernel,
+                       dtype, head_dim, dict.fromkeys(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc"),
+                                                      bw.BLOCK),
+                       dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs))
+    dq = _compile_ws(f"bwd-ws-dq {dtype} d{head_dim} causal={causal} block_n={dq_block_n} num_buf={dq_num_buf}",
+                     bw._dq_kernel, dtype, head_dim,
+                     dict(q_desc=bw.BLOCK, k_desc=dq_block_n, v_desc=dq_block_n, do_desc=bw.BLOCK, dq_desc=bw.BLOCK),
+                     dict(CAUSAL=causal, NUM_BUF=dq_num_buf, **regs))
     return [dkdv, dq]
 
 
