@@ -158,3 +158,33 @@ def check_flash_grads(case: Case, device: str = "cpu", seed: int = 0, noncontigu
         assert a.shape == r.shape and a.dtype == case.dtype, (name, a.shape, a.dtype)
         assert_close(f"{case.id} {name}", a, r, b, factor=GRAD_FACTOR)
     return got
+
+
+def rotating_cases(head_dims, seq_pairs, heads) -> list[Case]:
+    """fp16/bf16 x head dim x (seqlen_q, seqlen_k) x causal, batch 2, with the head
+    grouping (``heads``: MHA, GQA, MQA pairs) and the layout rotating from case to case."""
+    cases, n = [], 0
+    for dtype in (torch.float16, torch.bfloat16):
+        for head_dim in head_dims:
+            for seqs in seq_pairs:
+                for causal in (False, True):
+                    h, hk = heads[n % 3]
+                    layout = ("contiguous", "transposed", "packed")[(n // 3) % 3]
+                    n += 1
+                    cases.append(Case(*seqs, head_dim, dtype=dtype, causal=causal, batch=2, nheads=h, nheads_k=hk,
+                                      layout=layout))
+    return cases
+
+
+def spy_calls(monkeypatch, module, name: str) -> list:
+    """Wrap ``module.name`` so that every call's keyword arguments are recorded; returns
+    the (live) list of records."""
+    calls = []
+    original = getattr(module, name)
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, spy)
+    return calls

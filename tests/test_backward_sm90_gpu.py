@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import flashtile
-from cases import Case, check_flash_grads, make_inputs, reference
+from cases import Case, check_flash_grads, make_inputs, reference, rotating_cases, spy_calls
 from flashtile.testing import GRAD_FACTOR, assert_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
@@ -30,35 +30,13 @@ def bwd_ws_calls(monkeypatch):
         pytest.skip("the Gluon backward is for sm90 (Hopper)")
     from flashtile.ops import backward_sm90
 
-    calls = []
-    original = backward_sm90.attention_backward_ws
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(backward_sm90, "attention_backward_ws", spy)
-    return calls
+    return spy_calls(monkeypatch, backward_sm90, "attention_backward_ws")
 
 
 SEQ_PAIRS = [(1, 1), (17, 17), (64, 64), (127, 129), (129, 127), (200, 1000), (1000, 200), (1000, 1000)]
 
 
-def _cases():
-    cases, n = [], 0
-    for dtype in (torch.float16, torch.bfloat16):
-        for head_dim in (64, 128):
-            for seqs in SEQ_PAIRS:
-                for causal in (False, True):
-                    h, hk = ((6, 6), (6, 2), (6, 1))[n % 3]
-                    layout = ("contiguous", "transposed", "packed")[(n // 3) % 3]
-                    n += 1
-                    cases.append(Case(*seqs, head_dim, dtype=dtype, causal=causal, batch=2, nheads=h, nheads_k=hk,
-                                      layout=layout))
-    return cases
-
-
-@pytest.mark.parametrize("case", _cases(), ids=lambda c: c.id)
+@pytest.mark.parametrize("case", rotating_cases((64, 128), SEQ_PAIRS, ((6, 6), (6, 2), (6, 1))), ids=lambda c: c.id)
 def test_ws_grad_matrix(case, bwd_ws_calls):
     check_flash_grads(case, device="cuda")
     assert len(bwd_ws_calls) == 1 and bwd_ws_calls[0]["causal"] == (case.causal and case.seqlen_q > 1), bwd_ws_calls

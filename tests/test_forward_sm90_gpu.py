@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import flashtile
-from cases import Case, check_flash_case, check_flash_grads
+from cases import Case, check_flash_case, check_flash_grads, rotating_cases, spy_calls
 from flashtile.testing import assert_close, plain_attention
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
@@ -33,36 +33,15 @@ def ws_calls(monkeypatch):
     # Every call in the kernel's scope takes it, whatever the table prefers for speed.
     for key, cfg in list(configs._SM90_FWD.items()):
         monkeypatch.setitem(configs._SM90_FWD, key, dataclasses.replace(cfg, use_ws=True))
-    calls = []
-    original = forward_sm90.attention_forward_ws
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(forward_sm90, "attention_forward_ws", spy)
-    return calls
+    return spy_calls(monkeypatch, forward_sm90, "attention_forward_ws")
 
 
 SEQ_PAIRS = [(1, 1), (17, 17), (64, 64), (127, 129), (128, 128), (129, 127), (200, 1000), (1000, 200),
              (1000, 1000), (4097, 4097)]
 
 
-def _cases():
-    cases, n = [], 0
-    for dtype in (torch.float16, torch.bfloat16):
-        for head_dim in (64, 128, 256):
-            for seqs in SEQ_PAIRS:
-                for causal in (False, True):
-                    h, hk = ((8, 8), (8, 2), (8, 1))[n % 3]
-                    layout = ("contiguous", "transposed", "packed")[(n // 3) % 3]
-                    n += 1
-                    cases.append(Case(*seqs, head_dim, dtype=dtype, causal=causal, batch=2, nheads=h, nheads_k=hk,
-                                      layout=layout))
-    return cases
-
-
-@pytest.mark.parametrize("case", _cases(), ids=lambda c: c.id)
+@pytest.mark.parametrize("case", rotating_cases((64, 128, 256), SEQ_PAIRS, ((8, 8), (8, 2), (8, 1))),
+                         ids=lambda c: c.id)
 def test_ws_matrix(case, ws_calls):
     check_flash_case(case, device="cuda")
     assert len(ws_calls) == 1 and ws_calls[0]["causal"] == (case.causal and case.seqlen_q > 1), ws_calls
