@@ -43,3 +43,15 @@ def test_cpu_tensors_never_reach_the_gluon_backward(monkeypatch, triton_backend)
     q, k, v = (torch.randn(1, 37, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
     flashtile.flash_attn_func(q, k, v, causal=True).float().sum().backward()
     assert q.grad is not None and torch.isfinite(q.grad.float()).all()
+
+
+def test_launch_arguments_are_checked_before_any_work():
+    from flashtile.ops.backward_sm90 import attention_backward_ws
+
+    t = torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16)
+    lse = torch.zeros(1, 1, 1)
+    args = (t, t, t, t, lse, lse, t, t, t)
+    with pytest.raises(ValueError, match="kernels"):
+        attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, kernels=("dk",))
+    with pytest.raises(ValueError, match="ring slots"):
+        attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, dq_num_buf=1)

@@ -38,19 +38,29 @@ def ref_grads(q, k, v, dout, causal, diag):
     return out, lse, qf.grad, kf.grad, vf.grad
 
 
-def run(variants, shapes, split: bool = False) -> None:
+def library_launch(q, k, v, dout, lse, delta, dq, dk, dv, *, causal, diag, variant, kernels=("dkdv", "dq")):
+    """The library's kernels with variant (dK/dV ring slots, dQ key tile, dQ ring slots)."""
+    from flashtile.ops.backward_sm90 import attention_backward_ws
+
+    attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5, diag_offset=diag,
+                          causal=causal, dkdv_num_buf=variant[0], dq_block_n=variant[1], dq_num_buf=variant[2],
+                          kernels=kernels)
+
+
+def run(variants, shapes, split: bool = False, launch=library_launch) -> None:
+    """Check every variant against fp32 autograd, then time it next to the library's
+    backward ("api"), the Triton backward and cuDNN. ``launch(q, k, v, dout, lse, delta,
+    dq, dk, dv, causal=, diag=, variant=[, kernels=])`` writes dq, dk, dv; ``split`` times
+    the dK/dV and dQ kernels alone (needs ``kernels``)."""
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
     import flashtile
-    from flashtile.ops.backward_sm90 import attention_backward_ws
 
-    def ws(q, k, v, dout, lse, delta, causal, diag, variant, kernels="dkdv,dq"):
+    def ws(q, k, v, dout, lse, delta, causal, diag, variant, **kw):
         dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5, diag_offset=diag,
-                              causal=causal, dkdv_num_buf=variant[0], dq_block_n=variant[1], dq_num_buf=variant[2],
-                              kernels=kernels)
+        launch(q, k, v, dout, lse, delta, dq, dk, dv, causal=causal, diag=diag, variant=variant, **kw)
         return dq, dk, dv
 
     for B, H, Hk, Sq, Sk, D, causal in ((2, 4, 2, 333, 517, 128, True), (1, 4, 4, 1000, 1000, 64, False),
@@ -87,7 +97,7 @@ def run(variants, shapes, split: bool = False) -> None:
                 row["ws" + ",".join(map(str, variant))] = bwd_flops / ms * 1e-9
                 if split:  # each kernel alone, as TF/s of its own products (4 and 3 of the 7)
                     for part, n_products in (("dkdv", 4), ("dq", 3)):
-                        ms_part = do_bench(lambda: ws(q, k, v, dout, lse, delta, causal, 0, variant, part),
+                        ms_part = do_bench(lambda: ws(q, k, v, dout, lse, delta, causal, 0, variant, kernels=(part,)),
                                            warmup=25, rep=100)
                         row[f"  {part}"] = bwd_flops * n_products / 5 / ms_part * 1e-9
             except Exception as exc:  # noqa: BLE001

@@ -67,12 +67,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from flashtile.ops.backward_sm90 import _step_range
 from flashtile.ops.forward import LOG2E
 from flashtile.ops.forward_sm90 import _smem_layout
 from flashtile.ops.launch import Launcher
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gluon_bwd import ref_grads  # noqa: E402  (the same fp32 reference as the library's experiment)
+from gluon_bwd import run  # noqa: E402  (the library experiment's checks and timing)
 
 BLOCK = 64  # keys per consumer warpgroup, and queries per step
 ROWS = gl.constexpr(BLOCK)
@@ -103,15 +104,6 @@ sub.s64 a, $6, 8;
 }""")
 # FLASHTILE_EXP_DQ: 0 = red.v4 reductions, 1 = none (dQ wrong: measures everything else), 2 = red.v2.
 _EXP_DQ = gl.constexpr(int(os.environ.get("FLASHTILE_EXP_DQ", "0")))
-
-
-@gluon.jit
-def _step_range(n0, seqlen_q, diag_offset, ROWS: gl.constexpr, CAUSAL: gl.constexpr):
-    """First query block that sees key n0, and the number of query blocks."""
-    q_lo = 0
-    if CAUSAL:
-        q_lo = gl.maximum(n0 - diag_offset, 0) // ROWS
-    return q_lo, gl.maximum(gl.cdiv(seqlen_q, ROWS) - q_lo, 0)
 
 
 @gluon.jit
@@ -510,67 +502,10 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
 
 
 
-def run(variants, shapes) -> None:
-    import torch
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    from triton.testing import do_bench
-
-    import flashtile
-
-    def ws(q, k, v, dout, lse, delta, causal, diag, pipelined, num_buf, rotate=True):
-        dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-        attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5, diag_offset=diag,
-                              causal=causal, pipelined=pipelined, num_buf=num_buf, rotate=rotate)
-        return dq, dk, dv
-
-    for B, H, Hk, Sq, Sk, D, causal in ((2, 4, 2, 333, 517, 128, True), (1, 4, 4, 1000, 1000, 64, False),
-                                        (2, 6, 1, 300, 129, 128, False), (1, 2, 2, 700, 200, 64, True),
-                                        (1, 2, 1, 64, 64, 128, True)):
-        g = torch.Generator(device="cuda").manual_seed(0)
-        q = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        k, v = (torch.randn(B, Hk, Sk, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
-        dout = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16, generator=g)
-        diag = Sk - Sq
-        out, lse, *refs = ref_grads(q, k, v, dout, causal, diag)
-        delta = (out.detach() * dout.float()).sum(-1).contiguous()
-        for pipelined, num_buf, rotate in variants:
-            try:
-                grads = ws(q, k, v, dout, lse.detach().contiguous(), delta, causal, diag, pipelined, num_buf, rotate)
-                torch.cuda.synchronize()
-                errs = "  ".join(f"{n} {(g_.float() - r).abs().max().item():.2e}/{r.abs().max().item():.1e}"
-                                 for n, g_, r in zip(("dq", "dk", "dv"), grads, refs))
-                print(f"B{B} H{H}/{Hk} Sq{Sq} Sk{Sk} d{D} causal={int(causal)} pipelined={pipelined} "
-                      f"num_buf={num_buf} rotate={rotate}: max err/|ref| {errs}", flush=True)
-            except Exception as exc:  # noqa: BLE001  (an experiment: report and go on)
-                print(f"check failed ({pipelined},{num_buf}): {type(exc).__name__}: {str(exc)[:300]}", flush=True)
-
-    for D, S, causal in shapes:
-        B, H = 16384 // S, 2048 // D
-        q, k, v, dout = (torch.randn(B, H, S, D, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        lse = torch.randn(B, H, S, device="cuda").abs() + 5
-        delta = torch.randn(B, H, S, device="cuda")
-        bwd_flops = 2.5 * 4 * B * H * S * S * D / (2 if causal else 1)
-        row = {}
-        for pipelined, num_buf, rotate in variants:
-            try:
-                ms = do_bench(lambda: ws(q, k, v, dout, lse, delta, causal, 0, pipelined, num_buf, rotate),
-                              warmup=25, rep=100)
-                row[f"ws({int(pipelined)},{num_buf},{int(rotate)})"] = bwd_flops / ms * 1e-9
-            except Exception as exc:  # noqa: BLE001
-                print(f"d{D} S{S} ({pipelined},{num_buf}) failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
-        qb, kb, vb = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
-        do = dout.transpose(1, 2)
-        for name, det in (("api", False), ("triton", True)):
-            o = flashtile.flash_attn_func(qb, kb, vb, causal=causal, deterministic=det)
-            row[name] = bwd_flops / do_bench(lambda: torch.autograd.grad(o, (qb, kb, vb), do, retain_graph=True),
-                                             warmup=25, rep=100) * 1e-9
-        qs, ks, vs = (t.detach().requires_grad_(True) for t in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            os_ = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=causal)
-            row["cudnn"] = bwd_flops / do_bench(lambda: torch.autograd.grad(os_, (qs, ks, vs), dout, retain_graph=True),
-                                                warmup=25, rep=100) * 1e-9
-        print(f"d{D} S{S} causal={int(causal)}: " + "  ".join(f"{k_} {v_:6.1f}" for k_, v_ in row.items())
-              + " TF/s", flush=True)
+def onepass_launch(q, k, v, dout, lse, delta, dq, dk, dv, *, causal, diag, variant):
+    pipelined, num_buf, rotate = variant
+    attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5, diag_offset=diag,
+                          causal=causal, pipelined=pipelined, num_buf=num_buf, rotate=rotate)
 
 
 def main(argv=None) -> int:
@@ -581,7 +516,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     variants = [(bool(int(a)), int(b), bool(int(c))) for a, b, c in (v.split(",") for v in args.variants.split(";"))]
     shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")]
-    run(variants, [(d, S, bool(c)) for d, S, c in shapes])
+    run(variants, [(d, S, bool(c)) for d, S, c in shapes], launch=onepass_launch)
     return 0
 
 

@@ -461,7 +461,7 @@ def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: i
 
 def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int, causal: bool,
                           dkdv_num_buf: int = DKDV_NUM_BUF, dq_block_n: int = DQ_BLOCK_N,
-                          dq_num_buf: int = DQ_NUM_BUF, kernels: str = "dkdv,dq") -> None:
+                          dq_num_buf: int = DQ_NUM_BUF, kernels: tuple = ("dkdv", "dq")) -> None:
     """Launch the dK/dV and dQ kernels; the caller checked ``ws_applies`` and TMA alignment.
 
     Args:
@@ -471,31 +471,33 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
             minus the LSE's own upstream gradient if any).
         causal: key j visible to query i iff j <= i + diag_offset.
         dkdv_num_buf, dq_block_n, dq_num_buf: ring slots and key tile (experiments).
-        kernels: which kernels to launch, "dkdv,dq" (both) or one of them (to time each
-            alone in benchmarks/experiments/gluon_bwd.py).
+        kernels: which kernels to launch: both, or ("dkdv",) or ("dq",) to time one alone
+            (benchmarks/experiments/gluon_bwd.py --split).
     """
+    if not set(kernels) <= {"dkdv", "dq"}:
+        raise ValueError(f"kernels must name 'dkdv' and/or 'dq', got {kernels!r}")
     if dkdv_num_buf < 2 or dq_num_buf < 2:  # one slot: the loader waits for a release that never comes
         raise ValueError(f"ring slots must be >= 2, got dkdv_num_buf={dkdv_num_buf}, dq_num_buf={dq_num_buf}")
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     dtype_name = str(q.dtype).replace("torch.", "")
 
-    def desc(t, rows):
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    def desc(t, rows):
         return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim],
                                 _smem_layout(rows, head_dim, dtype_name))
 
     q_d, do_d = desc(q, BLOCK), desc(dout, BLOCK)
     regs = dict(CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
-    if "dkdv" in kernels.split(","):
+    if "dkdv" in kernels:
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
         _launch_dkdv((num_n_blocks * batch * nheads_k,),
                      (q_d, desc(k, BLOCK), desc(v, BLOCK), do_d, desc(dk, BLOCK), desc(dv, BLOCK), lse, delta,
                       nheads, nheads_k, nheads // nheads_k, seqlen_q, num_n_blocks, diag_offset, scale * LOG2E,
                       scale),
                      dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), 4, 1)
-    if "dq" not in kernels.split(","):
+    if "dq" not in kernels:
         return
     num_m_blocks = triton.cdiv(seqlen_q, 2 * BLOCK)
     _launch_dq((num_m_blocks * batch * nheads,),
