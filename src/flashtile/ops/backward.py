@@ -454,6 +454,26 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     window_left, window_right = effective_window(window_left, window_right, seqlen_q, seqlen_k, diag_offset)
     block_d = max(16, triton.next_power_of_2(head_dim))
+    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    pre_blocks = triton.cdiv(seqlen_q, 64)
+    _launch_pre((pre_blocks * batch * nheads,),
+                (out, dout, delta, *out.stride()[:3], *dout.stride()[:3], nheads, seqlen_q, head_dim, pre_blocks),
+                dict(BLOCK_M=64, BLOCK_D=block_d, IEEE_DOT=q.dtype == torch.float32), 4, 3)
+    if dlse is not None:
+        delta -= dlse.to(torch.float32)
+
+    if q.is_cuda and os.environ.get("FLASHTILE_WS", "1") != "0":
+        from . import backward_sm90
+
+        if (backward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes,
+                                     attn_mask, dropout_p)
+                and _tma_ok(q, k, v, dout, dq, dk, dv)
+                and cuda_capability(device_index(q.device))[0] == 9):  # wgmma, setmaxnreg: Hopper only
+            backward_sm90.attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=scale,
+                                                diag_offset=diag_offset, causal=window_right == 0)
+            return
+
+    # The Triton kernels' arguments.
     softcap_on = softcap > 0.0
     common = dict(
         BLOCK_D=block_d, EVEN_D=block_d == head_dim,
@@ -472,24 +492,6 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
                scale / softcap if softcap_on else 0.0, softcap * LOG2E if softcap_on else 0.0,
                diag_offset, window_left, window_right, float(dropout_p))
     seed_arg = seed if dropout_p > 0.0 else q
-
-    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    pre_blocks = triton.cdiv(seqlen_q, 64)
-    _launch_pre((pre_blocks * batch * nheads,),
-                (out, dout, delta, *out.stride()[:3], *dout.stride()[:3], nheads, seqlen_q, head_dim, pre_blocks),
-                dict(BLOCK_M=64, BLOCK_D=block_d, IEEE_DOT=q.dtype == torch.float32), 4, 3)
-    if dlse is not None:
-        delta -= dlse.to(torch.float32)
-
-    if (q.is_cuda and os.environ.get("FLASHTILE_WS", "1") != "0" and _tma_ok(q, k, v, dout, dq, dk, dv)
-            and cuda_capability(device_index(q.device))[0] == 9):  # wgmma, setmaxnreg: Hopper only
-        from . import backward_sm90
-
-        if backward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes,
-                                    attn_mask, dropout_p):
-            backward_sm90.attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=scale,
-                                                diag_offset=diag_offset, causal=window_right == 0)
-            return
 
     fused = config.fused_dq
     dq_acc = torch.zeros((batch, nheads, seqlen_q, head_dim), dtype=torch.float32, device=q.device) if fused else q
