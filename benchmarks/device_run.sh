@@ -37,7 +37,8 @@ if [[ $what == sweep ]]; then
   echo "sweep fwd rc=$?"; sed -n '/best per shape/,$p' "$OUT/sweep-fwd.log"
 fi
 if [[ $what == gluon-bwd ]]; then
-  # The warp-specialized dK/dV experiment: correctness on odd shapes, then TF/s vs the library and cuDNN.
-  timeout 240 python3 benchmarks/experiments/gluon_bwd.py > "$OUT/gluon-bwd.log" 2>&1
+  # The Gluon backward's variants: correctness on odd shapes, then TF/s (each kernel alone too)
+  # next to the library's backward, the Triton backward and cuDNN.
+  timeout 240 python3 benchmarks/experiments/gluon_bwd.py --split > "$OUT/gluon-bwd.log" 2>&1
   echo "gluon bwd rc=$?"; grep -v Warning "$OUT/gluon-bwd.log" | tail -20
 fi
