@@ -119,26 +119,39 @@ def _step_tiles(s, q_lo, nq, kvh, group_size, q_smem, do_smem, q_ready):
 
 
 @gluon.jit
-def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale,
+def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale,
               CAUSAL: gl.constexpr, dtype: gl.constexpr, s_layout: gl.constexpr):
     """P and dS = P (dP - Delta) of a (queries x keys) tile, in the input dtype for the
-    dV/dK products. Keys past seqlen_k are zero-filled: their dK/dV rows are clipped."""
+    dV/dK products; element masks only on a tile that reaches past the keys or (causal)
+    the diagonal. Both paths end in the conversions: the caller's wait for the previous
+    step's products then starts a new basic block, and ptxas, which schedules within
+    one, cannot hoist that wait above this work (it did, with one path: no overlap)."""
     rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     keys = nk + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
     lse2, delta = _row_stats(Lse, Delta, b * nheads + hq, rows, seqlen_q)
-    # No mask for keys past seqlen_k: they only reach their own (clipped) dK/dV rows.
-    if CAUSAL and nk + ROWS - 1 > m0 + diag_offset:  # a tile on (or past) the diagonal
-        p = _probs(s, lse2, rows, keys, 2147483647, diag_offset, qk_scale, True, CAUSAL)
+    # Causal: keys past seqlen_k only reach their own (clipped) dK/dV rows, so only the
+    # diagonal needs masks.
+    if CAUSAL:
+        edge = nk + ROWS - 1 > m0 + diag_offset  # a tile on (or past) the diagonal
+        key_end = 2147483647
     else:
-        p = _probs(s, lse2, rows, keys, 2147483647, diag_offset, qk_scale, False, CAUSAL)
-    ds = p * (dp - delta[:, None])
-    return p.to(dtype), ds.to(dtype)
+        edge = nk + ROWS > seqlen_k
+        key_end = seqlen_k
+    if edge:
+        p = _probs(s, lse2, rows, keys, key_end, diag_offset, qk_scale, True, CAUSAL)
+        ds = p * (dp - delta[:, None])
+        pt, dst = p.to(dtype), ds.to(dtype)
+    else:
+        p = _probs(s, lse2, rows, keys, key_end, diag_offset, qk_scale, False, CAUSAL)
+        ds = p * (dp - delta[:, None])
+        pt, dst = p.to(dtype), ds.to(dtype)
+    return pt, dst
 
 
 @gluon.jit
 def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta,
                    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty,
-                   b, kvh, n0, group_size, nheads, seqlen_q, diag_offset, qk_scale, scale):
+                   b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset, qk_scale, scale):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
@@ -168,8 +181,8 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
         dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
                             use_acc=False, is_async=True)
         st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
-        pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale,
-                            CAUSAL, dtype, s_layout)
+        pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
+                            qk_scale, CAUSAL, dtype, s_layout)
         p_tile.store(pt)
         ds_tile.store(dst)
         fence_async_shared()
@@ -183,8 +196,8 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
         dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(prev).reshape([ROWS, HEAD_D]), dv, is_async=True)
         dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(prev).reshape([ROWS, HEAD_D]), dk, is_async=True)
         st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # step s-1's products stay in flight
-        pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale,
-                            CAUSAL, dtype, s_layout)
+        pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
+                            qk_scale, CAUSAL, dtype, s_layout)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
         p_tile.store(pt)
@@ -210,25 +223,25 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
 
 @gluon.jit
 def _dkdv_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-                    p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, diag_offset,
+                    p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
                     qk_scale, scale):
     _dkdv_consumer(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-                   p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, diag_offset,
+                   p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
                    qk_scale, scale)
 
 
 @gluon.jit
 def _dkdv_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-                    p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, diag_offset,
+                    p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
                     qk_scale, scale):
     _dkdv_consumer(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-                   p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, diag_offset,
+                   p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
                    qk_scale, scale)
 
 
 @gluon.jit
 def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-                 p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, diag_offset,
+                 p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
                  qk_scale, scale):
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
@@ -249,7 +262,7 @@ def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, 
 
 @gluon.jit
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size,
-                 seqlen_q, num_n_blocks, diag_offset, qk_scale, scale,
+                 seqlen_q, seqlen_k, num_n_blocks, diag_offset, qk_scale, scale,
                  CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                  LOADER_REGS: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -277,7 +290,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, 
         mbarrier.init(q_empty.index(i), count=2)  # both consumers release a slot
 
     args = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-            p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, diag_offset,
+            p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
             qk_scale, scale)
     gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_consumer1, args), (_dkdv_loader, args)], [4, 1],
                        [CONSUMER_REGS, LOADER_REGS])
@@ -494,7 +507,7 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
         _launch_dkdv((num_n_blocks * batch * nheads_k,),
                      (q_d, desc(k, BLOCK), desc(v, BLOCK), do_d, desc(dk, BLOCK), desc(dv, BLOCK), lse, delta,
-                      nheads, nheads_k, nheads // nheads_k, seqlen_q, num_n_blocks, diag_offset, scale * LOG2E,
+                      nheads, nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, num_n_blocks, diag_offset, scale * LOG2E,
                       scale),
                      dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), 4, 1)
     if "dq" not in kernels:

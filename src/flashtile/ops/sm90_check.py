@@ -50,6 +50,38 @@ class Compiled:
         spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
         return (int(regs.group(1)) if regs else -1), sum(spills)
 
+    def sass(self) -> str:
+        """The sm_90a machine code (ptxas, then nvdisasm): ptxas schedules within a basic
+        block and may move a ``wgmma.wait_group`` above independent work, so an overlap
+        written in the PTX is only real if it survives here."""
+        import triton
+
+        bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
+            with open(ptx, "w") as fh:
+                fh.write(self.ptx)
+            subprocess.run([os.path.join(bindir, "ptxas"), "--gpu-name", "sm_90a", ptx, "-o", cubin],
+                           capture_output=True, text=True, check=True)
+            return subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin],
+                                  capture_output=True, text=True, check=True).stdout
+
+
+def ex2_under_wait(sass: str, in_flight: int) -> list[int]:
+    """For each ``WARPGROUP.DEPBAR.LE gsb0, in_flight`` (products still in flight) in
+    ``sass``: how many MUFU.EX2 run before the next full wait (``DEPBAR.LE gsb0, 0x0``),
+    i.e. the exp2 work that overlaps those products."""
+    counts, open_ = [], False
+    for line in sass.splitlines():
+        if f"WARPGROUP.DEPBAR.LE gsb0, {in_flight:#x} " in line:
+            counts.append(0)
+            open_ = True
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0 " in line:
+            open_ = False
+        elif open_ and "MUFU.EX2" in line:
+            counts[-1] += 1
+    return counts
+
 
 def _signature(fn, pointers: dict, constexprs: dict) -> dict:
     sig = {}
