@@ -64,10 +64,15 @@ ROWS = gl.constexpr(BLOCK)
 # in flight) and two loading. 4, not 3: the modulo-3 slot arithmetic made d128 spill.
 DKDV_NUM_BUF = 4
 DQ_NUM_BUF = 3  # K/V ring slots of the dQ kernel (H200 run 35: 3 beat 2 by 17-30%)
-DQ_BLOCK_N = 64  # keys per tile of the dQ kernel
 LOADER_REGS = 24
 CONSUMER_REGS = 240
 HEAD_DIMS = (64, 128)
+
+
+def default_dq_block_n(head_dim: int) -> int:
+    """Keys per tile of the dQ kernel: 128 at d64 (+1-2.5% over 64, H200 runs 36 and 39),
+    64 at d128 (3 ring slots of 128 keys do not fit shared memory)."""
+    return 128 if head_dim <= 64 else 64
 
 
 @gluon.jit
@@ -473,7 +478,7 @@ def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: i
 
 
 def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int, causal: bool,
-                          dkdv_num_buf: int = DKDV_NUM_BUF, dq_block_n: int = DQ_BLOCK_N,
+                          dkdv_num_buf: int = DKDV_NUM_BUF, dq_block_n: int | None = None,
                           dq_num_buf: int = DQ_NUM_BUF, kernels: tuple = ("dkdv", "dq")) -> None:
     """Launch the dK/dV and dQ kernels; the caller checked ``ws_applies`` and TMA alignment.
 
@@ -483,7 +488,8 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
         lse, delta: (B, H, Sq) float32 contiguous (natural log; delta = rowsum(dO * O),
             minus the LSE's own upstream gradient if any).
         causal: key j visible to query i iff j <= i + diag_offset.
-        dkdv_num_buf, dq_block_n, dq_num_buf: ring slots and key tile (experiments).
+        dkdv_num_buf, dq_block_n, dq_num_buf: ring slots and key tile (experiments;
+            dq_block_n defaults to ``default_dq_block_n``).
         kernels: which kernels to launch: both, or ("dkdv",) or ("dq",) to time one alone
             (benchmarks/experiments/gluon_bwd.py --split).
     """
@@ -494,6 +500,7 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     dtype_name = str(q.dtype).replace("torch.", "")
+    dq_block_n = dq_block_n or default_dq_block_n(head_dim)
 
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 

@@ -194,7 +194,7 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
     from . import backward_sm90 as bw
 
     dkdv_num_buf = dkdv_num_buf or bw.DKDV_NUM_BUF
-    dq_block_n = dq_block_n or bw.DQ_BLOCK_N
+    dq_block_n = dq_block_n or bw.default_dq_block_n(head_dim)
     dq_num_buf = dq_num_buf or bw.DQ_NUM_BUF
     regs = dict(CONSUMER_REGS=bw.CONSUMER_REGS, LOADER_REGS=bw.LOADER_REGS)
     dkdv = _compile_ws(f"bwd-ws-dkdv {dtype} d{head_dim} causal={causal} num_buf={dkdv_num_buf}", bw._dkdv_kernel,
