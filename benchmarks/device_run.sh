@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|bench|sweep|gluon-bwd|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|bench|sweep|gluon-bwd|gluon-d256|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -41,4 +41,9 @@ if [[ $what == gluon-bwd ]]; then
   # next to the library's backward, the Triton backward and cuDNN.
   timeout 240 python3 benchmarks/experiments/gluon_bwd.py --split > "$OUT/gluon-bwd.log" 2>&1
   echo "gluon bwd rc=$?"; grep -v Warning "$OUT/gluon-bwd.log" | tail -20
+fi
+if [[ $what == gluon-d256 ]]; then
+  # d256 backward: the Triton kernels' split and the Gluon dQ kernel at 32-key tiles (a hybrid?).
+  timeout 300 python3 benchmarks/experiments/gluon_bwd_d256.py > "$OUT/gluon-bwd-d256.log" 2>&1
+  echo "gluon bwd d256 rc=$?"; grep -v Warning "$OUT/gluon-bwd-d256.log" | tail -16
 fi
