@@ -112,9 +112,11 @@ def _work_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, 
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
-              q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size,
-              seqlen_q, seqlen_k, diag_offset, qk_scale):
+def _consume_item(WG: gl.constexpr, t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem,
+                  v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads,
+                  group_size, seqlen_q, seqlen_k, diag_offset, qk_scale):
+    """Warpgroup WG's 64 rows of work item t: it key tiles were consumed before it (the
+    position in the K/V ring) and done items (the Q barriers' phase). Returns its key tiles."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -134,80 +136,88 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_s
     # may refill only once O has left it.
     ALIAS_O: gl.constexpr = HEAD_D > 128
     zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    b, h, kvh, bh, m0, n_tiles = _work_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+                                            diag_offset, ROWS, BLOCK_N, CAUSAL)
+    mq = m0 + WG * ROWS  # first query row of this warpgroup
+    # A key tile needs element masks iff it reaches past the keys or past the diagonal
+    # of this warpgroup's first row (the last tile, and the diagonal ones when causal).
+    mask_from = seqlen_k - BLOCK_N
+    if CAUSAL:
+        mask_from = gl.minimum(mask_from, mq + diag_offset - BLOCK_N + 1)
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
+    l_i = gl.zeros([ROWS], gl.float32, row_s)
+    acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    p = gl.zeros([ROWS, BLOCK_N], dtype, s_layout)  # carried in 16 bits: 32 registers, not 64
+    mbarrier.wait(q_ready.index(WG), done & 1)
+    if n_tiles > 0:  # tile 0: nothing to overlap with yet
+        slot = it % NUM_BUF
+        mbarrier.wait(k_ready.index(slot), (it // NUM_BUF) & 1)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
+                          use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        if mask_from < 0:
+            s = _mask_scores(s, mq, 0, seqlen_k, diag_offset, CAUSAL, s_layout)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+        p = p.to(dtype)
 
+    for j in range(1, n_tiles):
+        slot = (it + j) % NUM_BUF
+        prev = (it + j - 1) % NUM_BUF
+        mbarrier.wait(k_ready.index(slot), ((it + j) // NUM_BUF) & 1)
+        mbarrier.wait(v_ready.index(prev), ((it + j - 1) // NUM_BUF) & 1)
+        p_op = gl.convert_layout(p, p_layout)
+        s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
+                          use_acc=False, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
+        mbarrier.arrive(k_empty.index(slot), count=1)
+        n0 = j * BLOCK_N
+        if n0 > mask_from:
+            s = _mask_scores(s, mq, n0, seqlen_k, diag_offset, CAUSAL, s_layout)
+        p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
+        p = p.to(dtype)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(prev), count=1)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+    if not ALIAS_O:
+        mbarrier.arrive(q_empty.index(WG), count=1)  # every Q K^T of this item is done
+
+    if n_tiles > 0:
+        last = (it + n_tiles - 1) % NUM_BUF
+        mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // NUM_BUF) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p, p_layout),
+                            v_smem.index(last).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(v_empty.index(last), count=1)
+
+    # l == 0 exactly when a row saw no key (NaN from the data propagates instead).
+    seen = l_i != 0.0
+    l_safe = gl.where(seen, l_i, 1.0)
+    out = acc / gl.convert_layout(l_safe, row_o)[:, None]
+    tma.store_wait(pendings=0)  # the previous item's O has left the staging tile
+    o_tile.reshape([ROWS, HEAD_D]).store(out.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(o_desc, [b, h, mq, 0], o_tile)  # clips rows past seqlen_q
+    if ALIAS_O:
+        tma.store_wait(pendings=0)
+        mbarrier.arrive(q_empty.index(WG), count=1)
+    rows = mq + gl.arange(0, ROWS, layout=row_s)
+    lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    gl.store(Lse + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+    return n_tiles
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
+              q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size,
+              seqlen_q, seqlen_k, diag_offset, qk_scale):
     it = 0  # key tiles consumed so far: the position in the K/V ring
     done = 0  # work items finished
     for t in range(gl.program_id(0), num_m_blocks * num_bh, gl.num_programs(0)):
-        b, h, kvh, bh, m0, n_tiles = _work_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                                                diag_offset, ROWS, BLOCK_N, CAUSAL)
-        mq = m0 + WG * ROWS  # first query row of this warpgroup
-        # A key tile needs element masks iff it reaches past the keys or past the diagonal
-        # of this warpgroup's first row (the last tile, and the diagonal ones when causal).
-        mask_from = seqlen_k - BLOCK_N
-        if CAUSAL:
-            mask_from = gl.minimum(mask_from, mq + diag_offset - BLOCK_N + 1)
-        m_i = gl.full([ROWS], float("-inf"), gl.float32, row_s)
-        l_i = gl.zeros([ROWS], gl.float32, row_s)
-        acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
-        p = gl.zeros([ROWS, BLOCK_N], dtype, s_layout)  # carried in 16 bits: 32 registers, not 64
-        mbarrier.wait(q_ready.index(WG), done & 1)
-        if n_tiles > 0:  # tile 0: nothing to overlap with yet
-            slot = it % NUM_BUF
-            mbarrier.wait(k_ready.index(slot), (it // NUM_BUF) & 1)
-            s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
-                              use_acc=False, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=0, deps=(s,))
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            if mask_from < 0:
-                s = _mask_scores(s, mq, 0, seqlen_k, diag_offset, CAUSAL, s_layout)
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-            p = p.to(dtype)
-
-        for j in range(1, n_tiles):
-            slot = (it + j) % NUM_BUF
-            prev = (it + j - 1) % NUM_BUF
-            mbarrier.wait(k_ready.index(slot), ((it + j) // NUM_BUF) & 1)
-            mbarrier.wait(v_ready.index(prev), ((it + j - 1) // NUM_BUF) & 1)
-            p_op = gl.convert_layout(p, p_layout)
-            s = warpgroup_mma(q_tile, k_smem.index(slot).reshape([BLOCK_N, HEAD_D]).permute((1, 0)), zeros_s,
-                              use_acc=False, is_async=True)
-            acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
-            s = warpgroup_mma_wait(num_outstanding=1, deps=(s,))
-            mbarrier.arrive(k_empty.index(slot), count=1)
-            n0 = j * BLOCK_N
-            if n0 > mask_from:
-                s = _mask_scores(s, mq, n0, seqlen_k, diag_offset, CAUSAL, s_layout)
-            p, alpha, m_i, l_i = _softmax_step(s, m_i, l_i, qk_scale)
-            p = p.to(dtype)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(v_empty.index(prev), count=1)
-            acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        if not ALIAS_O:
-            mbarrier.arrive(q_empty.index(WG), count=1)  # every Q K^T of this item is done
-
-        if n_tiles > 0:
-            last = (it + n_tiles - 1) % NUM_BUF
-            mbarrier.wait(v_ready.index(last), ((it + n_tiles - 1) // NUM_BUF) & 1)
-            acc = warpgroup_mma(gl.convert_layout(p, p_layout),
-                                v_smem.index(last).reshape([BLOCK_N, HEAD_D]), acc, is_async=True)
-            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-            mbarrier.arrive(v_empty.index(last), count=1)
-
-        # l == 0 exactly when a row saw no key (NaN from the data propagates instead).
-        seen = l_i != 0.0
-        l_safe = gl.where(seen, l_i, 1.0)
-        out = acc / gl.convert_layout(l_safe, row_o)[:, None]
-        tma.store_wait(pendings=0)  # the previous item's O has left the staging tile
-        o_tile.reshape([ROWS, HEAD_D]).store(out.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b, h, mq, 0], o_tile)  # clips rows past seqlen_q
-        if ALIAS_O:
-            tma.store_wait(pendings=0)
-            mbarrier.arrive(q_empty.index(WG), count=1)
-        rows = mq + gl.arange(0, ROWS, layout=row_s)
-        lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-        gl.store(Lse + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
-        it += n_tiles
+        it += _consume_item(WG, t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
+                            q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads,
+                            group_size, seqlen_q, seqlen_k, diag_offset, qk_scale)
         done += 1
     tma.store_wait(pendings=0)
 
@@ -231,33 +241,43 @@ def _consumer1(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
-            k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-            qk_scale):
+def _load_item(t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
+               k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+               diag_offset, qk_scale):
+    """Work item t's Q tiles, then its K/V tiles into the ring; returns its key tiles."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     NUM_BUF: gl.constexpr = k_smem.type.shape[0]
     CAUSAL: gl.constexpr = q_ready.type.shape[0] == 3
+    b, h, kvh, bh, m0, n_tiles = _work_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+                                            diag_offset, ROWS, BLOCK_N, CAUSAL)
+    for wg in gl.static_range(2):
+        # A fresh mbarrier counts as having completed phase 1: the first wait passes.
+        mbarrier.wait(q_empty.index(wg), (done & 1) ^ 1)
+        mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + wg * ROWS, 0], q_ready.index(wg), q_smem.index(wg))
+    for j in range(n_tiles):
+        slot = (it + j) % NUM_BUF
+        free_phase = (((it + j) // NUM_BUF) & 1) ^ 1
+        mbarrier.wait(k_empty.index(slot), free_phase)
+        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, kvh, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        mbarrier.wait(v_empty.index(slot), free_phase)
+        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [b, kvh, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+    return n_tiles
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+            k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
+            qk_scale):
     it = 0
     done = 0
     for t in range(gl.program_id(0), num_m_blocks * num_bh, gl.num_programs(0)):
-        b, h, kvh, bh, m0, n_tiles = _work_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                                                diag_offset, ROWS, BLOCK_N, CAUSAL)
-        for wg in gl.static_range(2):
-            # A fresh mbarrier counts as having completed phase 1: the first wait passes.
-            mbarrier.wait(q_empty.index(wg), (done & 1) ^ 1)
-            mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [b, h, m0 + wg * ROWS, 0], q_ready.index(wg), q_smem.index(wg))
-        for j in range(n_tiles):
-            slot = (it + j) % NUM_BUF
-            free_phase = (((it + j) // NUM_BUF) & 1) ^ 1
-            mbarrier.wait(k_empty.index(slot), free_phase)
-            mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [b, kvh, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
-            mbarrier.wait(v_empty.index(slot), free_phase)
-            mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [b, kvh, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
-        it += n_tiles
+        it += _load_item(t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready,
+                         q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size,
+                         seqlen_q, seqlen_k, diag_offset, qk_scale)
         done += 1
 
 
