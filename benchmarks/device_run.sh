@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|bench|sweep|gluon-bwd|gluon-d256|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|bench|sweep|gluon-bwd|gluon-d256|fwd-schedule|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -44,6 +44,15 @@ if [[ $what == gluon-bwd ]]; then
 fi
 if [[ $what == gluon-d256 ]]; then
   # d256 backward: the Triton kernels' split and the Gluon dQ kernel at 32-key tiles (a hybrid?).
-  timeout 300 python3 benchmarks/experiments/gluon_bwd_d256.py > "$OUT/gluon-bwd-d256.log" 2>&1
-  echo "gluon bwd d256 rc=$?"; grep -v Warning "$OUT/gluon-bwd-d256.log" | tail -16
+  timeout 400 python3 benchmarks/experiments/gluon_bwd_d256.py > "$OUT/gluon-bwd-d256.log" 2>&1
+  echo "gluon bwd d256 rc=$?"; grep -v Warning "$OUT/gluon-bwd-d256.log" | tail -30
+fi
+if [[ $what == fwd-schedule ]]; then
+  # The forward's schedules (one program per item, static persistent, dynamic) and cuDNN,
+  # then the WS forward GPU tests, which cover the dynamic schedule.
+  timeout 300 python3 benchmarks/experiments/fwd_schedule.py > "$OUT/fwd-schedule.log" 2>&1
+  echo "fwd schedule rc=$?"; grep -v Warning "$OUT/fwd-schedule.log" | tail -20
+  timeout 200 python3 -m pytest -m gpu tests/test_forward_sm90_gpu.py -q -n 8 -p no:warnings -p no:cacheprovider \
+    > "$OUT/gpu-tests-ws-fwd.log" 2>&1
+  echo "ws fwd tests rc=$?"; tail -n 3 "$OUT/gpu-tests-ws-fwd.log"
 fi

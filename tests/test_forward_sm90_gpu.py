@@ -99,11 +99,13 @@ def test_deterministic_bitwise(ws_calls):
 @pytest.mark.parametrize("seqs", [(1500, 1777), (1777, 300)], ids=lambda s: f"Q{s[0]}-K{s[1]}")
 @pytest.mark.parametrize("head_dim", [128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("persistent", [False, True])
-def test_both_schedules(seqs, head_dim, causal, persistent, ws_calls):
+@pytest.mark.parametrize("schedule", ["one-per-item", "persistent", "dynamic"])
+def test_every_schedule(seqs, head_dim, causal, schedule, ws_calls):
     """Persistent (programs walk several work items: ring phases and Q/O staging carried
-    across items) and one program per item, whichever the default is for the call. With
-    seqlen_q > seqlen_k and causal, whole work items see no key (n_tiles == 0)."""
+    across items), one program per item, and the dynamic schedule (items claimed from an
+    atomic counter and handed to the consumers through shared memory; experimental),
+    whichever the default is for the call. With seqlen_q > seqlen_k and causal, whole
+    work items see no key (n_tiles == 0)."""
     from flashtile.ops.forward_sm90 import attention_forward_ws
 
     g = torch.Generator(device="cuda").manual_seed(5)
@@ -114,9 +116,27 @@ def test_both_schedules(seqs, head_dim, causal, persistent, ws_calls):
     out = torch.full_like(q, float("nan"))
     lse = torch.full((B, H, Sq), float("nan"), device="cuda")
     attention_forward_ws(q, k, v, out, lse, scale=D ** -0.5, diag_offset=Sk - Sq, causal=causal,
-                         persistent=persistent)
+                         persistent=schedule == "persistent", dynamic=schedule == "dynamic")
     kwargs = dict(scale=D ** -0.5, diag_offset=Sk - Sq, window_right=0 if causal else -1)
     ref, ref_lse = plain_attention(q, k, v, dtype=torch.float64, **kwargs)
     base, base_lse = plain_attention(q, k, v, **kwargs)
     assert_close("out", out, ref, base)
     assert_close("lse", lse, ref_lse, base_lse)
+
+
+def test_dynamic_schedule_is_bitwise_repeatable(ws_calls):
+    """Which program takes an item varies between runs of the dynamic schedule; what each
+    item computes does not (each row block is one item, in a fixed key order)."""
+    from flashtile.ops.forward_sm90 import attention_forward_ws
+
+    q, k, v = (torch.randn(2, 8, 3000, 128, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    outs = []
+    for _ in range(5):
+        out = torch.full_like(q, float("nan"))
+        lse = torch.full(q.shape[:3], float("nan"), device="cuda")
+        attention_forward_ws(q, k, v, out, lse, scale=128 ** -0.5, diag_offset=0, causal=True, dynamic=True)
+        outs.append((out, lse))
+    assert all(torch.equal(o, outs[0][0]) and torch.equal(l_, outs[0][1]) for o, l_ in outs[1:])
+    ref, _ = plain_attention(q, k, v, dtype=torch.float64, scale=128 ** -0.5, diag_offset=0, window_right=0)
+    base, _ = plain_attention(q, k, v, scale=128 ** -0.5, diag_offset=0, window_right=0)
+    assert_close("out", outs[0][0], ref, base)

@@ -117,3 +117,25 @@ def test_gluon_backward_kernels_fit_at_d256(tmp_path):
         ex2 = [int(n) for n in fields["ex2"].split(",")]
         consumers = 1 if line.startswith("dk-") else 2
         assert len(ex2) >= consumers and min(ex2) >= (16 if line.startswith("dq-") else 32), line
+
+
+def test_gluon_forward_dynamic_schedule_compiles(tmp_path):
+    """ops/forward_sm90._fwd_ws_dyn_kernel (the dynamic schedule, experimental): compiles
+    for sm_90a within shared memory, redistributes registers, claims items with one
+    atomic per claim (the first and the loop's), and keeps its tiles out of local memory
+    (the causal d128 kernel spills loop scalars: 128 bytes)."""
+    script = (
+        "from flashtile.ops.sm90_check import compile_forward_ws\n"
+        "for d in (64, 128, 256):\n"
+        "    c = compile_forward_ws('bf16', d, causal=True, dynamic=True)\n"
+        "    regs, spill = c.registers()\n"
+        "    print('dyn', f'd={d} spill={spill} smem={c.shared}', f\"setmaxnreg={c.ptx.count('setmaxnreg')}\",\n"
+        "          f\"atom={c.ptx.count('atom.global')}\", flush=True)\n"
+    )
+    out = _compile_run(tmp_path, "-c", script)
+    lines = [line for line in out.splitlines() if line.startswith("dyn ")]
+    assert len(lines) == 3, out
+    for line in lines:
+        fields = dict(f.split("=") for f in line.split()[1:])
+        assert int(fields["smem"]) <= SM90_SHARED_LIMIT and int(fields["setmaxnreg"]) > 0, line
+        assert int(fields["atom"]) == 2 and int(fields["spill"]) <= 128, line

@@ -6,7 +6,8 @@ than the diagonal, no softcap/alibi/mask/dropout, scheduled by hand because plai
 runs 16-18):
 
     one work item = 128 query rows of one (batch, head); a program takes one item, or
-    (persistent) walks the items pid, pid + grid, ...; three partitions:
+    (persistent) walks the items pid, pid + grid, ..., or (dynamic, experimental) claims
+    items from an atomic counter; three partitions:
       loader   (1 warp, 24 registers)  an item's Q, then its K_j and V_j through a
                                         NUM_BUF-slot shared-memory ring by TMA; waits for
                                         free slots, and fetches the next item's tiles
@@ -282,13 +283,9 @@ def _loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
 
 
 @gluon.jit
-def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seqlen_q, seqlen_k,
-                   num_m_blocks, num_bh, diag_offset, qk_scale,
-                   CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                   LOADER_REGS: gl.constexpr):
-    """Persistent when launched on fewer programs than work items: each program walks the
-    items t = pid, pid + grid, ... and the loader fetches the next item's Q and first
-    K/V tiles while the consumers finish the last one."""
+def _allocate(q_desc, k_desc, v_desc, o_desc, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr):
+    """Shared memory and mbarriers of a program: Q (and O) tiles of both consumers, the
+    K/V ring, and their ready/empty barriers."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -314,14 +311,142 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seql
         mbarrier.init(v_ready.index(i), count=1)
         mbarrier.init(k_empty.index(i), count=2)  # both consumers release a slot
         mbarrier.init(v_empty.index(i), count=2)
+    return q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty
 
+
+@gluon.jit
+def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seqlen_q, seqlen_k,
+                   num_m_blocks, num_bh, diag_offset, qk_scale,
+                   CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                   LOADER_REGS: gl.constexpr):
+    """Persistent when launched on fewer programs than work items: each program walks the
+    items t = pid, pid + grid, ... and the loader fetches the next item's Q and first
+    K/V tiles while the consumers finish the last one."""
+    (q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+     v_empty) = _allocate(q_desc, k_desc, v_desc, o_desc, CAUSAL, NUM_BUF)
     args = (q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
             v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, qk_scale)
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 1],
                        [CONSUMER_REGS, LOADER_REGS])
 
 
+# ---------------------------------------------------------------------------- dynamic schedule
+# One program per SM; the loader claims the next work item from a global counter (an
+# atomic add) whenever it starts one, and hands its index to the two consumers through a
+# 2-slot ring in shared memory. Items are claimed in ``_work_item`` order (head by head,
+# causal heads from their longest block), so the running items stay on a few heads (their
+# K/V in L2) as with one program per item, while the loader prefetches the next item's
+# tiles as in the static persistent loop, and no program idles while others have work.
+
+
+@gluon.jit
+def _claim_item(Counter):
+    """Index of the next work item: one lane of the loader warp adds 1 to *Counter; the
+    old value is broadcast to the warp."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lane = gl.arange(0, 32, layout=layout)
+    old = gl.atomic_add(Counter + lane * 0, gl.full([32], 1, gl.int32, layout), mask=lane == 0)
+    return gl.max(gl.where(lane == 0, old, -1), axis=0)
+
+
+@gluon.jit
+def _publish_item(t, n, item_smem, item_ready, item_empty):
+    """Item t as the n-th entry of the hand-off ring (slot n % 2), once both consumers
+    have read the entry that slot held before."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    slot = n % 2
+    mbarrier.wait(item_empty.index(slot), ((n // 2) & 1) ^ 1)  # fresh barriers pass phase 1
+    item_smem.index(slot).store(gl.full([32], t, gl.int32, layout))
+    mbarrier.arrive(item_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _read_item(n, item_smem, item_ready, item_empty):
+    """The n-th entry of the hand-off ring (every thread reads the whole 32-word slot)."""
+    layout: gl.constexpr = gl.BlockedLayout([32], [32], [4], [0])
+    slot = n % 2
+    mbarrier.wait(item_ready.index(slot), (n // 2) & 1)
+    t = gl.max(item_smem.index(slot).load(layout), axis=0)
+    mbarrier.arrive(item_empty.index(slot), count=1)
+    return t
+
+
+@gluon.jit
+def _dyn_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
+                  q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size,
+                  seqlen_q, seqlen_k, diag_offset, qk_scale, Counter, item_smem, item_ready, item_empty):
+    total = num_m_blocks * num_bh
+    it = 0
+    done = 0
+    t = _read_item(0, item_smem, item_ready, item_empty)
+    while t < total:
+        it += _consume_item(WG, t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
+                            q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads,
+                            group_size, seqlen_q, seqlen_k, diag_offset, qk_scale)
+        done += 1
+        t = _read_item(done, item_smem, item_ready, item_empty)
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _dyn_consumer0(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                   k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+                   diag_offset, qk_scale, Counter, item_smem, item_ready, item_empty):
+    _dyn_consumer(0, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                  k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+                  diag_offset, qk_scale, Counter, item_smem, item_ready, item_empty)
+
+
+@gluon.jit
+def _dyn_consumer1(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                   k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+                   diag_offset, qk_scale, Counter, item_smem, item_ready, item_empty):
+    _dyn_consumer(1, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                  k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+                  diag_offset, qk_scale, Counter, item_smem, item_ready, item_empty)
+
+
+@gluon.jit
+def _dyn_loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
+                k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
+                qk_scale, Counter, item_smem, item_ready, item_empty):
+    total = num_m_blocks * num_bh
+    it = 0
+    done = 0
+    t = _claim_item(Counter)
+    _publish_item(t, 0, item_smem, item_ready, item_empty)
+    while t < total:
+        it += _load_item(t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready,
+                         q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size,
+                         seqlen_q, seqlen_k, diag_offset, qk_scale)
+        done += 1
+        t = _claim_item(Counter)
+        _publish_item(t, done, item_smem, item_ready, item_empty)  # t >= total tells the consumers to stop
+
+
+@gluon.jit
+def _fwd_ws_dyn_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Counter, nheads, group_size, seqlen_q, seqlen_k,
+                       num_m_blocks, num_bh, diag_offset, qk_scale,
+                       CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                       LOADER_REGS: gl.constexpr):
+    """``_fwd_ws_kernel`` with the dynamic schedule; *Counter (int32) must be 0 at launch."""
+    (q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
+     v_empty) = _allocate(q_desc, k_desc, v_desc, o_desc, CAUSAL, NUM_BUF)
+    item_smem = gl.allocate_shared_memory(gl.int32, [2, 32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    item_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    item_empty = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(item_ready.index(i), count=1)
+        mbarrier.init(item_empty.index(i), count=2)  # both consumers read an entry
+    args = (q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
+            v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, qk_scale,
+            Counter, item_smem, item_ready, item_empty)
+    gl.warp_specialize([(_dyn_consumer0, args), (_dyn_consumer1, args), (_dyn_loader, args)], [4, 1],
+                       [CONSUMER_REGS, LOADER_REGS])
+
+
 _launch = Launcher(_fwd_ws_kernel)
+_launch_dyn = Launcher(_fwd_ws_dyn_kernel)
 
 
 @functools.lru_cache(maxsize=None)
@@ -342,7 +467,8 @@ def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: i
 
 
 def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, causal: bool,
-                         block_n: int | None = None, num_buf: int = NUM_BUF, persistent: bool | None = None) -> None:
+                         block_n: int | None = None, num_buf: int = NUM_BUF, persistent: bool | None = None,
+                         dynamic: bool = False) -> None:
     """Launch the warp-specialized forward; the caller checked ``ws_applies`` and TMA alignment.
 
     Args:
@@ -358,6 +484,10 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
             keeps the running programs on one head, so its K/V stays in L2; a static
             persistent order lost 25% at S16384, run 23) and at d256 (O staged in Q's
             tile serializes the next item's Q load: -1-3% persistent, run 26).
+        dynamic: one program per SM claiming items from an atomic counter
+            (``_fwd_ws_dyn_kernel``; overrides ``persistent``). Experimental: not yet
+            measured, so no caller of the library sets it
+            (``benchmarks/experiments/fwd_schedule.py`` compares the schedules).
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -373,9 +503,15 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
     items = num_m_blocks * batch * nheads
     if persistent is None:
         persistent = not causal and head_dim <= 128
-    grid = min(items, sm_count(device_index(q.device))) if persistent else items
-    _launch((grid,),
-            (desc(q, HALF_M), desc(k, block_n), desc(v, block_n), desc(out, HALF_M), lse,
-             nheads, nheads // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, batch * nheads, diag_offset,
-             scale * LOG2E),
-            dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS), 4, 1)
+    grid = min(items, sm_count(device_index(q.device))) if persistent or dynamic else items
+    descs = (desc(q, HALF_M), desc(k, block_n), desc(v, block_n), desc(out, HALF_M), lse)
+    sizes = (nheads, nheads // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, batch * nheads, diag_offset,
+             scale * LOG2E)
+    constexprs = dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS)
+    if dynamic:
+        import torch
+
+        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        _launch_dyn((grid,), (*descs, counter, *sizes), constexprs, 4, 1)
+    else:
+        _launch((grid,), (*descs, *sizes), constexprs, 4, 1)

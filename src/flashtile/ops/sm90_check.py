@@ -162,28 +162,31 @@ def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: 
 def _compile_ws(name: str, fn, dtype: str, head_dim: int, rows: dict, constexprs: dict) -> Compiled:
     """A warp-specialized Gluon kernel of ``forward_sm90``/``backward_sm90``: ``rows`` gives
     the box rows of each tensor-descriptor argument; Lse and Delta are float32 pointers
-    (16-byte aligned at run time), the other runtime arguments typed as ``_signature`` does."""
+    (16-byte aligned at run time), Counter an int32 pointer, the other runtime arguments typed
+    as ``_signature`` does."""
     from .forward_sm90 import _smem_layout
 
     torch_name = {"bf16": "bfloat16", "fp16": "float16"}[dtype]
     pointers = {n: f"tensordesc<{dtype}[1, 1, {r}, {head_dim}],{_smem_layout(r, head_dim, torch_name)}>"
                 for n, r in rows.items()}
-    pointers.update(Lse="*fp32", Delta="*fp32")
+    pointers.update(Lse="*fp32", Delta="*fp32", Counter="*i32")
     sig = _signature(fn, pointers, constexprs)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     return compile_gluon(name, fn, sig, constexprs, attrs, num_warps=4)
 
 
 def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int | None = None,
-                       num_buf: int | None = None) -> Compiled:
-    """The warp-specialized Gluon forward (``forward_sm90``; its default tiles unless given)."""
+                       num_buf: int | None = None, dynamic: bool = False) -> Compiled:
+    """The warp-specialized Gluon forward (``forward_sm90``; its default tiles unless given;
+    ``dynamic``: the kernel of the dynamic schedule)."""
     from . import forward_sm90
-    from .forward_sm90 import HALF_M, LOADER_REGS, _fwd_ws_kernel
+    from .forward_sm90 import HALF_M, LOADER_REGS, _fwd_ws_dyn_kernel, _fwd_ws_kernel
 
     block_n = block_n or forward_sm90.default_block_n(head_dim)
     num_buf = num_buf or forward_sm90.NUM_BUF
-    return _compile_ws(f"fwd-ws {dtype} d{head_dim} causal={causal} block_n={block_n} num_buf={num_buf}",
-                       _fwd_ws_kernel, dtype, head_dim,
+    name = "fwd-ws-dyn" if dynamic else "fwd-ws"
+    return _compile_ws(f"{name} {dtype} d{head_dim} causal={causal} block_n={block_n} num_buf={num_buf}",
+                       _fwd_ws_dyn_kernel if dynamic else _fwd_ws_kernel, dtype, head_dim,
                        dict(q_desc=HALF_M, k_desc=block_n, v_desc=block_n, o_desc=HALF_M),
                        dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS))
 
