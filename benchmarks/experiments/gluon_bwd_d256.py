@@ -44,6 +44,7 @@ from flashtile.ops.backward_sm90 import (
     CONSUMER_REGS,
     LOADER_REGS,
     ROWS,
+    _load_qdo_steps,
     _p_and_ds,
     _probs,
     _step_range,
@@ -168,7 +169,6 @@ def _split_consumer(WG: gl.constexpr, DK: gl.constexpr, q_desc, k_desc, v_desc, 
 def _split_loader(LOAD_V: gl.constexpr, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem,
                   k_smem, v_smem, t_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q,
                   seqlen_k, diag_offset, qk_scale, scale):
-    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     NUM_WG: gl.constexpr = k_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == NUM_WG + 1
     for wg in gl.static_range(NUM_WG):
@@ -179,15 +179,8 @@ def _split_loader(LOAD_V: gl.constexpr, q_desc, k_desc, v_desc, do_desc, out_des
         else:
             mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), k_smem.index(wg))
-    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
-    for s in range(nq * group_size):
-        slot = s % NUM_BUF
-        hq = kvh * group_size + s // nq
-        m0 = (q_lo + s % nq) * ROWS
-        mbarrier.wait(q_empty.index(slot), ((s // NUM_BUF) & 1) ^ 1)  # fresh barriers pass phase 1
-        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, hq, m0, 0], q_ready.index(slot), q_smem.index(slot))
-        tma.async_copy_global_to_shared(do_desc, [b, hq, m0, 0], q_ready.index(slot), do_smem.index(slot))
+    _load_qdo_steps(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, b, kvh, n0, group_size, seqlen_q,
+                    diag_offset, CAUSAL)
 
 
 @gluon.jit

@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .forward import LOG2E
-from .forward_sm90 import _smem_layout, _work_item
+from .forward_sm90 import _load_kv_tiles, _smem_layout, _work_item
 from .launch import Launcher
 
 BLOCK = 64  # rows per consumer warpgroup (keys in dK/dV, queries in dQ), queries per dK/dV step
@@ -248,18 +248,27 @@ def _dkdv_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delt
 def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
                  p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
                  qk_scale, scale):
-    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
     for wg in gl.static_range(2):
         mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), k_smem.index(wg))
         tma.async_copy_global_to_shared(v_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), v_smem.index(wg))
+    _load_qdo_steps(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, b, kvh, n0, group_size, seqlen_q,
+                    diag_offset, CAUSAL)
+
+
+@gluon.jit
+def _load_qdo_steps(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, b, kvh, n0, group_size, seqlen_q,
+                    diag_offset, CAUSAL: gl.constexpr):
+    """The (Q, dO) tiles of every step of key block n0 (``_step_tiles``' order) into the
+    ring, each slot once its consumers have released it (a fresh barrier passes phase 1)."""
+    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
     for s in range(nq * group_size):
         slot = s % NUM_BUF
         hq = kvh * group_size + s // nq
         m0 = (q_lo + s % nq) * ROWS
-        mbarrier.wait(q_empty.index(slot), ((s // NUM_BUF) & 1) ^ 1)  # fresh barriers pass phase 1
+        mbarrier.wait(q_empty.index(slot), ((s // NUM_BUF) & 1) ^ 1)
         mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, hq, m0, 0], q_ready.index(slot), q_smem.index(slot))
         tma.async_copy_global_to_shared(do_desc, [b, hq, m0, 0], q_ready.index(slot), do_smem.index(slot))
@@ -407,7 +416,6 @@ def _dq_loader(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_
                k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
                diag_offset, qk_scale, scale):
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    NUM_BUF: gl.constexpr = k_smem.type.shape[0]
     CAUSAL: gl.constexpr = q_ready.type.shape[0] == 3
     b, h, kvh, bh, m0, n_tiles = _work_item(gl.program_id(0), num_m_blocks, num_bh, nheads, group_size, seqlen_q,
                                             seqlen_k, diag_offset, ROWS, BLOCK_N, CAUSAL)
@@ -415,15 +423,7 @@ def _dq_loader(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_
         mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, m0 + wg * ROWS, 0], q_ready.index(wg), q_smem.index(wg))
         tma.async_copy_global_to_shared(do_desc, [b, h, m0 + wg * ROWS, 0], q_ready.index(wg), do_smem.index(wg))
-    for j in range(n_tiles):
-        slot = j % NUM_BUF
-        free_phase = ((j // NUM_BUF) & 1) ^ 1  # fresh barriers pass phase 1
-        mbarrier.wait(k_empty.index(slot), free_phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, kvh, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), free_phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, kvh, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+    _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, kvh, 0, n_tiles)
 
 
 @gluon.jit

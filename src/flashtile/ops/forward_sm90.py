@@ -248,7 +248,6 @@ def _load_item(t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem,
     """Work item t's Q tiles, then its K/V tiles into the ring; returns its key tiles."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    NUM_BUF: gl.constexpr = k_smem.type.shape[0]
     CAUSAL: gl.constexpr = q_ready.type.shape[0] == 3
     b, h, kvh, bh, m0, n_tiles = _work_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
                                             diag_offset, ROWS, BLOCK_N, CAUSAL)
@@ -257,6 +256,16 @@ def _load_item(t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem,
         mbarrier.wait(q_empty.index(wg), (done & 1) ^ 1)
         mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, m0 + wg * ROWS, 0], q_ready.index(wg), q_smem.index(wg))
+    _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, kvh, it, n_tiles)
+    return n_tiles
+
+
+@gluon.jit
+def _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, kvh, it, n_tiles):
+    """Key tiles 0 .. n_tiles - 1 of kv head (b, kvh) into the K/V ring, it tiles in: each
+    slot once its consumers have released it (a fresh barrier passes phase 1)."""
+    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
+    NUM_BUF: gl.constexpr = k_smem.type.shape[0]
     for j in range(n_tiles):
         slot = (it + j) % NUM_BUF
         free_phase = (((it + j) // NUM_BUF) & 1) ^ 1
@@ -266,7 +275,6 @@ def _load_item(t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem,
         mbarrier.wait(v_empty.index(slot), free_phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [b, kvh, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
-    return n_tiles
 
 
 @gluon.jit
