@@ -44,15 +44,25 @@ if [[ $what == gluon-bwd ]]; then
 fi
 if [[ $what == gluon-d256 ]]; then
   # d256 backward: the Triton kernels' split and the Gluon dQ kernel at 32-key tiles (a hybrid?).
-  timeout 400 python3 benchmarks/experiments/gluon_bwd_d256.py > "$OUT/gluon-bwd-d256.log" 2>&1
-  echo "gluon bwd d256 rc=$?"; grep -v Warning "$OUT/gluon-bwd-d256.log" | tail -30
+  # First one shape (never-run kernels: a hang or a fault ends here, in 2 minutes at most).
+  timeout 120 python3 benchmarks/experiments/gluon_bwd_d256.py --shapes 2048,1 > "$OUT/gluon-bwd-d256-smoke.log" 2>&1
+  rc=$?; echo "gluon bwd d256 smoke rc=$rc"; grep -v Warning "$OUT/gluon-bwd-d256-smoke.log" | tail -12
+  if [[ $rc == 0 ]]; then
+    timeout 400 python3 benchmarks/experiments/gluon_bwd_d256.py > "$OUT/gluon-bwd-d256.log" 2>&1
+    echo "gluon bwd d256 rc=$?"; grep -v Warning "$OUT/gluon-bwd-d256.log" | tail -30
+  fi
 fi
 if [[ $what == fwd-schedule ]]; then
   # The forward's schedules (one program per item, static persistent, dynamic) and cuDNN,
   # then the WS forward GPU tests, which cover the dynamic schedule.
-  timeout 300 python3 benchmarks/experiments/fwd_schedule.py > "$OUT/fwd-schedule.log" 2>&1
-  echo "fwd schedule rc=$?"; grep -v Warning "$OUT/fwd-schedule.log" | tail -20
-  timeout 200 python3 -m pytest -m gpu tests/test_forward_sm90_gpu.py -q -n 8 -p no:warnings -p no:cacheprovider \
-    > "$OUT/gpu-tests-ws-fwd.log" 2>&1
-  echo "ws fwd tests rc=$?"; tail -n 3 "$OUT/gpu-tests-ws-fwd.log"
+  # First one shape (a never-run kernel: a hang or a fault ends here, in 90 s at most).
+  timeout 90 python3 benchmarks/experiments/fwd_schedule.py --shapes 128,2048,1 > "$OUT/fwd-schedule-smoke.log" 2>&1
+  rc=$?; echo "fwd schedule smoke rc=$rc"; grep -v Warning "$OUT/fwd-schedule-smoke.log" | tail -5
+  if [[ $rc == 0 ]]; then
+    timeout 300 python3 benchmarks/experiments/fwd_schedule.py > "$OUT/fwd-schedule.log" 2>&1
+    echo "fwd schedule rc=$?"; grep -v Warning "$OUT/fwd-schedule.log" | tail -20
+    timeout 200 python3 -m pytest -m gpu tests/test_forward_sm90_gpu.py -q -n 8 -p no:warnings -p no:cacheprovider \
+      > "$OUT/gpu-tests-ws-fwd.log" 2>&1
+    echo "ws fwd tests rc=$?"; tail -n 3 "$OUT/gpu-tests-ws-fwd.log"
+  fi
 fi
