@@ -32,6 +32,13 @@ def _compile_run(tmp_path, *args: str) -> str:
     return proc.stdout
 
 
+def _report(out: str, names) -> list[tuple[str, dict[str, str]]]:
+    """The compile report lines of ``out`` whose first word is in ``names``, each with its
+    ``key=value`` fields."""
+    return [(line, dict(f.split("=") for f in line.split()[1:]))
+            for line in out.splitlines() if line.split(" ")[0] in names]
+
+
 def test_sm90_table_compiles_and_fits(tmp_path):
     out = _compile_run(tmp_path, "-m", "flashtile.ops.sm90_check", "--regs")
     assert out.count("ok  ") >= 20, out  # the checks really ran
@@ -84,10 +91,9 @@ def test_gluon_backward_compiles_with_the_overlap(tmp_path):
         "                  f\"wait2={c.ptx.count('wgmma.wait_group.sync.aligned 2')}\", f'ex2={ex2}', flush=True)\n"
     )
     out = _compile_run(tmp_path, "-c", script)
-    lines = [line for line in out.splitlines() if line.startswith("bwd-ws-")]
+    lines = _report(out, ("bwd-ws-dkdv", "bwd-ws-dq"))
     assert len(lines) == 8, out
-    for line in lines:
-        fields = dict(f.split("=") for f in line.split()[1:])
+    for line, fields in lines:
         assert int(fields["smem"]) <= SM90_SHARED_LIMIT and int(fields["setmaxnreg"]) > 0, line
         overlap = "wait2" if line.startswith("bwd-ws-dkdv") else "wait1"
         assert int(fields[overlap]) > 0, line
@@ -109,10 +115,9 @@ def test_gluon_backward_kernels_fit_at_d256(tmp_path):
     previous step's product (dQ: 16 per thread per branch of its 64 x 32 tile; dV, dK: 32
     of their 64 x 64 tile)."""
     out = _compile_run(tmp_path, str(ROOT / "benchmarks" / "experiments" / "gluon_bwd_d256.py"), "--compile")
-    lines = [line for line in out.splitlines() if line.split(" ")[0] in ("dq-d256", "dv-d256", "dk-d256")]
+    lines = _report(out, ("dq-d256", "dv-d256", "dk-d256"))
     assert len(lines) == 8, out
-    for line in lines:
-        fields = dict(f.split("=") for f in line.split()[1:])
+    for line, fields in lines:
         assert int(fields["smem"]) <= SM90_SHARED_LIMIT and int(fields["spill"]) == 0, line
         ex2 = [int(n) for n in fields["ex2"].split(",")]
         consumers = 1 if line.startswith("dk-") else 2
@@ -133,9 +138,8 @@ def test_gluon_forward_dynamic_schedule_compiles(tmp_path):
         "          f\"atom={c.ptx.count('atom.global')}\", flush=True)\n"
     )
     out = _compile_run(tmp_path, "-c", script)
-    lines = [line for line in out.splitlines() if line.startswith("dyn ")]
+    lines = _report(out, ("dyn",))
     assert len(lines) == 3, out
-    for line in lines:
-        fields = dict(f.split("=") for f in line.split()[1:])
+    for line, fields in lines:
         assert int(fields["smem"]) <= SM90_SHARED_LIMIT and int(fields["setmaxnreg"]) > 0, line
         assert int(fields["atom"]) == 2 and int(fields["spill"]) <= 128, line

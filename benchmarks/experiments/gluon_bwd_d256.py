@@ -41,16 +41,18 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashtile.ops.backward_sm90 import (
+    BLOCK,
     CONSUMER_REGS,
     LOADER_REGS,
     ROWS,
     _load_qdo_steps,
     _p_and_ds,
-    _probs,
     _step_range,
     _step_tiles,
+    attention_backward_ws,
 )
 from flashtile.ops.forward import LOG2E
+from flashtile.ops.forward_sm90 import _smem_layout
 from flashtile.ops.launch import Launcher
 
 DQ_VARIANTS = ((32, 2), (32, 3))  # (keys per tile, ring slots); 64-key tiles need 262 KB
@@ -65,24 +67,12 @@ SPLIT_NUM_BUF = 2  # (Q, dO) ring slots of the dV and dK kernels: 64 KB each at 
 
 
 @gluon.jit
-def _p_only(s, Lse, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale,
+def _p_only(s, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale,
             CAUSAL: gl.constexpr, dtype: gl.constexpr, s_layout: gl.constexpr):
-    """P of a (queries x keys) tile in the input dtype, with ``_p_and_ds``'s two-branch shape
-    (element masks only on an edge tile; ptxas keeps the exp2 above the next wait)."""
-    rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    keys = nk + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
-    row_off = (b * nheads + hq).to(gl.int64) * seqlen_q
-    lse2 = gl.load(Lse + row_off + rows, mask=rows < seqlen_q, other=float("inf")) * 1.4426950408889634
-    if CAUSAL:
-        edge = nk + ROWS - 1 > m0 + diag_offset
-        key_end = 2147483647
-    else:
-        edge = nk + ROWS > seqlen_k
-        key_end = seqlen_k
-    if edge:
-        pt = _probs(s, lse2, rows, keys, key_end, diag_offset, qk_scale, True, CAUSAL).to(dtype)
-    else:
-        pt = _probs(s, lse2, rows, keys, key_end, diag_offset, qk_scale, False, CAUSAL).to(dtype)
+    """P of a (queries x keys) tile: ``_p_and_ds`` with S standing in for dP; the unused
+    dS and its Delta loads are dead code the compiler drops."""
+    pt, _ = _p_and_ds(s, s, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale, CAUSAL,
+                      dtype, s_layout)
     return pt
 
 
@@ -120,8 +110,8 @@ def _split_consumer(WG: gl.constexpr, DK: gl.constexpr, q_desc, k_desc, v_desc, 
                                qk_scale, CAUSAL, dtype, s_layout)
         else:
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
-            tt = _p_only(st, Lse, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale, CAUSAL, dtype,
-                         s_layout)
+            tt = _p_only(st, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale, CAUSAL,
+                         dtype, s_layout)
         t_tile.store(tt)
         fence_async_shared()
     for s in range(1, n_steps):
@@ -139,8 +129,8 @@ def _split_consumer(WG: gl.constexpr, DK: gl.constexpr, q_desc, k_desc, v_desc, 
             acc = warpgroup_mma(t_tile.permute((1, 0)), do_smem.index(prev).reshape([ROWS, HEAD_D]), acc,
                                 is_async=True)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))  # dV product in flight
-            tt = _p_only(st, Lse, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale, CAUSAL, dtype,
-                         s_layout)
+            tt = _p_only(st, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale, CAUSAL,
+                         dtype, s_layout)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
         t_tile.store(tt)
@@ -301,8 +291,6 @@ def split_backward(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_
     Tensors as ``backward_sm90.attention_backward_ws`` takes them."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from flashtile.ops.backward_sm90 import BLOCK, attention_backward_ws
-    from flashtile.ops.forward_sm90 import _smem_layout
 
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
@@ -372,15 +360,13 @@ def run(shapes) -> None:
     from triton.testing import do_bench
 
     from flashtile.ops import backward as tb
-    from flashtile.ops.backward_sm90 import attention_backward_ws
     from gluon_bwd import ref_grads
 
     os.environ["FLASHTILE_WS"] = "1"
 
     def gluon_dq(q, k, v, dout, lse, delta, dq, causal, diag, block_n, num_buf):
-        attention_backward_ws(q, k, v, dout, lse, delta, dq, None, None, scale=q.shape[-1] ** -0.5,
-                              diag_offset=diag, causal=causal, dq_block_n=block_n, dq_num_buf=num_buf,
-                              kernels=("dq",))
+        split_backward(q, k, v, dout, lse, delta, dq, None, None, scale=q.shape[-1] ** -0.5, diag_offset=diag,
+                       causal=causal, kernels=("dq",), dq_block_n=block_n, dq_num_buf=num_buf)
 
     # Correctness of the Gluon dQ at d256 against fp32 autograd (odd lengths, GQA, causal
     # rows that see no key).

@@ -55,6 +55,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .forward import LOG2E
+from . import forward_sm90
 from .forward_sm90 import _load_kv_tiles, _smem_layout, _work_item
 from .launch import Launcher
 
@@ -468,13 +469,10 @@ _launch_dq = Launcher(_dq_kernel)
 
 def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: int, softcap: float,
                alibi_slopes, attn_mask, dropout_p: float) -> bool:
-    """Whether a (validated, window-normalized) backward is in these kernels' scope."""
-    import torch
-
-    # The scale enters as an fp32 factor of the exponent (see forward_sm90.ws_applies).
-    return (head_dim in HEAD_DIMS and 1e-30 < scale < 1e30 and q.dtype in (torch.float16, torch.bfloat16)
-            and window_left < 0 and window_right in (-1, 0) and softcap == 0.0 and alibi_slopes is None
-            and attn_mask is None and dropout_p == 0.0)
+    """Whether a (validated, window-normalized) backward is in these kernels' scope: the
+    Gluon forward's, at head dims 64 and 128 (d256's two dK/dV accumulators do not fit)."""
+    return head_dim in HEAD_DIMS and forward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap,
+                                                             alibi_slopes, attn_mask, dropout_p)
 
 
 def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int, causal: bool,
