@@ -16,10 +16,10 @@ from flashtile.ops.backward_sm90 import ws_applies  # noqa: E402
 def test_ws_scope(dtype):
     q = torch.zeros(1, dtype=dtype)
     plain = dict(window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, attn_mask=None, dropout_p=0.0)
-    for d in (64, 128):
+    for d in (64, 128, 256):
         assert ws_applies(q, d, 0.125, **plain)
         assert ws_applies(q, d, 0.125, **dict(plain, window_right=0))  # causal
-    for d in (32, 80, 96, 192, 256):
+    for d in (32, 80, 96, 192, 512):
         assert not ws_applies(q, d, 0.125, **plain)
     for scale in (0.0, -0.1, 1e-46, 1e31):
         assert not ws_applies(q, 128, scale, **plain)
@@ -51,7 +51,14 @@ def test_launch_arguments_are_checked_before_any_work():
     t = torch.zeros(1, 1, 1, 64, dtype=torch.bfloat16)
     lse = torch.zeros(1, 1, 1)
     args = (t, t, t, t, lse, lse, t, t, t)
-    with pytest.raises(ValueError, match="kernels"):
+    with pytest.raises(ValueError, match="kernels"):  # "dk" alone exists at d256 only (its own kernel)
         attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, kernels=("dk",))
+    t256 = torch.zeros(1, 1, 1, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="kernels"):
+        attention_backward_ws(t256, t256, t256, t256, lse, lse, t256, t256, t256, scale=0.125, diag_offset=0,
+                              causal=False, kernels=("dq", "dkv"))
+    with pytest.raises(ValueError, match="ring slots"):
+        attention_backward_ws(t256, t256, t256, t256, lse, lse, t256, t256, t256, scale=0.125, diag_offset=0,
+                              causal=False, dkdv_num_buf=1)
     with pytest.raises(ValueError, match="ring slots"):
         attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, dq_num_buf=1)

@@ -103,7 +103,7 @@ def test_deterministic_bitwise(ws_calls):
 def test_every_schedule(seqs, head_dim, causal, schedule, ws_calls):
     """Persistent (programs walk several work items: ring phases and Q/O staging carried
     across items), one program per item, and the dynamic schedule (items claimed from an
-    atomic counter and handed to the consumers through shared memory; experimental),
+    atomic counter and handed to the consumers through shared memory; the default),
     whichever the default is for the call. With seqlen_q > seqlen_k and causal, whole
     work items see no key (n_tiles == 0)."""
     from flashtile.ops.forward_sm90 import attention_forward_ws

@@ -3,10 +3,10 @@
     PYTHONPATH=src python3 benchmarks/experiments/fwd_schedule.py [--shapes "128,2048,1;..."]
 
 ``ops/forward_sm90.attention_forward_ws`` runs one program per work item (the library's
-choice with causal and at d256), a static persistent loop (one program per SM taking
-items pid, pid + grid, ...; the choice without causal at d <= 128), or the dynamic
-schedule (one program per SM claiming items from an atomic counter, written to fix the
-causal rows: docs/perf-notes.md, "What limits it"). Each is checked against float32 SDPA
+choice at d256 without causal), a static persistent loop (one program per SM taking
+items pid, pid + grid, ...), or the dynamic schedule (one program per SM claiming items
+from an atomic counter; the library's default elsewhere since H200 run 44, which this
+script measured). Each is checked against float32 SDPA
 (out and LSE) before it is timed; cuDNN's forward is timed on the same inputs.
 BENCHMARKS.md shapes: batch x seqlen = 16k tokens, hidden 2048.
 """

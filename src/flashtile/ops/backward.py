@@ -436,7 +436,7 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
                        config: BwdConfig, dropout_p: float = 0.0, seed=None, dlse=None) -> None:
     """Launch the backward kernels. Inputs are validated by ``flashtile.api``.
 
-    On Hopper, plain and causal fp16/bf16 calls at head dim 64/128 take the two
+    On Hopper, plain and causal fp16/bf16 calls at head dim 64/128/256 take the
     warp-specialized Gluon kernels of ``backward_sm90`` (deterministic too);
     ``FLASHTILE_WS=0`` turns them off, as it does the Gluon forward.
 

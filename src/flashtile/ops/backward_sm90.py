@@ -1,5 +1,5 @@
-"""Hopper backward in Gluon: two warp-specialized kernels, FA3-style (sm90, fp16/bf16, head
-dim 64/128, plain or causal, no softcap/alibi/mask/dropout).
+"""Hopper backward in Gluon: warp-specialized kernels, FA3-style (sm90, fp16/bf16, head
+dim 64/128/256, plain or causal, no softcap/alibi/mask/dropout).
 
 The same algebra as ``backward.py`` (read its docstring first), split like it into a dK/dV
 kernel and a dQ kernel, so there are no atomics and gradients are bitwise reproducible.
@@ -29,6 +29,11 @@ dQ (``_dq_kernel``): one program owns 2 x 64 queries of one (batch, head), like 
 So the elementwise work of a step runs while the tensor cores do the previous step's
 products, in both kernels. 7 tile products per tile pair (S and dP are computed twice),
 against FA2/FA3's 5 with a dQ reduction.
+
+Head dim 256: a warpgroup cannot hold both 64 x 256 float32 accumulators, so the dK/dV
+kernel becomes two (``_dv_kernel``: 2 warpgroups, S then dV += P^T dO; ``_dk_kernel``:
+1 warpgroup, S and dP then dK += dS^T Q; 8 products per tile pair), and the dQ kernel
+takes 32-key tiles. 1.6-1.8x the Triton kernels at d256 on the H200 (run 45).
 
 Queries are the rows of every score tile, so LSE and Delta are row vectors (2 registers
 per thread each). dK and dQ come out scaled by the softmax scale at the end. Inputs are
@@ -67,13 +72,16 @@ DKDV_NUM_BUF = 4
 DQ_NUM_BUF = 3  # K/V ring slots of the dQ kernel (H200 run 35: 3 beat 2 by 17-30%)
 LOADER_REGS = 24
 CONSUMER_REGS = 240
-HEAD_DIMS = (64, 128)
+HEAD_DIMS = forward_sm90.HEAD_DIMS
+SPLIT_HEAD_DIMS = (256,)  # dV and dK from separate kernels (``_dv_kernel``, ``_dk_kernel``)
+SPLIT_NUM_BUF = 2  # (Q, dO) ring slots of the dV and dK kernels: 64 KB each at d256
 
 
 def default_dq_block_n(head_dim: int) -> int:
     """Keys per tile of the dQ kernel: 128 at d64 (+1-2.5% over 64, H200 runs 36 and 39),
-    64 at d128 (3 ring slots of 128 keys do not fit shared memory)."""
-    return 128 if head_dim <= 64 else 64
+    64 at d128 (3 ring slots of 128 keys do not fit shared memory), 32 at d256 (3 slots of
+    64 keys would need 262 KB; 3 slots of 32 beat 2 by 55-60%, H200 run 45)."""
+    return 128 if head_dim <= 64 else 64 if head_dim <= 128 else 32
 
 
 @gluon.jit
@@ -461,24 +469,252 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, nheads, gro
                        [CONSUMER_REGS, LOADER_REGS])
 
 
+# ---------------------------------------------------------------------------- dV and dK apart (d256)
+# At head dim 256 one warpgroup cannot hold both 64 x 256 float32 accumulators (dK and dV:
+# 256 registers per thread), so dV and dK come from separate kernels, one accumulator each.
+# Shared memory (bf16): dV kernel: 2 ring slots of (Q, dO) 128 KB + K of 2 x 64 keys 64 KB
+# + P 16 KB = 208 KB; dK kernel: ring 128 KB + K and V of 64 keys 64 KB + dS 8 KB = 200 KB
+# (two warpgroups would need 256 KB). 8 tile products per tile pair instead of 7: the dV
+# kernel recomputes S.
+
+
+@gluon.jit
+def _p_only(s, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale,
+            CAUSAL: gl.constexpr, dtype: gl.constexpr, s_layout: gl.constexpr):
+    """P of a (queries x keys) tile: ``_p_and_ds`` with S standing in for dP; the unused
+    dS and its Delta loads are dead code the compiler drops."""
+    pt, _ = _p_and_ds(s, s, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale, CAUSAL,
+                      dtype, s_layout)
+    return pt
+
+
+@gluon.jit
+def _split_consumer(WG: gl.constexpr, DK: gl.constexpr, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta,
+                    q_smem, do_smem, k_smem, v_smem, t_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size,
+                    nheads, seqlen_q, seqlen_k, diag_offset, qk_scale, scale):
+    """Warpgroup WG's 64 keys: dV (DK False: S, P, dV += P^T dO) or dK (DK True: S, dP, dS,
+    dK += dS^T Q), the previous step's product in flight while this step's P or dS is made."""
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+    NUM_WG: gl.constexpr = k_smem.type.shape[0]
+    CAUSAL: gl.constexpr = kv_bar.type.shape[0] == NUM_WG + 1
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    nk = n0 + WG * ROWS
+    k_tile = k_smem.index(WG).reshape([ROWS, HEAD_D])
+    v_tile = v_smem.index(WG).reshape([ROWS, HEAD_D])
+    t_tile = t_smem.index(WG)  # P (dV) or dS (dK), queries x keys, read transposed
+    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    n_steps = nq * group_size
+    zeros_s = gl.zeros([ROWS, ROWS], gl.float32, s_layout)
+    acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    mbarrier.wait(kv_bar.index(WG), 0)
+    if n_steps > 0:  # step 0: nothing to overlap with yet
+        hq, m0, q_t, do_t = _step_tiles(0, q_lo, nq, kvh, group_size, q_smem, do_smem, q_ready)
+        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        if DK:
+            dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+            st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+            pt, tt = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
+                               qk_scale, CAUSAL, dtype, s_layout)
+        else:
+            st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
+            tt = _p_only(st, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale, CAUSAL,
+                         dtype, s_layout)
+        t_tile.store(tt)
+        fence_async_shared()
+    for s in range(1, n_steps):
+        prev = (s - 1) % NUM_BUF
+        hq, m0, q_t, do_t = _step_tiles(s, q_lo, nq, kvh, group_size, q_smem, do_smem, q_ready)
+        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        if DK:
+            dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+            acc = warpgroup_mma(t_tile.permute((1, 0)), q_smem.index(prev).reshape([ROWS, HEAD_D]), acc,
+                                is_async=True)
+            st, dpt = warpgroup_mma_wait(num_outstanding=1, deps=(st, dpt))  # dK product in flight
+            pt, tt = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
+                               qk_scale, CAUSAL, dtype, s_layout)
+        else:
+            acc = warpgroup_mma(t_tile.permute((1, 0)), do_smem.index(prev).reshape([ROWS, HEAD_D]), acc,
+                                is_async=True)
+            st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))  # dV product in flight
+            tt = _p_only(st, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale, CAUSAL,
+                         dtype, s_layout)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
+        t_tile.store(tt)
+        fence_async_shared()
+    if n_steps > 0:
+        last = (n_steps - 1) % NUM_BUF
+        if DK:
+            acc = warpgroup_mma(t_tile.permute((1, 0)), q_smem.index(last).reshape([ROWS, HEAD_D]), acc,
+                                is_async=True)
+        else:
+            acc = warpgroup_mma(t_tile.permute((1, 0)), do_smem.index(last).reshape([ROWS, HEAD_D]), acc,
+                                is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(q_empty.index(last), count=1)
+    # K is no longer read: its tile stages the result for the TMA store (clips rows past seqlen_k).
+    if DK:
+        k_tile.store((acc * scale).to(dtype))
+    else:
+        k_tile.store(acc.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(out_desc, [b, kvh, nk, 0], k_smem.index(WG))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _split_loader(LOAD_V: gl.constexpr, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem,
+                  k_smem, v_smem, t_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q,
+                  seqlen_k, diag_offset, qk_scale, scale):
+    NUM_WG: gl.constexpr = k_smem.type.shape[0]
+    CAUSAL: gl.constexpr = kv_bar.type.shape[0] == NUM_WG + 1
+    for wg in gl.static_range(NUM_WG):
+        if LOAD_V:
+            mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), k_smem.index(wg))
+            tma.async_copy_global_to_shared(v_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), v_smem.index(wg))
+        else:
+            mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), k_smem.index(wg))
+    _load_qdo_steps(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, b, kvh, n0, group_size, seqlen_q,
+                    diag_offset, CAUSAL)
+
+
+@gluon.jit
+def _dv_consumer0(q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, t_smem,
+                  kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
+                  qk_scale, scale):
+    _split_consumer(0, False, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem,
+                    v_smem, t_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
+                    diag_offset, qk_scale, scale)
+
+
+@gluon.jit
+def _dv_consumer1(q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, t_smem,
+                  kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
+                  qk_scale, scale):
+    _split_consumer(1, False, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem,
+                    v_smem, t_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
+                    diag_offset, qk_scale, scale)
+
+
+@gluon.jit
+def _dk_consumer0(q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, t_smem,
+                  kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
+                  qk_scale, scale):
+    _split_consumer(0, True, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem,
+                    v_smem, t_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
+                    diag_offset, qk_scale, scale)
+
+
+@gluon.jit
+def _dv_loader(q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, t_smem,
+               kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
+               qk_scale, scale):
+    _split_loader(False, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+                  t_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
+                  qk_scale, scale)
+
+
+@gluon.jit
+def _dk_loader(q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, t_smem,
+               kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
+               qk_scale, scale):
+    _split_loader(True, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+                  t_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
+                  qk_scale, scale)
+
+
+@gluon.jit
+def _dv_kernel(q_desc, k_desc, do_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size, seqlen_q, seqlen_k,
+               num_n_blocks, diag_offset, qk_scale, scale,
+               CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+               LOADER_REGS: gl.constexpr):
+    """dV of 2 x 64 keys of one (batch, kv head) per program (flat grid, key blocks fastest)."""
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    pid = gl.program_id(0)
+    bk = pid // num_n_blocks
+    n0 = (pid % num_n_blocks) * (2 * ROWS)
+    b = bk // nheads_k
+    kvh = bk % nheads_k
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], k_desc.layout)
+    t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
+    t_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], t_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_bar.index(i), count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a slot
+    # V is not needed: K's descriptor and tiles stand in for it (never read).
+    args = (q_desc, k_desc, k_desc, do_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, k_smem, t_smem, kv_bar,
+            q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset, qk_scale, scale)
+    gl.warp_specialize([(_dv_consumer0, args), (_dv_consumer1, args), (_dv_loader, args)], [4, 1],
+                       [CONSUMER_REGS, LOADER_REGS])
+
+
+@gluon.jit
+def _dk_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, Lse, Delta, nheads, nheads_k, group_size, seqlen_q,
+               seqlen_k, num_n_blocks, diag_offset, qk_scale, scale,
+               CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, LOADER_REGS: gl.constexpr):
+    """dK of 64 keys of one (batch, kv head) per program: one consumer warpgroup."""
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    pid = gl.program_id(0)
+    bk = pid // num_n_blocks
+    n0 = (pid % num_n_blocks) * ROWS
+    b = bk // nheads_k
+    kvh = bk % nheads_k
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [1, 1, 1, ROWS, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [1, 1, 1, ROWS, HEAD_D], v_desc.layout)
+    t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
+    t_smem = gl.allocate_shared_memory(dtype, [1, ROWS, ROWS], t_layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [2 if CAUSAL else 1, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_bar.index(0), count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=1)
+    args = (q_desc, k_desc, v_desc, do_desc, dk_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, t_smem, kv_bar,
+            q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset, qk_scale, scale)
+    gl.warp_specialize([(_dk_consumer0, args), (_dk_loader, args)], [1], [LOADER_REGS])
+
+
+
 # ---------------------------------------------------------------------------- host
 
 _launch_dkdv = Launcher(_dkdv_kernel)
 _launch_dq = Launcher(_dq_kernel)
+_launch_dv = Launcher(_dv_kernel)
+_launch_dk = Launcher(_dk_kernel)
 
 
 def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: int, softcap: float,
                alibi_slopes, attn_mask, dropout_p: float) -> bool:
     """Whether a (validated, window-normalized) backward is in these kernels' scope: the
-    Gluon forward's, at head dims 64 and 128 (d256's two dK/dV accumulators do not fit)."""
-    return head_dim in HEAD_DIMS and forward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap,
-                                                             alibi_slopes, attn_mask, dropout_p)
+    Gluon forward's (plain or causal, fp16/bf16, head dims 64, 128 and 256)."""
+    return forward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes, attn_mask,
+                                   dropout_p)
 
 
 def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int, causal: bool,
-                          dkdv_num_buf: int = DKDV_NUM_BUF, dq_block_n: int | None = None,
+                          dkdv_num_buf: int | None = None, dq_block_n: int | None = None,
                           dq_num_buf: int = DQ_NUM_BUF, kernels: tuple = ("dkdv", "dq")) -> None:
-    """Launch the dK/dV and dQ kernels; the caller checked ``ws_applies`` and TMA alignment.
+    """Launch the dK/dV kernel (at d256: the dV and the dK kernel) and the dQ kernel; the
+    caller checked ``ws_applies`` and TMA alignment.
 
     Args:
         q, dout, dq: (B, H, Sq, D); k, v, dk, dv: (B, Hk, Sk, D); 16-byte-aligned bases and
@@ -487,15 +723,18 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
             minus the LSE's own upstream gradient if any).
         causal: key j visible to query i iff j <= i + diag_offset.
         dkdv_num_buf, dq_block_n, dq_num_buf: ring slots and key tile (experiments;
-            dq_block_n defaults to ``default_dq_block_n``).
-        kernels: which kernels to launch: both, or ("dkdv",) or ("dq",) to time one alone
-            (benchmarks/experiments/gluon_bwd.py --split).
+            defaults: DKDV_NUM_BUF, or SPLIT_NUM_BUF at d256; ``default_dq_block_n``).
+        kernels: which kernels to launch: ("dkdv", "dq"), or a part to time it alone
+            (benchmarks/experiments/gluon_bwd.py --split); at d256 also "dv" or "dk".
     """
-    if not set(kernels) <= {"dkdv", "dq"}:
-        raise ValueError(f"kernels must name 'dkdv' and/or 'dq', got {kernels!r}")
+    batch, nheads, seqlen_q, head_dim = q.shape
+    split = head_dim in SPLIT_HEAD_DIMS
+    allowed = {"dkdv", "dq", "dv", "dk"} if split else {"dkdv", "dq"}
+    if not set(kernels) <= allowed:
+        raise ValueError(f"kernels must be among {sorted(allowed)} at head dim {head_dim}, got {kernels!r}")
+    dkdv_num_buf = dkdv_num_buf or (SPLIT_NUM_BUF if split else DKDV_NUM_BUF)
     if dkdv_num_buf < 2 or dq_num_buf < 2:  # one slot: the loader waits for a release that never comes
         raise ValueError(f"ring slots must be >= 2, got dkdv_num_buf={dkdv_num_buf}, dq_num_buf={dq_num_buf}")
-    batch, nheads, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     dtype_name = str(q.dtype).replace("torch.", "")
     dq_block_n = dq_block_n or default_dq_block_n(head_dim)
@@ -508,12 +747,23 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
 
     q_d, do_d = desc(q, BLOCK), desc(dout, BLOCK)
     regs = dict(CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
-    if "dkdv" in kernels:
+    sizes = (lse, delta, nheads, nheads_k, nheads // nheads_k, seqlen_q, seqlen_k)
+    if split and {"dkdv", "dv"} & set(kernels):
+        nb = triton.cdiv(seqlen_k, 2 * BLOCK)
+        _launch_dv((nb * batch * nheads_k,),
+                   (q_d, desc(k, BLOCK), do_d, desc(dv, BLOCK), *sizes, nb, diag_offset, scale * LOG2E, scale),
+                   dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), 4, 1)
+    if split and {"dkdv", "dk"} & set(kernels):
+        nb = triton.cdiv(seqlen_k, BLOCK)
+        _launch_dk((nb * batch * nheads_k,),
+                   (q_d, desc(k, BLOCK), desc(v, BLOCK), do_d, desc(dk, BLOCK), *sizes, nb, diag_offset,
+                    scale * LOG2E, scale),
+                   dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, LOADER_REGS=LOADER_REGS), 4, 1)
+    if not split and "dkdv" in kernels:
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
         _launch_dkdv((num_n_blocks * batch * nheads_k,),
-                     (q_d, desc(k, BLOCK), desc(v, BLOCK), do_d, desc(dk, BLOCK), desc(dv, BLOCK), lse, delta,
-                      nheads, nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, num_n_blocks, diag_offset, scale * LOG2E,
-                      scale),
+                     (q_d, desc(k, BLOCK), desc(v, BLOCK), do_d, desc(dk, BLOCK), desc(dv, BLOCK), *sizes,
+                      num_n_blocks, diag_offset, scale * LOG2E, scale),
                      dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), 4, 1)
     if "dq" not in kernels:
         return

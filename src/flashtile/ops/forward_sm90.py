@@ -6,8 +6,8 @@ than the diagonal, no softcap/alibi/mask/dropout, scheduled by hand because plai
 runs 16-18):
 
     one work item = 128 query rows of one (batch, head); a program takes one item, or
-    (persistent) walks the items pid, pid + grid, ..., or (dynamic, experimental) claims
-    items from an atomic counter; three partitions:
+    (persistent) walks the items pid, pid + grid, ..., or (dynamic, the default but at d256
+    without causal) claims items from an atomic counter; three partitions:
       loader   (1 warp, 24 registers)  an item's Q, then its K_j and V_j through a
                                         NUM_BUF-slot shared-memory ring by TMA; waits for
                                         free slots, and fetches the next item's tiles
@@ -476,7 +476,7 @@ def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: i
 
 def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, causal: bool,
                          block_n: int | None = None, num_buf: int = NUM_BUF, persistent: bool | None = None,
-                         dynamic: bool = False) -> None:
+                         dynamic: bool | None = None) -> None:
     """Launch the warp-specialized forward; the caller checked ``ws_applies`` and TMA alignment.
 
     Args:
@@ -486,16 +486,15 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
         causal: key j visible to query i iff j <= i + diag_offset.
         block_n, num_buf: keys per tile (default ``default_block_n``) and K/V ring slots
             (128 query rows per program).
-        persistent: one program per SM walking the work items, or one program per item.
-            Default: persistent without causal at d <= 128 (+2-20% on the H200, most at
-            short seqlens), one per item with causal (the hardware's in-order dispatch
-            keeps the running programs on one head, so its K/V stays in L2; a static
-            persistent order lost 25% at S16384, run 23) and at d256 (O staged in Q's
-            tile serializes the next item's Q load: -1-3% persistent, run 26).
+        persistent: one program per SM walking the work items in a fixed order (True), or
+            one program per item (False). Used only when ``dynamic`` is False.
         dynamic: one program per SM claiming items from an atomic counter
-            (``_fwd_ws_dyn_kernel``; overrides ``persistent``). Experimental: not yet
-            measured, so no caller of the library sets it
-            (``benchmarks/experiments/fwd_schedule.py`` compares the schedules).
+            (``_fwd_ws_dyn_kernel``). Default: dynamic unless ``persistent`` is given,
+            except at d256 without causal (one program per item: O staged in Q's tile
+            serializes the next item's Q load, -1-3% for the static schedule, run 26).
+            On the H200 (run 44, bf16) dynamic beat one-per-item by 6-17% on causal
+            rows at S1024/S2048 and the static schedule by 1-4% without causal; it lost
+            1-3% on some causal rows at S4096-S16384 (benchmarks/experiments/fwd_schedule.py).
     """
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -509,8 +508,9 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
 
     num_m_blocks = triton.cdiv(seqlen_q, BLOCK_M)
     items = num_m_blocks * batch * nheads
-    if persistent is None:
-        persistent = not causal and head_dim <= 128
+    if dynamic is None:
+        dynamic = persistent is None and (causal or head_dim <= 128)
+    persistent = bool(persistent)
     grid = min(items, sm_count(device_index(q.device))) if persistent or dynamic else items
     descs = (desc(q, HALF_M), desc(k, block_n), desc(v, block_n), desc(out, HALF_M), lse)
     sizes = (nheads, nheads // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, batch * nheads, diag_offset,
