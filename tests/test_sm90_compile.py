@@ -112,6 +112,21 @@ def test_gluon_backward_compiles_with_the_overlap(tmp_path):
         assert int(fields["spill"]) <= limit, line
 
 
+def test_d256_rings_experiment_compiles(tmp_path):
+    """benchmarks/experiments/gluon_bwd_d256_rings.py (not yet run on a GPU): its dV and dK
+    kernels with separate Q and dO rings fit shared memory, redistribute registers, keep
+    their exp2 work (32 per thread of a 64 x 64 tile) under the previous step's product,
+    and spill at most the causal dK kernel's loop scalars (12 bytes)."""
+    out = _compile_run(tmp_path, str(ROOT / "benchmarks" / "experiments" / "gluon_bwd_d256_rings.py"), "--compile")
+    lines = _report(out, ("dv-rings", "dk-rings"))
+    assert len(lines) == 4, out
+    for line, fields in lines:
+        assert int(fields["smem"]) <= SM90_SHARED_LIMIT and int(fields["setmaxnreg"]) > 0, line
+        assert int(fields["spill"]) <= (16 if line.startswith("dk-rings causal=1") else 0), line
+        ex2 = [int(n) for n in fields["ex2"].split(",")]
+        assert len(ex2) >= (1 if line.startswith("dk-") else 2) and min(ex2) >= 32, line
+
+
 def test_gluon_forward_dynamic_schedule_compiles(tmp_path):
     """ops/forward_sm90._fwd_ws_dyn_kernel (the dynamic schedule): compiles
     for sm_90a within shared memory, redistributes registers, claims items with one
