@@ -31,13 +31,6 @@ from flashtile.ops.backward_sm90 import attention_backward_ws
 DQ_VARIANTS = ((32, 2), (32, 3))  # (keys per tile, ring slots); 64-key tiles need 262 KB
 
 
-def split_backward(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int, causal: bool,
-                   kernels=("dkdv", "dq"), dq_block_n: int = 32, dq_num_buf: int = 3) -> None:
-    """The library's Gluon d256 backward (tensors as ``attention_backward_ws`` takes them)."""
-    attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=scale, diag_offset=diag_offset,
-                          causal=causal, dq_block_n=dq_block_n, dq_num_buf=dq_num_buf, kernels=kernels)
-
-
 @contextlib.contextmanager
 def _stubbed(module, name):
     """``module.name`` replaced by a no-op launcher for the duration."""
@@ -60,8 +53,9 @@ def run(shapes) -> None:
     os.environ["FLASHTILE_WS"] = "0"  # tb.attention_backward: the Triton kernels (Gluon is called directly)
 
     def gluon_dq(q, k, v, dout, lse, delta, dq, causal, diag, block_n, num_buf):
-        split_backward(q, k, v, dout, lse, delta, dq, None, None, scale=q.shape[-1] ** -0.5, diag_offset=diag,
-                       causal=causal, kernels=("dq",), dq_block_n=block_n, dq_num_buf=num_buf)
+        attention_backward_ws(q, k, v, dout, lse, delta, dq, None, None, scale=q.shape[-1] ** -0.5,
+                              diag_offset=diag, causal=causal, kernels=("dq",), dq_block_n=block_n,
+                              dq_num_buf=num_buf)
 
     # Correctness of the Gluon dQ at d256 against fp32 autograd (odd lengths, GQA, causal
     # rows that see no key).
@@ -85,7 +79,8 @@ def run(shapes) -> None:
                   flush=True)
         try:
             grads = [torch.full_like(t, float("nan")) for t in (q, k, v)]
-            split_backward(q, k, v, dout, lse, delta, *grads, scale=D ** -0.5, diag_offset=diag, causal=causal)
+            attention_backward_ws(q, k, v, dout, lse, delta, *grads, scale=D ** -0.5, diag_offset=diag,
+                                  causal=causal)
             torch.cuda.synchronize()
             errs = "  ".join(f"{n} {(g_.float() - r).abs().max().item():.2e}/{r.abs().max().item():.1e}"
                              for n, g_, r in zip(("dq", "dk", "dv"), grads, (dq_ref, dk_ref, dv_ref)))
@@ -122,7 +117,7 @@ def run(shapes) -> None:
         row["hybrid (projected)"] = bwd_flops / (ms["dkdv"] + best) * 1e-9
 
         def split(kernels=("dkdv", "dq")):
-            split_backward(q, k, v, dout, lse, delta, dq, dk, dv, scale=D ** -0.5, diag_offset=0, causal=causal,
+            attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=D ** -0.5, diag_offset=0, causal=causal,
                            kernels=kernels)
 
         try:
