@@ -117,8 +117,8 @@ def run(shapes) -> None:
         row["hybrid (projected)"] = bwd_flops / (ms["dkdv"] + best) * 1e-9
 
         def split(kernels=("dkdv", "dq")):
-            attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=D ** -0.5, diag_offset=0, causal=causal,
-                           kernels=kernels)
+            attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=D ** -0.5, diag_offset=0,
+                                  causal=causal, kernels=kernels)
 
         try:
             for part in ("dv", "dk"):
