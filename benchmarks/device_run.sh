@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|bench|sweep|gluon-bwd|gluon-d256|d256-rings|fwd-schedule|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|bench|sweep|gluon-bwd|gluon-d256|fwd-schedule|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -50,16 +50,6 @@ if [[ $what == gluon-d256 ]]; then
   if [[ $rc == 0 ]]; then
     timeout 400 python3 benchmarks/experiments/gluon_bwd_d256.py > "$OUT/gluon-bwd-d256.log" 2>&1
     echo "gluon bwd d256 rc=$?"; grep -v Warning "$OUT/gluon-bwd-d256.log" | tail -30
-  fi
-fi
-if [[ $what == d256-rings ]]; then
-  # d256's dV and dK kernels with separate Q and dO rings (never run): bitwise against the
-  # library's, then timed next to them. First one shape under a short timeout (a hang ends there).
-  timeout 120 python3 benchmarks/experiments/gluon_bwd_d256_rings.py --shapes 2048,1 > "$OUT/d256-rings-smoke.log" 2>&1
-  rc=$?; echo "d256 rings smoke rc=$rc"; grep -v Warning "$OUT/d256-rings-smoke.log" | tail -8
-  if [[ $rc == 0 ]]; then
-    timeout 200 python3 benchmarks/experiments/gluon_bwd_d256_rings.py > "$OUT/d256-rings.log" 2>&1
-    echo "d256 rings rc=$?"; grep -v Warning "$OUT/d256-rings.log" | tail -8
   fi
 fi
 if [[ $what == fwd-schedule ]]; then

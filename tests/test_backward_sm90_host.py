@@ -57,8 +57,10 @@ def test_launch_arguments_are_checked_before_any_work():
     with pytest.raises(ValueError, match="kernels"):
         attention_backward_ws(t256, t256, t256, t256, lse, lse, t256, t256, t256, scale=0.125, diag_offset=0,
                               causal=False, kernels=("dq", "dkv"))
-    with pytest.raises(ValueError, match="ring slots"):
+    with pytest.raises(ValueError, match="fixed rings"):  # d256's dV and dK kernels: DV_RING, DK_RING
         attention_backward_ws(t256, t256, t256, t256, lse, lse, t256, t256, t256, scale=0.125, diag_offset=0,
-                              causal=False, dkdv_num_buf=1)
+                              causal=False, dkdv_num_buf=4)
+    with pytest.raises(ValueError, match="ring slots"):
+        attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, dkdv_num_buf=1)
     with pytest.raises(ValueError, match="ring slots"):
         attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, dq_num_buf=1)

@@ -76,8 +76,8 @@ def test_gluon_backward_compiles_with_the_overlap(tmp_path):
     redistributes registers, keeps the previous step's products in flight over the
     elementwise work (dK/dV: wait_group 2; dQ, and d256's dV and dK: wait_group 1), and
     does not spill (the causal d128 dK/dV kernel keeps up to 160 bytes in its diagonal
-    branch, the plain one 8 after its loop); the overlap is checked in the machine code,
-    where ptxas schedules."""
+    branch, the plain one 8 after its loop, d256's causal dK kernel 12 bytes of loop
+    scalars); the overlap is checked in the machine code, where ptxas schedules."""
     script = (
         "from flashtile.ops.sm90_check import compile_backward_ws, ex2_under_wait\n"
         "for d in (64, 128, 256):\n"
@@ -109,22 +109,9 @@ def test_gluon_backward_compiles_with_the_overlap(tmp_path):
         limit = 0
         if line.startswith("bwd-ws-dkdv"):  # d128 non-causal: one value stored and reloaded once, after the loop
             limit = 160 if "causal=1" in line else 8
+        if line.startswith("bwd-ws-dk ") and "causal=1" in line:  # its 3-slot Q ring's loop scalars
+            limit = 16
         assert int(fields["spill"]) <= limit, line
-
-
-def test_d256_rings_experiment_compiles(tmp_path):
-    """benchmarks/experiments/gluon_bwd_d256_rings.py (not yet run on a GPU): its dV and dK
-    kernels with separate Q and dO rings fit shared memory, redistribute registers, keep
-    their exp2 work (32 per thread of a 64 x 64 tile) under the previous step's product,
-    and spill at most the causal dK kernel's loop scalars (12 bytes)."""
-    out = _compile_run(tmp_path, str(ROOT / "benchmarks" / "experiments" / "gluon_bwd_d256_rings.py"), "--compile")
-    lines = _report(out, ("dv-rings", "dk-rings"))
-    assert len(lines) == 4, out
-    for line, fields in lines:
-        assert int(fields["smem"]) <= SM90_SHARED_LIMIT and int(fields["setmaxnreg"]) > 0, line
-        assert int(fields["spill"]) <= (16 if line.startswith("dk-rings causal=1") else 0), line
-        ex2 = [int(n) for n in fields["ex2"].split(",")]
-        assert len(ex2) >= (1 if line.startswith("dk-") else 2) and min(ex2) >= 32, line
 
 
 def test_gluon_forward_dynamic_schedule_compiles(tmp_path):

@@ -39,11 +39,13 @@ def ref_grads(q, k, v, dout, causal, diag):
 
 
 def library_launch(q, k, v, dout, lse, delta, dq, dk, dv, *, causal, diag, variant, kernels=("dkdv", "dq")):
-    """The library's kernels with variant (dK/dV ring slots, dQ key tile, dQ ring slots)."""
-    from flashtile.ops.backward_sm90 import attention_backward_ws
+    """The library's kernels with variant (dK/dV ring slots, dQ key tile, dQ ring slots;
+    the ring slots of d256's dV and dK kernels are fixed, so variant[0] is ignored there)."""
+    from flashtile.ops.backward_sm90 import SPLIT_HEAD_DIMS, attention_backward_ws
 
+    dkdv_num_buf = None if q.shape[-1] in SPLIT_HEAD_DIMS else variant[0]
     attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5, diag_offset=diag,
-                          causal=causal, dkdv_num_buf=variant[0], dq_block_n=variant[1], dq_num_buf=variant[2],
+                          causal=causal, dkdv_num_buf=dkdv_num_buf, dq_block_n=variant[1], dq_num_buf=variant[2],
                           kernels=kernels)
 
 

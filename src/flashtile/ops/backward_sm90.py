@@ -33,7 +33,8 @@ against FA2/FA3's 5 with a dQ reduction.
 Head dim 256: a warpgroup cannot hold both 64 x 256 float32 accumulators, so the dK/dV
 kernel becomes two (``_dv_kernel``: 2 warpgroups, S then dV += P^T dO; ``_dk_kernel``:
 1 warpgroup, S and dP then dK += dS^T Q; 8 products per tile pair), and the dQ kernel
-takes 32-key tiles. 1.6-1.8x the Triton kernels at d256 on the H200 (run 45).
+takes 32-key tiles. Q and dO load through rings of their own there (``DV_RING``,
+``DK_RING``). 1.8-2.1x the Triton kernels at d256 on the H200 (runs 45 and 50).
 
 Queries are the rows of every score tile, so LSE and Delta are row vectors (2 registers
 per thread each). dK and dQ come out scaled by the softmax scale at the end. Inputs are
@@ -74,7 +75,18 @@ LOADER_REGS = 24
 CONSUMER_REGS = 240
 HEAD_DIMS = forward_sm90.HEAD_DIMS
 SPLIT_HEAD_DIMS = (256,)  # dV and dK from separate kernels (``_dv_kernel``, ``_dk_kernel``)
-SPLIT_NUM_BUF = 2  # (Q, dO) ring slots of the dV and dK kernels: 64 KB each at d256
+# The split kernels give Q and dO rings of their own, each slot released as soon as its
+# tile is read, so a step's loads start a step ahead (one shared (Q, dO) ring of 2 slots
+# could load step s + 1 only when step s - 1 was done with both: H200 run 50, the dV
+# kernel +28-47% and the dK kernel +13-49% with these rings):
+#   dV kernel (2 warpgroups): Q_s is read by S_s only, dO_s by step s + 1's dV product:
+#       (2 Q slots, 2 dO slots). Shared memory (bf16): Q 64 KB + dO 64 KB + K of 2 x 64
+#       keys 64 KB + P 16 KB = 208 KB.
+#   dK kernel (1 warpgroup): Q_s is read by S_s and by step s + 1's dK product, dO_s by
+#       dP_s only: (3 Q slots, 1 dO slot). Q 96 KB + dO 32 KB + K and V of 64 keys 64 KB +
+#       dS 8 KB = 200 KB (two warpgroups would need 256 KB).
+DV_RING = (2, 2)
+DK_RING = (3, 1)
 
 
 def default_dq_block_n(head_dim: int) -> int:
@@ -489,13 +501,26 @@ def _p_only(s, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offse
 
 
 @gluon.jit
+def _wait_tile(smem, ready, s):
+    """Step s's tile of a ring (slot s % slots) once it has landed, as a (ROWS, D) view."""
+    NUM: gl.constexpr = smem.type.shape[0]
+    HEAD_D: gl.constexpr = smem.type.shape[4]
+    mbarrier.wait(ready.index(s % NUM), (s // NUM) & 1)
+    return smem.index(s % NUM).reshape([ROWS, HEAD_D])
+
+
+@gluon.jit
+def _release_tile(smem, empty, s):
+    mbarrier.arrive(empty.index(s % smem.type.shape[0]), count=1)
+
+
+@gluon.jit
 def _split_consumer(WG: gl.constexpr, DK: gl.constexpr, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta,
-                    q_smem, do_smem, k_smem, v_smem, t_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size,
-                    nheads, seqlen_q, seqlen_k, diag_offset, qk_scale, scale):
+                    q_smem, do_smem, k_smem, v_smem, t_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, b, kvh,
+                    n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset, qk_scale, scale):
     """Warpgroup WG's 64 keys: dV (DK False: S, P, dV += P^T dO) or dK (DK True: S, dP, dS,
     dK += dS^T Q), the previous step's product in flight while this step's P or dS is made."""
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
-    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     NUM_WG: gl.constexpr = k_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == NUM_WG + 1
     dtype: gl.constexpr = q_desc.dtype
@@ -513,50 +538,61 @@ def _split_consumer(WG: gl.constexpr, DK: gl.constexpr, q_desc, k_desc, v_desc, 
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
     mbarrier.wait(kv_bar.index(WG), 0)
     if n_steps > 0:  # step 0: nothing to overlap with yet
-        hq, m0, q_t, do_t = _step_tiles(0, q_lo, nq, kvh, group_size, q_smem, do_smem, q_ready)
-        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        hq = kvh * group_size
+        m0 = q_lo * ROWS
+        st = warpgroup_mma(_wait_tile(q_smem, q_ready, 0), k_tile.permute((1, 0)), zeros_s, use_acc=False,
+                           is_async=True)
         if DK:
-            dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+            dpt = warpgroup_mma(_wait_tile(do_smem, do_ready, 0), v_tile.permute((1, 0)), zeros_s, use_acc=False,
+                                is_async=True)
             st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+            _release_tile(do_smem, do_empty, 0)
             pt, tt = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
                                qk_scale, CAUSAL, dtype, s_layout)
         else:
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
+            _release_tile(q_smem, q_empty, 0)
             tt = _p_only(st, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale, CAUSAL,
                          dtype, s_layout)
         t_tile.store(tt)
         fence_async_shared()
     for s in range(1, n_steps):
-        prev = (s - 1) % NUM_BUF
-        hq, m0, q_t, do_t = _step_tiles(s, q_lo, nq, kvh, group_size, q_smem, do_smem, q_ready)
-        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
+        hq = kvh * group_size + s // nq
+        m0 = (q_lo + s % nq) * ROWS
+        st = warpgroup_mma(_wait_tile(q_smem, q_ready, s), k_tile.permute((1, 0)), zeros_s, use_acc=False,
+                           is_async=True)
         if DK:
-            dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), zeros_s, use_acc=False, is_async=True)
-            acc = warpgroup_mma(t_tile.permute((1, 0)), q_smem.index(prev).reshape([ROWS, HEAD_D]), acc,
+            dpt = warpgroup_mma(_wait_tile(do_smem, do_ready, s), v_tile.permute((1, 0)), zeros_s, use_acc=False,
                                 is_async=True)
+            acc = warpgroup_mma(t_tile.permute((1, 0)), q_smem.index((s - 1) % q_smem.type.shape[0]).reshape(
+                [ROWS, HEAD_D]), acc, is_async=True)
             st, dpt = warpgroup_mma_wait(num_outstanding=1, deps=(st, dpt))  # dK product in flight
+            _release_tile(do_smem, do_empty, s)  # dO_s is read
             pt, tt = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
                                qk_scale, CAUSAL, dtype, s_layout)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _release_tile(q_smem, q_empty, s - 1)  # Q_{s-1} is read (S_{s-1} and the dK product)
         else:
-            acc = warpgroup_mma(t_tile.permute((1, 0)), do_smem.index(prev).reshape([ROWS, HEAD_D]), acc,
-                                is_async=True)
+            acc = warpgroup_mma(t_tile.permute((1, 0)), _wait_tile(do_smem, do_ready, s - 1), acc, is_async=True)
             st = warpgroup_mma_wait(num_outstanding=1, deps=(st,))  # dV product in flight
+            _release_tile(q_smem, q_empty, s)  # Q_s is read
             tt = _p_only(st, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale, CAUSAL,
                          dtype, s_layout)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _release_tile(do_smem, do_empty, s - 1)  # dO_{s-1} is read
         t_tile.store(tt)
         fence_async_shared()
     if n_steps > 0:
-        last = (n_steps - 1) % NUM_BUF
+        last = n_steps - 1
         if DK:
-            acc = warpgroup_mma(t_tile.permute((1, 0)), q_smem.index(last).reshape([ROWS, HEAD_D]), acc,
-                                is_async=True)
+            acc = warpgroup_mma(t_tile.permute((1, 0)), q_smem.index(last % q_smem.type.shape[0]).reshape(
+                [ROWS, HEAD_D]), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _release_tile(q_smem, q_empty, last)
         else:
-            acc = warpgroup_mma(t_tile.permute((1, 0)), do_smem.index(last).reshape([ROWS, HEAD_D]), acc,
-                                is_async=True)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(q_empty.index(last), count=1)
+            acc = warpgroup_mma(t_tile.permute((1, 0)), _wait_tile(do_smem, do_ready, last), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+            _release_tile(do_smem, do_empty, last)
     # K is no longer read: its tile stages the result for the TMA store (clips rows past seqlen_k).
     if DK:
         k_tile.store((acc * scale).to(dtype))
@@ -569,10 +605,14 @@ def _split_consumer(WG: gl.constexpr, DK: gl.constexpr, q_desc, k_desc, v_desc, 
 
 @gluon.jit
 def _split_loader(LOAD_V: gl.constexpr, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem,
-                  k_smem, v_smem, t_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q,
-                  seqlen_k, diag_offset, qk_scale, scale):
+                  k_smem, v_smem, t_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, b, kvh, n0, group_size,
+                  nheads, seqlen_q, seqlen_k, diag_offset, qk_scale, scale):
+    """K (and V) of the program's keys once, then every step's Q and dO tiles, each into
+    its own ring as soon as its slot is released (a fresh barrier passes phase 1)."""
     NUM_WG: gl.constexpr = k_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == NUM_WG + 1
+    NQ: gl.constexpr = q_smem.type.shape[0]
+    ND: gl.constexpr = do_smem.type.shape[0]
     for wg in gl.static_range(NUM_WG):
         if LOAD_V:
             mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -581,59 +621,88 @@ def _split_loader(LOAD_V: gl.constexpr, q_desc, k_desc, v_desc, do_desc, out_des
         else:
             mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), k_smem.index(wg))
-    _load_qdo_steps(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, b, kvh, n0, group_size, seqlen_q,
-                    diag_offset, CAUSAL)
+    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    for s in range(nq * group_size):
+        hq = kvh * group_size + s // nq
+        m0 = (q_lo + s % nq) * ROWS
+        mbarrier.wait(q_empty.index(s % NQ), ((s // NQ) & 1) ^ 1)
+        mbarrier.expect(q_ready.index(s % NQ), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, hq, m0, 0], q_ready.index(s % NQ), q_smem.index(s % NQ))
+        mbarrier.wait(do_empty.index(s % ND), ((s // ND) & 1) ^ 1)
+        mbarrier.expect(do_ready.index(s % ND), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [b, hq, m0, 0], do_ready.index(s % ND), do_smem.index(s % ND))
 
 
 @gluon.jit
 def _dv_consumer0(q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, t_smem,
-                  kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
-                  qk_scale, scale):
+                  kv_bar, q_ready, q_empty, do_ready, do_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
+                  diag_offset, qk_scale, scale):
     _split_consumer(0, False, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem,
-                    v_smem, t_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
-                    diag_offset, qk_scale, scale)
+                    v_smem, t_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, b, kvh, n0, group_size, nheads,
+                    seqlen_q, seqlen_k, diag_offset, qk_scale, scale)
 
 
 @gluon.jit
 def _dv_consumer1(q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, t_smem,
-                  kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
-                  qk_scale, scale):
+                  kv_bar, q_ready, q_empty, do_ready, do_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
+                  diag_offset, qk_scale, scale):
     _split_consumer(1, False, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem,
-                    v_smem, t_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
-                    diag_offset, qk_scale, scale)
+                    v_smem, t_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, b, kvh, n0, group_size, nheads,
+                    seqlen_q, seqlen_k, diag_offset, qk_scale, scale)
 
 
 @gluon.jit
 def _dk_consumer0(q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, t_smem,
-                  kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
-                  qk_scale, scale):
+                  kv_bar, q_ready, q_empty, do_ready, do_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
+                  diag_offset, qk_scale, scale):
     _split_consumer(0, True, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem,
-                    v_smem, t_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
-                    diag_offset, qk_scale, scale)
+                    v_smem, t_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, b, kvh, n0, group_size, nheads,
+                    seqlen_q, seqlen_k, diag_offset, qk_scale, scale)
 
 
 @gluon.jit
 def _dv_loader(q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, t_smem,
-               kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
-               qk_scale, scale):
+               kv_bar, q_ready, q_empty, do_ready, do_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
+               diag_offset, qk_scale, scale):
     _split_loader(False, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-                  t_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
-                  qk_scale, scale)
+                  t_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, b, kvh, n0, group_size, nheads, seqlen_q,
+                  seqlen_k, diag_offset, qk_scale, scale)
 
 
 @gluon.jit
 def _dk_loader(q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, t_smem,
-               kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
-               qk_scale, scale):
+               kv_bar, q_ready, q_empty, do_ready, do_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
+               diag_offset, qk_scale, scale):
     _split_loader(True, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-                  t_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
-                  qk_scale, scale)
+                  t_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, b, kvh, n0, group_size, nheads, seqlen_q,
+                  seqlen_k, diag_offset, qk_scale, scale)
+
+
+@gluon.jit
+def _rings(q_desc, do_desc, NUM_Q: gl.constexpr, NUM_DO: gl.constexpr, NUM_WG: gl.constexpr):
+    """The Q and dO rings of the split kernels and their barriers (every consumer
+    warpgroup releases each slot)."""
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_Q, 1, 1, ROWS, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_DO, 1, 1, ROWS, HEAD_D], do_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_Q, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_Q, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [NUM_DO, 1], mbarrier.MBarrierLayout())
+    do_empty = gl.allocate_shared_memory(gl.int64, [NUM_DO, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(NUM_Q):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=NUM_WG)
+    for i in gl.static_range(NUM_DO):
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(do_empty.index(i), count=NUM_WG)
+    return q_smem, do_smem, q_ready, q_empty, do_ready, do_empty
 
 
 @gluon.jit
 def _dv_kernel(q_desc, k_desc, do_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size, seqlen_q, seqlen_k,
                num_n_blocks, diag_offset, qk_scale, scale,
-               CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+               CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, NUM_DO: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                LOADER_REGS: gl.constexpr):
     """dV of 2 x 64 keys of one (batch, kv head) per program (flat grid, key blocks fastest)."""
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
@@ -643,22 +712,17 @@ def _dv_kernel(q_desc, k_desc, do_desc, dv_desc, Lse, Delta, nheads, nheads_k, g
     n0 = (pid % num_n_blocks) * (2 * ROWS)
     b = bk // nheads_k
     kvh = bk % nheads_k
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], do_desc.layout)
+    q_smem, do_smem, q_ready, q_empty, do_ready, do_empty = _rings(q_desc, do_desc, NUM_Q, NUM_DO, 2)
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], k_desc.layout)
     t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
     t_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], t_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kv_bar.index(i), count=1)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a slot
     # V is not needed: K's descriptor and tiles stand in for it (never read).
     args = (q_desc, k_desc, k_desc, do_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, k_smem, t_smem, kv_bar,
-            q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset, qk_scale, scale)
+            q_ready, q_empty, do_ready, do_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
+            qk_scale, scale)
     gl.warp_specialize([(_dv_consumer0, args), (_dv_consumer1, args), (_dv_loader, args)], [4, 1],
                        [CONSUMER_REGS, LOADER_REGS])
 
@@ -666,7 +730,7 @@ def _dv_kernel(q_desc, k_desc, do_desc, dv_desc, Lse, Delta, nheads, nheads_k, g
 @gluon.jit
 def _dk_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, Lse, Delta, nheads, nheads_k, group_size, seqlen_q,
                seqlen_k, num_n_blocks, diag_offset, qk_scale, scale,
-               CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, LOADER_REGS: gl.constexpr):
+               CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, NUM_DO: gl.constexpr, LOADER_REGS: gl.constexpr):
     """dK of 64 keys of one (batch, kv head) per program: one consumer warpgroup."""
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
@@ -675,23 +739,17 @@ def _dk_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, Lse, Delta, nheads, nhe
     n0 = (pid % num_n_blocks) * ROWS
     b = bk // nheads_k
     kvh = bk % nheads_k
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], do_desc.layout)
+    q_smem, do_smem, q_ready, q_empty, do_ready, do_empty = _rings(q_desc, do_desc, NUM_Q, NUM_DO, 1)
     k_smem = gl.allocate_shared_memory(dtype, [1, 1, 1, ROWS, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [1, 1, 1, ROWS, HEAD_D], v_desc.layout)
     t_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
     t_smem = gl.allocate_shared_memory(dtype, [1, ROWS, ROWS], t_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [2 if CAUSAL else 1, 1], mbarrier.MBarrierLayout())
-    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_bar.index(0), count=1)
-    for i in gl.static_range(NUM_BUF):
-        mbarrier.init(q_ready.index(i), count=1)
-        mbarrier.init(q_empty.index(i), count=1)
     args = (q_desc, k_desc, v_desc, do_desc, dk_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, t_smem, kv_bar,
-            q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset, qk_scale, scale)
+            q_ready, q_empty, do_ready, do_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
+            qk_scale, scale)
     gl.warp_specialize([(_dk_consumer0, args), (_dk_loader, args)], [1], [LOADER_REGS])
-
 
 
 # ---------------------------------------------------------------------------- host
@@ -723,7 +781,8 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
             minus the LSE's own upstream gradient if any).
         causal: key j visible to query i iff j <= i + diag_offset.
         dkdv_num_buf, dq_block_n, dq_num_buf: ring slots and key tile (experiments;
-            defaults: DKDV_NUM_BUF, or SPLIT_NUM_BUF at d256; ``default_dq_block_n``).
+            defaults: DKDV_NUM_BUF, ``default_dq_block_n``, DQ_NUM_BUF). The split
+            kernels of d256 have fixed rings (DV_RING, DK_RING): dkdv_num_buf is refused there.
         kernels: which kernels to launch: ("dkdv", "dq"), or a part to time it alone
             (benchmarks/experiments/gluon_bwd.py --split); at d256 also "dv" or "dk".
     """
@@ -732,7 +791,10 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
     allowed = {"dkdv", "dq", "dv", "dk"} if split else {"dkdv", "dq"}
     if not set(kernels) <= allowed:
         raise ValueError(f"kernels must be among {sorted(allowed)} at head dim {head_dim}, got {kernels!r}")
-    dkdv_num_buf = dkdv_num_buf or (SPLIT_NUM_BUF if split else DKDV_NUM_BUF)
+    if split and dkdv_num_buf is not None:
+        raise ValueError(f"dkdv_num_buf does not apply at head dim {head_dim}: its dV and dK kernels have fixed "
+                         f"rings (DV_RING={DV_RING}, DK_RING={DK_RING})")
+    dkdv_num_buf = dkdv_num_buf or DKDV_NUM_BUF
     if dkdv_num_buf < 2 or dq_num_buf < 2:  # one slot: the loader waits for a release that never comes
         raise ValueError(f"ring slots must be >= 2, got dkdv_num_buf={dkdv_num_buf}, dq_num_buf={dq_num_buf}")
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
@@ -752,13 +814,13 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
         nb = triton.cdiv(seqlen_k, 2 * BLOCK)
         _launch_dv((nb * batch * nheads_k,),
                    (q_d, desc(k, BLOCK), do_d, desc(dv, BLOCK), *sizes, nb, diag_offset, scale * LOG2E, scale),
-                   dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), 4, 1)
+                   dict(CAUSAL=causal, NUM_Q=DV_RING[0], NUM_DO=DV_RING[1], **regs), 4, 1)
     if split and {"dkdv", "dk"} & set(kernels):
         nb = triton.cdiv(seqlen_k, BLOCK)
         _launch_dk((nb * batch * nheads_k,),
                    (q_d, desc(k, BLOCK), desc(v, BLOCK), do_d, desc(dk, BLOCK), *sizes, nb, diag_offset,
                     scale * LOG2E, scale),
-                   dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, LOADER_REGS=LOADER_REGS), 4, 1)
+                   dict(CAUSAL=causal, NUM_Q=DK_RING[0], NUM_DO=DK_RING[1], LOADER_REGS=LOADER_REGS), 4, 1)
     if not split and "dkdv" in kernels:
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
         _launch_dkdv((num_n_blocks * batch * nheads_k,),

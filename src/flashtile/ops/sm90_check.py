@@ -198,20 +198,21 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
     from . import backward_sm90 as bw
 
     split = head_dim in bw.SPLIT_HEAD_DIMS
-    dkdv_num_buf = dkdv_num_buf or (bw.SPLIT_NUM_BUF if split else bw.DKDV_NUM_BUF)
+    dkdv_num_buf = dkdv_num_buf or bw.DKDV_NUM_BUF
     dq_block_n = dq_block_n or bw.default_dq_block_n(head_dim)
     dq_num_buf = dq_num_buf or bw.DQ_NUM_BUF
     regs = dict(CONSUMER_REGS=bw.CONSUMER_REGS, LOADER_REGS=bw.LOADER_REGS)
-    tag = f"{dtype} d{head_dim} causal={causal} num_buf={dkdv_num_buf}"
-    if split:
-        out = [_compile_ws(f"bwd-ws-dv {tag}", bw._dv_kernel, dtype, head_dim,
+    if split:  # fixed rings (DV_RING, DK_RING)
+        tag = f"{dtype} d{head_dim} causal={causal}"
+        out = [_compile_ws(f"bwd-ws-dv {tag} rings={bw.DV_RING}", bw._dv_kernel, dtype, head_dim,
                            dict.fromkeys(("q_desc", "k_desc", "do_desc", "dv_desc"), bw.BLOCK),
-                           dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs)),
-               _compile_ws(f"bwd-ws-dk {tag}", bw._dk_kernel, dtype, head_dim,
+                           dict(CAUSAL=causal, NUM_Q=bw.DV_RING[0], NUM_DO=bw.DV_RING[1], **regs)),
+               _compile_ws(f"bwd-ws-dk {tag} rings={bw.DK_RING}", bw._dk_kernel, dtype, head_dim,
                            dict.fromkeys(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc"), bw.BLOCK),
-                           dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, LOADER_REGS=bw.LOADER_REGS))]
+                           dict(CAUSAL=causal, NUM_Q=bw.DK_RING[0], NUM_DO=bw.DK_RING[1],
+                                LOADER_REGS=bw.LOADER_REGS))]
     else:
-        out = [_compile_ws(f"bwd-ws-dkdv {tag}", bw._dkdv_kernel, dtype, head_dim,
+        out = [_compile_ws(f"bwd-ws-dkdv {dtype} d{head_dim} causal={causal} num_buf={dkdv_num_buf}", bw._dkdv_kernel, dtype, head_dim,
                            dict.fromkeys(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc"), bw.BLOCK),
                            dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs))]
     out.append(_compile_ws(f"bwd-ws-dq {dtype} d{head_dim} causal={causal} block_n={dq_block_n} num_buf={dq_num_buf}",
