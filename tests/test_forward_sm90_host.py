@@ -52,3 +52,23 @@ def test_block_n_and_table():
         # Short causal d64 keeps the Triton kernel's 64-row tiles (H200 run 23).
         assert cfg.use_ws == (bucket in (64, 128, 256) and (bucket, causal, long) != (64, True, False))
     assert not any(cfg.use_ws for cfg in configs._GENERIC_FWD.values())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tma_descriptor_is_the_checked_constructors(dtype):
+    """``tma_descriptor`` skips the dataclass's checks but must build the same descriptor
+    (same fields, so the same launch arguments and the same direct-launch key)."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from flashtile.ops.forward_sm90 import _smem_layout, tma_descriptor
+    from flashtile.ops.launch import arg_key
+
+    for d in (64, 128, 256):
+        packed = torch.zeros(2, 40, 3, 4, d, dtype=dtype)[:, :, 1].transpose(1, 2)  # (B, H, S, D) of a qkv pack
+        for t in (packed, torch.zeros(1, 2, 17, d, dtype=dtype)):
+            for rows in (32, 64, 128):
+                fast = tma_descriptor(t, rows)
+                checked = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d],
+                                           _smem_layout(rows, d, str(dtype).replace("torch.", "")))
+                assert fast == checked and fast.base is t
+                assert arg_key(fast) == arg_key(checked)

@@ -78,6 +78,25 @@ def test_descriptor_keys_refine_triton_specialization():
                 assert _triton_spec(a) == _triton_spec(b)
 
 
+def test_gluon_descriptor_keys_refine_triton_specialization():
+    """Gluon descriptors carry a shared-memory layout: the key holds the layout object
+    (compared by value), Triton's specialization its string."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    descs = []
+    for dtype, gl_dtype in ((torch.float16, gl.float16), (torch.bfloat16, gl.bfloat16)):
+        t = torch.zeros(2, 3, 64, 128, dtype=dtype)
+        for rows in (32, 64):
+            for inner in (16, 32, 64):  # three layouts (32-, 64-, 128-byte swizzle) for one block shape
+                layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, inner], gl_dtype)
+                descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, 128], layout))
+    assert len({launch.arg_key(d) for d in descs}) == len({str(_triton_spec(d)) for d in descs}) == 12
+    for a in descs:
+        for b in descs:
+            assert (launch.arg_key(a) == launch.arg_key(b)) == (_triton_spec(a) == _triton_spec(b)), (a, b)
+
+
 def test_unknown_argument_types_take_tritons_path():
     class Odd:
         pass

@@ -190,18 +190,21 @@ attn_fwd.register_autograd(_backward, setup_context=_setup_context)
 class _EagerAttention(torch.autograd.Function):
     """The same forward, saved tensors and backward as the op's registered autograd, without
     the custom-op dispatch (measured on CPU, kernels stubbed: ~50 us of host time per
-    training call; short sequences are launch-bound on the GPU)."""
+    training call; short sequences are launch-bound on the GPU).
+
+    ``forward`` takes ctx itself: a separate ``setup_context`` makes every ``apply`` bind
+    its arguments with ``inspect.signature`` (torch 2.11-2.13; ~25 us of the device host's
+    time per call, H200 run 50). Only plain eager calls come here (``_plain_eager``: no
+    functorch transform, which would need ``setup_context``)."""
 
     @staticmethod
-    def forward(*inputs):
-        return _attn_fwd_impl(*inputs)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
+    def forward(ctx, *inputs):
+        output = _attn_fwd_impl(*inputs)
         # An unused LSE (or out) arrives as None and skips the Delta update; the op's
         # autograd passes zeros instead. Same gradients either way.
         ctx.set_materialize_grads(False)
         _setup_context(ctx, inputs, output)
+        return output
 
     @staticmethod
     def backward(ctx, dout, dlse):

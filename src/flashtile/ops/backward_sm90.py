@@ -62,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .forward import LOG2E
 from . import forward_sm90
-from .forward_sm90 import _load_kv_tiles, _smem_layout, _work_item
+from .forward_sm90 import _load_kv_tiles, _work_item, tma_descriptor
 from .launch import Launcher
 
 BLOCK = 64  # rows per consumer warpgroup (keys in dK/dV, queries in dQ), queries per dK/dV step
@@ -798,15 +798,8 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
     if dkdv_num_buf < 2 or dq_num_buf < 2:  # one slot: the loader waits for a release that never comes
         raise ValueError(f"ring slots must be >= 2, got dkdv_num_buf={dkdv_num_buf}, dq_num_buf={dq_num_buf}")
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
-    dtype_name = str(q.dtype).replace("torch.", "")
     dq_block_n = dq_block_n or default_dq_block_n(head_dim)
-
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    def desc(t, rows):
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim],
-                                _smem_layout(rows, head_dim, dtype_name))
-
+    desc = tma_descriptor
     q_d, do_d = desc(q, BLOCK), desc(dout, BLOCK)
     regs = dict(CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
     sizes = (lse, delta, nheads, nheads_k, nheads // nheads_k, seqlen_q, seqlen_k)

@@ -55,8 +55,10 @@ def arg_key(a: Any) -> Any:
     if hasattr(a, "data_ptr"):  # torch.Tensor (or a tensor-like Triton accepts)
         return (a.dtype, a.data_ptr() % 16 == 0)
     if hasattr(a, "block_shape"):  # triton.tools.tensor_descriptor.TensorDescriptor
+        # Gluon's shared-memory layouts are frozen dataclasses, hashed and compared by value
+        # (their str, which Triton's key holds, costs 3x as much).
         return ("desc", a.base.dtype, tuple(a.block_shape), getattr(a, "padding", None),
-                str(getattr(a, "layout", None)), a.base.data_ptr() % 16 == 0)
+                getattr(a, "layout", None), a.base.data_ptr() % 16 == 0)
     return _UNKNOWN
 
 
