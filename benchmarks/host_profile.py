@@ -1,6 +1,7 @@
 """Where the host time of one call goes (GPU needed): cProfile over many enqueued calls.
 
     PYTHONPATH=src python3 benchmarks/host_profile.py [--calls 300] [--top 25]
+    PYTHONPATH=src python3 benchmarks/host_profile.py --no-profile [--repeat 5]   # A/B: times only
 
 Profiles, at d128 S512 causal (bf16, batch 32, 16 heads), the forward launcher alone with
 the TMA config and with pointer loads, the public forward without and with grad, and the
@@ -45,6 +46,9 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--headdim", type=int, default=128)
     p.add_argument("--seqlen", type=int, default=512)
+    p.add_argument("--no-profile", action="store_true",
+                   help="only the host time per call, the minimum over --repeat rounds (for A/B runs)")
+    p.add_argument("--repeat", type=int, default=5)
     args = p.parse_args(argv)
     d, S = args.headdim, args.seqlen
     B, H = 16384 // S, 2048 // d
@@ -64,7 +68,11 @@ def main(argv=None) -> int:
         "backward (autograd.grad)": lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
     }
     for name, fn in cases.items():
-        profile(name, fn, args.calls, args.top)
+        if args.no_profile:
+            best = min(host_us(fn, args.calls, warmup=20) for _ in range(args.repeat))
+            print(f"{name}: {best:.1f} us/call host (min of {args.repeat})", flush=True)
+        else:
+            profile(name, fn, args.calls, args.top)
     return 0
 
 

@@ -42,7 +42,8 @@ def test_gpu_slug() -> None:
 def test_dry_run_rows_have_exactly_the_required_keys(tmp_path: Path) -> None:
     rows = _dry_run(tmp_path, "--no-plot", "--headdim", "64", "--seqlen", "1024", "32768",
                     "--pass", "fwd", "bwd", "fwd_bwd", "--memory")
-    by_pass = {p: [r for r in rows if r["pass"] == p] for p in ("fwd", "bwd", "fwd_bwd", "first_call", "fwd_mem")}
+    by_pass = {p: [r for r in rows if r["pass"] == p]
+               for p in ("fwd", "bwd", "fwd_bwd", "first_call", "fwd_mem", "fwd_bwd_mem")}
     # 2 seqlens x 2 causal x 2 dtypes x 6 impls per timed pass
     assert all(len(by_pass[p]) == 48 for p in ("fwd", "bwd", "fwd_bwd"))
     for row in rows:
@@ -52,6 +53,8 @@ def test_dry_run_rows_have_exactly_the_required_keys(tmp_path: Path) -> None:
             assert set(row) == REQUIRED | {"first_call_s"}
         elif row["pass"] == "fwd_mem":
             assert set(row) == REQUIRED | {"extra_mib", "output_lse_mib"} and row["batch"] == 1
+        elif row["pass"] == "fwd_bwd_mem":
+            assert set(row) == REQUIRED | {"extra_mib", "out_lse_grads_mib"} and row["batch"] == 1
         else:
             assert set(row) == REQUIRED and row["ms"] > 0
             flops = attention_flops(row["batch"], row["nheads"], row["seqlen_q"], row["seqlen_k"],

@@ -291,36 +291,52 @@ def timed_call(impl: str, shape: Shape, pass_: str, inputs: list[Any]) -> Callab
 
 
 def memory_rows(shape: Shape, impls: list[str], emit: Callable[[str, str, dict[str, Any]], None]) -> None:
-    """fwd_mem rows: peak memory (MiB) one forward allocates beyond its inputs, measured after
-    a warm-up call so compilation and autotuning buffers stay out of the peak."""
+    """fwd_mem rows: peak memory (MiB) one forward allocates beyond its inputs; fwd_bwd_mem
+    rows: the same for one training step (forward, then the gradients of q, k and v for a
+    given upstream gradient). Measured after a warm-up call so compilation and autotuning
+    buffers stay out of the peak. ``output_lse_mib`` / ``out_lse_grads_mib``: what a fused
+    kernel must allocate at least (out and LSE; plus dq, dk, dv)."""
     import torch
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[shape.dtype]
     for impl in impls:
         dims = ((shape.batch, shape.seqlen, shape.nheads, shape.headdim) if impl == "flashtile"
                 else (shape.batch, shape.nheads, shape.seqlen, shape.headdim))
-        try:
-            q, k, v = (torch.randn(*dims, dtype=dt, device="cuda") for _ in range(3))
-            forward = build_forward(impl, shape, q, k, v)
-            forward()
-            torch.cuda.synchronize()
+        for pass_ in ("fwd_mem", "fwd_bwd_mem"):
+            train = pass_ == "fwd_bwd_mem"
+            try:
+                q, k, v = (torch.randn(*dims, dtype=dt, device="cuda", requires_grad=train) for _ in range(3))
+                forward = build_forward(impl, shape, q, k, v)
+                dout = torch.randn_like(q) if train else None
+
+                def step(q=q, k=k, v=v, dout=dout, forward=forward):
+                    out = _first(forward())
+                    return torch.autograd.grad(out, (q, k, v), dout) if train else out
+
+                step()
+                torch.cuda.synchronize()
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+                base = torch.cuda.memory_allocated()
+                result = step()
+                torch.cuda.synchronize()
+                fields = {"extra_mib": (torch.cuda.max_memory_allocated() - base) / 2**20}
+                fields["out_lse_grads_mib" if train else "output_lse_mib"] = (
+                    output_lse_mib(shape) + (3 * _tensor_mib(shape) if train else 0.0))
+                del result, forward, q, k, v, dout, step
+            except Exception as err:
+                fields = {"skipped": _reason(err)}
             torch.cuda.empty_cache()
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-            out = forward()
-            torch.cuda.synchronize()
-            fields = {"extra_mib": (torch.cuda.max_memory_allocated() - base) / 2**20,
-                      "output_lse_mib": output_lse_mib(shape)}
-            del out, forward, q, k, v
-        except Exception as err:
-            fields = {"skipped": _reason(err)}
-        torch.cuda.empty_cache()
-        emit(impl, "fwd_mem", fields)
+            emit(impl, pass_, fields)
+
+
+def _tensor_mib(shape: Shape) -> float:
+    """One (B, S, H, D) 2-byte tensor (q, or a gradient of it), MiB."""
+    return shape.batch * shape.seqlen * shape.nheads * shape.headdim * 2 / 2**20
 
 
 def output_lse_mib(shape: Shape) -> float:
     """Size of what a fused forward must write: the output plus the fp32 log-sum-exp."""
-    out = shape.batch * shape.seqlen * shape.nheads * shape.headdim * 2
-    return (out + shape.batch * shape.nheads * shape.seqlen * 4) / 2**20
+    return _tensor_mib(shape) + shape.batch * shape.nheads * shape.seqlen * 4 / 2**20
 
 
 # ---------------------------------------------------------------- tables and plots
@@ -330,7 +346,8 @@ def _last_by_key(rows: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[tupl
 
 def summary_markdown(rows: list[dict[str, Any]]) -> str:
     """TFLOP/s per shape (one column per impl) with flashtile's ratio to sdpa-flash and
-    sdpa-cudnn; first-call seconds and forward memory tables when those rows exist."""
+    sdpa-cudnn; first-call seconds and forward and training-step memory tables when those
+    rows exist."""
     shape_keys = ("headdim", "seqlen_q", "batch", "causal", "dtype", "pass")
     timed = [r for r in rows if r["pass"] in PASSES]
     impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
@@ -351,7 +368,9 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
 
     lines: list[str] = []
     for pass_name, field, unit, fmt in (("first_call", "first_call_s", "first call, s", ".2f"),
-                                        ("fwd_mem", "extra_mib", "fwd extra memory, MiB", ".0f")):
+                                        ("fwd_mem", "extra_mib", "fwd extra memory, MiB", ".0f"),
+                                        ("fwd_bwd_mem", "extra_mib", "training step (fwd + bwd) extra memory, MiB",
+                                         ".0f")):
         sub = _last_by_key([r for r in rows if r["pass"] == pass_name],
                            ("headdim", "seqlen_q", "batch", "causal", "dtype", "impl"))
         if not sub:
@@ -434,7 +453,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
     p.add_argument("--rep", type=int, default=100, help="do_bench repetitions, ms")
     p.add_argument("--memory", action="store_true",
-                   help="also measure peak extra memory of one forward at batch 1 (pass fwd_mem)")
+                   help="also measure peak extra memory at batch 1 of one forward (pass fwd_mem) and "
+                        "of one training step (pass fwd_bwd_mem)")
     p.add_argument("--quick", action="store_true", help="seqlen 1024 4096 16384, headdim 64 128")
     p.add_argument("--dry-run", action="store_true", help="no CUDA: print the plan, write fake rows")
     p.add_argument("--no-plot", action="store_true")
@@ -477,9 +497,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or (Path(tempfile.mkdtemp(prefix="flashtile-bench-")) if args.dry_run
                        else Path("benchmarks/results") / gpu_slug(info.gpu))
     writer = RowWriter(out / f"{tag}.jsonl")
-    n_measure = len(shapes) * len(args.impl) * len(args.passes) + len(mem_shapes) * len(args.impl)
+    n_measure = len(shapes) * len(args.impl) * len(args.passes) + 2 * len(mem_shapes) * len(args.impl)
     print(f"flashtile bench: {len(shapes)} shapes x {len(args.impl)} impls x {len(args.passes)} passes"
-          f" + {len(mem_shapes) * len(args.impl)} memory = {n_measure} measurements on {info.gpu}"
+          f" + {2 * len(mem_shapes) * len(args.impl)} memory = {n_measure} measurements on {info.gpu}"
           f" (torch {info.torch}, triton {info.triton}, commit {info.commit}) -> {writer.path}", flush=True)
 
     items, log = _progress(shapes + mem_shapes)
@@ -492,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         writer.write(row)
         what = (f"skipped: {row['skipped']}" if "skipped" in row else
                 f"{row['first_call_s']:.3f} s first call" if pass_ == "first_call" else
-                f"{row['extra_mib']:.0f} MiB extra" if pass_ == "fwd_mem" else
+                f"{row['extra_mib']:.0f} MiB extra" if pass_ in ("fwd_mem", "fwd_bwd_mem") else
                 f"{row['ms']:.3f} ms {row['tflops']:6.1f} TFLOP/s")
         diff = row["max_abs_diff"]
         log(f"[{done[0]}/{len(shapes) + len(mem_shapes)}] {shape.label():34s} {pass_:10s} {impl:15s} {what}"
@@ -542,6 +562,9 @@ def _dry_run_rows(shape: Shape, impls: list[str], passes: list[str],
         elif passes == ["fwd_mem"]:
             extra = shape.scores_bytes() * 2.5 / 2**20 if impl == "naive" else output_lse_mib(shape)
             emit(impl, "fwd_mem", {"extra_mib": extra, "output_lse_mib": output_lse_mib(shape)})
+            minimum = output_lse_mib(shape) + 3 * _tensor_mib(shape)
+            extra = shape.scores_bytes() * 4 / 2**20 if impl == "naive" else minimum
+            emit(impl, "fwd_bwd_mem", {"extra_mib": extra, "out_lse_grads_mib": minimum})
         else:
             emit(impl, "first_call", {"first_call_s": 0.5, "max_abs_diff": 0.0})
             for pass_ in passes:
