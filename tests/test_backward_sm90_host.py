@@ -62,9 +62,5 @@ def test_launch_arguments_are_checked_before_any_work():
                               causal=False, dkdv_num_buf=4)
     with pytest.raises(ValueError, match="ring slots"):
         attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, dkdv_num_buf=1)
-    with pytest.raises(ValueError, match="dkdv_p_buf"):  # two P/dS buffers hold each ring slot a step longer
-        attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, dkdv_num_buf=2, dkdv_p_buf=2)
-    with pytest.raises(ValueError, match="dkdv_p_buf"):
-        attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, dkdv_p_buf=3)
     with pytest.raises(ValueError, match="ring slots"):
         attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, dq_num_buf=1)

@@ -71,7 +71,6 @@ ROWS = gl.constexpr(BLOCK)
 # in flight) and two loading. 4, not 3: the modulo-3 slot arithmetic made d128 spill.
 DKDV_NUM_BUF = 4
 DQ_NUM_BUF = 3  # K/V ring slots of the dQ kernel (H200 run 35: 3 beat 2 by 17-30%)
-
 LOADER_REGS = 24
 CONSUMER_REGS = 240
 HEAD_DIMS = forward_sm90.HEAD_DIMS
@@ -88,14 +87,6 @@ SPLIT_HEAD_DIMS = (256,)  # dV and dK from separate kernels (``_dv_kernel``, ``_
 #       dS 8 KB = 200 KB (two warpgroups would need 256 KB).
 DV_RING = (2, 2)
 DK_RING = (3, 1)
-
-
-def default_dkdv_p_buf(head_dim: int) -> int:
-    """P and dS buffers per warpgroup of the dK/dV kernel (``_dkdv_consumer``): with 2 a
-    step does not wait for the previous step's dV/dK products. 2 at d64 (164 KB of shared
-    memory, no spills); 1 at d128, where 4 (Q, dO) slots leave no room for 32 KB more and 3
-    slots spill (96-164 bytes)."""
-    return 2 if head_dim <= 64 else 1
 
 
 def default_dq_block_n(head_dim: int) -> int:
@@ -203,12 +194,9 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
 
     # P and dS (queries x keys) of the previous step wait in shared memory for their dV/dK
     # products, which read them transposed (as register operands they kept 32 more
-    # registers live: spills at d128). With one buffer (P_BUF 1) a step waits for the
-    # previous step's dV/dK products before it overwrites them; with two (P_BUF 2) it
-    # stores into the other buffer and never waits for them: the next step's wait for its
-    # S and dP covers them (wgmma groups complete in order), and Q/dO slots are released
-    # a step later.
-    P_BUF: gl.constexpr = p_smem.type.shape[0] // 2  # buffers per warpgroup
+    # registers live: spills at d128).
+    p_tile = p_smem.index(WG)
+    ds_tile = ds_smem.index(WG)
     dk = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
     dv = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
     mbarrier.wait(kv_bar.index(WG), 0)
@@ -221,8 +209,8 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
         st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
         pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
                             qk_scale, CAUSAL, dtype, s_layout)
-        p_smem.index(WG * P_BUF).store(pt)
-        ds_smem.index(WG * P_BUF).store(dst)
+        p_tile.store(pt)
+        ds_tile.store(dst)
         fence_async_shared()
     for s in range(1, n_steps):
         prev = (s - 1) % NUM_BUF
@@ -231,37 +219,22 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
                            use_acc=False, is_async=True)
         dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
                             use_acc=False, is_async=True)
-        dv = warpgroup_mma(p_smem.index(WG * P_BUF + (s - 1) % P_BUF).permute((1, 0)),
-                           do_smem.index(prev).reshape([ROWS, HEAD_D]), dv, is_async=True)
-        dk = warpgroup_mma(ds_smem.index(WG * P_BUF + (s - 1) % P_BUF).permute((1, 0)),
-                           q_smem.index(prev).reshape([ROWS, HEAD_D]), dk, is_async=True)
-        if P_BUF == 2:
-            # The accumulators pass through the wait still in flight (the software
-            # pipeliner's pattern): only the next products read them.
-            st, dpt, dk, dv = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt, dk, dv))
-            if s >= 2:  # step s-2's products were issued before S_s: done
-                mbarrier.arrive(q_empty.index((s - 2) % NUM_BUF), count=1)
-        else:
-            st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # step s-1's products stay in flight
+        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(prev).reshape([ROWS, HEAD_D]), dv, is_async=True)
+        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(prev).reshape([ROWS, HEAD_D]), dk, is_async=True)
+        st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # step s-1's products stay in flight
         pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
                             qk_scale, CAUSAL, dtype, s_layout)
-        if P_BUF == 1:
-            dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-            mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
-        p_smem.index(WG * P_BUF + s % P_BUF).store(pt)
-        ds_smem.index(WG * P_BUF + s % P_BUF).store(dst)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
+        p_tile.store(pt)
+        ds_tile.store(dst)
         fence_async_shared()
 
     if n_steps > 0:
         last = (n_steps - 1) % NUM_BUF
-        dv = warpgroup_mma(p_smem.index(WG * P_BUF + (n_steps - 1) % P_BUF).permute((1, 0)),
-                           do_smem.index(last).reshape([ROWS, HEAD_D]), dv, is_async=True)
-        dk = warpgroup_mma(ds_smem.index(WG * P_BUF + (n_steps - 1) % P_BUF).permute((1, 0)),
-                           q_smem.index(last).reshape([ROWS, HEAD_D]), dk, is_async=True)
+        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(last).reshape([ROWS, HEAD_D]), dv, is_async=True)
+        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(last).reshape([ROWS, HEAD_D]), dk, is_async=True)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-        if P_BUF == 2:
-            if n_steps >= 2:
-                mbarrier.arrive(q_empty.index((n_steps - 2) % NUM_BUF), count=1)
         mbarrier.arrive(q_empty.index(last), count=1)
 
     # K and V are no longer read: their tiles stage dK and dV for the TMA stores, which
@@ -325,7 +298,7 @@ def _load_qdo_steps(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, b, kvh, 
 @gluon.jit
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size,
                  seqlen_q, seqlen_k, num_n_blocks, diag_offset, qk_scale, scale,
-                 CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, P_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                 CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                  LOADER_REGS: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
@@ -340,8 +313,8 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, 
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], v_desc.layout)
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
-    p_smem = gl.allocate_shared_memory(dtype, [2 * P_BUF, ROWS, ROWS], pds_layout)  # warpgroup-major
-    ds_smem = gl.allocate_shared_memory(dtype, [2 * P_BUF, ROWS, ROWS], pds_layout)
+    p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], pds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], pds_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -510,9 +483,11 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, nheads, gro
 
 # ---------------------------------------------------------------------------- dV and dK apart (d256)
 # At head dim 256 one warpgroup cannot hold both 64 x 256 float32 accumulators (dK and dV:
-# 256 registers per thread), so dV and dK come from separate kernels, one accumulator each,
-# with Q and dO rings of their own (DV_RING, DK_RING: shared memory at their definition).
-# 8 tile products per tile pair instead of 7: the dV kernel recomputes S.
+# 256 registers per thread), so dV and dK come from separate kernels, one accumulator each.
+# Shared memory (bf16): dV kernel: 2 ring slots of (Q, dO) 128 KB + K of 2 x 64 keys 64 KB
+# + P 16 KB = 208 KB; dK kernel: ring 128 KB + K and V of 64 keys 64 KB + dS 8 KB = 200 KB
+# (two warpgroups would need 256 KB). 8 tile products per tile pair instead of 7: the dV
+# kernel recomputes S.
 
 
 @gluon.jit
@@ -795,8 +770,7 @@ def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: i
 
 def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int, causal: bool,
                           dkdv_num_buf: int | None = None, dq_block_n: int | None = None,
-                          dq_num_buf: int = DQ_NUM_BUF, dkdv_p_buf: int | None = None,
-                          kernels: tuple = ("dkdv", "dq")) -> None:
+                          dq_num_buf: int = DQ_NUM_BUF, kernels: tuple = ("dkdv", "dq")) -> None:
     """Launch the dK/dV kernel (at d256: the dV and the dK kernel) and the dQ kernel; the
     caller checked ``ws_applies`` and TMA alignment.
 
@@ -806,10 +780,9 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
         lse, delta: (B, H, Sq) float32 contiguous (natural log; delta = rowsum(dO * O),
             minus the LSE's own upstream gradient if any).
         causal: key j visible to query i iff j <= i + diag_offset.
-        dkdv_num_buf, dq_block_n, dq_num_buf, dkdv_p_buf: ring slots, key tile and P/dS
-            buffers (experiments; defaults: DKDV_NUM_BUF, ``default_dq_block_n``,
-            DQ_NUM_BUF, ``default_dkdv_p_buf``). The split kernels of d256 have fixed rings (DV_RING,
-            DK_RING): dkdv_num_buf is refused there.
+        dkdv_num_buf, dq_block_n, dq_num_buf: ring slots and key tile (experiments;
+            defaults: DKDV_NUM_BUF, ``default_dq_block_n``, DQ_NUM_BUF). The split
+            kernels of d256 have fixed rings (DV_RING, DK_RING): dkdv_num_buf is refused there.
         kernels: which kernels to launch: ("dkdv", "dq"), or a part to time it alone
             (benchmarks/experiments/gluon_bwd.py --split); at d256 also "dv" or "dk".
     """
@@ -822,11 +795,8 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
         raise ValueError(f"dkdv_num_buf does not apply at head dim {head_dim}: its dV and dK kernels have fixed "
                          f"rings (DV_RING={DV_RING}, DK_RING={DK_RING})")
     dkdv_num_buf = dkdv_num_buf or DKDV_NUM_BUF
-    dkdv_p_buf = dkdv_p_buf or default_dkdv_p_buf(head_dim)
     if dkdv_num_buf < 2 or dq_num_buf < 2:  # one slot: the loader waits for a release that never comes
         raise ValueError(f"ring slots must be >= 2, got dkdv_num_buf={dkdv_num_buf}, dq_num_buf={dq_num_buf}")
-    if dkdv_p_buf not in (1, 2) or (dkdv_p_buf == 2 and dkdv_num_buf < 3):  # 2: slots are held a step longer
-        raise ValueError(f"dkdv_p_buf must be 1, or 2 with dkdv_num_buf >= 3; got {dkdv_p_buf}, {dkdv_num_buf}")
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     dq_block_n = dq_block_n or default_dq_block_n(head_dim)
     desc = tma_descriptor
@@ -849,7 +819,7 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
         _launch_dkdv((num_n_blocks * batch * nheads_k,),
                      (q_d, desc(k, BLOCK), desc(v, BLOCK), do_d, desc(dk, BLOCK), desc(dv, BLOCK), *sizes,
                       num_n_blocks, diag_offset, scale * LOG2E, scale),
-                     dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, P_BUF=dkdv_p_buf, **regs), 4, 1)
+                     dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), 4, 1)
     if "dq" not in kernels:
         return
     num_m_blocks = triton.cdiv(seqlen_q, 2 * BLOCK)

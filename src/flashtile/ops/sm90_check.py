@@ -192,15 +192,13 @@ def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int 
 
 
 def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf: int | None = None,
-                        dq_block_n: int | None = None, dq_num_buf: int | None = None,
-                        dkdv_p_buf: int | None = None) -> list[Compiled]:
+                        dq_block_n: int | None = None, dq_num_buf: int | None = None) -> list[Compiled]:
     """The warp-specialized Gluon backward (``backward_sm90``): the dK/dV kernel (at d256 the
     dV and the dK kernel) and the dQ kernel."""
     from . import backward_sm90 as bw
 
     split = head_dim in bw.SPLIT_HEAD_DIMS
     dkdv_num_buf = dkdv_num_buf or bw.DKDV_NUM_BUF
-    dkdv_p_buf = dkdv_p_buf or bw.default_dkdv_p_buf(head_dim)
     dq_block_n = dq_block_n or bw.default_dq_block_n(head_dim)
     dq_num_buf = dq_num_buf or bw.DQ_NUM_BUF
     regs = dict(CONSUMER_REGS=bw.CONSUMER_REGS, LOADER_REGS=bw.LOADER_REGS)
@@ -214,10 +212,9 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
                            dict(CAUSAL=causal, NUM_Q=bw.DK_RING[0], NUM_DO=bw.DK_RING[1],
                                 LOADER_REGS=bw.LOADER_REGS))]
     else:
-        tag = f"{dtype} d{head_dim} causal={causal} num_buf={dkdv_num_buf} p_buf={dkdv_p_buf}"
-        out = [_compile_ws(f"bwd-ws-dkdv {tag}", bw._dkdv_kernel, dtype, head_dim,
+        out = [_compile_ws(f"bwd-ws-dkdv {dtype} d{head_dim} causal={causal} num_buf={dkdv_num_buf}", bw._dkdv_kernel, dtype, head_dim,
                            dict.fromkeys(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc"), bw.BLOCK),
-                           dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, P_BUF=dkdv_p_buf, **regs))]
+                           dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs))]
     out.append(_compile_ws(f"bwd-ws-dq {dtype} d{head_dim} causal={causal} block_n={dq_block_n} num_buf={dq_num_buf}",
                            bw._dq_kernel, dtype, head_dim,
                            dict(q_desc=bw.BLOCK, k_desc=dq_block_n, v_desc=dq_block_n, do_desc=bw.BLOCK,
