@@ -4,9 +4,9 @@ variants, checked against fp32 autograd and timed next to the Triton backward an
     PYTHONPATH=src python3 benchmarks/experiments/gluon_bwd.py
     PYTHONPATH=src python3 benchmarks/experiments/gluon_bwd.py --variants "4,64,2;4,128,2"
 
-A variant is (dK/dV ring slots, dQ key tile, dQ ring slots). "api" is the library's
-backward as a user calls it (delta preprocess and the default variant), "triton" the same
-with FLASHTILE_WS=0. ``--split`` also times each kernel alone, in TF/s of its own tile
+A variant is (dK/dV ring slots, dQ key tile (0: the default), dQ ring slots). "api" is
+the library's backward as a user calls it (delta preprocess and the default variant),
+"triton" the same with FLASHTILE_WS=0. ``--split`` also times each kernel alone, in TF/s of its own tile
 products (one product over all tile pairs: 2 B H S^2 D FLOPs, half the forward's; the
 dK/dV kernel does 4, the dQ kernel 3).
 """

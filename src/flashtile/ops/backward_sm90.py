@@ -483,11 +483,9 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, nheads, gro
 
 # ---------------------------------------------------------------------------- dV and dK apart (d256)
 # At head dim 256 one warpgroup cannot hold both 64 x 256 float32 accumulators (dK and dV:
-# 256 registers per thread), so dV and dK come from separate kernels, one accumulator each.
-# Shared memory (bf16): dV kernel: 2 ring slots of (Q, dO) 128 KB + K of 2 x 64 keys 64 KB
-# + P 16 KB = 208 KB; dK kernel: ring 128 KB + K and V of 64 keys 64 KB + dS 8 KB = 200 KB
-# (two warpgroups would need 256 KB). 8 tile products per tile pair instead of 7: the dV
-# kernel recomputes S.
+# 256 registers per thread), so dV and dK come from separate kernels, one accumulator each,
+# with Q and dO rings of their own (DV_RING, DK_RING: shared memory at their definition).
+# 8 tile products per tile pair instead of 7: the dV kernel recomputes S.
 
 
 @gluon.jit
