@@ -62,5 +62,10 @@ def test_launch_arguments_are_checked_before_any_work():
                               causal=False, dkdv_num_buf=4)
     with pytest.raises(ValueError, match="ring slots"):
         attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, dkdv_num_buf=1)
+    with pytest.raises(ValueError, match="dkdv_block_q"):
+        attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, dkdv_block_q=96)
+    with pytest.raises(ValueError, match="dkdv_block_q"):  # d256's split kernels step by 64 queries
+        attention_backward_ws(t256, t256, t256, t256, lse, lse, t256, t256, t256, scale=0.125, diag_offset=0,
+                              causal=False, dkdv_block_q=128)
     with pytest.raises(ValueError, match="ring slots"):
         attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, dq_num_buf=1)

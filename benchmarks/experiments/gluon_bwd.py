@@ -4,8 +4,8 @@ variants, checked against fp32 autograd and timed next to the Triton backward an
     PYTHONPATH=src python3 benchmarks/experiments/gluon_bwd.py
     PYTHONPATH=src python3 benchmarks/experiments/gluon_bwd.py --variants "4,64,2;4,128,2"
 
-A variant is (dK/dV ring slots, dQ key tile (0: the default), dQ ring slots). "api" is
-the library's backward as a user calls it (delta preprocess and the default variant),
+A variant is (dK/dV ring slots, dQ key tile (0: the default), dQ ring slots[, queries per
+dK/dV step, 64 or 128]). "api" is the library's backward as a user calls it (delta preprocess and the default variant),
 "triton" the same with FLASHTILE_WS=0. ``--split`` also times each kernel alone, in TF/s of its own tile
 products (one product over all tile pairs: 2 B H S^2 D FLOPs, half the forward's; the
 dK/dV kernel does 4, the dQ kernel 3).
@@ -44,8 +44,10 @@ def library_launch(q, k, v, dout, lse, delta, dq, dk, dv, *, causal, diag, varia
     from flashtile.ops.backward_sm90 import SPLIT_HEAD_DIMS, attention_backward_ws
 
     dkdv_num_buf = None if q.shape[-1] in SPLIT_HEAD_DIMS else variant[0]
+    block_q = variant[3] if len(variant) > 3 else 64
     attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5, diag_offset=diag,
                           causal=causal, dkdv_num_buf=dkdv_num_buf, dq_block_n=variant[1], dq_num_buf=variant[2],
+                          dkdv_block_q=block_q,
                           kernels=kernels)
 
 
@@ -124,7 +126,7 @@ def run(variants, shapes, split: bool = False, launch=library_launch) -> None:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default="4,64,2;4,64,3;4,128,2",
-                   help="dkdv_num_buf,dq_block_n,dq_num_buf;...")
+                   help="dkdv_num_buf,dq_block_n,dq_num_buf[,dkdv_block_q];...")
     p.add_argument("--split", action="store_true", help="also time the dK/dV and dQ kernels alone")
     p.add_argument("--shapes", default="128,4096,0;128,4096,1;128,16384,1;64,4096,0;64,16384,1;64,1024,0;128,1024,1",
                    help="headdim,seqlen,causal;...")

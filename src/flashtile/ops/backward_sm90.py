@@ -137,11 +137,12 @@ def _step_tiles(s, q_lo, nq, kvh, group_size, q_smem, do_smem, q_ready):
     """Step s = (query head of the group, query block): the head, the first query row, and
     the (Q, dO) tiles once they have landed."""
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+    QROWS: gl.constexpr = q_smem.type.shape[3]
     HEAD_D: gl.constexpr = q_smem.type.shape[4]
     slot = s % NUM_BUF
     mbarrier.wait(q_ready.index(slot), (s // NUM_BUF) & 1)
-    return (kvh * group_size + s // nq, (q_lo + s % nq) * ROWS, q_smem.index(slot).reshape([ROWS, HEAD_D]),
-            do_smem.index(slot).reshape([ROWS, HEAD_D]))
+    return (kvh * group_size + s // nq, (q_lo + s % nq) * QROWS, q_smem.index(slot).reshape([QROWS, HEAD_D]),
+            do_smem.index(slot).reshape([QROWS, HEAD_D]))
 
 
 @gluon.jit
@@ -152,7 +153,8 @@ def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag
     the diagonal. Both paths end in the conversions: the caller's wait for the previous
     step's products then starts a new basic block, and ptxas, which schedules within
     one, cannot hoist that wait above this work (it did, with one path: no overlap)."""
-    rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    QROWS: gl.constexpr = s.shape[0]
+    rows = m0 + gl.arange(0, QROWS, layout=gl.SliceLayout(1, s_layout))
     keys = nk + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
     lse2, delta = _row_stats(Lse, Delta, b * nheads + hq, rows, seqlen_q)
     # Causal: keys past seqlen_k only reach their own (clipped) dK/dV rows, so only the
@@ -186,10 +188,11 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
                                                        instr_shape=[16, ROWS, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_D, 16])
+    QROWS: gl.constexpr = q_smem.type.shape[3]  # queries per step
     nk = n0 + WG * ROWS  # first key of this warpgroup
     k_tile = k_smem.index(WG).reshape([ROWS, HEAD_D])
     v_tile = v_smem.index(WG).reshape([ROWS, HEAD_D])
-    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
     n_steps = nq * group_size
 
     # P and dS (queries x keys) of the previous step wait in shared memory for their dV/dK
@@ -202,9 +205,9 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
     mbarrier.wait(kv_bar.index(WG), 0)
     if n_steps > 0:  # step 0: nothing to overlap with yet
         hq, m0, q_t, do_t = _step_tiles(0, q_lo, nq, kvh, group_size, q_smem, do_smem, q_ready)
-        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
                            use_acc=False, is_async=True)
-        dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+        dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
                             use_acc=False, is_async=True)
         st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
         pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
@@ -215,12 +218,12 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
     for s in range(1, n_steps):
         prev = (s - 1) % NUM_BUF
         hq, m0, q_t, do_t = _step_tiles(s, q_lo, nq, kvh, group_size, q_smem, do_smem, q_ready)
-        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
                            use_acc=False, is_async=True)
-        dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+        dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
                             use_acc=False, is_async=True)
-        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(prev).reshape([ROWS, HEAD_D]), dv, is_async=True)
-        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(prev).reshape([ROWS, HEAD_D]), dk, is_async=True)
+        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(prev).reshape([QROWS, HEAD_D]), dv, is_async=True)
+        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(prev).reshape([QROWS, HEAD_D]), dk, is_async=True)
         st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # step s-1's products stay in flight
         pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
                             qk_scale, CAUSAL, dtype, s_layout)
@@ -232,8 +235,8 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
 
     if n_steps > 0:
         last = (n_steps - 1) % NUM_BUF
-        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(last).reshape([ROWS, HEAD_D]), dv, is_async=True)
-        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(last).reshape([ROWS, HEAD_D]), dk, is_async=True)
+        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(last).reshape([QROWS, HEAD_D]), dv, is_async=True)
+        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(last).reshape([QROWS, HEAD_D]), dk, is_async=True)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(last), count=1)
 
@@ -284,11 +287,12 @@ def _load_qdo_steps(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, b, kvh, 
     """The (Q, dO) tiles of every step of key block n0 (``_step_tiles``' order) into the
     ring, each slot once its consumers have released it (a fresh barrier passes phase 1)."""
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
-    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    QROWS: gl.constexpr = q_smem.type.shape[3]
+    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
     for s in range(nq * group_size):
         slot = s % NUM_BUF
         hq = kvh * group_size + s // nq
-        m0 = (q_lo + s % nq) * ROWS
+        m0 = (q_lo + s % nq) * QROWS
         mbarrier.wait(q_empty.index(slot), ((s // NUM_BUF) & 1) ^ 1)
         mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, hq, m0, 0], q_ready.index(slot), q_smem.index(slot))
@@ -308,13 +312,14 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, 
     b = bk // nheads_k
     kvh = bk % nheads_k
 
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], do_desc.layout)
+    QROWS: gl.constexpr = q_desc.block_type.shape[2]  # queries per step
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], v_desc.layout)
-    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
-    p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], pds_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], pds_layout)
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QROWS, ROWS], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [2, QROWS, ROWS], pds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, QROWS, ROWS], pds_layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -768,7 +773,8 @@ def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: i
 
 def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int, causal: bool,
                           dkdv_num_buf: int | None = None, dq_block_n: int | None = None,
-                          dq_num_buf: int = DQ_NUM_BUF, kernels: tuple = ("dkdv", "dq")) -> None:
+                          dq_num_buf: int = DQ_NUM_BUF, dkdv_block_q: int = BLOCK,
+                          kernels: tuple = ("dkdv", "dq")) -> None:
     """Launch the dK/dV kernel (at d256: the dV and the dK kernel) and the dQ kernel; the
     caller checked ``ws_applies`` and TMA alignment.
 
@@ -781,6 +787,7 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
         dkdv_num_buf, dq_block_n, dq_num_buf: ring slots and key tile (experiments;
             defaults: DKDV_NUM_BUF, ``default_dq_block_n``, DQ_NUM_BUF). The split
             kernels of d256 have fixed rings (DV_RING, DK_RING): dkdv_num_buf is refused there.
+        dkdv_block_q: queries per step of the dK/dV kernel (experiment: 64 or 128; not d256).
         kernels: which kernels to launch: ("dkdv", "dq"), or a part to time it alone
             (benchmarks/experiments/gluon_bwd.py --split); at d256 also "dv" or "dk".
     """
@@ -795,6 +802,8 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
     dkdv_num_buf = dkdv_num_buf or DKDV_NUM_BUF
     if dkdv_num_buf < 2 or dq_num_buf < 2:  # one slot: the loader waits for a release that never comes
         raise ValueError(f"ring slots must be >= 2, got dkdv_num_buf={dkdv_num_buf}, dq_num_buf={dq_num_buf}")
+    if dkdv_block_q not in (BLOCK, 2 * BLOCK) or (split and dkdv_block_q != BLOCK):
+        raise ValueError(f"dkdv_block_q must be {BLOCK}, or {2 * BLOCK} below head dim 256; got {dkdv_block_q}")
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     dq_block_n = dq_block_n or default_dq_block_n(head_dim)
     desc = tma_descriptor
@@ -814,8 +823,9 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
                    dict(CAUSAL=causal, NUM_Q=DK_RING[0], NUM_DO=DK_RING[1], LOADER_REGS=LOADER_REGS), 4, 1)
     if not split and "dkdv" in kernels:
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
+        q_s, do_s = (q_d, do_d) if dkdv_block_q == BLOCK else (desc(q, dkdv_block_q), desc(dout, dkdv_block_q))
         _launch_dkdv((num_n_blocks * batch * nheads_k,),
-                     (q_d, desc(k, BLOCK), desc(v, BLOCK), do_d, desc(dk, BLOCK), desc(dv, BLOCK), *sizes,
+                     (q_s, desc(k, BLOCK), desc(v, BLOCK), do_s, desc(dk, BLOCK), desc(dv, BLOCK), *sizes,
                       num_n_blocks, diag_offset, scale * LOG2E, scale),
                      dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), 4, 1)
     if "dq" not in kernels:

@@ -192,7 +192,8 @@ def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int 
 
 
 def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf: int | None = None,
-                        dq_block_n: int | None = None, dq_num_buf: int | None = None) -> list[Compiled]:
+                        dq_block_n: int | None = None, dq_num_buf: int | None = None,
+                        dkdv_block_q: int | None = None) -> list[Compiled]:
     """The warp-specialized Gluon backward (``backward_sm90``): the dK/dV kernel (at d256 the
     dV and the dK kernel) and the dQ kernel."""
     from . import backward_sm90 as bw
@@ -212,8 +213,12 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
                            dict(CAUSAL=causal, NUM_Q=bw.DK_RING[0], NUM_DO=bw.DK_RING[1],
                                 LOADER_REGS=bw.LOADER_REGS))]
     else:
-        out = [_compile_ws(f"bwd-ws-dkdv {dtype} d{head_dim} causal={causal} num_buf={dkdv_num_buf}", bw._dkdv_kernel, dtype, head_dim,
-                           dict.fromkeys(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc"), bw.BLOCK),
+        block_q = dkdv_block_q or bw.BLOCK
+        tag = f"{dtype} d{head_dim} causal={causal} num_buf={dkdv_num_buf}"
+        tag += f" block_q={block_q}" if dkdv_block_q else ""
+        out = [_compile_ws(f"bwd-ws-dkdv {tag}", bw._dkdv_kernel, dtype, head_dim,
+                           dict(q_desc=block_q, k_desc=bw.BLOCK, v_desc=bw.BLOCK, do_desc=block_q, dk_desc=bw.BLOCK,
+                                dv_desc=bw.BLOCK),
                            dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs))]
     out.append(_compile_ws(f"bwd-ws-dq {dtype} d{head_dim} causal={causal} block_n={dq_block_n} num_buf={dq_num_buf}",
                            bw._dq_kernel, dtype, head_dim,
