@@ -44,8 +44,9 @@ def test_dry_run_rows_have_exactly_the_required_keys(tmp_path: Path) -> None:
                     "--pass", "fwd", "bwd", "fwd_bwd", "--memory")
     by_pass = {p: [r for r in rows if r["pass"] == p]
                for p in ("fwd", "bwd", "fwd_bwd", "first_call", "fwd_mem", "fwd_bwd_mem")}
-    # 2 seqlens x 2 causal x 2 dtypes x 6 impls per timed pass
+    # 2 seqlens x 2 causal x 2 dtypes x 6 impls per timed pass; 2 seqlens x 2 dtypes x 6 impls per memory pass
     assert all(len(by_pass[p]) == 48 for p in ("fwd", "bwd", "fwd_bwd"))
+    assert len(by_pass["fwd_mem"]) == len(by_pass["fwd_bwd_mem"]) == 24
     for row in rows:
         if "skipped" in row:
             assert set(row) == REQUIRED | {"skipped"} and row["ms"] is None and row["tflops"] is None

@@ -55,7 +55,7 @@ def test_block_n_and_table():
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_tma_descriptor_is_the_checked_constructors(dtype):
+def test_tma_descriptor_is_the_checked_constructors_descriptor(dtype):
     """``tma_descriptor`` skips the dataclass's checks but must build the same descriptor
     (same fields, so the same launch arguments and the same direct-launch key)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor

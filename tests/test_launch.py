@@ -91,7 +91,14 @@ def test_gluon_descriptor_keys_refine_triton_specialization():
             for inner in (16, 32, 64):  # three layouts (32-, 64-, 128-byte swizzle) for one block shape
                 layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, inner], gl_dtype)
                 descs.append(TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, 128], layout))
-    assert len({launch.arg_key(d) for d in descs}) == len({str(_triton_spec(d)) for d in descs}) == 12
+    # Equal by value, printed differently (an int where a bool belongs): Triton keys on the print.
+    odd = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4, transposed=0)
+    same = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=4, transposed=False)
+    t = torch.zeros(2, 3, 64, 128, dtype=torch.float16)
+    descs += [TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, 64, 128], lay) for lay in (odd, same)]
+    assert odd == same and str(odd) != str(same)
+    # 13: `same` is the fp16, 64-row, 128-byte-swizzle layout already in the list
+    assert len({launch.arg_key(d) for d in descs}) == len({str(_triton_spec(d)) for d in descs}) == 13
     for a in descs:
         for b in descs:
             assert (launch.arg_key(a) == launch.arg_key(b)) == (_triton_spec(a) == _triton_spec(b)), (a, b)

@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     done = [0]  # shapes started, for the progress prefix of each log line
     for idx, shape in enumerate(items):
         done[0] = idx + 1
-        passes = args.passes if idx < len(shapes) else ["fwd_mem"]
+        passes = args.passes if idx < len(shapes) else ["fwd_mem"]  # a memory shape: fwd_mem and fwd_bwd_mem
         shape_emit = partial(emit, shape)
         if args.dry_run:
             _dry_run_rows(shape, args.impl, passes, shape_emit)
@@ -557,7 +557,8 @@ def _dry_run_rows(shape: Shape, impls: list[str], passes: list[str],
     """Fake rows in place of measurements: ms from a plausible rate per impl."""
     for impl in impls:
         if impl == "naive" and shape.scores_bytes() > NAIVE_SCORES_LIMIT_BYTES:
-            for pass_ in passes:
+            # The memory marker pass stands for both memory passes, as in ``memory_rows``.
+            for pass_ in (("fwd_mem", "fwd_bwd_mem") if passes == ["fwd_mem"] else passes):
                 emit(impl, pass_, {"skipped": "dry-run: naive fp32 scores over the memory limit"})
         elif passes == ["fwd_mem"]:
             extra = shape.scores_bytes() * 2.5 / 2**20 if impl == "naive" else output_lse_mib(shape)

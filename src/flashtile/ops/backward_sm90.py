@@ -84,7 +84,7 @@ SPLIT_HEAD_DIMS = (256,)  # dV and dK from separate kernels (``_dv_kernel``, ``_
 #       keys 64 KB + P 16 KB = 208 KB.
 #   dK kernel (1 warpgroup): Q_s is read by S_s and by step s + 1's dK product, dO_s by
 #       dP_s only: (3 Q slots, 1 dO slot). Q 96 KB + dO 32 KB + K and V of 64 keys 64 KB +
-#       dS 8 KB = 200 KB (two warpgroups would need 256 KB).
+#       dS 8 KB = 200 KB (two warpgroups would need K and V of 128 keys and two dS: 272 KB).
 DV_RING = (2, 2)
 DK_RING = (3, 1)
 
@@ -133,6 +133,13 @@ def _step_range(n0, seqlen_q, diag_offset, ROWS: gl.constexpr, CAUSAL: gl.conste
 
 
 @gluon.jit
+def _step_rows(s, q_lo, nq, kvh, group_size, QROWS: gl.constexpr):
+    """Step s of a key block's walk over the queries: its query head and first query row
+    (the heads of the kv head's GQA group outer, the query blocks from q_lo inner)."""
+    return kvh * group_size + s // nq, (q_lo + s % nq) * QROWS
+
+
+@gluon.jit
 def _step_tiles(s, q_lo, nq, kvh, group_size, q_smem, do_smem, q_ready):
     """Step s = (query head of the group, query block): the head, the first query row, and
     the (Q, dO) tiles once they have landed."""
@@ -141,8 +148,8 @@ def _step_tiles(s, q_lo, nq, kvh, group_size, q_smem, do_smem, q_ready):
     HEAD_D: gl.constexpr = q_smem.type.shape[4]
     slot = s % NUM_BUF
     mbarrier.wait(q_ready.index(slot), (s // NUM_BUF) & 1)
-    return (kvh * group_size + s // nq, (q_lo + s % nq) * QROWS, q_smem.index(slot).reshape([QROWS, HEAD_D]),
-            do_smem.index(slot).reshape([QROWS, HEAD_D]))
+    hq, m0 = _step_rows(s, q_lo, nq, kvh, group_size, QROWS)
+    return hq, m0, q_smem.index(slot).reshape([QROWS, HEAD_D]), do_smem.index(slot).reshape([QROWS, HEAD_D])
 
 
 @gluon.jit
@@ -252,26 +259,26 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
 
 @gluon.jit
 def _dkdv_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-                    p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
-                    qk_scale, scale):
+                    p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
+                    diag_offset, qk_scale, scale):
     _dkdv_consumer(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-                   p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
-                   qk_scale, scale)
+                   p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
+                   diag_offset, qk_scale, scale)
 
 
 @gluon.jit
 def _dkdv_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-                    p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
-                    qk_scale, scale):
+                    p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
+                    diag_offset, qk_scale, scale):
     _dkdv_consumer(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-                   p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
-                   qk_scale, scale)
+                   p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
+                   diag_offset, qk_scale, scale)
 
 
 @gluon.jit
 def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-                 p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
-                 qk_scale, scale):
+                 p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
+                 diag_offset, qk_scale, scale):
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
     for wg in gl.static_range(2):
         mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -291,8 +298,7 @@ def _load_qdo_steps(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, b, kvh, 
     q_lo, nq = _step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
     for s in range(nq * group_size):
         slot = s % NUM_BUF
-        hq = kvh * group_size + s // nq
-        m0 = (q_lo + s % nq) * QROWS
+        hq, m0 = _step_rows(s, q_lo, nq, kvh, group_size, QROWS)
         mbarrier.wait(q_empty.index(slot), ((s // NUM_BUF) & 1) ^ 1)
         mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, hq, m0, 0], q_ready.index(slot), q_smem.index(slot))
@@ -504,16 +510,24 @@ def _p_only(s, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offse
 
 
 @gluon.jit
-def _wait_tile(smem, ready, s):
-    """Step s's tile of a ring (slot s % slots) once it has landed, as a (ROWS, D) view."""
-    NUM: gl.constexpr = smem.type.shape[0]
+def _ring_tile(smem, s):
+    """Step s's tile of a ring (slot s % slots) as a (ROWS, D) view; the caller has waited
+    for it to land."""
     HEAD_D: gl.constexpr = smem.type.shape[4]
+    return smem.index(s % smem.type.shape[0]).reshape([ROWS, HEAD_D])
+
+
+@gluon.jit
+def _wait_tile(smem, ready, s):
+    """Step s's tile of a ring once it has landed, as a (ROWS, D) view."""
+    NUM: gl.constexpr = smem.type.shape[0]
     mbarrier.wait(ready.index(s % NUM), (s // NUM) & 1)
-    return smem.index(s % NUM).reshape([ROWS, HEAD_D])
+    return _ring_tile(smem, s)
 
 
 @gluon.jit
 def _release_tile(smem, empty, s):
+    """This warpgroup is done with step s's tile of a ring: its slot may be reloaded."""
     mbarrier.arrive(empty.index(s % smem.type.shape[0]), count=1)
 
 
@@ -541,8 +555,7 @@ def _split_consumer(WG: gl.constexpr, DK: gl.constexpr, q_desc, k_desc, v_desc, 
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
     mbarrier.wait(kv_bar.index(WG), 0)
     if n_steps > 0:  # step 0: nothing to overlap with yet
-        hq = kvh * group_size
-        m0 = q_lo * ROWS
+        hq, m0 = _step_rows(0, q_lo, nq, kvh, group_size, ROWS)
         st = warpgroup_mma(_wait_tile(q_smem, q_ready, 0), k_tile.permute((1, 0)), zeros_s, use_acc=False,
                            is_async=True)
         if DK:
@@ -560,15 +573,14 @@ def _split_consumer(WG: gl.constexpr, DK: gl.constexpr, q_desc, k_desc, v_desc, 
         t_tile.store(tt)
         fence_async_shared()
     for s in range(1, n_steps):
-        hq = kvh * group_size + s // nq
-        m0 = (q_lo + s % nq) * ROWS
+        hq, m0 = _step_rows(s, q_lo, nq, kvh, group_size, ROWS)
         st = warpgroup_mma(_wait_tile(q_smem, q_ready, s), k_tile.permute((1, 0)), zeros_s, use_acc=False,
                            is_async=True)
         if DK:
             dpt = warpgroup_mma(_wait_tile(do_smem, do_ready, s), v_tile.permute((1, 0)), zeros_s, use_acc=False,
                                 is_async=True)
-            acc = warpgroup_mma(t_tile.permute((1, 0)), q_smem.index((s - 1) % q_smem.type.shape[0]).reshape(
-                [ROWS, HEAD_D]), acc, is_async=True)
+            # Q_{s-1} landed before S_{s-1} was issued: no wait.
+            acc = warpgroup_mma(t_tile.permute((1, 0)), _ring_tile(q_smem, s - 1), acc, is_async=True)
             st, dpt = warpgroup_mma_wait(num_outstanding=1, deps=(st, dpt))  # dK product in flight
             _release_tile(do_smem, do_empty, s)  # dO_s is read
             pt, tt = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
@@ -588,8 +600,7 @@ def _split_consumer(WG: gl.constexpr, DK: gl.constexpr, q_desc, k_desc, v_desc, 
     if n_steps > 0:
         last = n_steps - 1
         if DK:
-            acc = warpgroup_mma(t_tile.permute((1, 0)), q_smem.index(last % q_smem.type.shape[0]).reshape(
-                [ROWS, HEAD_D]), acc, is_async=True)
+            acc = warpgroup_mma(t_tile.permute((1, 0)), _ring_tile(q_smem, last), acc, is_async=True)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _release_tile(q_smem, q_empty, last)
         else:
@@ -610,8 +621,10 @@ def _split_consumer(WG: gl.constexpr, DK: gl.constexpr, q_desc, k_desc, v_desc, 
 def _split_loader(LOAD_V: gl.constexpr, q_desc, k_desc, v_desc, do_desc, out_desc, Lse, Delta, q_smem, do_smem,
                   k_smem, v_smem, t_smem, kv_bar, q_ready, q_empty, do_ready, do_empty, b, kvh, n0, group_size,
                   nheads, seqlen_q, seqlen_k, diag_offset, qk_scale, scale):
-    """K (and V) of the program's keys once, then every step's Q and dO tiles, each into
-    its own ring as soon as its slot is released (a fresh barrier passes phase 1)."""
+    """K (and V) of the program's keys once, then every step's Q and dO tiles into their
+    rings, Q_s then dO_s, each once its slot is released (a fresh barrier passes phase 1).
+    One warp issues both in step order, so a load may wait behind the other ring's
+    (dK's single dO slot: Q_{s+1} waits until dO_s's slot is free)."""
     NUM_WG: gl.constexpr = k_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == NUM_WG + 1
     NQ: gl.constexpr = q_smem.type.shape[0]
@@ -626,8 +639,7 @@ def _split_loader(LOAD_V: gl.constexpr, q_desc, k_desc, v_desc, do_desc, out_des
             tma.async_copy_global_to_shared(k_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), k_smem.index(wg))
     q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
     for s in range(nq * group_size):
-        hq = kvh * group_size + s // nq
-        m0 = (q_lo + s % nq) * ROWS
+        hq, m0 = _step_rows(s, q_lo, nq, kvh, group_size, ROWS)
         mbarrier.wait(q_empty.index(s % NQ), ((s // NQ) & 1) ^ 1)
         mbarrier.expect(q_ready.index(s % NQ), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, hq, m0, 0], q_ready.index(s % NQ), q_smem.index(s % NQ))

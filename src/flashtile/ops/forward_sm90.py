@@ -472,11 +472,14 @@ def _descriptor_class():
 def tma_descriptor(t, rows: int):
     """Gluon TensorDescriptor of a (B, H, S, D) view ``t`` in (1, 1, rows, D) blocks, as
     ``TensorDescriptor(t, shape, strides, block, layout)`` makes it, without that
-    dataclass's per-call checks (16-byte base and strides, unit last stride, positive
-    sizes): the library checked them (``forward._tma_ok``) before choosing these kernels.
-    Building a descriptor the checked way costs ~3x as long (~2.3 vs 0.8 us on a laptop
-    core; the H200 host is slower), and a training step builds 13. Direct callers pass
-    aligned tensors or get the driver's error from ``cuTensorMapEncodeTiled`` at launch."""
+    dataclass's per-call checks (rank, block shape, 16-byte base and strides, positive
+    sizes, unit last stride, layout type, padding): the library checked what depends on
+    the tensors (``forward._tma_ok``) before choosing these kernels, and builds the rest
+    from constants. The checked way costs ~3x as long (~2.3 vs 0.8 us on a laptop core;
+    the H200 host is slower), and a training step builds 13 (14 at d256). A direct caller
+    with a bad tensor gets the error at launch instead (Triton's assert on the last
+    stride, or ``cuTensorMapEncodeTiled``'s), possibly after an earlier kernel of the same
+    backward was queued."""
     cls = _descriptor_class()
     head_dim = t.shape[-1]
     layout = _smem_layout(rows, head_dim, str(t.dtype).replace("torch.", ""))

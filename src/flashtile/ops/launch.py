@@ -55,11 +55,29 @@ def arg_key(a: Any) -> Any:
     if hasattr(a, "data_ptr"):  # torch.Tensor (or a tensor-like Triton accepts)
         return (a.dtype, a.data_ptr() % 16 == 0)
     if hasattr(a, "block_shape"):  # triton.tools.tensor_descriptor.TensorDescriptor
-        # Gluon's shared-memory layouts are frozen dataclasses, hashed and compared by value
-        # (their str, which Triton's key holds, costs 3x as much).
         return ("desc", a.base.dtype, tuple(a.block_shape), getattr(a, "padding", None),
-                getattr(a, "layout", None), a.base.data_ptr() % 16 == 0)
+                _layout_key(getattr(a, "layout", None)), a.base.data_ptr() % 16 == 0)
     return _UNKNOWN
+
+
+_LAYOUT_KEYS: dict[int, tuple[Any, str]] = {}
+
+
+def _layout_key(layout: Any) -> Any:
+    """str(layout), which Triton's key holds, cached per layout object: a Gluon layout's str
+    costs ~3x the lookup and a call passes 4-6 of them. Not the layout itself: layouts that
+    compare equal can print differently (``transposed=0`` vs ``False``) and Triton keys on
+    the print. Each entry keeps its layout alive, so an id is never reused while cached."""
+    if layout is None:
+        return None
+    hit = _LAYOUT_KEYS.get(id(layout))
+    if hit is not None and hit[0] is layout:
+        return hit[1]
+    if len(_LAYOUT_KEYS) >= 1024:  # layouts built per call by a caller: stay bounded
+        _LAYOUT_KEYS.clear()
+    key = str(layout)
+    _LAYOUT_KEYS[id(layout)] = (layout, key)
+    return key
 
 
 class Launcher:

@@ -195,10 +195,13 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
                         dq_block_n: int | None = None, dq_num_buf: int | None = None,
                         dkdv_block_q: int | None = None) -> list[Compiled]:
     """The warp-specialized Gluon backward (``backward_sm90``): the dK/dV kernel (at d256 the
-    dV and the dK kernel) and the dQ kernel."""
+    dV and the dK kernel, whose rings are fixed: dkdv_num_buf and dkdv_block_q are refused
+    there, as ``attention_backward_ws`` refuses them) and the dQ kernel."""
     from . import backward_sm90 as bw
 
     split = head_dim in bw.SPLIT_HEAD_DIMS
+    if split and (dkdv_num_buf or dkdv_block_q):
+        raise ValueError(f"dkdv_num_buf and dkdv_block_q do not apply at head dim {head_dim} (split kernels)")
     dkdv_num_buf = dkdv_num_buf or bw.DKDV_NUM_BUF
     dq_block_n = dq_block_n or bw.default_dq_block_n(head_dim)
     dq_num_buf = dq_num_buf or bw.DQ_NUM_BUF
