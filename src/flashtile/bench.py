@@ -308,7 +308,7 @@ def memory_rows(shape: Shape, impls: list[str], emit: Callable[[str, str, dict[s
                 forward = build_forward(impl, shape, q, k, v)
                 dout = torch.randn_like(q) if train else None
 
-                def step(q=q, k=k, v=v, dout=dout, forward=forward):
+                def step(q=q, k=k, v=v, dout=dout, forward=forward):  # bound: the names are deleted below
                     out = _first(forward())
                     return torch.autograd.grad(out, (q, k, v), dout) if train else out
 

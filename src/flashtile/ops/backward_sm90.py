@@ -818,7 +818,14 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
         raise ValueError(f"dkdv_block_q must be {BLOCK}, or {2 * BLOCK} below head dim 256; got {dkdv_block_q}")
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     dq_block_n = dq_block_n or default_dq_block_n(head_dim)
-    desc = tma_descriptor
+    built = {}
+
+    def desc(t, rows):  # each (tensor, box rows) once per call: K and V recur across the kernels
+        key = (id(t), rows)
+        if key not in built:
+            built[key] = tma_descriptor(t, rows)
+        return built[key]
+
     q_d, do_d = desc(q, BLOCK), desc(dout, BLOCK)
     regs = dict(CONSUMER_REGS=CONSUMER_REGS, LOADER_REGS=LOADER_REGS)
     sizes = (lse, delta, nheads, nheads_k, nheads // nheads_k, seqlen_q, seqlen_k)
@@ -835,9 +842,9 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
                    dict(CAUSAL=causal, NUM_Q=DK_RING[0], NUM_DO=DK_RING[1], LOADER_REGS=LOADER_REGS), 4, 1)
     if not split and "dkdv" in kernels:
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
-        q_s, do_s = (q_d, do_d) if dkdv_block_q == BLOCK else (desc(q, dkdv_block_q), desc(dout, dkdv_block_q))
         _launch_dkdv((num_n_blocks * batch * nheads_k,),
-                     (q_s, desc(k, BLOCK), desc(v, BLOCK), do_s, desc(dk, BLOCK), desc(dv, BLOCK), *sizes,
+                     (desc(q, dkdv_block_q), desc(k, BLOCK), desc(v, BLOCK), desc(dout, dkdv_block_q), desc(dk, BLOCK),
+                      desc(dv, BLOCK), *sizes,
                       num_n_blocks, diag_offset, scale * LOG2E, scale),
                      dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), 4, 1)
     if "dq" not in kernels:

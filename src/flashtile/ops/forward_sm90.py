@@ -41,6 +41,7 @@ import functools
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -462,13 +463,6 @@ def _smem_layout(rows: int, head_dim: int, dtype_name: str):
     return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], getattr(gl, dtype_name))
 
 
-@functools.lru_cache(maxsize=1)
-def _descriptor_class():
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    return TensorDescriptor
-
-
 def tma_descriptor(t, rows: int):
     """Gluon TensorDescriptor of a (B, H, S, D) view ``t`` in (1, 1, rows, D) blocks, as
     ``TensorDescriptor(t, shape, strides, block, layout)`` makes it, without that
@@ -476,16 +470,15 @@ def tma_descriptor(t, rows: int):
     sizes, unit last stride, layout type, padding): the library checked what depends on
     the tensors (``forward._tma_ok``) before choosing these kernels, and builds the rest
     from constants. The checked way costs ~3x as long (~2.3 vs 0.8 us on a laptop core;
-    the H200 host is slower), and a training step builds 13 (14 at d256). A direct caller
+    the H200 host is slower), and a training step builds 11-13. A direct caller
     with a bad tensor gets the error at launch instead (Triton's assert on the last
     stride, or ``cuTensorMapEncodeTiled``'s), possibly after an earlier kernel of the same
     backward was queued."""
-    cls = _descriptor_class()
     head_dim = t.shape[-1]
     layout = _smem_layout(rows, head_dim, str(t.dtype).replace("torch.", ""))
     if not _TESTED_VERSION:  # another triton: its constructor, whatever its fields are
-        return cls(t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim], layout)
-    d = object.__new__(cls)
+        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim], layout)
+    d = object.__new__(TensorDescriptor)
     d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = (
         t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim], layout, "zero")
     return d
@@ -527,14 +520,14 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
     """
     batch, nheads, seqlen_q, head_dim = q.shape
     block_n = block_n or default_block_n(head_dim)
-    desc = tma_descriptor
     num_m_blocks = triton.cdiv(seqlen_q, BLOCK_M)
     items = num_m_blocks * batch * nheads
     if dynamic is None:
         dynamic = persistent is None and (causal or head_dim <= 128)
     persistent = bool(persistent)
     grid = min(items, sm_count(device_index(q.device))) if persistent or dynamic else items
-    descs = (desc(q, HALF_M), desc(k, block_n), desc(v, block_n), desc(out, HALF_M), lse)
+    descs = (tma_descriptor(q, HALF_M), tma_descriptor(k, block_n), tma_descriptor(v, block_n),
+             tma_descriptor(out, HALF_M), lse)
     sizes = (nheads, nheads // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, batch * nheads, diag_offset,
              scale * LOG2E)
     constexprs = dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS)
