@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|bench|sweep|gluon-bwd|gluon-d256|fwd-schedule|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|bench|varlen|sweep|gluon-bwd|gluon-d256|fwd-schedule|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -29,6 +29,16 @@ if [[ $what == bench || $what == all ]]; then
   echo "train block rc=$?"; tail -6 "$OUT/train-block.log"
   tar czf "$OUT/bench.tgz" -C /tmp/bench .
   grep "| fwd \|| bwd " "$OUT/bench.log" | awk -F'|' '{print $2,$3,$5,$6,$7,$8,$9,$10,$12,$13}' | tail -40
+fi
+if [[ $what == varlen ]]; then
+  # Packed sequences: their GPU tests first (a fault ends here), then the varlen benchmark.
+  timeout 240 python3 -m pytest -m gpu tests/test_varlen_gpu.py -q -n 8 --maxfail=20 -p no:warnings \
+    -p no:cacheprovider > "$OUT/gpu-tests-varlen.log" 2>&1
+  echo "varlen gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-varlen.log" | cut -c1-300 | tail -25
+  timeout 330 python3 -m flashtile.bench --varlen --warmup 10 --rep 40 --out /tmp/bench --tag h200-varlen \
+    ${VARLEN_BENCH_ARGS:-} > "$OUT/bench-varlen.log" 2>&1
+  echo "varlen bench rc=$?"; grep -v Warning "$OUT/bench-varlen.log" | grep "^|" | tail -30
+  cp /tmp/bench/h200-varlen* "$OUT/" 2>/dev/null
 fi
 if [[ $what == sweep ]]; then
   timeout 280 python3 benchmarks/sweep_bwd.py --out "$OUT/sweep-bwd.jsonl" > "$OUT/sweep-bwd.log" 2>&1

@@ -9,9 +9,12 @@ Where each layer lives:
   tiled attention, which explains why the tiles exist.
 - ``flashtile.ops`` (``ops/``): the kernels. Triton forward/backward kernels and their
   launchers.
-- ``flashtile.api`` (``api.py``): the torch glue and public GPU API, flash-attn- and
-  SDPA-compatible: ``flash_attn_func``, ``flash_attn_qkvpacked_func``,
-  ``flash_attn_kvpacked_func``, ``scaled_dot_product_attention``.
+- ``flashtile.autograd`` (``autograd.py``): the torch glue: the kernels as torch.library
+  ops with their autograd formula (torch.compile traces them).
+- ``flashtile.api`` (``api/``): the public GPU API, flash-attn- and SDPA-compatible:
+  ``flash_attn_func`` and its packed variants, ``flash_attn_varlen_func`` (packed
+  sequences) and its packed variants, ``scaled_dot_product_attention``,
+  ``unpad_input`` / ``pad_input``; one validation layer in ``api/_validate.py``.
 - ``flashtile.cli`` (``cli.py``): the ``flashtile demo | traffic | bench`` command.
 
 Importing this package needs numpy only: torch and triton are imported the first time a
@@ -34,7 +37,12 @@ _API_NAMES = (
     "flash_attn_func",
     "flash_attn_qkvpacked_func",
     "flash_attn_kvpacked_func",
+    "flash_attn_varlen_func",
+    "flash_attn_varlen_qkvpacked_func",
+    "flash_attn_varlen_kvpacked_func",
     "scaled_dot_product_attention",
+    "unpad_input",
+    "pad_input",
 )
 # Numpy-only submodules loaded on first access; traffic is developed alongside this file
 # and a lazy import keeps `import flashtile` working even if it fails to import.

@@ -48,14 +48,29 @@ def _check_grid(num_programs: int) -> None:
         raise ValueError(f"batch x heads x blocks = {num_programs} exceeds the grid limit 2^31 - 1")
 
 
+def _varlen(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k):
+    """The ``ops.varlen.Varlen`` of a packed call (None for a fixed-length one)."""
+    if cu_seqlens_q is None:
+        return None
+    from .ops.varlen import Varlen
+
+    return Varlen(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+
+
 def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
                    window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                    attn_mask: Optional[Tensor], dropout_p: float = 0.0,
-                   seed: Optional[Tensor] = None, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+                   seed: Optional[Tensor] = None, deterministic: bool = False,
+                   cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                   seqused_q: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
+                   max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[Tensor, Tensor]:
     """Forward kernel: returns out (B, Sq, H, D) and lse (B, H, Sq) float32.
 
     ``seed`` is a 1-element int64 tensor on q's device, the Philox key of the dropout mask.
     ``deterministic`` only matters to the backward (it forbids the atomic dQ variant).
+    ``cu_seqlens_q`` (and the five after it) make it a packed varlen call: q (1, H, total_q,
+    D), k/v (1, Hk, total_k, D), int32 (batch + 1) offsets, optional int32 (batch,) used
+    lengths, and the longest sequences; ``diag_offset`` is then per sequence (len_k - len_q).
     """
     from .ops import configs
     from .ops.forward import attention_forward
@@ -63,24 +78,34 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: i
     if q.dtype == torch.bfloat16 and q.device.type != "cuda":
         raise TypeError("bfloat16 cannot run under TRITON_INTERPRET=1 (triton 3.6's interpreter has no bf16 arithmetic)")
     batch, nheads, seqlen_q, head_dim = q.shape
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
     out4 = _bshd_view(q)
     lse = _new_lse(q)
-    if out4.numel() == 0 or k.shape[2] == 0:
+    if out4.numel() == 0 or k.shape[2] == 0 or (varlen is not None and varlen.batch == 0):
         # No keys at all: every row is empty (output 0, LSE -inf), as in the kernel.
         return out4.transpose(1, 2).zero_(), lse.fill_(float("-inf"))
+    if varlen is not None and (seqused_q is not None or seqused_k is not None):
+        # Rows past a sequence's used length belong to no work item.
+        out4.zero_()
+        lse.fill_(float("-inf"))
     capability = _device_capability(q)
+    rows = seqlen_q if varlen is None else max_seqlen_q
     if capability is None:
         config = configs.INTERPRETER_FWD
     else:
         config = configs.default_fwd_config(capability, head_dim, str(q.dtype).replace("torch.", ""),
-                                            window_right >= 0, seqlen_q, attn_mask is not None)
-    _check_grid(-(-seqlen_q // config.block_m) * batch * nheads)
+                                            window_right >= 0, rows, attn_mask is not None)
+    if varlen is None:
+        _check_grid(-(-seqlen_q // config.block_m) * batch * nheads)
+    else:
+        _check_grid(varlen.batch * (-(-max_seqlen_q // config.block_m)) * nheads)
     problem = dict(scale=scale, diag_offset=diag_offset, window_left=window_left, window_right=window_right,
                    softcap=softcap, alibi_slopes=alibi_slopes, attn_mask=attn_mask)
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
-        if capability is not None and configs.autotune_enabled(None) and dropout_p == 0.0:
+        if capability is not None and configs.autotune_enabled(None) and dropout_p == 0.0 and varlen is None:
             config = _autotune(q, k, v, out4, lse, problem, config)  # on q's device, as the launch
-        attention_forward(q, k, v, out4, lse, config=config, dropout_p=dropout_p, seed=seed, **problem)
+        attention_forward(q, k, v, out4, lse, config=config, dropout_p=dropout_p, seed=seed, varlen=varlen,
+                          **problem)
     return out4.transpose(1, 2), lse
 
 
@@ -88,15 +113,20 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: i
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
              window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
              attn_mask: Optional[Tensor], dropout_p: float = 0.0,
-             seed: Optional[Tensor] = None, deterministic: bool = False) -> tuple[Tensor, Tensor]:
+             seed: Optional[Tensor] = None, deterministic: bool = False,
+             cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+             seqused_q: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
+             max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[Tensor, Tensor]:
     """The forward as a torch.library op (what torch.compile traces): see ``_attn_fwd_impl``."""
     return _attn_fwd_impl(q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes,
-                          attn_mask, dropout_p, seed, deterministic)
+                          attn_mask, dropout_p, seed, deterministic, cu_seqlens_q, cu_seqlens_k, seqused_q,
+                          seqused_k, max_seqlen_q, max_seqlen_k)
 
 
 @attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
-                   dropout_p=0.0, seed=None, deterministic=False):
+                   dropout_p=0.0, seed=None, deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None,
+                   seqused_q=None, seqused_k=None, max_seqlen_q=0, max_seqlen_k=0):
     batch, nheads, seqlen_q, head_dim = q.shape
     return (q.new_empty((batch, seqlen_q, nheads, head_dim)),
             q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
@@ -106,18 +136,26 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
                    diag_offset: int, window_left: int, window_right: int, softcap: float,
                    alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], dropout_p: float = 0.0,
                    seed: Optional[Tensor] = None, deterministic: bool = False,
-                   dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+                   dlse: Optional[Tensor] = None,
+                   cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+                   seqused_q: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
+                   max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """Backward kernels. dout/out are (B, Sq, H, D); returns dq (B, Sq, H, D), dk/dv (B, Sk, Hk, D).
 
     ``dlse`` (B, H, Sq), the gradient reaching the returned LSE (a z-loss, say), is folded
     into the kernels' Delta: d lse / d s_j = p_j, so dS_j = p_j (dP_j - (Delta - dlse)).
+    The varlen arguments are the forward's (B = 1, packed sequences).
     """
     from .ops import configs
     from .ops.backward import attention_backward
 
+    varlen = _varlen(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
     dq4, dk4, dv4 = _bshd_view(q), _bshd_view(k), _bshd_view(v)
-    if q.numel() == 0 or k.numel() == 0:
+    if q.numel() == 0 or k.numel() == 0 or (varlen is not None and varlen.batch == 0):
         return dq4.transpose(1, 2).zero_(), dk4.transpose(1, 2).zero_(), dv4.transpose(1, 2).zero_()
+    if varlen is not None and (seqused_q is not None or seqused_k is not None):
+        for t in (dq4, dk4, dv4):  # rows and keys past the used lengths get no program
+            t.zero_()
     if dout.dtype != out.dtype:  # autograd casts; a direct op call might not (tl.dot needs one dtype)
         dout = dout.to(out.dtype)
     if dout.stride(-1) != 1:
@@ -129,12 +167,16 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
         config = configs.default_bwd_config(
             capability, q.shape[-1], str(q.dtype).replace("torch.", ""), deterministic,
             tile_masks=window_left >= 0 or window_right >= 0 or attn_mask is not None)
-    _check_grid(-(-q.shape[2] // config.block_m_q) * q.shape[0] * q.shape[1])
+    if varlen is None:
+        _check_grid(-(-q.shape[2] // config.block_m_q) * q.shape[0] * q.shape[1])
+    else:
+        _check_grid(varlen.batch * (-(-max_seqlen_q // config.block_m_q)) * q.shape[1])
     with torch.cuda.device(q.device) if q.device.type == "cuda" else contextlib.nullcontext():
         attention_backward(q, k, v, out.transpose(1, 2), lse, dout.transpose(1, 2), dq4, dk4, dv4,
                            scale=scale, diag_offset=diag_offset, window_left=window_left,
                            window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
-                           attn_mask=attn_mask, config=config, dropout_p=dropout_p, seed=seed, dlse=dlse)
+                           attn_mask=attn_mask, config=config, dropout_p=dropout_p, seed=seed, dlse=dlse,
+                           varlen=varlen)
     return dq4.transpose(1, 2), dk4.transpose(1, 2), dv4.transpose(1, 2)
 
 
@@ -143,15 +185,21 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              diag_offset: int, window_left: int, window_right: int, softcap: float,
              alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], dropout_p: float = 0.0,
              seed: Optional[Tensor] = None, deterministic: bool = False,
-             dlse: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+             dlse: Optional[Tensor] = None,
+             cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
+             seqused_q: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
+             max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[Tensor, Tensor, Tensor]:
     """The backward as a torch.library op: see ``_attn_bwd_impl``."""
     return _attn_bwd_impl(dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap,
-                          alibi_slopes, attn_mask, dropout_p, seed, deterministic, dlse)
+                          alibi_slopes, attn_mask, dropout_p, seed, deterministic, dlse, cu_seqlens_q,
+                          cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
 
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap,
-                   alibi_slopes, attn_mask, dropout_p=0.0, seed=None, deterministic=False, dlse=None):
+                   alibi_slopes, attn_mask, dropout_p=0.0, seed=None, deterministic=False, dlse=None,
+                   cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=0,
+                   max_seqlen_k=0):
     def bshd(t):
         b, h, s, d = t.shape
         return t.new_empty((b, s, h, d))
@@ -161,7 +209,7 @@ def _attn_bwd_fake(dout, q, k, v, out, lse, scale, diag_offset, window_left, win
 
 def _setup_context(ctx, inputs, output):
     (q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
-     deterministic) = inputs
+     deterministic) = inputs[:13]
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.problem = (scale, diag_offset, window_left, window_right, softcap)
@@ -169,15 +217,18 @@ def _setup_context(ctx, inputs, output):
     ctx.alibi_slopes = alibi_slopes
     ctx.attn_mask = attn_mask
     ctx.dropout = (dropout_p, seed, deterministic)
+    ctx.varlen = tuple(inputs[13:])  # cu_seqlens_q/k, seqused_q/k, max_seqlen_q/k (a varlen call)
+    ctx.num_inputs = len(inputs)
 
 
 def _grads(ctx, dout, dlse, bwd):
     q, k, v, out, lse = ctx.saved_tensors
     if dout is None:  # only the LSE was used downstream
         dout = torch.zeros_like(out)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.problem, ctx.alibi_slopes, ctx.attn_mask, *ctx.dropout, dlse)
+    dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.problem, ctx.alibi_slopes, ctx.attn_mask, *ctx.dropout, dlse,
+                     *ctx.varlen)
     # The backward returns (B, S, H, D); q, k, v entered as (B, H, S, D) views.
-    return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) + (None,) * 10
+    return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) + (None,) * (ctx.num_inputs - 3)
 
 
 def _backward(ctx, dout, dlse):
@@ -240,15 +291,16 @@ def _plain_eager(*tensors) -> bool:
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
               window_right: int, softcap: float, alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor],
               dropout_p: float = 0.0, seed: Optional[Tensor] = None,
-              deterministic: bool = False) -> tuple[Tensor, Tensor]:
+              deterministic: bool = False, varlen: tuple = ()) -> tuple[Tensor, Tensor]:
     """What ``flashtile.api`` calls: the same code as ``torch.ops.flashtile.attn_fwd``
     without the op dispatch for plain eager calls, the op itself whenever something traces
     or transforms the tensors (torch.compile, FakeTensor, vmap, ...: see ``_plain_eager``).
-    Arguments and outputs as ``attn_fwd``."""
+    Arguments and outputs as ``attn_fwd``; ``varlen``: empty, or its six varlen arguments
+    (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)."""
     args = (q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
-            dropout_p, seed, deterministic)
+            dropout_p, seed, deterministic, *varlen)
     _refuse_forward_ad(q, k, v, alibi_slopes, attn_mask)
-    if not _plain_eager(q, k, v, alibi_slopes, attn_mask, seed):
+    if not _plain_eager(q, k, v, alibi_slopes, attn_mask, seed, *varlen[:4]):
         return torch.ops.flashtile.attn_fwd(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _EagerAttention.apply(*args)

@@ -8,6 +8,7 @@ Every measurement is one long-format JSON row appended (and flushed) to
     python -m flashtile.bench --quick --pass fwd bwd --out $OUT/bench
     python -m flashtile.bench --dry-run            # no CUDA: the plan and fake rows
     python -m flashtile.bench --plot-only FILE.jsonl
+    python -m flashtile.bench --varlen            # packed documents: flashtile.bench_varlen
 """
 from __future__ import annotations
 
@@ -474,6 +475,10 @@ def _progress(items: list[Any]) -> tuple[Iterable[Any], Callable[[str], None]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--varlen" in (sys.argv[1:] if argv is None else argv):
+        from flashtile import bench_varlen
+
+        return bench_varlen.main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.plot_only:

@@ -36,17 +36,18 @@ import triton.language as tl
 
 from .configs import BwdConfig, cuda_capability, device_index
 from .launch import Launcher
+from .varlen import varlen_item
 from .window import effective_window
 from .forward import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, _dropout_keep, _key_tiles, _tanh, _tma_ok
 
 
 @triton.jit
 def _bwd_preprocess(
-    Out, DO, Delta,
+    Out, DO, Delta, Items,
     stride_ob, stride_oh, stride_om,
     stride_db, stride_dh, stride_dm,
-    nheads, seqlen_q, head_dim, num_m_blocks,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, IEEE_DOT: tl.constexpr,
+    nheads, seqlen_q, head_dim, num_m_blocks, item_cap,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, IEEE_DOT: tl.constexpr, VARLEN: tl.constexpr,
 ):
     # Delta_i = O_i . dO_i, taken from the diagonal of the tile matmul O dO^T rather than
     # an elementwise sum: the same tl.dot (same operand roles, same reduction order over
@@ -55,25 +56,40 @@ def _bwd_preprocess(
     # 0, as in plain PyTorch, instead of two fp32 sums of ~sqrt(d) that differ by rounding
     # (seen on the H200: dk off by 1e-5..5e-5 at seqlen_k = 1). Cost: BLOCK_M^2 * D FLOPs
     # per BLOCK_M rows, negligible next to the attention itself.
+    # Varlen: one program per (query block of a sequence, head), the blocks aligned to the
+    # sequence's start as in a fixed-length call, so a document's Delta (and gradients)
+    # do not depend on what it is packed with.
     pid = tl.program_id(0)
-    bh = pid // num_m_blocks
-    m_block = pid % num_m_blocks
-    b = (bh // nheads).to(tl.int64)
-    h = (bh % nheads).to(tl.int64)
+    if VARLEN:
+        item = pid // nheads
+        h = (pid % nheads).to(tl.int64)
+        if item >= tl.load(Items):
+            return
+        total = seqlen_q  # Delta is (1, H, total_q); the host passes total_q as seqlen_q
+        _, m_block, start_q, seqlen_q, _, _ = varlen_item(Items, item, item_cap)
+        b = (m_block * 0).to(tl.int64)
+        row = start_q.to(tl.int64)
+        bh = h
+    else:
+        bh = pid // num_m_blocks
+        m_block = pid % num_m_blocks
+        b = (bh // nheads).to(tl.int64)
+        h = (bh % nheads).to(tl.int64)
+        row = b * 0
+        total = seqlen_q
     offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     ok = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
-    o = tl.load(Out + b * stride_ob + h * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_d[None, :],
-                mask=ok, other=0.0)
-    do = tl.load(DO + b * stride_db + h * stride_dh + offs_m[:, None].to(tl.int64) * stride_dm + offs_d[None, :],
-                 mask=ok, other=0.0)
+    rows = row + offs_m[:, None].to(tl.int64)
+    o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_om + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(DO + b * stride_db + h * stride_dh + rows * stride_dm + offs_d[None, :], mask=ok, other=0.0)
     if IEEE_DOT:
         gram = tl.dot(o, tl.trans(do), input_precision="ieee")
     else:
         gram = tl.dot(o, tl.trans(do))
     diag = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
     delta = tl.sum(tl.where(diag, gram, 0.0), 0)
-    tl.store(Delta + bh.to(tl.int64) * seqlen_q + offs_m, delta, mask=offs_m < seqlen_q)
+    tl.store(Delta + bh.to(tl.int64) * total + row + offs_m, delta, mask=offs_m < seqlen_q)
 
 
 @triton.jit
@@ -165,27 +181,43 @@ def _dq_tiles(
 
 @triton.jit
 def _bwd_dq_kernel(
-    Q, K, V, DO, Lse, Delta, DQ, Mask, Alibi, Seed,
+    Q, K, V, DO, Lse, Delta, DQ, Mask, Alibi, Seed, Items,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_dom,
     stride_dqb, stride_dqh, stride_dqm,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_ab, stride_ah,
-    nheads, group_size, seqlen_q, seqlen_k, head_dim, num_m_blocks,
+    stride_ab, stride_ah, stride_lb, stride_lh,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, num_m_blocks, item_cap,
     qk_scale, sm_scale, softcap_in, softcap_out,
     diag_offset, window_left, window_right, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    bh = pid // num_m_blocks
-    m_block = num_m_blocks - 1 - pid % num_m_blocks
-    b = bh // nheads
-    h = bh % nheads
+    if VARLEN:
+        # As in the forward: (work item, head), pointers from the sequence's first rows.
+        item = pid // nheads
+        h = pid % nheads
+        if item >= tl.load(Items):
+            return
+        b, m_block, start_q, seqlen_q, start_k, seqlen_k = varlen_item(Items, item, item_cap)
+        diag_offset = seqlen_k - seqlen_q
+        bh = b * nheads + h
+        b_ptr = (b * 0).to(tl.int64)
+        q_row = start_q.to(tl.int64)
+        k_row = start_k.to(tl.int64)
+    else:
+        bh = pid // num_m_blocks
+        m_block = num_m_blocks - 1 - pid % num_m_blocks
+        b = bh // nheads
+        h = bh % nheads
+        b_ptr = b.to(tl.int64)
+        q_row = (b * 0).to(tl.int64)
+        k_row = q_row
     b64, h64, kvh64 = b.to(tl.int64), h.to(tl.int64), (h // group_size).to(tl.int64)
     m0 = m_block * BLOCK_M
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -194,17 +226,18 @@ def _bwd_dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < seqlen_q
     ok = m_ok[:, None] & (offs_d[None, :] < head_dim)
-    row0 = m0.to(tl.int64)
-    q = tl.load(Q + b64 * stride_qb + h64 * stride_qh + row0 * stride_qm + offs_m0[:, None] * stride_qm
+    row0 = q_row + m0
+    q = tl.load(Q + b_ptr * stride_qb + h64 * stride_qh + row0 * stride_qm + offs_m0[:, None] * stride_qm
                 + offs_d[None, :], mask=ok, other=0.0)
-    do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + row0 * stride_dom + offs_m0[:, None] * stride_dom
+    do = tl.load(DO + b_ptr * stride_dob + h64 * stride_doh + row0 * stride_dom + offs_m0[:, None] * stride_dom
                  + offs_d[None, :], mask=ok, other=0.0)
-    lse = tl.load(Lse + bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=float("inf"))
+    lse_row = b_ptr * stride_lb + h64 * stride_lh + q_row
+    lse = tl.load(Lse + lse_row + offs_m, mask=m_ok, other=float("inf"))
     # Rows that saw no key (lse -inf) and rows past seqlen_q get lse +inf: P = exp2(s - inf) = 0.
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    delta = tl.load(Delta + bh.to(tl.int64) * seqlen_q + offs_m, mask=m_ok, other=0.0)
-    k_base = K + b64 * stride_kb + kvh64 * stride_kh
-    v_base = V + b64 * stride_vb + kvh64 * stride_vh
+    delta = tl.load(Delta + lse_row + offs_m, mask=m_ok, other=0.0)
+    k_base = K + b_ptr * stride_kb + kvh64 * stride_kh + k_row * stride_kn
+    v_base = V + b_ptr * stride_vb + kvh64 * stride_vh + k_row * stride_vn
     mask_base = Mask
     if MASK_MODE != 0:
         mask_base = Mask + b64 * stride_mb + h64 * stride_mh + row0 * stride_mm + offs_m0[:, None] * stride_mm
@@ -239,7 +272,7 @@ def _bwd_dq_kernel(
                    BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
     if not SOFTCAP:
         dq = dq * sm_scale
-    tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + row0 * stride_dqm + offs_m0[:, None] * stride_dqm
+    tl.store(DQ + b_ptr * stride_dqb + h64 * stride_dqh + row0 * stride_dqm + offs_m0[:, None] * stride_dqm
              + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=ok)
 
 
@@ -314,7 +347,7 @@ def _dkdv_tiles(
 
 @triton.jit
 def _bwd_dkdv_kernel(
-    Q, K, V, DO, Lse, Delta, DK, DV, Mask, Alibi, Seed, DQacc,
+    Q, K, V, DO, Lse, Delta, DK, DV, Mask, Alibi, Seed, DQacc, Items,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -323,20 +356,35 @@ def _bwd_dkdv_kernel(
     stride_dvb, stride_dvh, stride_dvn,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ab, stride_ah,
-    stride_qab, stride_qah, stride_qam,
-    nheads, nheads_k, group_size, seqlen_q, seqlen_k, head_dim, num_n_blocks,
+    stride_qab, stride_qah, stride_qam, stride_lb, stride_lh,
+    nheads, nheads_k, group_size, seqlen_q, seqlen_k, head_dim, num_n_blocks, item_cap,
     qk_scale, sm_scale, softcap_in, softcap_out,
     diag_offset, window_left, window_right, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
-    DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr, SPLIT_PHASES: tl.constexpr,
+    DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr, SPLIT_PHASES: tl.constexpr, VARLEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    bkv = pid // num_n_blocks
-    n_block = pid % num_n_blocks
-    b = bkv // nheads_k
-    kvh = bkv % nheads_k
+    if VARLEN:
+        # One program per (work item over key blocks, key/value head).
+        item = pid // nheads_k
+        kvh = pid % nheads_k
+        if item >= tl.load(Items):
+            return
+        b, n_block, start_q, seqlen_q, start_k, seqlen_k = varlen_item(Items, item, item_cap)
+        diag_offset = seqlen_k - seqlen_q
+        b_ptr = (b * 0).to(tl.int64)
+        q_row = start_q.to(tl.int64)
+        k_row = start_k.to(tl.int64)
+    else:
+        bkv = pid // num_n_blocks
+        n_block = pid % num_n_blocks
+        b = bkv // nheads_k
+        kvh = bkv % nheads_k
+        b_ptr = b.to(tl.int64)
+        q_row = (b * 0).to(tl.int64)
+        k_row = q_row
     b64, kvh64 = b.to(tl.int64), kvh.to(tl.int64)
     n0 = n_block * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -344,10 +392,10 @@ def _bwd_dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < seqlen_k
     ok = n_ok[:, None] & (offs_d[None, :] < head_dim)
-    row0 = n0.to(tl.int64)
-    k = tl.load(K + b64 * stride_kb + kvh64 * stride_kh + row0 * stride_kn
+    row0 = k_row + n0
+    k = tl.load(K + b_ptr * stride_kb + kvh64 * stride_kh + row0 * stride_kn
                 + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :], mask=ok, other=0.0)
-    v = tl.load(V + b64 * stride_vb + kvh64 * stride_vh + row0 * stride_vn
+    v = tl.load(V + b_ptr * stride_vb + kvh64 * stride_vh + row0 * stride_vn
                 + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :], mask=ok, other=0.0)
 
     # Query range that sees any key of [n0, n_last]; its interior sees all of them.
@@ -382,11 +430,11 @@ def _bwd_dkdv_kernel(
         h = kvh * group_size + g
         h64 = h.to(tl.int64)
         bh64 = b64 * nheads + h64
-        q_base = Q + b64 * stride_qb + h64 * stride_qh
-        do_base = DO + b64 * stride_dob + h64 * stride_doh
-        lse_base = Lse + bh64 * seqlen_q
-        delta_base = Delta + bh64 * seqlen_q
-        dq_base = DQacc + b64 * stride_qab + h64 * stride_qah
+        q_base = Q + b_ptr * stride_qb + h64 * stride_qh + q_row * stride_qm
+        do_base = DO + b_ptr * stride_dob + h64 * stride_doh + q_row * stride_dom
+        lse_base = Lse + b_ptr * stride_lb + h64 * stride_lh + q_row
+        delta_base = Delta + b_ptr * stride_lb + h64 * stride_lh + q_row
+        dq_base = DQacc + b_ptr * stride_qab + h64 * stride_qah + q_row * stride_qam
         mask_base = Mask
         if MASK_MODE != 0:
             mask_base = Mask + b64 * stride_mb + h64 * stride_mh + offs_n[:, None].to(tl.int64) * stride_mn
@@ -420,9 +468,9 @@ def _bwd_dkdv_kernel(
     if not SOFTCAP:
         dk = dk * sm_scale
     local_n = tl.arange(0, BLOCK_N)
-    tl.store(DK + b64 * stride_dkb + kvh64 * stride_dkh + row0 * stride_dkn + local_n[:, None] * stride_dkn
+    tl.store(DK + b_ptr * stride_dkb + kvh64 * stride_dkh + row0 * stride_dkn + local_n[:, None] * stride_dkn
              + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=ok)
-    tl.store(DV + b64 * stride_dvb + kvh64 * stride_dvh + row0 * stride_dvn + local_n[:, None] * stride_dvn
+    tl.store(DV + b_ptr * stride_dvb + kvh64 * stride_dvh + row0 * stride_dvn + local_n[:, None] * stride_dvn
              + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=ok)
 
 
@@ -433,7 +481,7 @@ _launch_dq = Launcher(_bwd_dq_kernel)
 
 def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, diag_offset: int,
                        window_left: int, window_right: int, softcap: float, alibi_slopes, attn_mask,
-                       config: BwdConfig, dropout_p: float = 0.0, seed=None, dlse=None) -> None:
+                       config: BwdConfig, dropout_p: float = 0.0, seed=None, dlse=None, varlen=None) -> None:
     """Launch the backward kernels. Inputs are validated by ``flashtile.api``.
 
     On Hopper, plain and causal fp16/bf16 calls at head dim 64/128/256 take the
@@ -447,22 +495,42 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
         alibi_slopes: None or float32 (B, H).  attn_mask: None or (B, H, Sq, Sk) view.
         dropout_p, seed: as in the forward; the same seed redraws the same mask.
         dlse: None or (B, H, Sq), the upstream gradient of the LSE (subtracted from Delta).
+        varlen: None, or a ``varlen.Varlen`` (packed sequences, B = 1, as in the forward).
+            Rows and keys outside every sequence's used part are not written: the caller
+            zeroes dq, dk, dv first when seqused is given.
     """
     import torch
 
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
-    window_left, window_right = effective_window(window_left, window_right, seqlen_q, seqlen_k, diag_offset)
+    if varlen is None:
+        window_left, window_right = effective_window(window_left, window_right, seqlen_q, seqlen_k, diag_offset)
+    if not lse.is_contiguous():
+        raise ValueError("lse must be contiguous (the forward's own output)")
     block_d = max(16, triton.next_power_of_2(head_dim))
     delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
-    pre_blocks = triton.cdiv(seqlen_q, 64)
-    _launch_pre((pre_blocks * batch * nheads,),
-                (out, dout, delta, *out.stride()[:3], *dout.stride()[:3], nheads, seqlen_q, head_dim, pre_blocks),
-                dict(BLOCK_M=64, BLOCK_D=block_d, IEEE_DOT=q.dtype == torch.float32), 4, 3)
+    built = []
+    if varlen is None:
+        pre_blocks = triton.cdiv(seqlen_q, 64)
+        pre_grid, pre_items, pre_cap, pre_sizes = pre_blocks * batch * nheads, q, 0, (seqlen_q, pre_blocks)
+    else:
+        from .varlen import build_work_items
+
+        # Work lists of the three kernels in one launch: key blocks (dK/dV), query blocks
+        # (dQ, unless fused), and the 64-row blocks of the Delta preprocess.
+        tables = [(config.block_n_kv, True)] + ([] if config.fused_dq else [(config.block_m_q, False)])
+        built = build_work_items(varlen, seqlen_q, seqlen_k, tables + [(64, False)], window_left, window_right)
+        pre_items, pre_cap = built.pop()
+        pre_grid, pre_sizes = pre_cap * nheads, (seqlen_q, 0)
+    _launch_pre((pre_grid,),
+                (out, dout, delta, pre_items, *out.stride()[:3], *dout.stride()[:3], nheads, pre_sizes[0], head_dim,
+                 pre_sizes[1], pre_cap),
+                dict(BLOCK_M=64, BLOCK_D=block_d, IEEE_DOT=q.dtype == torch.float32, VARLEN=varlen is not None),
+                4, 3)
     if dlse is not None:
         delta -= dlse.to(torch.float32)
 
-    if q.is_cuda and os.environ.get("FLASHTILE_WS", "1") != "0":
+    if q.is_cuda and varlen is None and os.environ.get("FLASHTILE_WS", "1") != "0":
         from . import backward_sm90
 
         if (backward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes,
@@ -495,26 +563,38 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
 
     fused = config.fused_dq
     dq_acc = torch.zeros((batch, nheads, seqlen_q, head_dim), dtype=torch.float32, device=q.device) if fused else q
-    num_n_blocks = triton.cdiv(seqlen_k, config.block_n_kv)
+    lstrides = (lse.stride(0), lse.stride(1))
+    if varlen is None:
+        num_n_blocks = triton.cdiv(seqlen_k, config.block_n_kv)
+        num_m_blocks = triton.cdiv(seqlen_q, config.block_m_q)
+        kv_grid, q_grid = num_n_blocks * batch * nheads_k, num_m_blocks * batch * nheads
+        kv_items, kv_cap, q_items, q_cap = q, 0, q, 0
+        sizes = (seqlen_q, seqlen_k)
+    else:
+        (kv_items, kv_cap), (q_items, q_cap) = built[0], built[-1]
+        num_n_blocks = num_m_blocks = 0
+        kv_grid, q_grid = kv_cap * nheads_k, q_cap * nheads
+        sizes = (0, 0)  # per sequence, from the work list
+        scalars = scalars[:4] + (0,) + scalars[5:]
     _launch_dkdv(
-        (num_n_blocks * batch * nheads_k,),
-        (q, k, v, dout, lse, delta, dk, dv, mask_arg, alibi_arg, seed_arg, dq_acc,
+        (kv_grid,),
+        (q, k, v, dout, lse, delta, dk, dv, mask_arg, alibi_arg, seed_arg, dq_acc, kv_items,
          *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
-         *dk.stride()[:3], *dv.stride()[:3], *mstrides, *astrides, *dq_acc.stride()[:3],
-         nheads, nheads_k, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_n_blocks, *scalars),
+         *dk.stride()[:3], *dv.stride()[:3], *mstrides, *astrides, *dq_acc.stride()[:3], *lstrides,
+         nheads, nheads_k, nheads // nheads_k, *sizes, head_dim, num_n_blocks, kv_cap, *scalars),
         dict(BLOCK_M=config.block_m_kv, BLOCK_N=config.block_n_kv, MASK_MODE=mask_mode, FUSED_DQ=fused,
-             SPLIT_PHASES=config.split_phases, **common),
+             SPLIT_PHASES=config.split_phases, VARLEN=varlen is not None, **common),
         config.num_warps, config.num_stages)
     if fused:
         dq.copy_(dq_acc)
         return
 
-    num_m_blocks = triton.cdiv(seqlen_q, config.block_m_q)
     _launch_dq(
-        (num_m_blocks * batch * nheads,),
-        (q, k, v, dout, lse, delta, dq, mask_arg, alibi_arg, seed_arg,
+        (q_grid,),
+        (q, k, v, dout, lse, delta, dq, mask_arg, alibi_arg, seed_arg, q_items,
          *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
-         *mstrides, *astrides,
-         nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_m_blocks, *scalars),
-        dict(BLOCK_M=config.block_m_q, BLOCK_N=config.block_n_q, MASK_MODE=mask_mode, **common),
+         *mstrides, *astrides, *lstrides,
+         nheads, nheads // nheads_k, *sizes, head_dim, num_m_blocks, q_cap, *scalars),
+        dict(BLOCK_M=config.block_m_q, BLOCK_N=config.block_n_q, MASK_MODE=mask_mode, VARLEN=varlen is not None,
+             **common),
         config.num_warps, config.num_stages)

@@ -25,6 +25,7 @@ Tiles outside [lo, hi) are never loaded.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import triton
@@ -32,6 +33,7 @@ import triton.language as tl
 
 from .configs import FwdConfig, cuda_capability, device_index
 from .launch import Launcher
+from .varlen import varlen_item
 from .window import effective_window
 
 LOG2E = 1.4426950408889634
@@ -198,31 +200,50 @@ def _fwd_tiles(
 # to 20% at d64 (H200, 2026-11-29: masks lose their constancy, loads their vector width).
 @triton.jit
 def _fwd_kernel(
-    Q, K, V, Out, Lse, Mask, Alibi, Seed, desc_q, desc_k, desc_v, desc_o,
+    Q, K, V, Out, Lse, Mask, Alibi, Seed, Items, desc_q, desc_k, desc_v, desc_o,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_om,
     stride_mb, stride_mh, stride_mm, stride_mn,
-    stride_ab, stride_ah,
-    nheads, group_size, seqlen_q, seqlen_k, head_dim, num_m_blocks,
+    stride_ab, stride_ah, stride_lb, stride_lh,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, num_m_blocks, item_cap,
     qk_scale, softcap_in, softcap_out,
     diag_offset, window_left, window_right, dropout_p,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr,
     IEEE_DOT: tl.constexpr, REVERSE_M: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     # A flat 1-D grid: no 65,535 limit on batch x heads. Programs of one (b, h) are
     # adjacent so that their K/V tiles are shared through L2.
     pid = tl.program_id(0)
-    bh = pid // num_m_blocks
-    m_block = pid % num_m_blocks
-    if REVERSE_M:
-        # Causal: the last query blocks see the most keys; start them first.
-        m_block = num_m_blocks - 1 - m_block
-    b = bh // nheads
-    h = bh % nheads
+    if VARLEN:
+        # One program per (work item, head); the items (sequence, query block) come
+        # longest first from ops/varlen.py. Pointers address batch row 0 of the packed
+        # tensors from the sequence's first row; b is the sequence (ALiBi, dropout).
+        item = pid // nheads
+        h = pid % nheads
+        if item >= tl.load(Items):
+            return
+        b, m_block, start_q, seqlen_q, start_k, seqlen_k = varlen_item(Items, item, item_cap)
+        diag_offset = seqlen_k - seqlen_q
+        bh = b * nheads + h
+        b_ptr = (b * 0).to(tl.int64)
+        q_row = start_q.to(tl.int64)
+        k_row = start_k.to(tl.int64)
+    else:
+        bh = pid // num_m_blocks
+        m_block = pid % num_m_blocks
+        if REVERSE_M:
+            # Causal: the last query blocks see the most keys; start them first.
+            m_block = num_m_blocks - 1 - m_block
+        b = bh // nheads
+        h = bh % nheads
+        b_ptr = b.to(tl.int64)
+        q_row = (b * 0).to(tl.int64)
+        k_row = q_row
     kvh = h // group_size
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
@@ -239,14 +260,14 @@ def _fwd_kernel(
     else:
         d_ok = offs_d < head_dim
 
-    q_ptrs = (Q + b64 * stride_qb + h64 * stride_qh + m0.to(tl.int64) * stride_qm
+    q_ptrs = (Q + b_ptr * stride_qb + h64 * stride_qh + (q_row + m0) * stride_qm
               + offs_m0[:, None] * stride_qm + offs_d[None, :])
     if USE_TMA:
         q = desc_q.load([b, h, m0, 0]).reshape(BLOCK_M, BLOCK_D)
     else:
         q = tl.load(q_ptrs, mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    k_base = K + b64 * stride_kb + kvh64 * stride_kh
-    v_base = V + b64 * stride_vb + kvh64 * stride_vh
+    k_base = K + b_ptr * stride_kb + kvh64 * stride_kh + k_row * stride_kn
+    v_base = V + b_ptr * stride_vb + kvh64 * stride_vh + k_row * stride_vn
     mask_base = Mask
     if MASK_MODE != 0:
         mask_base = (Mask + b64 * stride_mb + h64 * stride_mh + m0.to(tl.int64) * stride_mm
@@ -292,13 +313,13 @@ def _fwd_kernel(
     else:
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
-    o_ptrs = (Out + b64 * stride_ob + h64 * stride_oh + m0.to(tl.int64) * stride_om
+    o_ptrs = (Out + b_ptr * stride_ob + h64 * stride_oh + (q_row + m0) * stride_om
               + offs_m0[:, None] * stride_om + offs_d[None, :])
     if USE_TMA:
         desc_o.store([b, h, m0, 0], out.to(Out.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_D))
     else:
         tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
-    lse_ptrs = Lse + bh.to(tl.int64) * seqlen_q + offs_m
+    lse_ptrs = Lse + b_ptr * stride_lb + h64 * stride_lh + q_row + offs_m
     tl.store(lse_ptrs, lse, mask=m_ok)
 
 
@@ -328,7 +349,7 @@ def _tma_ok(*tensors) -> bool:
 
 def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, window_left: int,
                       window_right: int, softcap: float, alibi_slopes, attn_mask,
-                      config: FwdConfig, dropout_p: float = 0.0, seed=None) -> None:
+                      config: FwdConfig, dropout_p: float = 0.0, seed=None, varlen=None) -> None:
     """Launch the forward kernel. Inputs are already validated by ``flashtile.api``.
 
     Args:
@@ -342,15 +363,29 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
             warp-specialized Gluon kernel of ``forward_sm90``.
         dropout_p, seed: dropout probability and a 1-element int64 tensor on q's device
             holding the Philox key (only read when dropout_p > 0).
+        varlen: None, or a ``varlen.Varlen`` for packed sequences: q, out (1, H, total_q, D),
+            k, v (1, Hk, total_k, D), lse (1, H, total_q); each sequence has its own
+            bottom-right diagonal (``diag_offset`` is ignored) and the window is already
+            normalised against the longest sequences. No attn_mask.
     """
     import torch
 
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
-    window_left, window_right = effective_window(window_left, window_right, seqlen_q, seqlen_k, diag_offset)
     block_d = max(16, triton.next_power_of_2(head_dim))
-    num_m_blocks = triton.cdiv(seqlen_q, config.block_m)
-    grid = (num_m_blocks * batch * nheads,)
+    if varlen is None:
+        window_left, window_right = effective_window(window_left, window_right, seqlen_q, seqlen_k, diag_offset)
+        num_m_blocks = triton.cdiv(seqlen_q, config.block_m)
+        grid = (num_m_blocks * batch * nheads,)
+        items, item_cap = q, 0
+    else:
+        from .varlen import build_work_items
+
+        [(items, item_cap)] = build_work_items(varlen, seqlen_q, seqlen_k, [(config.block_m, False)],
+                                                window_left, window_right)
+        num_m_blocks = 0
+        grid = (item_cap * nheads,)
+        seqlen_q = seqlen_k = diag_offset = 0  # per sequence, from the work list
 
     if attn_mask is None:
         mask_mode, mask_arg, mstrides = MASK_NONE, q, (0, 0, 0, 0)
@@ -363,7 +398,7 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
         mstrides = attn_mask.stride()
     alibi_arg, astrides = (q, (0, 0)) if alibi_slopes is None else (alibi_slopes, alibi_slopes.stride())
 
-    tma_ok = (config.use_ws or config.use_tma) and _tma_ok(q, k, v, out)
+    tma_ok = (config.use_ws or config.use_tma) and varlen is None and _tma_ok(q, k, v, out)
     if tma_ok and config.use_ws and os.environ.get("FLASHTILE_WS", "1") != "0":
         from . import forward_sm90
 
@@ -387,13 +422,13 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
         descs = (q, k, v, out)
     _launch_fwd(
         grid,
-        (q, k, v, out, lse, mask_arg, alibi_arg, seed if dropout_p > 0.0 else q, *descs,
+        (q, k, v, out, lse, mask_arg, alibi_arg, seed if dropout_p > 0.0 else q, items, *descs,
          q.stride(0), q.stride(1), q.stride(2),
          k.stride(0), k.stride(1), k.stride(2),
          v.stride(0), v.stride(1), v.stride(2),
          out.stride(0), out.stride(1), out.stride(2),
-         *mstrides, *astrides,
-         nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_m_blocks,
+         *mstrides, *astrides, lse.stride(0), lse.stride(1),
+         nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_m_blocks, item_cap,
          scale * LOG2E,
          scale / softcap if softcap_on else 0.0,
          softcap * LOG2E if softcap_on else 0.0,
@@ -403,6 +438,35 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
              WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
              SOFTCAP=softcap_on, HAS_ALIBI=alibi_slopes is not None, MASK_MODE=mask_mode,
              IEEE_DOT=q.dtype == torch.float32,
-             REVERSE_M=window_right >= 0, USE_TMA=use_tma, DROPOUT=dropout_p > 0.0),
+             REVERSE_M=window_right >= 0, USE_TMA=use_tma, DROPOUT=dropout_p > 0.0,
+             VARLEN=varlen is not None),
         config.num_warps, config.num_stages,
     )
+
+
+@triton.jit
+def _dropout_keep_kernel(Seed, Keep, rows, cols, dropout_p, BLOCK: tl.constexpr):
+    """Keep[bh, i, j] (uint8) = the forward kernel's dropout bit of element (bh, i, j)."""
+    bh = tl.program_id(0)
+    i = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    j = tl.program_id(2) * BLOCK + tl.arange(0, BLOCK)
+    keep = _dropout_keep(tl.load(Seed), bh, i[:, None], j[None, :], dropout_p)
+    ptrs = Keep + bh.to(tl.int64) * rows * cols + i[:, None].to(tl.int64) * cols + j[None, :]
+    tl.store(ptrs, keep.to(tl.uint8), mask=(i[:, None] < rows) & (j[None, :] < cols))
+
+
+_launch_keep = Launcher(_dropout_keep_kernel)
+
+
+def dropout_keep_mask(seed, batch_heads: int, rows: int, cols: int, dropout_p: float):
+    """(batch_heads, rows, cols) bool: the keep mask every flashtile kernel draws for
+    element (b * nheads + h, i, j) from the Philox key ``seed`` (i, j within the sequence)."""
+    import torch
+
+    keep = torch.empty((batch_heads, rows, cols), dtype=torch.uint8, device=seed.device)
+    if keep.numel():
+        block = 32
+        with torch.cuda.device(seed.device) if seed.is_cuda else contextlib.nullcontext():
+            _launch_keep((batch_heads, triton.cdiv(rows, block), triton.cdiv(cols, block)),
+                         (seed, keep, rows, cols, float(dropout_p)), dict(BLOCK=block), 4, 1)
+    return keep.bool()

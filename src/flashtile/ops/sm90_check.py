@@ -142,20 +142,24 @@ def compile_gluon(name: str, fn, sig: dict, constexprs: dict, attrs: dict, num_w
     return _build(name, GluonASTSource(fn, sig, constexprs=constexprs, attrs=attrs), num_warps=num_warps)
 
 
-def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: int = 0, extras: bool = False) -> Compiled:
-    """The forward kernel with ``cfg`` (a FwdConfig); ``extras`` turns on every option."""
+def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: int = 0, extras: bool = False,
+                    varlen: bool = False) -> Compiled:
+    """The forward kernel with ``cfg`` (a FwdConfig); ``extras`` turns on every option;
+    ``varlen``: the packed-sequence variant (work list from ops/varlen.py)."""
     from .forward import _fwd_kernel
 
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     c = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
              WINDOW_LEFT=extras, WINDOW_RIGHT=causal or extras, SOFTCAP=extras, HAS_ALIBI=extras,
-             MASK_MODE=mask_mode, IEEE_DOT=dtype == "fp32", REVERSE_M=causal, USE_TMA=cfg.use_tma, DROPOUT=extras)
+             MASK_MODE=mask_mode, IEEE_DOT=dtype == "fp32", REVERSE_M=causal, USE_TMA=cfg.use_tma, DROPOUT=extras,
+             VARLEN=varlen)
     ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "Out", "desc_q", "desc_k", "desc_v", "desc_o")}
-    ptrs.update(Lse="*fp32", Mask="*u8" if mask_mode == 1 else f"*{dtype}", Alibi="*fp32", Seed="*i64")
+    ptrs.update(Lse="*fp32", Mask="*u8" if mask_mode == 1 else f"*{dtype}", Alibi="*fp32", Seed="*i64",
+                Items="*i32")
     if cfg.use_tma:
         for n, rows in (("desc_q", cfg.block_m), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n), ("desc_o", cfg.block_m)):
             ptrs[n] = f"tensordesc<{dtype}[1,1,{rows},{block_d}]>"
-    name = f"fwd {dtype} d{head_dim} causal={causal} mask={mask_mode} extras={extras} {cfg}"
+    name = f"fwd {dtype} d{head_dim} causal={causal} mask={mask_mode} extras={extras} varlen={varlen} {cfg}"
     return _compile(name, _fwd_kernel, ptrs, c, cfg.num_warps, cfg.num_stages)
 
 
@@ -231,16 +235,18 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
     return out
 
 
-def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extras: bool = False) -> list[Compiled]:
-    """The dq and dk/dv kernels with ``cfg`` (a BwdConfig)."""
+def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extras: bool = False,
+                     varlen: bool = False) -> list[Compiled]:
+    """The dq and dk/dv kernels with ``cfg`` (a BwdConfig); ``varlen``: packed sequences."""
     from .backward import _bwd_dkdv_kernel, _bwd_dq_kernel
 
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     common = dict(BLOCK_D=block_d, EVEN_D=block_d == head_dim, WINDOW_LEFT=extras, WINDOW_RIGHT=True,
-                  SOFTCAP=extras, HAS_ALIBI=extras, MASK_MODE=mask_mode, IEEE_DOT=dtype == "fp32", DROPOUT=extras)
+                  SOFTCAP=extras, HAS_ALIBI=extras, MASK_MODE=mask_mode, IEEE_DOT=dtype == "fp32", DROPOUT=extras,
+                  VARLEN=varlen)
     ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "DO", "DQ", "DK", "DV")}
     ptrs.update(Lse="*fp32", Delta="*fp32", Mask="*u8" if mask_mode == 1 else f"*{dtype}", Alibi="*fp32",
-                Seed="*i64", DQacc="*fp32")
+                Seed="*i64", DQacc="*fp32", Items="*i32")
     out = []
     kernels = [("dkdv", _bwd_dkdv_kernel, cfg.block_m_kv, cfg.block_n_kv,
                 dict(FUSED_DQ=cfg.fused_dq, SPLIT_PHASES=cfg.split_phases))]
@@ -248,7 +254,7 @@ def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extr
         kernels.append(("dq", _bwd_dq_kernel, cfg.block_m_q, cfg.block_n_q, {}))
     for kname, fn, bm, bn, extra in kernels:
         c = dict(common, BLOCK_M=bm, BLOCK_N=bn, **extra)
-        name = f"bwd-{kname} {dtype} d{head_dim} mask={mask_mode} extras={extras} {cfg}"
+        name = f"bwd-{kname} {dtype} d{head_dim} mask={mask_mode} extras={extras} varlen={varlen} {cfg}"
         out.append(_compile(name, fn, ptrs, c, cfg.num_warps, cfg.num_stages))
     return out
 

@@ -1,0 +1,132 @@
+"""Dispatch of the canonical problem (see ``flashtile.ops.forward``) to a backend: the
+Triton kernels through ``flashtile.autograd``, or the chunked torch twin."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+_BACKENDS = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class _Problem:
+    """The canonical attention problem (see module docstring)."""
+
+    scale: float
+    diag_offset: int
+    window_left: int
+    window_right: int
+    softcap: float
+    dropout_p: float = 0.0
+    deterministic: bool = False
+
+
+def _backend_for(device: torch.device) -> str:
+    choice = os.environ.get("FLASHTILE_BACKEND", "auto").strip().lower() or "auto"
+    if choice not in _BACKENDS:
+        raise ValueError(f"FLASHTILE_BACKEND must be one of {_BACKENDS}, got {choice!r}")
+    if choice == "auto":
+        return "triton" if device.type == "cuda" else "torch"
+    if choice == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            f"FLASHTILE_BACKEND=triton needs CUDA tensors, or TRITON_INTERPRET=1 for CPU tensors; got device {device}"
+        )
+    return choice
+
+
+def _torch_path(q4, k4, v4, problem: _Problem, alibi, mask) -> tuple[torch.Tensor, torch.Tensor]:
+    """The chunked torch twin; plain differentiable torch code, so autograd traces it."""
+    from .. import autograd as ops
+    from ..ops.chunked import chunked_attention_forward
+
+    out, lse = chunked_attention_forward(
+        q4, k4, v4, scale=problem.scale, diag_offset=problem.diag_offset,
+        window_left=problem.window_left, window_right=problem.window_right,
+        softcap=problem.softcap, alibi_slopes=alibi, attn_mask=mask, dropout_p=problem.dropout_p,
+    )
+    if torch.is_grad_enabled() and out.requires_grad:
+        return out.to(q4.dtype).transpose(1, 2).contiguous().transpose(1, 2), lse.to(torch.float32)
+    out4 = ops._bshd_view(q4)
+    lse_out = ops._new_lse(q4)
+    out4.copy_(out)
+    lse_out.copy_(lse)
+    return out4, lse_out
+
+
+def _torch_varlen_path(q4, k4, v4, problem: _Problem, alibi, varlen) -> tuple[torch.Tensor, torch.Tensor]:
+    """The torch twin of a packed call: the chunked twin once per sequence (its bounds read
+    on the host: CPU tensors), rows past a sequence's used length 0 / -inf. Differentiable."""
+    from ..ops.chunked import chunked_attention_forward
+
+    cu_q, cu_k, used_q, used_k = (None if t is None else t.tolist() for t in varlen[:4])
+    heads, total_q, dim = q4.shape[1], q4.shape[2], q4.shape[3]
+    outs, lses, row = [], [], 0
+
+    def gap(start, end):
+        # Rows that see no key: 0 / -inf, still in q's graph (zero gradient, as the kernels).
+        rows = q4[:, :, start:end]
+        outs.append(torch.where(torch.zeros((), dtype=torch.bool, device=q4.device), rows, 0.0))
+        lses.append(torch.full((1, heads, end - start), float("-inf"), device=q4.device))
+
+    for b in range(len(cu_q) - 1):
+        len_q = cu_q[b + 1] - cu_q[b] if used_q is None else min(used_q[b], cu_q[b + 1] - cu_q[b])
+        len_k = cu_k[b + 1] - cu_k[b] if used_k is None else min(used_k[b], cu_k[b + 1] - cu_k[b])
+        if cu_q[b] > row:
+            gap(row, cu_q[b])
+        if len_k == 0:
+            len_q = 0  # every row of this sequence is empty: a gap, below or at the next one
+            row = cu_q[b]
+            continue
+        out, lse = chunked_attention_forward(
+            q4[:, :, cu_q[b]:cu_q[b] + len_q], k4[:, :, cu_k[b]:cu_k[b] + len_k], v4[:, :, cu_k[b]:cu_k[b] + len_k],
+            scale=problem.scale, diag_offset=len_k - len_q, window_left=problem.window_left,
+            window_right=problem.window_right, softcap=problem.softcap,
+            alibi_slopes=None if alibi is None else alibi[b:b + 1], dropout_p=problem.dropout_p)
+        outs.append(out.to(q4.dtype))
+        lses.append(lse.to(torch.float32))
+        row = cu_q[b] + len_q
+    if total_q > row or not outs:
+        gap(row, total_q)
+    out = torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous().transpose(1, 2), torch.cat(lses, dim=2)
+
+
+def _attention(q4, k4, v4, problem: _Problem, alibi, mask, varlen: tuple = (),
+               seed=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the canonical problem: out (B, H, Sq, D) laid out as (B, Sq, H, D), lse (B, H, Sq).
+
+    ``varlen``: empty, or (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+    max_seqlen_k) of a validated packed call (B = 1; the diagonal is per sequence).
+    ``seed``: the dropout's Philox key when the caller needs to know it (S_dmask); drawn
+    here otherwise.
+    """
+    if _backend_for(q4.device) == "torch":
+        if varlen:
+            return _torch_varlen_path(q4, k4, v4, problem, alibi, varlen)
+        return _torch_path(q4, k4, v4, problem, alibi, mask)
+    from .. import autograd  # registers torch.ops.flashtile on first use
+
+    if alibi is not None and alibi.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError(
+            "alibi_slopes requires grad: the Triton kernels do not compute slope gradients; detach the slopes, "
+            "or run on CPU tensors where the torch path differentiates them")
+    if mask is not None and mask.requires_grad and torch.is_grad_enabled():
+        raise NotImplementedError(
+            "attn_mask requires grad: the Triton kernels do not compute mask gradients (that would need an "
+            "(L, S) gradient); detach the mask, or run on CPU tensors where the torch path differentiates it")
+    if problem.dropout_p > 0.0 and seed is None:
+        seed = new_seed(q4.device)
+    out, lse = autograd.attention(
+        q4, k4, v4, problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
+        problem.softcap, alibi, mask, problem.dropout_p, seed,
+        problem.deterministic or torch.are_deterministic_algorithms_enabled(), tuple(varlen))
+    return out.transpose(1, 2), lse
+
+
+def new_seed(device) -> torch.Tensor:
+    """A dropout Philox key from torch's generator of ``device``: torch.manual_seed makes the
+    mask reproducible, and the backward redraws the same mask from the same key."""
+    return torch.randint(0, 2**62, (1,), dtype=torch.int64, device=device)

@@ -1,0 +1,171 @@
+"""flash-attn 2's fixed-length functions: ``flash_attn_func`` and its packed variants."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..ops.window import effective_window
+from ._dispatch import _Problem, _attention, new_seed
+from ._validate import (_check_alibi, _check_dropout, _check_head_dim, _check_heads, _check_same, _check_scale,
+                        _check_softcap, _check_tensor, _check_window, _flag, _unit_last_stride)
+
+
+def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+                return_attn_probs, names=("q", "k", "v")):
+    qn, kn, vn = names
+    _check_tensor(qn, q, 4)
+    _check_tensor(kn, k, 4)
+    _check_tensor(vn, v, 4)
+    _check_same(q, k, v, names)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    if k.shape[0] != batch or v.shape[0] != batch:
+        raise ValueError(f"batch of {qn}, {kn}, {vn} must match, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
+    if k.shape != v.shape:
+        raise ValueError(f"{kn} and {vn} must have the same shape (batch, seqlen_k, nheads_k, headdim), "
+                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"head dim of {kn} ({k.shape[-1]}) must equal head dim of {qn} ({head_dim})")
+    _check_head_dim(qn, head_dim)
+    seqlen_k, nheads_k = k.shape[1], k.shape[2]
+    _check_heads(nheads, nheads_k, qn, kn)
+    dropout_p = _check_dropout(dropout_p)
+    scale = _check_scale("softmax_scale", softmax_scale, head_dim)
+    left, right = _check_window(window_size)
+    if _flag("causal", causal):
+        right = 0
+    softcap = _check_softcap(softcap)
+    alibi = _check_alibi(alibi_slopes, batch, nheads, q.device)
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
+
+    left, right = effective_window(left, right, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
+    problem = _Problem(scale, seqlen_k - seqlen_q, left, right, softcap, dropout_p, bool(deterministic))
+    want_probs = _flag("return_attn_probs", return_attn_probs)
+    seed = None
+    if want_probs and dropout_p > 0.0:
+        from .varlen import refuse_twin_probs
+
+        refuse_twin_probs(q.device)
+        seed = new_seed(q.device)
+    q4, k4, v4 = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+    out4, lse = _attention(q4, k4, v4, problem, alibi, None, (), seed)
+    out = out4.transpose(1, 2)
+    if not want_probs:
+        return out
+    probs = None
+    if dropout_p > 0.0:
+        from ._probs import dropout_probs
+
+        probs = dropout_probs(q4, k4, problem, alibi, seed)
+    return out, lse, probs
+
+
+def flash_attn_func(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """Exact attention with flash-attn 2's interface and semantics.
+
+    Args:
+        q: (batch, seqlen_q, nheads, headdim), float16/bfloat16/float32.
+        k, v: (batch, seqlen_k, nheads_k, headdim); nheads % nheads_k == 0 (MQA/GQA:
+            query head h reads key/value head h // (nheads // nheads_k)).
+            Any strides with unit stride along headdim (views of a packed qkv tensor,
+            transposes) run without copies; other layouts are copied once.
+        dropout_p: probability of dropping each attention weight, in [0, 1); kept weights
+            are scaled by 1 / (1 - dropout_p). The mask is drawn with Philox from a key
+            taken from torch's generator of q's device (``torch.manual_seed`` reproduces
+            it); the backward redraws the same mask. Pass 0.0 at evaluation time.
+        softmax_scale: defaults to 1 / sqrt(headdim).
+        causal: bottom-right aligned: query i sees key j iff j <= i + seqlen_k - seqlen_q.
+            For seqlen_q=2, seqlen_k=5 the mask is::
+
+                1 1 1 1 0
+                1 1 1 1 1
+
+            and for seqlen_q=5, seqlen_k=2 (rows 0-2 see nothing and give 0)::
+
+                0 0
+                0 0
+                0 0
+                1 0
+                1 1
+
+        window_size: (left, right), inclusive, around the same diagonal: query i sees
+            keys in [i + seqlen_k - seqlen_q - left, i + seqlen_k - seqlen_q + right];
+            -1 = unbounded. ``causal=True`` sets right to 0.
+        softcap: if > 0, scores -> softcap * tanh(scores / softcap) after scaling.
+        alibi_slopes: (nheads,) or (batch, nheads) float32; adds
+            -slope * |i + seqlen_k - seqlen_q - j| to the scores after softcap.
+        deterministic: forbid the backward's atomic dQ variant, so gradients are bitwise
+            reproducible (so does ``torch.use_deterministic_algorithms(True)``). The
+            default backward is deterministic too: the Gluon backward on Hopper has no
+            atomics, and the Triton kernels use them only with ``FLASHTILE_BWD_DQ=atomic``.
+        return_attn_probs: also return softmax_lse (differentiable, e.g. for a z-loss) and
+            S_dmask: None without dropout; with dropout_p > 0 a (batch, nheads, seqlen_q,
+            seqlen_k) float32 tensor holding exp(s - rowmax(s)) for kept entries, the
+            same value negated where dropout dropped the entry and 0 where the mask hides
+            it (so ``S_dmask.abs() * exp(rowmax - lse)`` are the probabilities and
+            ``S_dmask >= 0`` the kernel's keep mask). For tests and debugging only: it is
+            recomputed densely, O(seqlen_q * seqlen_k) memory.
+
+    Returns:
+        out (batch, seqlen_q, nheads, headdim) in q's dtype; with ``return_attn_probs``,
+        ``(out, softmax_lse, S_dmask)`` where softmax_lse is (batch, nheads, seqlen_q) float32,
+        natural log, -inf for rows that see no key (whose output is 0).
+
+    float32 inputs are computed with IEEE float32 dot products (no TF32), fp16/bf16 with
+    fp32 accumulation and the probabilities rounded to the input dtype before P @ V.
+    """
+    return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
+                       deterministic, return_attn_probs)
+
+
+def flash_attn_qkvpacked_func(
+    qkv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """:func:`flash_attn_func` on qkv (batch, seqlen, 3, nheads, headdim); q, k, v are views (no copy)."""
+    _check_tensor("qkv", qkv, 5)
+    if qkv.shape[2] != 3:
+        raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+    return _flash_attn(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
+                       softcap, alibi_slopes, deterministic, return_attn_probs,
+                       names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
+
+
+def flash_attn_kvpacked_func(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    dropout_p: float = 0.0,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    window_size: tuple[int, int] = (-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes: Optional[torch.Tensor] = None,
+    deterministic: bool = False,
+    return_attn_probs: bool = False,
+):
+    """:func:`flash_attn_func` with kv (batch, seqlen_k, 2, nheads_k, headdim); k, v are views (no copy)."""
+    _check_tensor("kv", kv, 5)
+    if kv.shape[2] != 2:
+        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    return _flash_attn(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
+                       alibi_slopes, deterministic, return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))

@@ -1,0 +1,244 @@
+"""Packed-sequence (varlen) benchmark: ``flashtile bench --varlen``.
+
+16384 tokens per batch as documents of random lengths (fixed seeds), bf16, hidden 2048
+(nheads = 2048 // headdim). FLOPs are counted over visible (query, key) pairs only:
+4 * H * D * pairs forward, 2.5x that backward (the papers' convention, without their
+causal halving: a document of n tokens has n (n + 1) / 2 causal pairs). Every
+implementation is charged the same FLOPs, so TFLOP/s compare useful work.
+
+Implementations in the same run:
+    flashtile        flash_attn_varlen_func on the packed batch
+    flashtile-fixed  flashtile's fixed-length flash_attn_func on the same token count as
+                     equal documents of the token-weighted mean length (same work shape;
+                     for the ``equal`` distribution exactly the same documents)
+    flex             FlexAttention with a document mask (block mask from document ids)
+    varlen_attn      torch.nn.attention.varlen.varlen_attn, where the installed torch has it
+    sdpa-*           torch SDPA backends on the padded batch (causal: is_causal, which is
+                     exact for right padding; full: a key-padding mask)
+
+Rows go to ``<out>/<tag>.jsonl`` (``layout: varlen``, ``dist``, the lengths), a summary
+markdown next to them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import random
+from pathlib import Path
+from typing import Any, Callable
+
+from flashtile.bench import HIDDEN, RowWriter, _reason, gpu_slug, run_info
+
+TOKENS = 16384
+IMPLS = ("flashtile", "flashtile-fixed", "flex", "varlen_attn", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+DISTS = ("equal", "uniform", "longtail")
+_SDPA = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION"}
+
+
+def lengths_for(dist: str, tokens: int = TOKENS, seed: int = 0) -> list[int]:
+    """Document lengths summing to ``tokens``: ``equal`` 8 x 2048; ``uniform`` in [128, 4096];
+    ``longtail`` mostly short (log-uniform 32..1024) with a few long ones (up to 8192)."""
+    rng = random.Random(seed)
+    if dist == "equal":
+        return [2048] * (tokens // 2048)
+    out: list[int] = []
+    while sum(out) < tokens:
+        if dist == "uniform":
+            n = rng.randint(128, 4096)
+        elif dist == "longtail":
+            n = int(2 ** rng.uniform(5, 10)) if rng.random() < 0.95 else rng.randint(2048, 8192)
+        else:
+            raise ValueError(f"unknown distribution {dist!r}")
+        out.append(min(n, tokens - sum(out)))
+    return out
+
+
+def visible_pairs(lengths: list[int], causal: bool) -> int:
+    return sum(n * (n + 1) // 2 if causal else n * n for n in lengths)
+
+
+def flops(lengths: list[int], nheads: int, headdim: int, causal: bool, pass_: str) -> float:
+    return 4.0 * nheads * headdim * visible_pairs(lengths, causal) * {"fwd": 1.0, "bwd": 2.5}[pass_]
+
+
+def _varlen_attn_call(q, k, v, cu, max_len, causal):
+    """torch's varlen_attn, whichever of its two signatures the installed torch has."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    params = inspect.signature(varlen_attn).parameters
+    if "is_causal" in params:
+        return lambda: varlen_attn(q, k, v, cu, cu, max_len, max_len, is_causal=causal)
+    return lambda: varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0) if causal else (-1, -1))
+
+
+def build(impl: str, lengths: list[int], nheads: int, headdim: int, causal: bool, leaves: bool):
+    """(call, inputs): ``call()`` runs the forward on ``inputs`` (the tensors to
+    differentiate when ``leaves``); every impl gets the same values for the same tokens."""
+    import torch
+
+    dt = torch.bfloat16
+    total = sum(lengths)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(total, nheads, headdim, device="cuda", dtype=dt, generator=gen) for _ in range(3))
+    cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32, device="cuda")
+    max_len = max(lengths)
+    if impl == "flashtile":
+        import flashtile
+
+        ins = [t.requires_grad_(leaves) for t in (q, k, v)]
+        return (lambda: flashtile.flash_attn_varlen_func(*ins, cu, cu, max_len, max_len, causal=causal)), ins
+    if impl == "flashtile-fixed":
+        import flashtile
+
+        weighted = sum(n * n for n in lengths) / total
+        seqlen = max(64, int(round(weighted / 64)) * 64)
+        batch = max(1, total // seqlen)
+        ins = [t[:batch * seqlen].reshape(batch, seqlen, nheads, headdim).detach().requires_grad_(leaves)
+               for t in (q, k, v)]
+        return (lambda: flashtile.flash_attn_func(*ins, causal=causal)), ins
+    if impl == "varlen_attn":
+        ins = [t.requires_grad_(leaves) for t in (q, k, v)]
+        return _varlen_attn_call(*ins, cu, max_len, causal), ins
+    if impl == "flex":
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        from flashtile.bench import _compiled_flex
+
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"),
+                                      torch.tensor(lengths, device="cuda"))
+
+        def document(b, h, qi, kv):
+            return doc[qi] == doc[kv]
+
+        def document_causal(b, h, qi, kv):
+            return (doc[qi] == doc[kv]) & (qi >= kv)
+
+        mask = create_block_mask(document_causal if causal else document, None, None, total, total, device="cuda")
+        flex = _compiled_flex()
+        ins = [t.transpose(0, 1).unsqueeze(0).contiguous().requires_grad_(leaves) for t in (q, k, v)]
+        return (lambda: flex(*ins, block_mask=mask)), ins
+    if impl in _SDPA:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        batch = len(lengths)
+        padded = []
+        for t in (q, k, v):
+            p = torch.zeros(batch, max_len, nheads, headdim, device="cuda", dtype=dt)
+            for b, n in enumerate(lengths):
+                p[b, :n] = t[cu[b]:cu[b] + n]
+            padded.append(p.transpose(1, 2).contiguous().requires_grad_(leaves))
+        mask = None
+        if not causal:
+            valid = torch.arange(max_len, device="cuda")[None, :] < torch.tensor(lengths, device="cuda")[:, None]
+            mask = valid[:, None, None, :]
+        backend = getattr(SDPBackend, _SDPA[impl])
+
+        def sdpa():
+            with sdpa_kernel(backend):
+                return torch.nn.functional.scaled_dot_product_attention(*padded, attn_mask=mask, is_causal=causal)
+        return sdpa, padded
+    raise ValueError(f"unknown impl {impl!r}")
+
+
+def measure(impl, lengths, nheads, headdim, causal, pass_, warmup, rep) -> float:
+    import torch
+    import triton.testing
+
+    call, ins = build(impl, lengths, nheads, headdim, causal, pass_ != "fwd")
+    if pass_ == "fwd":
+        with torch.no_grad():
+            call()
+            return triton.testing.do_bench(call, warmup=warmup, rep=rep, return_mode="median")
+    out = call()
+    out = out[0] if isinstance(out, tuple) else out
+    dout = torch.randn_like(out)
+    return triton.testing.do_bench(lambda: torch.autograd.grad(out, ins, dout, retain_graph=True),
+                                   warmup=warmup, rep=rep, return_mode="median")
+
+
+def summary_markdown(rows: list[dict[str, Any]]) -> str:
+    keys = sorted({(r["dist"], r["headdim"], r["causal"], r["pass"]) for r in rows},
+                  key=lambda k: (k[3], DISTS.index(k[0]) if k[0] in DISTS else 9, k[1], k[2]))
+    impls = [i for i in IMPLS if any(r["impl"] == i for r in rows)]
+    cells = {(r["dist"], r["headdim"], r["causal"], r["pass"], r["impl"]): r for r in rows}
+
+    def tf(key, impl):
+        r = cells.get(key + (impl,))
+        return None if r is None or r.get("tflops") is None else r["tflops"]
+
+    lines = ["| dist | docs | d | causal | pass | " + " | ".join(impls)
+             + " | vs fixed | vs flex | vs best sdpa |", "|---" * (8 + len(impls)) + "|"]
+    for key in keys:
+        mine = tf(key, "flashtile")
+        sdpa = [x for x in (tf(key, i) for i in _SDPA) if x]
+        docs = next(r["docs"] for r in rows if (r["dist"], r["headdim"], r["causal"], r["pass"]) == key)
+
+        def ratio(x):
+            return f"{mine / x:.2f}x" if mine and x else ""
+
+        lines.append(f"| {key[0]} | {docs} | {key[1]} | {'yes' if key[2] else 'no'} | {key[3]} | "
+                     + " | ".join("skip" if tf(key, i) is None else f"{tf(key, i):.0f}" for i in impls)
+                     + f" | {ratio(tf(key, 'flashtile-fixed'))} | {ratio(tf(key, 'flex'))} | "
+                     + f"{ratio(max(sdpa) if sdpa else None)} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="flashtile bench --varlen", description=__doc__.split("\n\n")[0])
+    p.add_argument("--varlen", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--headdim", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--dist", choices=DISTS, nargs="+", default=list(DISTS))
+    p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
+    p.add_argument("--pass", dest="passes", choices=("fwd", "bwd"), nargs="+", default=["fwd", "bwd"])
+    p.add_argument("--impl", choices=IMPLS, nargs="+", default=list(IMPLS))
+    p.add_argument("--out", type=Path)
+    p.add_argument("--tag")
+    p.add_argument("--warmup", type=int, default=25)
+    p.add_argument("--rep", type=int, default=100)
+    p.add_argument("--dry-run", action="store_true", help="print the plan (documents per distribution) only")
+    args = p.parse_args(argv)
+    for dist in args.dist:
+        lengths = lengths_for(dist)
+        print(f"{dist}: {len(lengths)} documents, max {max(lengths)}, min {min(lengths)}, "
+              f"token-weighted mean {sum(n * n for n in lengths) / sum(lengths):.0f}")
+    if args.dry_run:
+        return 0
+    import torch
+
+    if not torch.cuda.is_available():
+        p.error("no CUDA device (use --dry-run to see the plan)")
+    info = run_info(False)
+    tag = args.tag or f"bench-varlen-{datetime.datetime.now():%Y-%m-%d-%H%M}"
+    out = args.out or Path("benchmarks/results") / gpu_slug(info.gpu)
+    writer = RowWriter(out / f"{tag}.jsonl")
+    causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
+    for dist in args.dist:
+        lengths = lengths_for(dist)
+        for headdim in args.headdim:
+            nheads = HIDDEN // headdim
+            for causal in causals:
+                for pass_ in args.passes:
+                    for impl in args.impl:
+                        row = {"impl": impl, "pass": pass_, "layout": "varlen", "dist": dist, "docs": len(lengths),
+                               "lengths": lengths, "dtype": "bf16", "nheads": nheads, "headdim": headdim,
+                               "causal": causal, "tokens": sum(lengths), "ms": None, "tflops": None,
+                               **info.row_fields()}
+                        try:
+                            ms = measure(impl, lengths, nheads, headdim, causal, pass_, args.warmup, args.rep)
+                            row["ms"] = ms
+                            row["tflops"] = flops(lengths, nheads, headdim, causal, pass_) / (ms * 1e-3) / 1e12
+                        except Exception as err:
+                            row["skipped"] = _reason(err)
+                        torch.cuda.empty_cache()
+                        writer.write(row)
+                        what = row.get("skipped") or f"{row['ms']:.3f} ms {row['tflops']:6.1f} TFLOP/s"
+                        print(f"{dist:9s} d{headdim} {'causal' if causal else 'full  '} {pass_} {impl:15s} {what}",
+                              flush=True)
+    summary = summary_markdown(writer.rows)
+    (out / f"{tag}-summary.md").write_text(
+        f"# {tag}: {info.gpu}, torch {info.torch}, triton {info.triton}, flashtile {info.commit}\n\n"
+        f"TFLOP/s over visible pairs, bf16, {TOKENS} tokens per batch.\n\n" + summary)
+    print(summary, flush=True)
+    return 0
