@@ -133,3 +133,34 @@ def test_gluon_forward_dynamic_schedule_compiles(tmp_path):
     for line, fields in lines:
         assert int(fields["smem"]) <= SM90_SHARED_LIMIT and int(fields["setmaxnreg"]) > 0, line
         assert int(fields["atom"]) == 2 and int(fields["spill"]) <= 128, line
+
+
+def test_varlen_kernels_compile(tmp_path):
+    """The packed-sequence variants: the Gluon forward on a work list (d64/128/256) and the
+    Gluon dK/dV and dQ kernels (d64/128), and the Triton forward and backward kernels with
+    VARLEN, all compile for sm_90a within shared memory; the Gluon forward still claims
+    items with one atomic per claim."""
+    script = (
+        "from flashtile.ops import configs\n"
+        "from flashtile.ops.sm90_check import compile_backward, compile_backward_ws, compile_forward, compile_forward_ws\n"
+        "for d in (64, 128, 256):\n"
+        "    for causal in (False, True):\n"
+        "        c = compile_forward_ws('bf16', d, causal=causal, varlen=True)\n"
+        "        print('varlen', f'kind=fwd-ws d={d} smem={c.shared} atom={c.ptx.count(\"atom.global\")}', flush=True)\n"
+        "        ks = compile_backward_ws('bf16', d, causal=causal, varlen=True) if d < 256 else []\n"
+        "        for c in ks:\n"
+        "            print('varlen', f'kind=bwd-ws d={d} smem={c.shared} atom=0', flush=True)\n"
+        "    fwd = configs.default_fwd_config((9, 0), d, 'bfloat16', True, 4096)\n"
+        "    c = compile_forward(fwd, 'bf16', d, causal=True, extras=True, varlen=True)\n"
+        "    print('varlen', f'kind=fwd d={d} smem={c.shared} atom=0', flush=True)\n"
+        "    bwd = configs.default_bwd_config((9, 0), d, 'bfloat16')\n"
+        "    for c in compile_backward(bwd, 'bf16', d, extras=True, varlen=True):\n"
+        "        print('varlen', f'kind=bwd d={d} smem={c.shared} atom=0', flush=True)\n"
+    )
+    out = _compile_run(tmp_path, "-c", script)
+    lines = _report(out, ("varlen",))
+    assert len(lines) == 6 + 8 + 3 + 6, out
+    for line, fields in lines:
+        assert int(fields["smem"]) <= SM90_SHARED_LIMIT, line
+        if fields["kind"] == "fwd-ws":
+            assert int(fields["atom"]) == 2, line

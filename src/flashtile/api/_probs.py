@@ -51,6 +51,8 @@ def dropout_probs(q4, k4, problem, alibi, seed, meta=()) -> torch.Tensor:
         spans = [(b, 0, rows, 0, cols) for b in range(batch)]
     out = torch.zeros((batch, heads, rows, cols), dtype=torch.float32, device=q4.device)
     for b, (row, q0, lq, k0, lk) in enumerate(spans):
+        if lq == 0 or lk == 0:
+            continue  # nothing visible: zeros
         slopes = None if alibi is None else alibi[b]
         out[b, :, :lq, :lk] = _tile(q4[row, :, q0:q0 + lq], k4[row, :, k0:k0 + lk], problem, slopes, lk - lq)
     keep = dropout_keep_mask(seed, batch * heads, rows, cols, problem.dropout_p).view(batch, heads, rows, cols)

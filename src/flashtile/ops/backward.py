@@ -474,6 +474,18 @@ def _bwd_dkdv_kernel(
              + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=ok)
 
 
+def _ws_applies(*args) -> bool:
+    from . import backward_sm90
+
+    return backward_sm90.ws_applies(*args)
+
+
+def backward_sm90_split_dims() -> tuple:
+    from . import backward_sm90
+
+    return backward_sm90.SPLIT_HEAD_DIMS
+
+
 _launch_pre = Launcher(_bwd_preprocess)
 _launch_dkdv = Launcher(_bwd_dkdv_kernel)
 _launch_dq = Launcher(_bwd_dq_kernel)
@@ -510,6 +522,12 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
     block_d = max(16, triton.next_power_of_2(head_dim))
     delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     built = []
+    use_ws = (q.is_cuda and os.environ.get("FLASHTILE_WS", "1") != "0"
+              and cuda_capability(device_index(q.device))[0] == 9  # wgmma, setmaxnreg: Hopper only
+              and (varlen is None or head_dim not in backward_sm90_split_dims())
+              and _ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes, attn_mask,
+                              dropout_p)
+              and _tma_ok(q, k, v, dout, dq, dk, dv))
     if varlen is None:
         pre_blocks = triton.cdiv(seqlen_q, 64)
         pre_grid, pre_items, pre_cap, pre_sizes = pre_blocks * batch * nheads, q, 0, (seqlen_q, pre_blocks)
@@ -518,7 +536,10 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
 
         # Work lists of the three kernels in one launch: key blocks (dK/dV), query blocks
         # (dQ, unless fused), and the 64-row blocks of the Delta preprocess.
-        tables = [(config.block_n_kv, True)] + ([] if config.fused_dq else [(config.block_m_q, False)])
+        if use_ws:  # the Gluon kernels' blocks: 128 keys, 128 queries
+            tables = [(128, True), (128, False)]
+        else:
+            tables = [(config.block_n_kv, True)] + ([] if config.fused_dq else [(config.block_m_q, False)])
         built = build_work_items(varlen, seqlen_q, seqlen_k, tables + [(64, False)], window_left, window_right)
         pre_items, pre_cap = built.pop()
         pre_grid, pre_sizes = pre_cap * nheads, (seqlen_q, 0)
@@ -530,16 +551,13 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
     if dlse is not None:
         delta -= dlse.to(torch.float32)
 
-    if q.is_cuda and varlen is None and os.environ.get("FLASHTILE_WS", "1") != "0":
+    if use_ws:
         from . import backward_sm90
 
-        if (backward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes,
-                                     attn_mask, dropout_p)
-                and _tma_ok(q, k, v, dout, dq, dk, dv)
-                and cuda_capability(device_index(q.device))[0] == 9):  # wgmma, setmaxnreg: Hopper only
-            backward_sm90.attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=scale,
-                                                diag_offset=diag_offset, causal=window_right == 0)
-            return
+        backward_sm90.attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=scale,
+                                            diag_offset=diag_offset, causal=window_right == 0,
+                                            varlen=None if varlen is None else (varlen, *built))
+        return
 
     # The Triton kernels' arguments.
     softcap_on = softcap > 0.0

@@ -62,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .forward import LOG2E
 from . import forward_sm90
-from .forward_sm90 import _load_kv_tiles, _work_item, tma_descriptor
+from .forward_sm90 import _item, _load_kv_tiles, _work_item, tma_descriptor, varlen_block_start, varlen_item
 from .launch import Launcher
 
 BLOCK = 64  # rows per consumer warpgroup (keys in dK/dV, queries in dQ), queries per dK/dV step
@@ -97,10 +97,11 @@ def default_dq_block_n(head_dim: int) -> int:
 
 
 @gluon.jit
-def _row_stats(Lse, Delta, bh, rows, seqlen_q):
-    """LSE (in base 2) and Delta of query rows ``rows`` of head row bh = b * nheads + h.
-    Rows past seqlen_q get lse = +inf, so their P is 0 (their Q and dO are zero-filled)."""
-    row_off = bh.to(gl.int64) * seqlen_q
+def _row_stats(Lse, Delta, bh, rows, seqlen_q, lse_stride, q_row):
+    """LSE (in base 2) and Delta of query rows ``rows`` of head row bh = b * nheads + h
+    (``lse_stride`` apart; a varlen sequence's rows from q_row on). Rows past seqlen_q get
+    lse = +inf, so their P is 0 (their Q and dO are zero-filled, or the next document's)."""
+    row_off = bh.to(gl.int64) * lse_stride + q_row
     lse2 = gl.load(Lse + row_off + rows, mask=rows < seqlen_q, other=float("inf")) * 1.4426950408889634
     delta = gl.load(Delta + row_off + rows, mask=rows < seqlen_q, other=0.0)
     return lse2, delta
@@ -153,7 +154,7 @@ def _step_tiles(s, q_lo, nq, kvh, group_size, q_smem, do_smem, q_ready):
 
 
 @gluon.jit
-def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale,
+def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale, lse_stride, q_row,
               CAUSAL: gl.constexpr, dtype: gl.constexpr, s_layout: gl.constexpr):
     """P and dS = P (dP - Delta) of a (queries x keys) tile, in the input dtype for the
     dV/dK products; element masks only on a tile that reaches past the keys or (causal)
@@ -163,7 +164,7 @@ def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag
     QROWS: gl.constexpr = s.shape[0]
     rows = m0 + gl.arange(0, QROWS, layout=gl.SliceLayout(1, s_layout))
     keys = nk + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
-    lse2, delta = _row_stats(Lse, Delta, b * nheads + hq, rows, seqlen_q)
+    lse2, delta = _row_stats(Lse, Delta, b * nheads + hq, rows, seqlen_q, lse_stride, q_row)
     # Causal: keys past seqlen_k only reach their own (clipped) dK/dV rows, so only the
     # diagonal needs masks.
     if CAUSAL:
@@ -186,7 +187,7 @@ def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag
 @gluon.jit
 def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta,
                    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty,
-                   b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset, qk_scale, scale):
+                   b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset, qk_scale, scale, q_row, k_row, out_n0, lse_stride):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
@@ -218,7 +219,7 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
                             use_acc=False, is_async=True)
         st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
         pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
-                            qk_scale, CAUSAL, dtype, s_layout)
+                            qk_scale, lse_stride, q_row, CAUSAL, dtype, s_layout)
         p_tile.store(pt)
         ds_tile.store(dst)
         fence_async_shared()
@@ -233,7 +234,7 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
         dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(prev).reshape([QROWS, HEAD_D]), dk, is_async=True)
         st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # step s-1's products stay in flight
         pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
-                            qk_scale, CAUSAL, dtype, s_layout)
+                            qk_scale, lse_stride, q_row, CAUSAL, dtype, s_layout)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
         p_tile.store(pt)
@@ -252,45 +253,48 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
     k_smem.index(WG).reshape([ROWS, HEAD_D]).store((dk * scale).to(dtype))
     v_smem.index(WG).reshape([ROWS, HEAD_D]).store(dv.to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, kvh, nk, 0], k_smem.index(WG))
-    tma.async_copy_shared_to_global(dv_desc, [b, kvh, nk, 0], v_smem.index(WG))
+    # (varlen: into block-aligned padded buffers, out_n0 = this program's first row there)
+    tma.async_copy_shared_to_global(dk_desc, [b, kvh, out_n0 + WG * ROWS, 0], k_smem.index(WG))
+    tma.async_copy_shared_to_global(dv_desc, [b, kvh, out_n0 + WG * ROWS, 0], v_smem.index(WG))
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _dkdv_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
                     p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
-                    diag_offset, qk_scale, scale):
+                    diag_offset, qk_scale, scale, q_row, k_row, out_n0, lse_stride):
     _dkdv_consumer(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
                    p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
-                   diag_offset, qk_scale, scale)
+                   diag_offset, qk_scale, scale, q_row, k_row, out_n0, lse_stride)
 
 
 @gluon.jit
 def _dkdv_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
                     p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
-                    diag_offset, qk_scale, scale):
+                    diag_offset, qk_scale, scale, q_row, k_row, out_n0, lse_stride):
     _dkdv_consumer(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
                    p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
-                   diag_offset, qk_scale, scale)
+                   diag_offset, qk_scale, scale, q_row, k_row, out_n0, lse_stride)
 
 
 @gluon.jit
 def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
                  p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
-                 diag_offset, qk_scale, scale):
+                 diag_offset, qk_scale, scale, q_row, k_row, out_n0, lse_stride):
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
     for wg in gl.static_range(2):
         mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), k_smem.index(wg))
-        tma.async_copy_global_to_shared(v_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), v_smem.index(wg))
+        tma.async_copy_global_to_shared(k_desc, [b, kvh, k_row + n0 + wg * ROWS, 0], kv_bar.index(wg),
+                                        k_smem.index(wg))
+        tma.async_copy_global_to_shared(v_desc, [b, kvh, k_row + n0 + wg * ROWS, 0], kv_bar.index(wg),
+                                        v_smem.index(wg))
     _load_qdo_steps(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, b, kvh, n0, group_size, seqlen_q,
-                    diag_offset, CAUSAL)
+                    diag_offset, CAUSAL, q_row)
 
 
 @gluon.jit
 def _load_qdo_steps(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, b, kvh, n0, group_size, seqlen_q,
-                    diag_offset, CAUSAL: gl.constexpr):
+                    diag_offset, CAUSAL: gl.constexpr, q_row):
     """The (Q, dO) tiles of every step of key block n0 (``_step_tiles``' order) into the
     ring, each slot once its consumers have released it (a fresh barrier passes phase 1)."""
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
@@ -301,22 +305,39 @@ def _load_qdo_steps(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, b, kvh, 
         hq, m0 = _step_rows(s, q_lo, nq, kvh, group_size, QROWS)
         mbarrier.wait(q_empty.index(slot), ((s // NUM_BUF) & 1) ^ 1)
         mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, hq, m0, 0], q_ready.index(slot), q_smem.index(slot))
-        tma.async_copy_global_to_shared(do_desc, [b, hq, m0, 0], q_ready.index(slot), do_smem.index(slot))
+        tma.async_copy_global_to_shared(q_desc, [b, hq, q_row + m0, 0], q_ready.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [b, hq, q_row + m0, 0], q_ready.index(slot), do_smem.index(slot))
 
 
 @gluon.jit
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size,
-                 seqlen_q, seqlen_k, num_n_blocks, diag_offset, qk_scale, scale,
+                 seqlen_q, seqlen_k, num_n_blocks, diag_offset, qk_scale, scale, Items, item_cap, batch,
                  CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                  LOADER_REGS: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     pid = gl.program_id(0)  # flat grid: (batch, kv head, block of 2 * ROWS keys)
-    bk = pid // num_n_blocks
-    n0 = (pid % num_n_blocks) * (2 * ROWS)
-    b = bk // nheads_k
-    kvh = bk % nheads_k
+    lse_stride = seqlen_q
+    if Items.dtype.element_ty == gl.int32:
+        # Varlen: (work item over key blocks, kv head); batch row 0 from the sequence's
+        # first rows, its own lengths and diagonal; dK/dV go to block-aligned padded rows.
+        item = pid // nheads_k
+        kvh = pid % nheads_k
+        if item >= gl.load(Items):
+            return
+        seq, blk, q_row, seqlen_q, k_row, seqlen_k = varlen_item(Items, item, item_cap)
+        diag_offset = seqlen_k - seqlen_q
+        n0 = blk * (2 * ROWS)
+        out_n0 = varlen_block_start(Items, item_cap, batch, seq) * (2 * ROWS) + n0
+        b = seq * 0
+    else:
+        bk = pid // num_n_blocks
+        n0 = (pid % num_n_blocks) * (2 * ROWS)
+        b = bk // nheads_k
+        kvh = bk % nheads_k
+        q_row = b * 0
+        k_row = q_row
+        out_n0 = n0
 
     QROWS: gl.constexpr = q_desc.block_type.shape[2]  # queries per step
     q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], q_desc.layout)
@@ -337,7 +358,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, 
 
     args = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
             p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
-            qk_scale, scale)
+            qk_scale, scale, q_row, k_row, out_n0, lse_stride)
     gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_consumer1, args), (_dkdv_loader, args)], [4, 1],
                        [CONSUMER_REGS, LOADER_REGS])
 
@@ -348,7 +369,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, 
 @gluon.jit
 def _dq_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem,
                  k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads,
-                 group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, scale):
+                 group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, scale, Items, item_cap, batch):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     NUM_BUF: gl.constexpr = k_smem.type.shape[0]
@@ -359,8 +380,14 @@ def _dq_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HEAD_D, 16])
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    b, h, kvh, bh, m0, n_tiles = _work_item(gl.program_id(0), num_m_blocks, num_bh, nheads, group_size, seqlen_q,
-                                            seqlen_k, diag_offset, ROWS, BLOCK_N, CAUSAL)
+    lse_stride = seqlen_q
+    b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k, diag_offset = _item(
+        gl.program_id(0), num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, Items, item_cap,
+        ROWS, BLOCK_N, CAUSAL)
+    out_m0 = m0
+    if Items.dtype.element_ty == gl.int32:  # varlen: dQ goes to block-aligned padded rows
+        seq = gl.load(Items + 16 + gl.program_id(0) // nheads)
+        out_m0 = varlen_block_start(Items, item_cap, batch, seq) * (2 * ROWS) + m0
     mq = m0 + WG * ROWS  # first query row of this warpgroup
     # A key tile needs element masks iff it reaches past the keys or past the diagonal of
     # this warpgroup's first row.
@@ -369,7 +396,7 @@ def _dq_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse
         mask_from = gl.minimum(mask_from, mq + diag_offset - BLOCK_N + 1)
     rows = mq + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-    lse2, delta = _row_stats(Lse, Delta, bh, rows, seqlen_q)
+    lse2, delta = _row_stats(Lse, Delta, bh, rows, seqlen_q, lse_stride, q_row)
     q_tile = q_smem.index(WG).reshape([ROWS, HEAD_D])
     do_tile = do_smem.index(WG).reshape([ROWS, HEAD_D])
     zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -421,50 +448,57 @@ def _dq_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse
     # seqlen_q.
     do_tile.store((dq * scale).to(dtype))
     fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [b, h, mq, 0], do_smem.index(WG))
+    tma.async_copy_shared_to_global(dq_desc, [b, h, out_m0 + WG * ROWS, 0], do_smem.index(WG))
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _dq_consumer0(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
                   k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                  diag_offset, qk_scale, scale):
+                  diag_offset, qk_scale, scale, Items, item_cap, batch):
     _dq_consumer(0, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
                  k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                 diag_offset, qk_scale, scale)
+                 diag_offset, qk_scale, scale, Items, item_cap, batch)
 
 
 @gluon.jit
 def _dq_consumer1(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
                   k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                  diag_offset, qk_scale, scale):
+                  diag_offset, qk_scale, scale, Items, item_cap, batch):
     _dq_consumer(1, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
                  k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                 diag_offset, qk_scale, scale)
+                 diag_offset, qk_scale, scale, Items, item_cap, batch)
 
 
 @gluon.jit
 def _dq_loader(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
                k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-               diag_offset, qk_scale, scale):
+               diag_offset, qk_scale, scale, Items, item_cap, batch):
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     CAUSAL: gl.constexpr = q_ready.type.shape[0] == 3
-    b, h, kvh, bh, m0, n_tiles = _work_item(gl.program_id(0), num_m_blocks, num_bh, nheads, group_size, seqlen_q,
-                                            seqlen_k, diag_offset, ROWS, BLOCK_N, CAUSAL)
+    b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k, diag_offset = _item(
+        gl.program_id(0), num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, Items, item_cap,
+        ROWS, BLOCK_N, CAUSAL)
     for wg in gl.static_range(2):
         mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + wg * ROWS, 0], q_ready.index(wg), q_smem.index(wg))
-        tma.async_copy_global_to_shared(do_desc, [b, h, m0 + wg * ROWS, 0], q_ready.index(wg), do_smem.index(wg))
-    _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, kvh, 0, n_tiles)
+        tma.async_copy_global_to_shared(q_desc, [b, h, q_row + m0 + wg * ROWS, 0], q_ready.index(wg),
+                                        q_smem.index(wg))
+        tma.async_copy_global_to_shared(do_desc, [b, h, q_row + m0 + wg * ROWS, 0], q_ready.index(wg),
+                                        do_smem.index(wg))
+    _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, kvh, 0, n_tiles, k_row)
 
 
 @gluon.jit
 def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, nheads, group_size, seqlen_q, seqlen_k,
-               num_m_blocks, num_bh, diag_offset, qk_scale, scale,
+               num_m_blocks, num_bh, diag_offset, qk_scale, scale, Items, item_cap, batch,
                CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                LOADER_REGS: gl.constexpr):
     """One program per work item (2 x ROWS queries of one (batch, head)), in the forward's
-    order (``forward_sm90._work_item``: head by head, causal heads from their last block)."""
+    order (``forward_sm90._work_item``: head by head, causal heads from their last block);
+    varlen (Items an int32 work list): one program per (item, head), as ``forward_sm90._item``."""
+    if Items.dtype.element_ty == gl.int32:
+        if gl.program_id(0) // nheads >= gl.load(Items):
+            return
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     dtype: gl.constexpr = q_desc.dtype
@@ -487,7 +521,7 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, nheads, gro
 
     args = (q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
             k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-            diag_offset, qk_scale, scale)
+            diag_offset, qk_scale, scale, Items, item_cap, batch)
     gl.warp_specialize([(_dq_consumer0, args), (_dq_consumer1, args), (_dq_loader, args)], [4, 1],
                        [CONSUMER_REGS, LOADER_REGS])
 
@@ -504,8 +538,8 @@ def _p_only(s, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offse
             CAUSAL: gl.constexpr, dtype: gl.constexpr, s_layout: gl.constexpr):
     """P of a (queries x keys) tile: ``_p_and_ds`` with S standing in for dP; the unused
     dS and its Delta loads are dead code the compiler drops."""
-    pt, _ = _p_and_ds(s, s, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale, CAUSAL,
-                      dtype, s_layout)
+    pt, _ = _p_and_ds(s, s, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset, qk_scale,
+                      seqlen_q, 0, CAUSAL, dtype, s_layout)
     return pt
 
 
@@ -564,7 +598,7 @@ def _split_consumer(WG: gl.constexpr, DK: gl.constexpr, q_desc, k_desc, v_desc, 
             st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
             _release_tile(do_smem, do_empty, 0)
             pt, tt = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
-                               qk_scale, CAUSAL, dtype, s_layout)
+                               qk_scale, seqlen_q, 0, CAUSAL, dtype, s_layout)
         else:
             st = warpgroup_mma_wait(num_outstanding=0, deps=(st,))
             _release_tile(q_smem, q_empty, 0)
@@ -584,7 +618,7 @@ def _split_consumer(WG: gl.constexpr, DK: gl.constexpr, q_desc, k_desc, v_desc, 
             st, dpt = warpgroup_mma_wait(num_outstanding=1, deps=(st, dpt))  # dK product in flight
             _release_tile(do_smem, do_empty, s)  # dO_s is read
             pt, tt = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
-                               qk_scale, CAUSAL, dtype, s_layout)
+                               qk_scale, seqlen_q, 0, CAUSAL, dtype, s_layout)
             acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
             _release_tile(q_smem, q_empty, s - 1)  # Q_{s-1} is read (S_{s-1} and the dK product)
         else:
@@ -786,7 +820,7 @@ def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: i
 def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int, causal: bool,
                           dkdv_num_buf: int | None = None, dq_block_n: int | None = None,
                           dq_num_buf: int = DQ_NUM_BUF, dkdv_block_q: int = BLOCK,
-                          kernels: tuple = ("dkdv", "dq")) -> None:
+                          kernels: tuple = ("dkdv", "dq"), varlen=None) -> None:
     """Launch the dK/dV kernel (at d256: the dV and the dK kernel) and the dQ kernel; the
     caller checked ``ws_applies`` and TMA alignment.
 
@@ -802,6 +836,11 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
         dkdv_block_q: queries per step of the dK/dV kernel (experiment: 64 or 128; not d256).
         kernels: which kernels to launch: ("dkdv", "dq"), or a part to time it alone
             (benchmarks/experiments/gluon_bwd.py --split); at d256 also "dv" or "dk".
+        varlen: None, or (Varlen, key table, query table) for packed sequences (B = 1,
+            head dims 64/128): the work lists of blocks of 2 * BLOCK keys and queries
+            (``ops.varlen.build_work_items``). The kernels write dQ, dK, dV into
+            block-aligned padded buffers (a 64-row tile past a sequence's end must not
+            land on the next document's rows), gathered back into dq, dk, dv here.
     """
     batch, nheads, seqlen_q, head_dim = q.shape
     split = head_dim in SPLIT_HEAD_DIMS
@@ -840,12 +879,18 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
                    (q_d, desc(k, BLOCK), desc(v, BLOCK), do_d, desc(dk, BLOCK), *sizes, nb, diag_offset,
                     scale * LOG2E, scale),
                    dict(CAUSAL=causal, NUM_Q=DK_RING[0], NUM_DO=DK_RING[1], LOADER_REGS=LOADER_REGS), 4, 1)
+    if varlen is not None:
+        if split:
+            raise ValueError(f"no varlen Gluon backward at head dim {head_dim}")
+        _backward_varlen_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, varlen, desc, dkdv_num_buf,
+                            dq_block_n, dq_num_buf, dkdv_block_q, regs)
+        return
     if not split and "dkdv" in kernels:
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
         _launch_dkdv((num_n_blocks * batch * nheads_k,),
                      (desc(q, dkdv_block_q), desc(k, BLOCK), desc(v, BLOCK), desc(dout, dkdv_block_q), desc(dk, BLOCK),
                       desc(dv, BLOCK), *sizes,
-                      num_n_blocks, diag_offset, scale * LOG2E, scale),
+                      num_n_blocks, diag_offset, scale * LOG2E, scale, lse, 0, 0),
                      dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), 4, 1)
     if "dq" not in kernels:
         return
@@ -853,5 +898,54 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
     _launch_dq((num_m_blocks * batch * nheads,),
                (q_d, desc(k, dq_block_n), desc(v, dq_block_n), do_d, desc(dq, BLOCK), lse, delta,
                 nheads, nheads // nheads_k, seqlen_q, seqlen_k, num_m_blocks, batch * nheads, diag_offset,
-                scale * LOG2E, scale),
+                scale * LOG2E, scale, lse, 0, 0),
                dict(CAUSAL=causal, NUM_BUF=dq_num_buf, **regs), 4, 1)
+
+
+def _padded(like, rows: int):
+    """A (1, H, rows + 2 * BLOCK, D) view of a new (1, rows + 2 * BLOCK, H, D) buffer whose
+    last 2 * BLOCK rows are zero (what ``_unpad_rows`` points unused rows at)."""
+    import torch
+
+    buf = torch.empty((1, rows + 2 * BLOCK, like.shape[1], like.shape[3]), dtype=like.dtype, device=like.device)
+    buf[:, rows:].zero_()
+    return buf.transpose(1, 2)
+
+
+def _unpad_rows(table, cap: int, batch: int, cu, total: int, over_keys: bool):
+    """For each packed row of one side (queries, or keys with over_keys): its row in the
+    padded layout where sequence b starts at block (prefix of its blocks) * 2 * BLOCK, or the
+    zero rows at the end for rows past the sequence's used length. Device ops only."""
+    import torch
+
+    base = 16 + 2 * cap
+    meta = table[base:base + 4 * batch].view(batch, 4).long()
+    first = table[base + 4 * batch:base + 5 * batch].long() * (2 * BLOCK)
+    rows = torch.arange(total, device=cu.device, dtype=torch.int32)
+    seq = torch.searchsorted(cu[1:], rows, right=True).clamp_(max=max(batch - 1, 0))
+    local = rows.long() - cu.long()[seq]
+    used = meta[seq, 3 if over_keys else 1]
+    return torch.where(local < used, first[seq] + local, cap * 2 * BLOCK)
+
+
+def _backward_varlen_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, varlen, desc, dkdv_num_buf,
+                        dq_block_n, dq_num_buf, dkdv_block_q, regs):
+    """The dK/dV and dQ kernels on work lists; see ``attention_backward_ws``."""
+    meta, (kv_table, kv_cap), (q_table, q_cap) = varlen
+    _, nheads, total_q, _ = q.shape
+    nheads_k, total_k = k.shape[1], k.shape[2]
+    batch = meta.batch
+    dk_pad, dv_pad, dq_pad = _padded(dk, kv_cap * 2 * BLOCK), _padded(dv, kv_cap * 2 * BLOCK), _padded(dq, q_cap * 2 * BLOCK)
+    sizes = (lse, delta, nheads, nheads_k, nheads // nheads_k, total_q, 0)
+    _launch_dkdv((kv_cap * nheads_k,),
+                 (desc(q, dkdv_block_q), desc(k, BLOCK), desc(v, BLOCK), desc(dout, dkdv_block_q), desc(dk_pad, BLOCK),
+                  desc(dv_pad, BLOCK), *sizes, 0, 0, scale * LOG2E, scale, kv_table, kv_cap, batch),
+                 dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), 4, 1)
+    _launch_dq((q_cap * nheads,),
+               (desc(q, BLOCK), desc(k, dq_block_n), desc(v, dq_block_n), desc(dout, BLOCK), desc(dq_pad, BLOCK), lse,
+                delta, nheads, nheads // nheads_k, total_q, 0, 0, 0, 0, scale * LOG2E, scale, q_table, q_cap, batch),
+               dict(CAUSAL=causal, NUM_BUF=dq_num_buf, **regs), 4, 1)
+    kv_rows = _unpad_rows(kv_table, kv_cap, batch, meta.cu_seqlens_k, total_k, True)
+    q_rows = _unpad_rows(q_table, q_cap, batch, meta.cu_seqlens_q, total_q, False)
+    for out, pad, rows in ((dk, dk_pad, kv_rows), (dv, dv_pad, kv_rows), (dq, dq_pad, q_rows)):
+        out.transpose(1, 2)[0].copy_(pad.transpose(1, 2)[0].index_select(0, rows))

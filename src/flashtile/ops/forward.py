@@ -378,14 +378,6 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
         num_m_blocks = triton.cdiv(seqlen_q, config.block_m)
         grid = (num_m_blocks * batch * nheads,)
         items, item_cap = q, 0
-    else:
-        from .varlen import build_work_items
-
-        [(items, item_cap)] = build_work_items(varlen, seqlen_q, seqlen_k, [(config.block_m, False)],
-                                                window_left, window_right)
-        num_m_blocks = 0
-        grid = (item_cap * nheads,)
-        seqlen_q = seqlen_k = diag_offset = 0  # per sequence, from the work list
 
     if attn_mask is None:
         mask_mode, mask_arg, mstrides = MASK_NONE, q, (0, 0, 0, 0)
@@ -398,7 +390,7 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
         mstrides = attn_mask.stride()
     alibi_arg, astrides = (q, (0, 0)) if alibi_slopes is None else (alibi_slopes, alibi_slopes.stride())
 
-    tma_ok = (config.use_ws or config.use_tma) and varlen is None and _tma_ok(q, k, v, out)
+    tma_ok = (config.use_ws or config.use_tma) and _tma_ok(q, k, v, out)
     if tma_ok and config.use_ws and os.environ.get("FLASHTILE_WS", "1") != "0":
         from . import forward_sm90
 
@@ -407,10 +399,18 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
                 and forward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes,
                                             attn_mask, dropout_p)):
             forward_sm90.attention_forward_ws(q, k, v, out, lse, scale=scale, diag_offset=diag_offset,
-                                              causal=window_right == 0)
+                                              causal=window_right == 0, varlen=varlen)
             return
+    if varlen is not None:
+        from .varlen import build_work_items
+
+        [(items, item_cap)] = build_work_items(varlen, seqlen_q, seqlen_k, [(config.block_m, False)],
+                                                window_left, window_right)
+        num_m_blocks = 0
+        grid = (item_cap * nheads,)
+        seqlen_q = seqlen_k = diag_offset = 0  # per sequence, from the work list
     softcap_on = softcap > 0.0
-    use_tma = config.use_tma and tma_ok
+    use_tma = config.use_tma and tma_ok and varlen is None
     if use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 

@@ -114,9 +114,87 @@ def _work_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, 
 
 
 @gluon.jit
+def varlen_item(Items, item, item_cap):
+    """Item ``item`` of a work list (ops/varlen.py): (sequence, block, q start, q length,
+    k start, k length); the Gluon twin of ``varlen.varlen_item``."""
+    seq = gl.load(Items + 16 + item)
+    blk = gl.load(Items + 16 + item_cap + item)
+    meta = Items + 16 + 2 * item_cap + 4 * seq
+    return seq, blk, gl.load(meta), gl.load(meta + 1), gl.load(meta + 2), gl.load(meta + 3)
+
+
+@gluon.jit
+def varlen_block_start(Items, item_cap, batch, seq):
+    """The blocks of the sequences before ``seq`` in a work list (its prefix sums): the
+    sequence's first block in a layout where every sequence starts on a block boundary."""
+    return gl.load(Items + 16 + 2 * item_cap + 4 * batch + seq)
+
+
+@gluon.jit
+def _item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, Items, item_cap,
+          ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
+    """Work item t -> (b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k,
+    diag_offset): ``_work_item`` for a fixed-length call; for a varlen one (Items an int32
+    work list of ops/varlen.py, blocks of 2 * ROWS rows) item t // nheads of the list and
+    head t % nheads, at batch 0 from the sequence's first rows (q_row, k_row), with its own
+    lengths and bottom-right diagonal; bh is then h (the LSE row is h * total_q + q_row).
+    Tiles read past a sequence's end hold the next document's rows: their scores are
+    masked to -inf, so they add exactly 0 to finite sums, and no row past the end is stored."""
+    if Items.dtype.element_ty == gl.int32:
+        item = t // nheads
+        h = t % nheads
+        seq, blk, q_row, len_q, k_row, len_k = varlen_item(Items, item, item_cap)
+        diag = len_k - len_q
+        m0 = blk * (2 * ROWS)
+        hi = len_k
+        if CAUSAL:
+            hi = gl.maximum(gl.minimum(gl.minimum(m0 + 2 * ROWS, len_q) + diag, len_k), 0)
+        return seq * 0, h, h // group_size, h, m0, gl.cdiv(hi, BLOCK_N), q_row, k_row, len_q, len_k, diag
+    else:
+        b, h, kvh, bh, m0, n_tiles = _work_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
+                                                diag_offset, ROWS, BLOCK_N, CAUSAL)
+        return b, h, kvh, bh, m0, n_tiles, b * 0, b * 0, seqlen_q, seqlen_k, diag_offset
+
+
+@gluon.jit
+def _total_items(num_m_blocks, num_bh, nheads, Items):
+    """How many work items the dynamic schedule hands out."""
+    if Items.dtype.element_ty == gl.int32:
+        return gl.load(Items) * nheads
+    else:
+        return num_m_blocks * num_bh
+
+
+@gluon.jit
+def _store_o_varlen(out, o_desc, o_tile, q_empty, WG: gl.constexpr, Out, stride_oh, stride_om, h, q_row, mq,
+                    seqlen_q, o_layout: gl.constexpr, ALIAS_O: gl.constexpr):
+    """A warpgroup's output rows mq .. of a sequence starting at row q_row: by TMA when the
+    tile lies inside the sequence (TMA clips at the tensor's end, not the sequence's),
+    else from registers, row by row."""
+    ROWS: gl.constexpr = out.shape[0]
+    HEAD_D: gl.constexpr = out.shape[1]
+    if mq + ROWS > seqlen_q:
+        st_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+        rows = mq + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
+        cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, st_layout))
+        ptrs = Out + h.to(gl.int64) * stride_oh + (q_row + rows).to(gl.int64)[:, None] * stride_om + cols[None, :]
+        gl.store(ptrs, gl.convert_layout(out, st_layout), mask=(rows < seqlen_q)[:, None])
+        if ALIAS_O:
+            mbarrier.arrive(q_empty.index(WG), count=1)
+    else:
+        tma.store_wait(pendings=0)
+        o_tile.reshape([ROWS, HEAD_D]).store(out)
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [0, h, q_row + mq, 0], o_tile)
+        if ALIAS_O:
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(q_empty.index(WG), count=1)
+
+
+@gluon.jit
 def _consume_item(WG: gl.constexpr, t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem,
                   v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads,
-                  group_size, seqlen_q, seqlen_k, diag_offset, qk_scale):
+                  group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om):
     """Warpgroup WG's 64 rows of work item t: it key tiles were consumed before it (the
     position in the K/V ring) and done items (the Q barriers' phase). Returns its key tiles."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -138,8 +216,11 @@ def _consume_item(WG: gl.constexpr, t, it, done, q_desc, k_desc, v_desc, o_desc,
     # may refill only once O has left it.
     ALIAS_O: gl.constexpr = HEAD_D > 128
     zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    b, h, kvh, bh, m0, n_tiles = _work_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                                            diag_offset, ROWS, BLOCK_N, CAUSAL)
+    VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
+    lse_stride = seqlen_q  # varlen: total_q (the host passes it as seqlen_q)
+    b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k, diag_offset = _item(
+        t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, Items, item_cap,
+        ROWS, BLOCK_N, CAUSAL)
     mq = m0 + WG * ROWS  # first query row of this warpgroup
     # A key tile needs element masks iff it reaches past the keys or past the diagonal
     # of this warpgroup's first row (the last tile, and the diagonal ones when causal).
@@ -197,29 +278,33 @@ def _consume_item(WG: gl.constexpr, t, it, done, q_desc, k_desc, v_desc, o_desc,
     seen = l_i != 0.0
     l_safe = gl.where(seen, l_i, 1.0)
     out = acc / gl.convert_layout(l_safe, row_o)[:, None]
-    tma.store_wait(pendings=0)  # the previous item's O has left the staging tile
-    o_tile.reshape([ROWS, HEAD_D]).store(out.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(o_desc, [b, h, mq, 0], o_tile)  # clips rows past seqlen_q
-    if ALIAS_O:
-        tma.store_wait(pendings=0)
-        mbarrier.arrive(q_empty.index(WG), count=1)
+    if VARLEN:
+        _store_o_varlen(out.to(dtype), o_desc, o_tile, q_empty, WG, Out, stride_oh, stride_om, h, q_row, mq,
+                        seqlen_q, o_layout, ALIAS_O)
+    else:
+        tma.store_wait(pendings=0)  # the previous item's O has left the staging tile
+        o_tile.reshape([ROWS, HEAD_D]).store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [b, h, mq, 0], o_tile)  # clips rows past seqlen_q
+        if ALIAS_O:
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(q_empty.index(WG), count=1)
     rows = mq + gl.arange(0, ROWS, layout=row_s)
     lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
-    gl.store(Lse + bh.to(gl.int64) * seqlen_q + rows, lse, mask=rows < seqlen_q)
+    gl.store(Lse + bh.to(gl.int64) * lse_stride + q_row + rows, lse, mask=rows < seqlen_q)
     return n_tiles
 
 
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
               q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size,
-              seqlen_q, seqlen_k, diag_offset, qk_scale):
+              seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om):
     it = 0  # key tiles consumed so far: the position in the K/V ring
     done = 0  # work items finished
     for t in range(gl.program_id(0), num_m_blocks * num_bh, gl.num_programs(0)):
         it += _consume_item(WG, t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
                             q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads,
-                            group_size, seqlen_q, seqlen_k, diag_offset, qk_scale)
+                            group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om)
         done += 1
     tma.store_wait(pendings=0)
 
@@ -227,44 +312,47 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_s
 @gluon.jit
 def _consumer0(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-               qk_scale):
+               qk_scale, Items, item_cap, Out, stride_oh, stride_om):
     _consumer(0, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
               k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-              qk_scale)
+              qk_scale, Items, item_cap, Out, stride_oh, stride_om)
 
 
 @gluon.jit
 def _consumer1(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-               qk_scale):
+               qk_scale, Items, item_cap, Out, stride_oh, stride_om):
     _consumer(1, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
               k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-              qk_scale)
+              qk_scale, Items, item_cap, Out, stride_oh, stride_om)
 
 
 @gluon.jit
 def _load_item(t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-               diag_offset, qk_scale):
+               diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om):
     """Work item t's Q tiles, then its K/V tiles into the ring; returns its key tiles."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     CAUSAL: gl.constexpr = q_ready.type.shape[0] == 3
-    b, h, kvh, bh, m0, n_tiles = _work_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                                            diag_offset, ROWS, BLOCK_N, CAUSAL)
+    b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k, diag_offset = _item(
+        t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, Items, item_cap,
+        ROWS, BLOCK_N, CAUSAL)
     for wg in gl.static_range(2):
         # A fresh mbarrier counts as having completed phase 1: the first wait passes.
         mbarrier.wait(q_empty.index(wg), (done & 1) ^ 1)
         mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b, h, m0 + wg * ROWS, 0], q_ready.index(wg), q_smem.index(wg))
-    _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, kvh, it, n_tiles)
+        tma.async_copy_global_to_shared(q_desc, [b, h, q_row + m0 + wg * ROWS, 0], q_ready.index(wg),
+                                        q_smem.index(wg))
+    _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, kvh, it, n_tiles, k_row)
     return n_tiles
 
 
 @gluon.jit
-def _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, kvh, it, n_tiles):
-    """Key tiles 0 .. n_tiles - 1 of kv head (b, kvh) into the K/V ring, it tiles in: each
-    slot once its consumers have released it (a fresh barrier passes phase 1)."""
+def _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, kvh, it, n_tiles, k_row):
+    """Key tiles 0 .. n_tiles - 1 of kv head (b, kvh), from key row k_row on, into the K/V
+    ring, it tiles in: each slot once its consumers have released it (a fresh barrier
+    passes phase 1)."""
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     NUM_BUF: gl.constexpr = k_smem.type.shape[0]
     for j in range(n_tiles):
@@ -272,22 +360,24 @@ def _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_
         free_phase = (((it + j) // NUM_BUF) & 1) ^ 1
         mbarrier.wait(k_empty.index(slot), free_phase)
         mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, kvh, j * BLOCK_N, 0], k_ready.index(slot), k_smem.index(slot))
+        tma.async_copy_global_to_shared(k_desc, [b, kvh, k_row + j * BLOCK_N, 0], k_ready.index(slot),
+                                        k_smem.index(slot))
         mbarrier.wait(v_empty.index(slot), free_phase)
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, kvh, j * BLOCK_N, 0], v_ready.index(slot), v_smem.index(slot))
+        tma.async_copy_global_to_shared(v_desc, [b, kvh, k_row + j * BLOCK_N, 0], v_ready.index(slot),
+                                        v_smem.index(slot))
 
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
             k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-            qk_scale):
+            qk_scale, Items, item_cap, Out, stride_oh, stride_om):
     it = 0
     done = 0
     for t in range(gl.program_id(0), num_m_blocks * num_bh, gl.num_programs(0)):
         it += _load_item(t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready,
                          q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size,
-                         seqlen_q, seqlen_k, diag_offset, qk_scale)
+                         seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om)
         done += 1
 
 
@@ -325,7 +415,7 @@ def _allocate(q_desc, k_desc, v_desc, o_desc, CAUSAL: gl.constexpr, NUM_BUF: gl.
 
 @gluon.jit
 def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seqlen_q, seqlen_k,
-                   num_m_blocks, num_bh, diag_offset, qk_scale,
+                   num_m_blocks, num_bh, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om,
                    CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    LOADER_REGS: gl.constexpr):
     """Persistent when launched on fewer programs than work items: each program walks the
@@ -334,7 +424,7 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seql
     (q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty) = _allocate(q_desc, k_desc, v_desc, o_desc, CAUSAL, NUM_BUF)
     args = (q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-            v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, qk_scale)
+            v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om)
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 1],
                        [CONSUMER_REGS, LOADER_REGS])
 
@@ -383,15 +473,15 @@ def _read_item(n, item_smem, item_ready, item_empty):
 @gluon.jit
 def _dyn_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
                   q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size,
-                  seqlen_q, seqlen_k, diag_offset, qk_scale, Counter, item_smem, item_ready, item_empty):
-    total = num_m_blocks * num_bh
+                  seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Counter, item_smem, item_ready, item_empty):
+    total = _total_items(num_m_blocks, num_bh, nheads, Items)
     it = 0
     done = 0
     t = _read_item(0, item_smem, item_ready, item_empty)
     while t < total:
         it += _consume_item(WG, t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
                             q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads,
-                            group_size, seqlen_q, seqlen_k, diag_offset, qk_scale)
+                            group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om)
         done += 1
         t = _read_item(done, item_smem, item_ready, item_empty)
     tma.store_wait(pendings=0)
@@ -400,26 +490,26 @@ def _dyn_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem,
 @gluon.jit
 def _dyn_consumer0(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                    k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                   diag_offset, qk_scale, Counter, item_smem, item_ready, item_empty):
+                   diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Counter, item_smem, item_ready, item_empty):
     _dyn_consumer(0, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                   k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                  diag_offset, qk_scale, Counter, item_smem, item_ready, item_empty)
+                  diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Counter, item_smem, item_ready, item_empty)
 
 
 @gluon.jit
 def _dyn_consumer1(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                    k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                   diag_offset, qk_scale, Counter, item_smem, item_ready, item_empty):
+                   diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Counter, item_smem, item_ready, item_empty):
     _dyn_consumer(1, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                   k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                  diag_offset, qk_scale, Counter, item_smem, item_ready, item_empty)
+                  diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Counter, item_smem, item_ready, item_empty)
 
 
 @gluon.jit
 def _dyn_loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                 k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-                qk_scale, Counter, item_smem, item_ready, item_empty):
-    total = num_m_blocks * num_bh
+                qk_scale, Items, item_cap, Out, stride_oh, stride_om, Counter, item_smem, item_ready, item_empty):
+    total = _total_items(num_m_blocks, num_bh, nheads, Items)
     it = 0
     done = 0
     t = _claim_item(Counter)
@@ -427,7 +517,7 @@ def _dyn_loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_s
     while t < total:
         it += _load_item(t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready,
                          q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size,
-                         seqlen_q, seqlen_k, diag_offset, qk_scale)
+                         seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om)
         done += 1
         t = _claim_item(Counter)
         _publish_item(t, done, item_smem, item_ready, item_empty)  # t >= total tells the consumers to stop
@@ -435,7 +525,7 @@ def _dyn_loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_s
 
 @gluon.jit
 def _fwd_ws_dyn_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Counter, nheads, group_size, seqlen_q, seqlen_k,
-                       num_m_blocks, num_bh, diag_offset, qk_scale,
+                       num_m_blocks, num_bh, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om,
                        CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        LOADER_REGS: gl.constexpr):
     """``_fwd_ws_kernel`` with the dynamic schedule; *Counter (int32) must be 0 at launch."""
@@ -448,7 +538,7 @@ def _fwd_ws_dyn_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Counter, nheads, gro
         mbarrier.init(item_ready.index(i), count=1)
         mbarrier.init(item_empty.index(i), count=2)  # both consumers read an entry
     args = (q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-            v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, qk_scale,
+            v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om,
             Counter, item_smem, item_ready, item_empty)
     gl.warp_specialize([(_dyn_consumer0, args), (_dyn_consumer1, args), (_dyn_loader, args)], [4, 1],
                        [CONSUMER_REGS, LOADER_REGS])
@@ -498,7 +588,7 @@ def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: i
 
 def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, causal: bool,
                          block_n: int | None = None, num_buf: int = NUM_BUF, persistent: bool | None = None,
-                         dynamic: bool | None = None) -> None:
+                         dynamic: bool | None = None, varlen=None) -> None:
     """Launch the warp-specialized forward; the caller checked ``ws_applies`` and TMA alignment.
 
     Args:
@@ -517,19 +607,31 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
             On the H200 (run 44, bf16) dynamic beat one-per-item by 6-17% on causal
             rows at S1024/S2048 and the static schedule by 1-4% without causal; it lost
             1-3% on some causal rows at S4096-S16384 (benchmarks/experiments/fwd_schedule.py).
+        varlen: None, or an ``ops.varlen.Varlen`` (B = 1, packed sequences: the dynamic
+            schedule over the device-built work list; ``diag_offset`` is per sequence).
     """
     batch, nheads, seqlen_q, head_dim = q.shape
     block_n = block_n or default_block_n(head_dim)
-    num_m_blocks = triton.cdiv(seqlen_q, BLOCK_M)
-    items = num_m_blocks * batch * nheads
+    descs = (tma_descriptor(q, HALF_M), tma_descriptor(k, block_n), tma_descriptor(v, block_n),
+             tma_descriptor(out, HALF_M), lse)
+    if varlen is not None:
+        from .varlen import build_work_items
+
+        [(table, cap)] = build_work_items(varlen, seqlen_q, k.shape[2], [(BLOCK_M, False)], -1,
+                                          0 if causal else -1)
+        items, dynamic, num_m_blocks = cap * nheads, True, 0
+        # seqlen_q: the LSE's row stride (total_q); the lengths come from the work list
+        sizes = (nheads, nheads // k.shape[1], seqlen_q, 0, 0, 0, 0, scale * LOG2E,
+                 table, cap, out, out.stride(1), out.stride(2))
+    else:
+        num_m_blocks = triton.cdiv(seqlen_q, BLOCK_M)
+        items = num_m_blocks * batch * nheads
+        sizes = (nheads, nheads // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, batch * nheads, diag_offset,
+                 scale * LOG2E, lse, 0, lse, 0, 0)
     if dynamic is None:
         dynamic = persistent is None and (causal or head_dim <= 128)
     persistent = bool(persistent)
     grid = min(items, sm_count(device_index(q.device))) if persistent or dynamic else items
-    descs = (tma_descriptor(q, HALF_M), tma_descriptor(k, block_n), tma_descriptor(v, block_n),
-             tma_descriptor(out, HALF_M), lse)
-    sizes = (nheads, nheads // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, batch * nheads, diag_offset,
-             scale * LOG2E)
     constexprs = dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS)
     if dynamic:
         import torch

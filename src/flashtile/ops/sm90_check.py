@@ -163,7 +163,8 @@ def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: 
     return _compile(name, _fwd_kernel, ptrs, c, cfg.num_warps, cfg.num_stages)
 
 
-def _compile_ws(name: str, fn, dtype: str, head_dim: int, rows: dict, constexprs: dict) -> Compiled:
+def _compile_ws(name: str, fn, dtype: str, head_dim: int, rows: dict, constexprs: dict,
+                extra_pointers: dict | None = None) -> Compiled:
     """A warp-specialized Gluon kernel of ``forward_sm90``/``backward_sm90``: ``rows`` gives
     the box rows of each tensor-descriptor argument; Lse and Delta are float32 pointers
     (16-byte aligned at run time), Counter an int32 pointer, the other runtime arguments typed
@@ -173,37 +174,45 @@ def _compile_ws(name: str, fn, dtype: str, head_dim: int, rows: dict, constexprs
     torch_name = {"bf16": "bfloat16", "fp16": "float16"}[dtype]
     pointers = {n: f"tensordesc<{dtype}[1, 1, {r}, {head_dim}],{_smem_layout(r, head_dim, torch_name)}>"
                 for n, r in rows.items()}
-    pointers.update(Lse="*fp32", Delta="*fp32", Counter="*i32")
+    pointers.update(Lse="*fp32", Delta="*fp32", Counter="*i32", Items="*fp32", Out="*fp32")
+    pointers.update(extra_pointers or {})
     sig = _signature(fn, pointers, constexprs)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
     return compile_gluon(name, fn, sig, constexprs, attrs, num_warps=4)
 
 
 def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int | None = None,
-                       num_buf: int | None = None, dynamic: bool = False) -> Compiled:
+                       num_buf: int | None = None, dynamic: bool = False, varlen: bool = False) -> Compiled:
     """The warp-specialized Gluon forward (``forward_sm90``; its default tiles unless given;
-    ``dynamic``: the kernel of the dynamic schedule)."""
+    ``dynamic``: the kernel of the dynamic schedule; ``varlen``: that kernel on a work list
+    (Items an int32 pointer), as packed sequences run it)."""
     from . import forward_sm90
     from .forward_sm90 import HALF_M, LOADER_REGS, _fwd_ws_dyn_kernel, _fwd_ws_kernel
 
     block_n = block_n or forward_sm90.default_block_n(head_dim)
     num_buf = num_buf or forward_sm90.NUM_BUF
-    name = "fwd-ws-dyn" if dynamic else "fwd-ws"
+    dynamic = dynamic or varlen
+    name = "fwd-ws-varlen" if varlen else "fwd-ws-dyn" if dynamic else "fwd-ws"
     return _compile_ws(f"{name} {dtype} d{head_dim} causal={causal} block_n={block_n} num_buf={num_buf}",
                        _fwd_ws_dyn_kernel if dynamic else _fwd_ws_kernel, dtype, head_dim,
                        dict(q_desc=HALF_M, k_desc=block_n, v_desc=block_n, o_desc=HALF_M),
-                       dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS))
+                       dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS),
+                       dict(Items="*i32", Out=f"*{dtype}") if varlen else None)
 
 
 def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf: int | None = None,
                         dq_block_n: int | None = None, dq_num_buf: int | None = None,
-                        dkdv_block_q: int | None = None) -> list[Compiled]:
+                        dkdv_block_q: int | None = None, varlen: bool = False) -> list[Compiled]:
     """The warp-specialized Gluon backward (``backward_sm90``): the dK/dV kernel (at d256 the
     dV and the dK kernel, whose rings are fixed: dkdv_num_buf and dkdv_block_q are refused
-    there, as ``attention_backward_ws`` refuses them) and the dQ kernel."""
+    there, as ``attention_backward_ws`` refuses them) and the dQ kernel; ``varlen``: their
+    work-list variants (d64/d128)."""
     from . import backward_sm90 as bw
 
     split = head_dim in bw.SPLIT_HEAD_DIMS
+    if split and varlen:
+        raise ValueError("the split kernels of head dim 256 have no varlen variant")
+    items = dict(Items="*i32") if varlen else None
     if split and (dkdv_num_buf or dkdv_block_q):
         raise ValueError(f"dkdv_num_buf and dkdv_block_q do not apply at head dim {head_dim} (split kernels)")
     dkdv_num_buf = dkdv_num_buf or bw.DKDV_NUM_BUF
@@ -223,15 +232,17 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
         block_q = dkdv_block_q or bw.BLOCK
         tag = f"{dtype} d{head_dim} causal={causal} num_buf={dkdv_num_buf}"
         tag += f" block_q={block_q}" if dkdv_block_q else ""
+        tag += " varlen" if varlen else ""
         out = [_compile_ws(f"bwd-ws-dkdv {tag}", bw._dkdv_kernel, dtype, head_dim,
                            dict(q_desc=block_q, k_desc=bw.BLOCK, v_desc=bw.BLOCK, do_desc=block_q, dk_desc=bw.BLOCK,
                                 dv_desc=bw.BLOCK),
-                           dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs))]
-    out.append(_compile_ws(f"bwd-ws-dq {dtype} d{head_dim} causal={causal} block_n={dq_block_n} num_buf={dq_num_buf}",
+                           dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), items)]
+    out.append(_compile_ws(f"bwd-ws-dq {dtype} d{head_dim} causal={causal} block_n={dq_block_n} num_buf={dq_num_buf}"
+                           + (" varlen" if varlen else ""),
                            bw._dq_kernel, dtype, head_dim,
                            dict(q_desc=bw.BLOCK, k_desc=dq_block_n, v_desc=dq_block_n, do_desc=bw.BLOCK,
                                 dq_desc=bw.BLOCK),
-                           dict(CAUSAL=causal, NUM_BUF=dq_num_buf, **regs)))
+                           dict(CAUSAL=causal, NUM_BUF=dq_num_buf, **regs), items))
     return out
 
 
