@@ -199,11 +199,12 @@ def _bwd_dq_kernel(
 ):
     pid = tl.program_id(0)
     if VARLEN:
-        # As in the forward: (work item, head), pointers from the sequence's first rows.
-        item = pid // nheads
-        h = pid % nheads
-        if item >= tl.load(Items):
+        # As in the forward: (head, work item), pointers from the sequence's first rows.
+        count = tl.load(Items)
+        if pid >= count * nheads:
             return
+        h = pid // count
+        item = pid % count
         b, m_block, start_q, seqlen_q, start_k, seqlen_k = varlen_item(Items, item, item_cap)
         diag_offset = seqlen_k - seqlen_q
         bh = b * nheads + h
@@ -367,11 +368,12 @@ def _bwd_dkdv_kernel(
 ):
     pid = tl.program_id(0)
     if VARLEN:
-        # One program per (work item over key blocks, key/value head).
-        item = pid // nheads_k
-        kvh = pid % nheads_k
-        if item >= tl.load(Items):
+        # One program per (key/value head, work item over key blocks), heads outer.
+        count = tl.load(Items)
+        if pid >= count * nheads_k:
             return
+        kvh = pid // count
+        item = pid % count
         b, n_block, start_q, seqlen_q, start_k, seqlen_k = varlen_item(Items, item, item_cap)
         diag_offset = seqlen_k - seqlen_q
         b_ptr = (b * 0).to(tl.int64)

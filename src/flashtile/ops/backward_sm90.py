@@ -321,10 +321,11 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, 
     if Items.dtype.element_ty == gl.int32:
         # Varlen: (work item over key blocks, kv head); batch row 0 from the sequence's
         # first rows, its own lengths and diagonal; dK/dV go to block-aligned padded rows.
-        item = pid // nheads_k
-        kvh = pid % nheads_k
-        if item >= gl.load(Items):
+        count = gl.load(Items)  # (kv head, item), heads outer: see forward_sm90._item
+        if pid >= count * nheads_k:
             return
+        kvh = pid // count
+        item = pid % count
         seq, blk, q_row, seqlen_q, k_row, seqlen_k = varlen_item(Items, item, item_cap)
         diag_offset = seqlen_k - seqlen_q
         n0 = blk * (2 * ROWS)
@@ -386,7 +387,7 @@ def _dq_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse
         ROWS, BLOCK_N, CAUSAL)
     out_m0 = m0
     if Items.dtype.element_ty == gl.int32:  # varlen: dQ goes to block-aligned padded rows
-        seq = gl.load(Items + 16 + gl.program_id(0) // nheads)
+        seq = gl.load(Items + 16 + gl.program_id(0) % gl.load(Items))
         out_m0 = varlen_block_start(Items, item_cap, batch, seq) * (2 * ROWS) + m0
     mq = m0 + WG * ROWS  # first query row of this warpgroup
     # A key tile needs element masks iff it reaches past the keys or past the diagonal of
@@ -497,7 +498,7 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, nheads, gro
     order (``forward_sm90._work_item``: head by head, causal heads from their last block);
     varlen (Items an int32 work list): one program per (item, head), as ``forward_sm90._item``."""
     if Items.dtype.element_ty == gl.int32:
-        if gl.program_id(0) // nheads >= gl.load(Items):
+        if gl.program_id(0) >= gl.load(Items) * nheads:
             return
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]

@@ -220,13 +220,17 @@ def _fwd_kernel(
     # adjacent so that their K/V tiles are shared through L2.
     pid = tl.program_id(0)
     if VARLEN:
-        # One program per (work item, head); the items (sequence, query block) come
-        # longest first from ops/varlen.py. Pointers address batch row 0 of the packed
-        # tensors from the sequence's first row; b is the sequence (ALiBi, dropout).
-        item = pid // nheads
-        h = pid % nheads
-        if item >= tl.load(Items):
+        # One program per (head, work item), heads outer: the items (sequence, query
+        # block) of one head come longest first from ops/varlen.py, so the programs
+        # running at once share a few heads' K/V through L2 (heads inner, every head's
+        # longest blocks at once, measured 0.71x at causal d128 on the H200, run 56).
+        # Pointers address batch row 0 of the packed tensors from the sequence's first
+        # row; b is the sequence (ALiBi, dropout).
+        count = tl.load(Items)
+        if pid >= count * nheads:
             return
+        h = pid // count
+        item = pid % count
         b, m_block, start_q, seqlen_q, start_k, seqlen_k = varlen_item(Items, item, item_cap)
         diag_offset = seqlen_k - seqlen_q
         bh = b * nheads + h

@@ -135,14 +135,17 @@ def _item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_
           ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """Work item t -> (b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k,
     diag_offset): ``_work_item`` for a fixed-length call; for a varlen one (Items an int32
-    work list of ops/varlen.py, blocks of 2 * ROWS rows) item t // nheads of the list and
-    head t % nheads, at batch 0 from the sequence's first rows (q_row, k_row), with its own
+    work list of ops/varlen.py with count items, blocks of 2 * ROWS rows) item t % count of
+    the list and head t // count, at batch 0 from the sequence's first rows (q_row, k_row), with its own
     lengths and bottom-right diagonal; bh is then h (the LSE row is h * total_q + q_row).
     Tiles read past a sequence's end hold the next document's rows: their scores are
     masked to -inf, so they add exactly 0 to finite sums, and no row past the end is stored."""
     if Items.dtype.element_ty == gl.int32:
-        item = t // nheads
-        h = t % nheads
+        # Heads outer, each head's items longest first: the running items share a few
+        # heads' K/V in L2, as in the fixed-length order.
+        count = gl.load(Items)
+        h = t // count
+        item = t % count
         seq, blk, q_row, len_q, k_row, len_k = varlen_item(Items, item, item_cap)
         diag = len_k - len_q
         m0 = blk * (2 * ROWS)
