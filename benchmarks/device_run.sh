@@ -35,7 +35,7 @@ if [[ $what == varlen ]]; then
   timeout 240 python3 -m pytest -m gpu tests/test_varlen_gpu.py -q -n 8 --maxfail=20 -p no:warnings \
     -p no:cacheprovider > "$OUT/gpu-tests-varlen.log" 2>&1
   echo "varlen gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-varlen.log" | cut -c1-300 | tail -25
-  timeout 330 python3 -m flashtile.bench --varlen --warmup 10 --rep 40 --out /tmp/bench --tag h200-varlen \
+  timeout 330 python3 -m flashtile.bench --varlen --warmup 5 --rep 25 --out /tmp/bench --tag h200-varlen \
     ${VARLEN_BENCH_ARGS:-} > "$OUT/bench-varlen.log" 2>&1
   echo "varlen bench rc=$?"; grep -v Warning "$OUT/bench-varlen.log" | grep "^|" | tail -30
   cp /tmp/bench/h200-varlen* "$OUT/" 2>/dev/null

@@ -106,3 +106,27 @@ def test_bad_args_exit_nonzero(argv: list[str], tmp_path: Path) -> None:
         bench.main(["--dry-run", "--no-plot", "--out", str(tmp_path), *argv])
     assert exc.value.code != 0
     assert not list(tmp_path.glob("*.jsonl"))  # argument errors come before any row
+
+
+def test_varlen_bench_plan_summary_and_plots(tmp_path, capsys):
+    from flashtile import bench, bench_varlen as bv
+
+    for dist in bv.DISTS:
+        lengths = bv.lengths_for(dist)
+        assert sum(lengths) == bv.TOKENS and min(lengths) >= 1
+    assert bv.lengths_for("uniform") == bv.lengths_for("uniform")  # seeded
+    assert bv.visible_pairs([3, 1], causal=True) == 6 + 1 and bv.visible_pairs([3], causal=False) == 9
+    assert bv.flops([4], 2, 8, False, "bwd") == 2.5 * 4 * 2 * 8 * 16
+    assert bench.main(["--varlen", "--dry-run"]) == 0
+    assert "longtail" in capsys.readouterr().out
+    rows = []
+    for impl, tf in (("flashtile", 300.0), ("flashtile-fixed", 400.0), ("flex", 200.0), ("sdpa-cudnn", 150.0)):
+        for pass_ in ("fwd", "bwd"):
+            rows.append(dict(impl=impl, pass_=pass_, dist="equal", docs=8, headdim=64, causal=True, tflops=tf,
+                             gpu="g", torch="t", triton="tr", commit="c"))
+    for r in rows:
+        r["pass"] = r.pop("pass_")
+    table = bv.summary_markdown(rows)
+    assert "| equal | 8 | 64 | yes | fwd | 300 | 400 | 200 | 150 | 0.75x | 1.50x | 2.00x |" in table
+    paths = bv.plot(rows, tmp_path, "t")
+    assert [p.name for p in paths] == ["t-fwd.png", "t-bwd.png"] and all(p.stat().st_size > 0 for p in paths)

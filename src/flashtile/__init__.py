@@ -40,6 +40,8 @@ _API_NAMES = (
     "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
+    "flash_attn_combine",
     "scaled_dot_product_attention",
     "unpad_input",
     "pad_input",

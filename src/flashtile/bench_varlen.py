@@ -185,6 +185,44 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(rows: list[dict[str, Any]], out_dir: Path, tag: str) -> list[Path]:
+    """One PNG per pass: TFLOP/s of every implementation, a group of bars per
+    (distribution, head dim, causal). Returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+    for pass_ in ("fwd", "bwd"):
+        sub = [r for r in rows if r["pass"] == pass_]
+        if not sub:
+            continue
+        groups = sorted({(r["dist"], r["headdim"], r["causal"]) for r in sub},
+                        key=lambda g: (DISTS.index(g[0]) if g[0] in DISTS else 9, g[1], g[2]))
+        impls = [i for i in IMPLS if any(r["impl"] == i for r in sub)]
+        cells = {(r["dist"], r["headdim"], r["causal"], r["impl"]): r.get("tflops") or 0.0 for r in sub}
+        fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(groups)), 4.5))
+        width = 0.8 / len(impls)
+        for n, impl in enumerate(impls):
+            ax.bar([g + n * width for g in range(len(groups))], [cells.get(k + (impl,), 0.0) for k in groups],
+                   width, label=impl)
+        ax.set_xticks([g + 0.4 - width / 2 for g in range(len(groups))],
+                      [f"{d}\nd{h} {'causal' if c else 'full'}" for d, h, c in groups], fontsize=7)
+        ax.set_ylabel("TFLOP/s (visible pairs)")
+        ax.grid(axis="y", alpha=0.3)
+        ax.legend(fontsize=7, ncol=4)
+        r0 = sub[0]
+        ax.set_title(f"{r0['gpu']}: varlen {pass_}, bf16, {TOKENS} tokens; torch {r0['torch']}, "
+                     f"triton {r0['triton']}, flashtile {r0['commit']}", fontsize=9)
+        fig.tight_layout()
+        path = Path(out_dir) / f"{tag}-{pass_}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="flashtile bench --varlen", description=__doc__.split("\n\n")[0])
     p.add_argument("--varlen", action="store_true", help=argparse.SUPPRESS)
@@ -198,7 +236,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
     p.add_argument("--dry-run", action="store_true", help="print the plan (documents per distribution) only")
+    p.add_argument("--plot-only", nargs="+", metavar="FILE.jsonl", help="summary and plots from existing rows")
     args = p.parse_args(argv)
+    if args.plot_only:
+        from flashtile.bench import read_rows
+
+        rows = read_rows(args.plot_only)
+        out = args.out or Path(args.plot_only[0]).parent
+        print(summary_markdown(rows))
+        for path in plot(rows, out, args.tag or Path(args.plot_only[0]).stem):
+            print(f"plot: {path}")
+        return 0
     for dist in args.dist:
         lengths = lengths_for(dist)
         print(f"{dist}: {len(lengths)} documents, max {max(lengths)}, min {min(lengths)}, "
@@ -240,5 +288,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{tag}-summary.md").write_text(
         f"# {tag}: {info.gpu}, torch {info.torch}, triton {info.triton}, flashtile {info.commit}\n\n"
         f"TFLOP/s over visible pairs, bf16, {TOKENS} tokens per batch.\n\n" + summary)
+    try:
+        plot(writer.rows, out, tag)
+    except ImportError as err:
+        print(f"no plots: {err}")
     print(summary, flush=True)
     return 0

@@ -14,6 +14,8 @@ Where things are:
                   or the chunked torch twin
     flash.py      flash_attn_func, flash_attn_qkvpacked_func, flash_attn_kvpacked_func
     varlen.py     flash_attn_varlen_func and its packed variants
+    kvcache.py    flash_attn_with_kvcache (decoding: in-place append, rotary, paged) and
+                  flash_attn_combine
     sdpa.py       scaled_dot_product_attention
     padding.py    unpad_input / pad_input
     _probs.py     S_dmask (return_attn_probs with dropout; debugging only)
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 from ._validate import MAX_HEAD_DIM
 from .flash import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from .kvcache import flash_attn_combine, flash_attn_with_kvcache
 from .padding import pad_input, unpad_input
 from .sdpa import scaled_dot_product_attention
 from .varlen import flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func
@@ -39,6 +42,8 @@ __all__ = [
     "flash_attn_varlen_func",
     "flash_attn_varlen_qkvpacked_func",
     "flash_attn_varlen_kvpacked_func",
+    "flash_attn_with_kvcache",
+    "flash_attn_combine",
     "scaled_dot_product_attention",
     "unpad_input",
     "pad_input",

@@ -1,0 +1,242 @@
+"""flash_attn_with_kvcache on CPU (the torch twin, and the Triton kernels under
+TRITON_INTERPRET=1) against a float64 reference written from the definition: rotate,
+append, attend. Also the cache after the call, bad calls that must leave it untouched,
+and flash_attn_combine."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.testing import assert_close, plain_attention
+
+
+@pytest.fixture(params=["torch", "triton"])
+def backend(request, monkeypatch):
+    if request.param == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("set TRITON_INTERPRET=1 (make test does) to run the Triton kernels on CPU")
+        monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+    else:
+        monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
+    return request.param
+
+
+pytestmark = pytest.mark.usefixtures("poison_outputs")
+
+
+def _rotate(x, cos, sin, positions, interleaved):
+    """Rotary embedding in float64, written from its definition (pairs rotate by angle)."""
+    x = x.double().clone()
+    half = cos.shape[1]
+    for b in range(x.shape[0]):
+        for s in range(x.shape[1]):
+            c, sn = cos[positions[b][s]].double(), sin[positions[b][s]].double()
+            for j in range(half):
+                i1, i2 = (2 * j, 2 * j + 1) if interleaved else (j, j + half)
+                a, bb = x[b, s, :, i1].clone(), x[b, s, :, i2].clone()
+                x[b, s, :, i1] = a * c[j] - bb * sn[j]
+                x[b, s, :, i2] = a * sn[j] + bb * c[j]
+    return x
+
+
+def _reference(q, k_cache, v_cache, k, v, seqlens, *, rotary=None, interleaved=True, batch_idx=None,
+               leftpad=None, table=None, causal=False, window=(-1, -1), softcap=0.0, alibi=None, dtype=torch.float64):
+    """(out (batch, Sq, H, D), lse (batch, H, Sq), the caches afterwards as float64)."""
+    batch, sq, nheads, d = q.shape
+    kc, vc = k_cache.double().clone(), v_cache.double().clone()
+    new = 0 if k is None else k.shape[1]
+    pads = [0] * batch if leftpad is None else leftpad.tolist()
+    local = causal or window != (-1, -1)
+    q_pos = [[(n - p) + (i if local else 0) for i in range(sq)] for n, p in zip(seqlens, pads)]
+    k_pos = [[(n - p) + i for i in range(new)] for n, p in zip(seqlens, pads)]
+    qd = q.double()
+    if rotary is not None:
+        qd = _rotate(q, *rotary, q_pos, interleaved)
+        if k is not None:
+            k = _rotate(k, *rotary, k_pos, interleaved)
+    outs, lses = [], []
+    left, right = window
+    if causal:
+        right = 0
+    for b in range(batch):
+        n = seqlens[b]
+        if table is not None:
+            page = k_cache.shape[1]
+            slots = [(int(table[b, t // page]), t % page) for t in range(n + new)]
+        else:
+            row = b if batch_idx is None else int(batch_idx[b])
+            slots = [(row, t) for t in range(n + new)]
+        for i in range(new):
+            kc[slots[n + i]] = k[b, i].double().to(k_cache.dtype).double()
+            vc[slots[n + i]] = v[b, i].double().to(v_cache.dtype).double()
+        keys = torch.stack([kc[s] for s in slots[pads[b]:]]) if n + new > pads[b] else kc.new_zeros(0, *kc.shape[2:])
+        vals = torch.stack([vc[s] for s in slots[pads[b]:]]) if n + new > pads[b] else vc.new_zeros(0, *vc.shape[2:])
+        lk = keys.shape[0]
+        qb = qd[b].to(q.dtype if dtype != torch.float64 else torch.float64)
+        o, lse = plain_attention(qb.transpose(0, 1)[None], keys.transpose(0, 1)[None].to(qb.dtype),
+                                 vals.transpose(0, 1)[None].to(qb.dtype), scale=1 / math.sqrt(d),
+                                 diag_offset=lk - sq, window_left=left, window_right=right, softcap=softcap,
+                                 alibi_slopes=None if alibi is None else alibi[b:b + 1], dtype=dtype)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.stack(outs), torch.stack(lses), kc, vc
+
+
+def _case(batch=3, sq=1, new=1, heads=(4, 2), d=16, capacity=40, seqlens=(0, 17, 30), dtype=torch.float32, seed=0,
+          page=0, extra_blocks=3):
+    g = torch.Generator().manual_seed(seed)
+    h, hk = heads
+    q = torch.randn(batch, sq, h, d, generator=g).to(dtype)
+    k = torch.randn(batch, new, hk, d, generator=g).to(dtype) if new else None
+    v = torch.randn(batch, new, hk, d, generator=g).to(dtype) if new else None
+    table = None
+    if page:
+        blocks = -(-capacity // page)
+        num = batch * blocks + extra_blocks
+        k_cache = torch.randn(num, page, hk, d, generator=g).to(dtype)
+        v_cache = torch.randn(num, page, hk, d, generator=g).to(dtype)
+        table = torch.randperm(num, generator=g)[:batch * blocks].reshape(batch, blocks).to(torch.int32)
+    else:
+        k_cache = torch.randn(batch, capacity, hk, d, generator=g).to(dtype)
+        v_cache = torch.randn(batch, capacity, hk, d, generator=g).to(dtype)
+    return q, k, v, k_cache, v_cache, table, torch.tensor(seqlens, dtype=torch.int32)
+
+
+def _run_and_check(q, k, v, k_cache, v_cache, seqlens, **kw):
+    ref_kw = {n: kw[n] for n in ("batch_idx", "leftpad", "table", "causal", "window", "softcap", "alibi",
+                                 "interleaved") if n in kw}
+    rotary = kw.get("rotary")
+    want, want_lse, kc, vc = _reference(q, k_cache, v_cache, k, v, seqlens.tolist(), rotary=rotary, **ref_kw)
+    base, _, _, _ = _reference(q, k_cache, v_cache, k, v, seqlens.tolist(), rotary=rotary, dtype=q.dtype, **ref_kw)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    out, lse = flashtile.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos=None if rotary is None else rotary[0],
+        rotary_sin=None if rotary is None else rotary[1], cache_seqlens=seqlens,
+        cache_batch_idx=kw.get("batch_idx"), cache_leftpad=kw.get("leftpad"), block_table=kw.get("table"),
+        causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)), softcap=kw.get("softcap", 0.0),
+        rotary_interleaved=kw.get("interleaved", True), alibi_slopes=kw.get("alibi"),
+        num_splits=kw.get("num_splits", 0), return_softmax_lse=True)
+    assert_close("out", out, want, base)
+    assert_close("lse", lse, want_lse, None)
+    # the appended rows hold the (rotated) new keys; nothing else changed, bit for bit
+    changed = (k_cache != before_k).flatten(2).any(-1)
+    torch.testing.assert_close(k_cache.double(), kc, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_cache.double(), vc, atol=0, rtol=0)
+    untouched = ~((kc != before_k.double()).flatten(2).any(-1))
+    assert not (changed & untouched).any()
+    return out
+
+
+@pytest.mark.parametrize("sq", [1, 2, 7])
+@pytest.mark.parametrize("causal", [False, True])
+def test_decode_append_attend(backend, sq, causal):
+    q, k, v, kc, vc, _, seqlens = _case(sq=sq, new=sq)
+    _run_and_check(q, k, v, kc, vc, seqlens, causal=causal)
+
+
+def test_long_prefill_chunk_and_ragged_lengths(backend):
+    q, k, v, kc, vc, _, seqlens = _case(batch=2, sq=128, new=128, capacity=300, seqlens=(0, 171), d=16)
+    _run_and_check(q, k, v, kc, vc, seqlens, causal=True)
+
+
+def test_no_append_whole_cache(backend):
+    q, _, _, kc, vc, _, _ = _case(new=0, seqlens=(40, 40, 40))
+    want, _, _, _ = _reference(q, kc, vc, None, None, [40, 40, 40])
+    out = flashtile.flash_attn_with_kvcache(q, kc, vc)  # cache_seqlens None: the whole cache
+    assert_close("out", out, want, None)
+
+
+@pytest.mark.parametrize("page", [1, 16, 64, 256])
+def test_paged_cache(backend, page):
+    capacity = 300 if page == 256 else 70
+    q, k, v, kc, vc, table, seqlens = _case(page=page, capacity=capacity, sq=2, new=2,
+                                             seqlens=(0, capacity - 40, capacity - 2))
+    _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True)
+
+
+def test_cache_batch_idx_and_leftpad(backend):
+    q, k, v, kc, vc, _, seqlens = _case(batch=2, capacity=40, seqlens=(20, 33))
+    kc, vc = torch.cat([kc, kc.flip(0)]), torch.cat([vc, vc.flip(0)])  # 4 cache rows for 2 sequences
+    _run_and_check(q, k, v, kc, vc, seqlens, batch_idx=torch.tensor([3, 0], dtype=torch.int32))
+    q, k, v, kc, vc, _, seqlens = _case(batch=2, capacity=40, seqlens=(20, 33), sq=3, new=3)
+    _run_and_check(q, k, v, kc, vc, seqlens, leftpad=torch.tensor([5, 33], dtype=torch.int32), causal=True)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rotary(backend, interleaved, causal):
+    q, k, v, kc, vc, _, seqlens = _case(sq=3, new=3, d=16, seqlens=(0, 10, 30))
+    pos = torch.arange(64, dtype=torch.float64)[:, None] * 10000 ** (-torch.arange(3) / 3)[None, :]
+    rotary = (torch.cos(pos).float(), torch.sin(pos).float())  # rotary_dim 6 < headdim 16
+    _run_and_check(q, k, v, kc, vc, seqlens, rotary=rotary, interleaved=interleaved, causal=causal,
+                   leftpad=torch.tensor([0, 4, 0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (8, 1)], ids=["gqa", "mqa"])
+def test_gqa_windows_softcap_alibi(backend, heads):
+    q, k, v, kc, vc, _, seqlens = _case(sq=4, new=4, heads=heads, seqlens=(3, 20, 36))
+    _run_and_check(q, k, v, kc, vc, seqlens, window=(6, 0), softcap=3.0,
+                   alibi=torch.rand(3, heads[0], generator=torch.Generator().manual_seed(2)) * 0.3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_num_splits_accepted(backend, num_splits):
+    q, k, v, kc, vc, _, seqlens = _case()
+    _run_and_check(q, k, v, kc, vc, seqlens, causal=True, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(cache_seqlens=torch.tensor([0, 17, 40], dtype=torch.int32)), ValueError, r"cache_seqlens\[2\] \+ seqlen_new"),
+    (dict(cache_seqlens=torch.tensor([0, -1, 3], dtype=torch.int32)), ValueError, r"cache_seqlens\[1\] = -1"),
+    (dict(cache_seqlens=torch.tensor([0, 17, 30])), TypeError, "cache_seqlens must be int32"),
+    (dict(cache_batch_idx=torch.tensor([0, 1, 3], dtype=torch.int32)), ValueError, r"cache_batch_idx\[2\] = 3"),
+    (dict(cache_leftpad=torch.tensor([1, 0, 0], dtype=torch.int32)), ValueError, r"cache_leftpad\[0\] = 1"),
+    (dict(k=None), ValueError, "k and v must be given together"),
+    (dict(rotary_cos=torch.ones(30, 4), rotary_sin=torch.zeros(30, 4)), ValueError, "rotary_cos/rotary_sin hold 30"),
+    (dict(rotary_cos=torch.ones(64, 9), rotary_sin=torch.zeros(64, 9)), ValueError, "rotary_dim"),
+    (dict(num_splits=-1), ValueError, "num_splits must be >= 0"),
+    (dict(v=torch.zeros(3, 1, 2, 16, dtype=torch.float16)), TypeError, "q and v must have the same dtype"),
+])
+def test_bad_calls_leave_the_cache_untouched(bad, error, match):
+    q, k, v, kc, vc, _, seqlens = _case()
+    args = dict(k=k, v=v, cache_seqlens=seqlens)
+    args.update(bad)
+    before = kc.clone(), vc.clone()
+    with pytest.raises(error, match=match):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, **args)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+def test_bad_paged_calls_leave_the_cache_untouched():
+    q, k, v, kc, vc, table, seqlens = _case(page=16, capacity=40)
+    before = kc.clone(), vc.clone()
+    bad = table.clone()
+    bad[2, 1] = kc.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[2, 1\]"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=bad)
+    with pytest.raises(ValueError, match="cannot be combined with a paged cache"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
+                                          cache_batch_idx=torch.zeros(3, dtype=torch.int32))
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+def test_combine_equals_the_whole(backend):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 5, 4, 16, generator=g) for _ in range(3))
+    k, v = (torch.randn(2, 60, 4, 16, generator=g) for _ in range(2))
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True)
+    parts = [flashtile.flash_attn_func(q, k[:, a:b], v[:, a:b], return_attn_probs=True) for a, b in
+             ((0, 7), (7, 7 + 40), (47, 60))]
+    got, got_lse = flashtile.flash_attn_combine(torch.stack([p[0] for p in parts]).float(),
+                                                torch.stack([p[1] for p in parts]))
+    torch.testing.assert_close(got, out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got_lse, lse, atol=2e-6, rtol=1e-6)
+    # a row no split saw: 0 and -inf, never NaN
+    none_seen, none_lse = flashtile.flash_attn_combine(torch.zeros(2, 1, 1, 1, 4),
+                                                       torch.full((2, 1, 1, 1), float("-inf")))
+    assert torch.equal(none_seen, torch.zeros_like(none_seen)) and torch.isneginf(none_lse).all()
