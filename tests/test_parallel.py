@@ -19,6 +19,8 @@ CONFIGS = [
     dict(layout="zigzag", causal=True, window=(5, 0), softcap=3.0),
     dict(layout="contiguous", causal=False, window=(3, 2)),  # some ranks' blocks see no key
     dict(layout="zigzag", causal=True, shift=500.0),  # logits +500: the merge stays finite
+    dict(layout="contiguous", causal=True, ulysses=True, heads=(12, 12)),
+    dict(layout="contiguous", causal=False, ulysses=True, heads=(12, 2), window=(4, 4)),  # 2 KV heads
 ]
 
 
@@ -32,7 +34,7 @@ def _worker(rank, world, port, out_dir, backend, configs):
     import torch.distributed as dist
 
     import flashtile
-    from flashtile.parallel import ring_attention, shard_sequence, unshard_sequence
+    from flashtile.parallel import ring_attention, shard_sequence, ulysses_attention, unshard_sequence
 
     os.environ["FLASHTILE_BACKEND"] = backend
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -54,7 +56,11 @@ def _worker(rank, world, port, out_dir, backend, configs):
         ref_grads = torch.autograd.grad(ref, (qf, kf, vf), dout)
         layout = cfg["layout"]
         ql, kl, vl = (shard_sequence(t, layout=layout).requires_grad_() for t in (q, k, v))
-        out, lse = ring_attention(ql, kl, vl, layout=layout, return_lse=True, **kw)
+        if cfg.get("ulysses"):
+            out = ulysses_attention(ql, kl, vl, **kw)
+            lse = torch.zeros(1)
+        else:
+            out, lse = ring_attention(ql, kl, vl, layout=layout, return_lse=True, **kw)
         grads = torch.autograd.grad(out, (ql, kl, vl), shard_sequence(dout, layout=layout))
         errs = {"out": (out - shard_sequence(ref.detach(), layout=layout)).abs().max().item(),
                 "finite": bool(torch.isfinite(out).all() and not torch.isnan(lse).any())}
@@ -63,6 +69,13 @@ def _worker(rank, world, port, out_dir, backend, configs):
         whole = unshard_sequence(out.detach(), layout=layout)
         errs["unshard"] = (whole - ref.detach()).abs().max().item()
         results.append(errs)
+    # Shapes that differ across ranks are refused on every rank, before any exchange.
+    x = torch.randn(1, 4 + 2 * rank, 2, 16)
+    try:
+        ring_attention(x, x, x)
+        results.append({"mismatch": "not refused"})
+    except ValueError as err:
+        results.append({"mismatch": str(err)})
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
     dist.destroy_process_group()
@@ -76,7 +89,8 @@ def _spawn(tmp_path, world, backend="torch", configs=CONFIGS):
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_matches_one_process(tmp_path, world):
     for rank, results in enumerate(_spawn(tmp_path, world)):
-        for cfg, errs in zip(CONFIGS, results):
+        assert "ranks pass different shapes" in results[-1]["mismatch"], results[-1]
+        for cfg, errs in zip(CONFIGS, results[:-1]):
             assert errs["finite"], (rank, cfg)
             # With logits at 500 each score carries fp32 rounding of ~3e-5 (so does the
             # reference), and dQ, dK are sums over 125-sized keys: there the merge's output
@@ -92,7 +106,7 @@ def test_ring_on_the_triton_kernels(tmp_path):
         pytest.skip("set TRITON_INTERPRET=1 (make test does) to run the Triton kernels on CPU")
     configs = CONFIGS[:2] + CONFIGS[4:5]
     for rank, results in enumerate(_spawn(tmp_path, 2, "triton", configs)):
-        for cfg, errs in zip(configs, results):
+        for cfg, errs in zip(configs, results[:-1]):
             for name in ("out", "dq", "dk", "dv"):
                 assert errs[name] < 2e-5, (rank, cfg, name, errs[name])
 

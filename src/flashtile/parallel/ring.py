@@ -32,11 +32,48 @@ LAYOUTS = ("zigzag", "contiguous")
 
 
 def _group_info(group):
+    """(world size, rank) of a ProcessGroup, or of a 1-D DeviceMesh's group; None: the world."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("ring_attention needs an initialised torch.distributed process group")
-    return dist.get_world_size(group), dist.get_rank(group)
+        raise RuntimeError("context parallelism needs an initialised torch.distributed process group")
+    return dist.get_world_size(_as_group(group)), dist.get_rank(_as_group(group))
+
+
+def _as_group(group):
+    if group is not None and hasattr(group, "get_group"):  # a DeviceMesh (1-D, or pass mesh["cp"])
+        return group.get_group()
+    return group
+
+
+def _check_shapes(q, k, v):
+    """Local tensors: shapes and dtypes as ``flash_attn_func`` wants them."""
+    from ..api._validate import _check_head_dim, _check_heads, _check_same, _check_tensor
+
+    _check_tensor("q", q, 4)
+    _check_tensor("k", k, 4)
+    _check_tensor("v", v, 4)
+    _check_same(q, k, v)
+    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1]:
+        raise ValueError(f"k and v must have shape (batch, local_seqlen, nheads_k, headdim) matching q "
+                         f"{tuple(q.shape)}, got {tuple(k.shape)} and {tuple(v.shape)}")
+    _check_head_dim("q", q.shape[-1])
+    _check_heads(q.shape[2], k.shape[2])
+
+
+def _check_same_across_ranks(q, k, group, world):
+    """Every rank must pass the same shapes (a mismatch would hang or garble the ring): one
+    small all-gather of the shapes."""
+    import torch.distributed as dist
+
+    mine = torch.tensor([*q.shape, *k.shape], dtype=torch.int64,
+                        device=q.device if dist.get_backend(group) == "nccl" else "cpu")
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    for r, shape in enumerate(every):
+        if not torch.equal(shape, mine):
+            raise ValueError(f"ranks pass different shapes: this rank q, k = {tuple(q.shape)}, {tuple(k.shape)}; "
+                             f"rank {r}: {tuple(shape[:4].tolist())}, {tuple(shape[4:].tolist())}")
 
 
 def chunk_starts(rank: int, world: int, local_seqlen: int, layout: str) -> list[tuple[int, int, int]]:
@@ -69,7 +106,7 @@ def unshard_sequence(x: torch.Tensor, group=None, layout: str = "zigzag", seq_di
 
     world, _ = _group_info(group)
     shards = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(shards, x.contiguous(), group=group)
+    dist.all_gather(shards, x.contiguous(), group=_as_group(group))
     local = x.shape[seq_dim]
     total = local * world
     out = x.new_empty((*x.shape[:seq_dim], total, *x.shape[seq_dim + 1:]))
@@ -303,7 +340,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         q: (batch, local_seqlen, nheads, headdim), this rank's tokens in ``layout``
             (``shard_sequence`` makes them); k, v: (batch, local_seqlen, nheads_k, headdim).
             Every rank passes the same shapes.
-        group: a torch.distributed ProcessGroup (default: the world).
+        group: a torch.distributed ProcessGroup or a 1-D DeviceMesh (default: the world).
         causal, window_size, softcap, softmax_scale: as in ``flash_attn_func``, over the
             global sequence (top-left = bottom-right: the global problem is square).
         layout: "zigzag" (rank r holds chunks r and 2N - 1 - r of 2N; balanced causal
@@ -315,19 +352,10 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         out (batch, local_seqlen, nheads, headdim), or (out, lse). Differentiable in q, k, v.
         With one rank it is the local kernel.
     """
-    from ..api._validate import (_check_head_dim, _check_heads, _check_same, _check_scale, _check_softcap,
-                                 _check_tensor, _check_window, _flag)
+    from ..api._validate import _check_scale, _check_softcap, _check_window, _flag
     from ..api._dispatch import _Problem
 
-    _check_tensor("q", q, 4)
-    _check_tensor("k", k, 4)
-    _check_tensor("v", v, 4)
-    _check_same(q, k, v)
-    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k and v must have shape (batch, local_seqlen, nheads_k, headdim) matching q "
-                         f"{tuple(q.shape)}, got {tuple(k.shape)} and {tuple(v.shape)}")
-    _check_head_dim("q", q.shape[-1])
-    _check_heads(q.shape[2], k.shape[2])
+    _check_shapes(q, k, v)
     _check_layout(layout)
     causal = _flag("causal", causal)
     left, right = _check_window(window_size)
@@ -336,8 +364,11 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
     softcap = _check_softcap(softcap)
     scale = _check_scale("softmax_scale", softmax_scale, q.shape[-1])
     world, rank = _group_info(group)
+    group = _as_group(group)
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"layout 'zigzag' needs an even local_seqlen, got {q.shape[1]}")
+    if world > 1:
+        _check_same_across_ranks(q, k, group, world)
     problem = _Problem(scale, 0, left, right, softcap)
     if world == 1:
         layout = "contiguous"
