@@ -52,8 +52,9 @@ def _reference(q, k_cache, v_cache, k, v, seqlens, *, rotary=None, interleaved=T
     new = 0 if k is None else k.shape[1]
     pads = [0] * batch if leftpad is None else leftpad.tolist()
     local = causal or window != (-1, -1)
-    q_pos = [[(n - p) + (i if local else 0) for i in range(sq)] for n, p in zip(seqlens, pads)]
-    k_pos = [[(n - p) + i for i in range(new)] for n, p in zip(seqlens, pads)]
+    # rotary positions are cache indices (leftpad included), as flash-attn's kernel uses them
+    q_pos = [[n + (i if local else 0) for i in range(sq)] for n in seqlens]
+    k_pos = [[n + i for i in range(new)] for n in seqlens]
     qd = q.double()
     if rotary is not None:
         qd = _rotate(q, *rotary, q_pos, interleaved)

@@ -367,3 +367,15 @@ def test_unpad_pad_roundtrip_and_varlen_equals_masked_sdpa():
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep).transpose(1, 2)
     torch.testing.assert_close(padded[mask], ref[mask], rtol=1e-5, atol=1e-5)
     assert not padded[~mask].any()
+
+
+def test_inference_mode_metadata(backend):
+    # Inference tensors have no version counter: the value checks run on every call.
+    q, k, v, _ = make_inputs(VarlenCase((4, 6), nheads=2, nheads_k=2), "cpu")
+    with torch.inference_mode():
+        cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 6, 6, causal=True)
+        assert torch.isfinite(out).all()
+        bad = torch.tensor([0, 4, 9], dtype=torch.int32)
+        with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\]"):
+            flashtile.flash_attn_varlen_func(q, k, v, bad, cu, 6, 6)

@@ -163,3 +163,17 @@ def test_dropout_s_dmask_on_gpu():
     s = (qd @ kd.transpose(1, 2) / 8).masked_fill(~visible, float("-inf"))
     ref = torch.where(s_dmask[0] >= 0, torch.softmax(s, -1), 0.0) / (1 - p) @ vd
     torch.testing.assert_close(out[:300].transpose(0, 1).double(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_seqused_ignores_garbage_past_the_used_rows():
+    # Rows past seqused hold NaN (an unused cache tail): they must not reach the output.
+    case = VarlenCase((300, 200), head_dim=128, dtype=torch.bfloat16, causal=True, seqused_k=(250, 130))
+    q, k, v, _ = make_inputs(case, "cuda")
+    k[250:300] = float("nan")
+    v[250:300] = float("nan")
+    k[300 + 130:] = float("nan")
+    v[300 + 130:] = float("nan")
+    cu = cu_seqlens(case.lens_q, "cuda")
+    out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 300, 300, causal=True,
+                                           seqused_k=torch.tensor([250, 130], dtype=torch.int32, device="cuda"))
+    assert torch.isfinite(out).all()

@@ -200,8 +200,10 @@ def _check_varlen_values(cu_q, cu_k, used_q, used_k, max_q: int, max_k: int, tot
     tensors = (cu_q, cu_k, used_q, used_k, block_table)
     if torch.compiler.is_compiling() or (cu_q.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
-    key = _values_key(tensors, (max_q, max_k, total_q, total_k, page_size, num_blocks))
-    if key in _CHECKED:
+    # Inference tensors have no version counter: checked on every call, never cached.
+    cacheable = not any(t is not None and t.is_inference() for t in tensors)
+    key = _values_key(tensors, (max_q, max_k, total_q, total_k, page_size, num_blocks)) if cacheable else None
+    if key is not None and key in _CHECKED:
         return
     parts = [t.reshape(-1).to(torch.int64) for t in tensors if t is not None]
     host = torch.cat(parts).cpu().tolist() if parts else []
@@ -249,6 +251,8 @@ def _check_varlen_values(cu_q, cu_k, used_q, used_k, max_q: int, max_k: int, tot
         longest = max(lengths[side], default=0)
         if longest > bound:
             raise ValueError(f"max_seqlen_{side} ({bound}) is smaller than the longest sequence ({longest})")
+    if key is None:
+        return
     if len(_CHECKED) >= _CHECKED_MAX:
         _CHECKED.clear()
     _CHECKED[key] = tuple(t for t in tensors if t is not None)  # kept alive: ids stay unique

@@ -91,8 +91,8 @@ def _check_values(seqlens, leftpad, batch_idx, block_table, *, new: int, queries
         if not 0 <= pads[b] <= n:
             raise ValueError(f"cache_leftpad[{b}] = {pads[b]} must be in [0, cache_seqlens[{b}] = {n}]")
         if rotary_len is not None:
-            # k at positions (n - pad) + i, i < new; q there too when causal/windowed
-            need = n - pads[b] + max(new, queries if causal_rotary else 1)
+            # k at positions n + i, i < new (cache indices); q there too when causal/windowed
+            need = n + max(new, queries if causal_rotary else 1)
             if need > rotary_len:
                 raise ValueError(f"rotary_cos/rotary_sin hold {rotary_len} positions, sequence {b} needs {need}")
     if block_table is not None:
@@ -137,8 +137,9 @@ def flash_attn_with_kvcache(
             positions cache_seqlens .. cache_seqlens + seqlen_new (rotated first when
             rotary tables are given), then attended to in the same call.
         rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2): k is rotated at
-            positions (cache_seqlens - cache_leftpad) + i; q at the same positions when
-            causal or windowed, else all of its rows at cache_seqlens - cache_leftpad.
+            positions cache_seqlens + i (its index in the cache row, leftpad included, as
+            flash-attn does); q at the same positions when causal or windowed, else all of
+            its rows at cache_seqlens.
             ``rotary_interleaved``: GPT-J pairs (True) or GPT-NeoX halves (False).
         cache_seqlens: int, or int32 (batch,): the cache's valid end before the append
             (None: the whole cache is valid).
@@ -244,7 +245,7 @@ def flash_attn_with_kvcache(
 
     with torch.no_grad():
         pads = leftpad.long() if leftpad is not None else torch.zeros(batch, dtype=torch.long, device=device)
-        start = seqlens.long() - pads  # rotary position of the first new token
+        start = seqlens.long()  # rotary position of the first new token: its index in the cache row
         if rotary_dim:
             steps = torch.arange(max(seqlen_q, new, 1), device=device)
             limit = rotary_cos.shape[0] - 1  # clamped: values not checked inside a graph capture stay in range

@@ -526,7 +526,8 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
     built = []
     use_ws = (q.is_cuda and os.environ.get("FLASHTILE_WS", "1") != "0"
               and cuda_capability(device_index(q.device))[0] == 9  # wgmma, setmaxnreg: Hopper only
-              and (varlen is None or head_dim not in backward_sm90_split_dims())
+              and (varlen is None or (head_dim not in backward_sm90_split_dims()  # see forward.py: seqused
+                                      and varlen.seqused_q is None and varlen.seqused_k is None))
               and _ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes, attn_mask,
                               dropout_p)
               and _tma_ok(q, k, v, dout, dq, dk, dv))

@@ -857,6 +857,8 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
     if dkdv_block_q not in (BLOCK, 2 * BLOCK) or (split and dkdv_block_q != BLOCK):
         raise ValueError(f"dkdv_block_q must be {BLOCK}, or {2 * BLOCK} below head dim 256; got {dkdv_block_q}")
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    if varlen is not None and split:
+        raise ValueError(f"no varlen Gluon backward at head dim {head_dim}")
     dq_block_n = dq_block_n or default_dq_block_n(head_dim)
     built = {}
 
@@ -881,8 +883,6 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
                     scale * LOG2E, scale),
                    dict(CAUSAL=causal, NUM_Q=DK_RING[0], NUM_DO=DK_RING[1], LOADER_REGS=LOADER_REGS), 4, 1)
     if varlen is not None:
-        if split:
-            raise ValueError(f"no varlen Gluon backward at head dim {head_dim}")
         _backward_varlen_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, varlen, desc, dkdv_num_buf,
                             dq_block_n, dq_num_buf, dkdv_block_q, regs)
         return

@@ -399,7 +399,11 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
         from . import forward_sm90
 
         # wgmma and setmaxnreg: Hopper only (_tma_ok lets later architectures through).
+        # Varlen with seqused (the kv-cache path, paged keys) stays on the Triton kernel: the
+        # Gluon kernel's tiles read whole rows past a sequence's used end (masked scores,
+        # but 0 * NaN in P V if those rows hold garbage, as an unused cache tail may).
         if (cuda_capability(device_index(q.device))[0] == 9
+                and (varlen is None or (varlen.seqused_q is None and varlen.seqused_k is None))
                 and forward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes,
                                             attn_mask, dropout_p)):
             forward_sm90.attention_forward_ws(q, k, v, out, lse, scale=scale, diag_offset=diag_offset,
