@@ -34,7 +34,8 @@ def _worker(rank, world, port, out_dir, backend, configs):
     import torch.distributed as dist
 
     import flashtile
-    from flashtile.parallel import ring_attention, shard_sequence, ulysses_attention, unshard_sequence
+    from flashtile.parallel import (ring_attention, shard_sequence, ulysses_attention, unshard_sequence,
+                                    varlen_allgather_attention)
 
     os.environ["FLASHTILE_BACKEND"] = backend
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -69,6 +70,32 @@ def _worker(rank, world, port, out_dir, backend, configs):
         whole = unshard_sequence(out.detach(), layout=layout)
         errs["unshard"] = (whole - ref.detach()).abs().max().item()
         results.append(errs)
+    # Packed documents across ranks (varlen, all-gather form): each rank's tokens equal the
+    # one-process varlen call's, and so do the gradients of its shard.
+    local = 10
+    lens = [3, 0, 14, 1, 2 * local * world - 18]  # documents crossing the shard boundaries
+    lens = [n for n in lens if n >= 0]
+    lens[-1] += world * local - sum(lens)
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    for causal in (True, False):
+        g = torch.Generator().manual_seed(99)
+        q, k, v = (torch.randn(world * local, h, 16, generator=g) for h in (4, 2, 2))
+        dout = torch.randn(world * local, 4, 16, generator=g)
+        full = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = flashtile.flash_attn_varlen_func(*full, cu_t, cu_t, max(lens), max(lens), causal=causal)
+        ref_grads = torch.autograd.grad(ref, full, dout)
+        mine = slice(rank * local, (rank + 1) * local)
+        part = [t[mine].clone().requires_grad_() for t in (q, k, v)]
+        out = varlen_allgather_attention(*part, cu, causal=causal)
+        grads = torch.autograd.grad(out, part, dout[mine])
+        errs = {"out": (out - ref[mine]).abs().max().item(), "finite": True}
+        for name, a, b in zip(("dq", "dk", "dv"), grads, ref_grads):
+            errs[name] = (a - b[mine]).abs().max().item()
+        errs["unshard"] = 0.0
+        results.append(errs)
     # Shapes that differ across ranks are refused on every rank, before any exchange.
     x = torch.randn(1, 4 + 2 * rank, 2, 16)
     try:
@@ -90,7 +117,10 @@ def _spawn(tmp_path, world, backend="torch", configs=CONFIGS):
 def test_ring_matches_one_process(tmp_path, world):
     for rank, results in enumerate(_spawn(tmp_path, world)):
         assert "ranks pass different shapes" in results[-1]["mismatch"], results[-1]
-        for cfg, errs in zip(CONFIGS, results[:-1]):
+        for causal, errs in zip((True, False), results[len(CONFIGS):-1]):  # varlen, all-gather form
+            for name in ("out", "dq", "dk", "dv"):
+                assert errs[name] < 2e-5, (rank, "varlen all-gather", causal, name, errs[name])
+        for cfg, errs in zip(CONFIGS, results[:len(CONFIGS)]):
             assert errs["finite"], (rank, cfg)
             # With logits at 500 each score carries fp32 rounding of ~3e-5 (so does the
             # reference), and dQ, dK are sums over 125-sized keys: there the merge's output
@@ -106,7 +136,7 @@ def test_ring_on_the_triton_kernels(tmp_path):
         pytest.skip("set TRITON_INTERPRET=1 (make test does) to run the Triton kernels on CPU")
     configs = CONFIGS[:2] + CONFIGS[4:5]
     for rank, results in enumerate(_spawn(tmp_path, 2, "triton", configs)):
-        for cfg, errs in zip(configs, results[:-1]):
+        for cfg, errs in zip(configs, results[:len(configs)]):
             for name in ("out", "dq", "dk", "dv"):
                 assert errs[name] < 2e-5, (rank, cfg, name, errs[name])
 
