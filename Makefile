@@ -15,7 +15,7 @@ CPU_GPU_STACK := torch==2.13.0 triton==3.6.0 "numpy>=1.23,<2.4"
 $(VENV)/.stamp: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q $(CPU_GPU_STACK) -e ".[test,plot]" tqdm
+	$(PY) -m pip install -q $(CPU_GPU_STACK) -e ".[test,plot,transformers]" tqdm
 	touch $@
 
 demo: $(VENV)/.stamp

@@ -1,0 +1,123 @@
+"""Hugging Face transformers: ``attn_implementation="tiled_attention"``.
+
+    import flashtile.integrations.transformers  # registers on import
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="tiled_attention")
+
+transformers is imported here only (flashtile does not depend on it). ``register()`` puts
+``attention_forward`` into transformers' ``AttentionInterface`` and, as mask builder,
+transformers' own flash-attention mask function into ``AttentionMaskInterface``: the
+layers then receive either no mask (nothing padded) or the 2-D padding mask, never a
+dense 4-D one. The name has no "flash" in it on purpose: transformers (5.x) takes any
+name containing "flash" for a flash-attn build and tries to import or download its
+kernels (``lazy_import_flash_attention``), which fails for "flashtile"; the 2-D masks,
+which are what makes flash-attention fast there, come from the mask builder instead.
+
+What each call becomes:
+    no mask, no packing        ``flash_attn_func`` (causal bottom-right, as flash-attn)
+    2-D padding mask           ``unpad_input`` and ``flash_attn_varlen_func``, output padded back
+    packed sequences           ``flash_attn_varlen_func`` on the flattened tokens, from the
+                               ``cu_seq_lens_q/k`` and ``max_length_q/k`` kwargs, or from
+                               ``position_ids`` that restart (batch 1; one host read)
+    sliding_window w           window (w - 1, w - 1) (causal: (w - 1, 0)), as transformers'
+                               flash path converts it
+    softcap, GQA, dropout      passed through; ``is_causal=False`` for encoders
+Refused with an error naming the feature: attention sinks (``s_aux``),
+``output_attentions``, and a 4-D float mask (which this mask builder never makes).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+NAME = "tiled_attention"
+
+
+def _window(sliding_window: Optional[int], causal: bool, key_length: int) -> tuple[int, int]:
+    if sliding_window is None or key_length <= sliding_window:
+        return (-1, -1)
+    return (sliding_window - 1, 0 if causal else sliding_window - 1)
+
+
+def _packed_from_position_ids(position_ids: torch.Tensor):
+    """cu_seqlens (int32) and the longest document of a (1, T) position_ids whose values
+    restart at 0 at each document; None if it is one increasing sequence."""
+    pos = position_ids.reshape(-1)
+    if pos.numel() <= 1:
+        return None
+    starts = torch.nonzero(pos == 0).reshape(-1)
+    if starts.numel() <= 1 or int(starts[0]) != 0:
+        return None
+    cu = torch.cat([starts, torch.tensor([pos.numel()], device=pos.device)]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max())
+
+
+def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      attention_mask: Optional[torch.Tensor], dropout: float = 0.0, scaling: Optional[float] = None,
+                      sliding_window: Optional[int] = None, softcap: Optional[float] = None,
+                      is_causal: Optional[bool] = None, s_aux: Optional[torch.Tensor] = None, **kwargs):
+    """The function transformers calls: query (batch, heads, q_len, head_dim), key/value
+    (batch, kv_heads, kv_len, head_dim); returns ((batch, q_len, heads, head_dim), None)."""
+    import flashtile
+
+    if s_aux is not None:
+        raise NotImplementedError("flashtile: this model uses attention sinks (s_aux), which flashtile does not "
+                                  "support; use attn_implementation='sdpa' or 'eager'")
+    if kwargs.get("output_attentions", False):
+        raise NotImplementedError("flashtile never materialises attention weights: output_attentions=True needs "
+                                  "attn_implementation='eager'")
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))
+    q, k, v = (t.transpose(1, 2) for t in (query, key, value))  # (batch, seqlen, heads, head_dim)
+    batch, q_len = q.shape[:2]
+    kv_len = k.shape[1]
+    window = _window(sliding_window, causal, kv_len)
+    common = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=causal, window_size=window,
+                  softcap=float(softcap or 0.0))
+    if attention_mask is not None and attention_mask.dim() == 4:
+        if attention_mask.dtype != torch.bool:
+            raise NotImplementedError("flashtile: a 4-D float attention mask (a custom mask) is not supported by this "
+                                      "integration; pass a 2-D padding mask or use attn_implementation='sdpa'")
+        out = flashtile.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
+                                                     scale=scaling, enable_gqa=True)
+        return out.transpose(1, 2), None
+
+    cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")
+    max_q, max_k = kwargs.get("max_length_q"), kwargs.get("max_length_k")
+    if attention_mask is None and cu_q is None and batch == 1 and kwargs.get("position_ids") is not None \
+            and q_len == kv_len:
+        packed = _packed_from_position_ids(kwargs["position_ids"])
+        if packed is not None:
+            cu_q = cu_k = packed[0]
+            max_q = max_k = packed[1]
+    if attention_mask is None and cu_q is not None:
+        out = flashtile.flash_attn_varlen_func(
+            q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
+            cu_q.to(torch.int32), cu_k.to(torch.int32), int(max_q), int(max_k), **common)
+        return out.reshape(batch, q_len, *out.shape[1:]), None
+    if attention_mask is None:
+        return flashtile.flash_attn_func(q, k, v, **common), None
+
+    # 2-D padding mask over the keys (batch, kv_len); the queries are its last q_len columns.
+    key_mask = attention_mask[:, -kv_len:].bool()
+    query_mask = key_mask[:, -q_len:]
+    q_tok, q_idx, cu_q, max_q = flashtile.unpad_input(q, query_mask)
+    k_tok, _, cu_k, max_k = flashtile.unpad_input(k, key_mask)
+    v_tok = v.reshape(-1, *v.shape[2:])[torch.nonzero(key_mask.flatten()).flatten()]
+    out = flashtile.flash_attn_varlen_func(q_tok, k_tok, v_tok, cu_q, cu_k, max(max_q, 1), max(max_k, 1), **common)
+    return flashtile.pad_input(out, q_idx, batch, q_len), None
+
+
+def register(name: str = NAME) -> str:
+    """Register flashtile with transformers under ``name`` (attention function and mask
+    builder); returns the name to pass as ``attn_implementation``."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, flash_attention_mask
+
+    AttentionInterface.register(name, attention_forward)
+    AttentionMaskInterface.register(name, flash_attention_mask)
+    assert name in ALL_MASK_ATTENTION_FUNCTIONS
+    return name
+
+
+register()
