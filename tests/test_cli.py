@@ -176,3 +176,23 @@ def test_gpu_api_names_are_lazy() -> None:
                  "scaled_dot_product_attention"):
         assert name in flashtile.__all__
         assert name in dir(flashtile)
+
+
+def test_without_torch_the_gpu_names_say_what_to_install():
+    # A fresh interpreter where torch cannot be imported (None in sys.modules blocks it).
+    import subprocess
+    import sys as _sys
+
+    code = (
+        "import sys; sys.modules['torch'] = None\n"
+        "import flashtile\n"
+        "try:\n"
+        "    flashtile.flash_attn_func\n"
+        "except ImportError as err:\n"
+        "    print('IMPORT', err)\n"
+        "from flashtile.cli import main\n"
+        "print('RC', main(['bench', '--dry-run']))\n"
+    )
+    out = subprocess.run([_sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "IMPORT flashtile.flash_attn_func needs torch, which is not installed: `pip install torch triton`" in out.stdout
+    assert "RC 2" in out.stdout and "flashtile bench needs torch" in out.stderr

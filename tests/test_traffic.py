@@ -69,8 +69,12 @@ class TestConventions:
 class TestNaive:
     def test_nxn_touches_and_quadratic_growth(self):
         small, big = memory_work(512, 64), memory_work(1024, 64)
-        assert small.naive.nxn_touches == 4 and small.flash.nxn_touches == 0
-        assert memory_work(512, 64, backward=True).naive.nxn_touches == 7
+        # element touches, as the lesson counts them: quadratic for naive, zero for flash
+        assert small.naive.nxn_touches == 4 * 512 * 512 and small.flash.nxn_touches == 0
+        assert big.naive.nxn_touches == 4 * small.naive.nxn_touches
+        assert small.naive.nxn_arrays == 4 and small.flash.nxn_arrays == 0
+        assert memory_work(512, 64, backward=True).naive.nxn_arrays == 7
+        assert memory_work(512, 64, backward=True).naive.nxn_touches == 7 * 512 * 512
         s_bytes = sum(line.total_bytes for line in small.naive.ledger if line.tensor in ("S", "P"))
         b_bytes = sum(line.total_bytes for line in big.naive.ledger if line.tensor in ("S", "P"))
         assert b_bytes == 4 * s_bytes == 4 * 4 * 512 * 512 * 4

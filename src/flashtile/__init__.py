@@ -56,13 +56,26 @@ __all__ = ["__version__", "reference", *_LAZY_SUBMODULES, *_API_NAMES]
 def __getattr__(name: str) -> Any:
     """Resolve the lazy names (PEP 562): the GPU API and numpy-only submodules."""
     if name in _API_NAMES:
-        value = getattr(importlib.import_module("flashtile.api"), name)
+        try:
+            api = importlib.import_module("flashtile.api")
+        except ModuleNotFoundError as err:
+            if err.name not in ("torch", "triton"):
+                raise
+            raise ImportError(_missing(err.name, f"flashtile.{name}")) from err
+        value = getattr(api, name)
     elif name in _LAZY_SUBMODULES:
         value = importlib.import_module(f"flashtile.{name}")
     else:
         raise AttributeError(f"module 'flashtile' has no attribute {name!r}")
     globals()[name] = value  # cache: later lookups skip __getattr__
     return value
+
+
+def _missing(module: str, what: str) -> str:
+    """The message for a GPU-API name used without torch (or triton) installed."""
+    return (f"{what} needs {module}, which is not installed: `pip install torch triton` (or "
+            f"`pip install 'flashtile[bench]'`); on a machine without a GPU `make test` sets up a CPU stack. "
+            f"The NumPy reference (flashtile.reference) and the traffic model work without it.")
 
 
 def __dir__() -> list[str]:

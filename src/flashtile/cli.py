@@ -109,7 +109,7 @@ def _print_backward_table(traffic: types.ModuleType, seq_lengths: Sequence[int],
           f"{'flash+reread MB':>15} | {'naive/flash':>11}")
     for n in seq_lengths:
         work = traffic.memory_work(n, d, dtype_bytes=dtype_bytes, Br=Br, Bc=Bc, causal=causal, backward=True)
-        print(f"{n:>7} | {work.naive.nxn_touches * n * n:>15,} | {work.naive.hbm_bytes / mb:>10.2f} | "
+        print(f"{n:>7} | {work.naive.nxn_touches:>15,} | {work.naive.hbm_bytes / mb:>10.2f} | "
               f"{work.flash.compulsory_bytes / mb:>12.3f} | {work.flash.hbm_bytes / mb:>15.3f} | "
               f"{work.ratio:>10.1f}x")
 
@@ -128,6 +128,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     if args.command == "bench":
+        try:
+            import torch  # noqa: F401
+        except ModuleNotFoundError:
+            from flashtile import _missing
+
+            print(_missing("torch", "flashtile bench"), file=sys.stderr)
+            return 2
         from flashtile import bench
 
         return int(bench.main(rest) or 0)

@@ -131,8 +131,9 @@ def _section_exactness(checks: _Checks, rng: np.random.Generator) -> None:
 def _section_traffic(checks: _Checks) -> None:
     file = checks.file
     print("Naive attention writes S = QK^T and P = softmax(S) to HBM and reads them back: four", file=file)
-    print("N x N touches per head, so its bytes grow as N^2. The tiles keep S and P in SRAM:", file=file)
-    print("zero N x N touches, and the compulsory bytes (Q, K, V, O, LSE moved once) grow as N.", file=file)
+    print("N x N arrays, 4 N^2 element touches per head, so its bytes grow as N^2. The tiles keep", file=file)
+    print("S and P in SRAM: zero N x N touches, and the compulsory bytes (Q, K, V, O, LSE moved", file=file)
+    print("once) grow as N.", file=file)
     print("Re-reading K and V for every Q tile adds 2 N^2 d / Br elements: quadratic too (with", file=file)
     print("d = Br, half the naive bytes: the 2.0x column), but it is traffic a GPU's L2 cache can", file=file)
     print("absorb, which this pessimistic model does not credit. d=64, float32, Br=Bc=64:", file=file)

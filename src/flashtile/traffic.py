@@ -173,7 +173,10 @@ class LedgerLine(_ItemAccess):
 class AlgorithmWork(_ItemAccess):
     """Modelled cost of one algorithm for one (batch, head).
 
-    nxn_touches: full N x M arrays read or written (each touch = N*M elements).
+    nxn_touches: elements of full N x M score-sized arrays read or written (the lesson's
+        count: it grows as N^2 for naive attention and is 0 for FlashAttention).
+    nxn_arrays: how many such full arrays are read or written (4 forward, 7 with the
+        backward, for naive attention; nxn_touches = nxn_arrays * N * M).
     hbm_bytes: sum of the ledger, without the "(L2 or HBM)" lines when sram_kv_reuse="l2".
     compulsory_bytes: `min_hbm_bytes` of the problem, the same floor for both algorithms.
     flops: useful matmul FLOPs, counting only visible score elements exactly.
@@ -187,6 +190,7 @@ class AlgorithmWork(_ItemAccess):
     flops: int
     executed_flops: int
     ledger: tuple[LedgerLine, ...]
+    nxn_arrays: int = 0
 
     @property
     def reread_bytes(self) -> int:
@@ -381,8 +385,8 @@ def memory_work(
     useful = per_element * _visible_elements(n, m, bool(causal)) * d
     naive_ledger, touches = _naive_ledger(n, m, d, b, backward)
     # Naive computes the whole square (a mask only zeroes it) and skips the recomputation.
-    naive = AlgorithmWork("naive", touches, total(naive_ledger), compulsory, useful,
-                          (8 if backward else 4) * n * m * d, tuple(naive_ledger))
+    naive = AlgorithmWork("naive", touches * n * m, total(naive_ledger), compulsory, useful,
+                          (8 if backward else 4) * n * m * d, tuple(naive_ledger), touches)
     flash_ledger = _flash_ledger(n, m, d, b, grid, backward)
     # Flash computes every element of each visited tile, masked or not.
     computed = int((grid.rows * np.minimum(grid.kv_per_q * bc, m)).sum())
@@ -423,7 +427,7 @@ def print_traffic_table(
         w = memory_work(n, d, dtype_bytes=dtype_bytes, Br=Br, Bc=Bc, causal=causal)
         rows.append({
             "N": int(n),
-            "naive_nxn_elements": w.naive.nxn_touches * int(n) * int(n),
+            "naive_nxn_elements": w.naive.nxn_touches,
             "naive_hbm_bytes": w.naive.hbm_bytes,
             "flash_compulsory_bytes": w.flash.compulsory_bytes,
             "flash_hbm_bytes": w.flash.hbm_bytes,
