@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     from flashtile import __version__  # numpy-only package import
 
     parser.add_argument("--version", action="version", version=f"flashtile {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,traffic,bench}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,traffic,bench,explain}")
 
     sub.add_parser(
         "demo",
@@ -67,6 +67,25 @@ def build_parser() -> argparse.ArgumentParser:
     traffic.add_argument("--causal", action="store_true", help="bottom-right causal mask")
     traffic.add_argument("--backward", action="store_true", help="model the backward pass instead of the forward")
     traffic.add_argument("--plot", metavar="FILE.png", help="also write a log-log plot (needs matplotlib)")
+
+    explain = sub.add_parser(
+        "explain",
+        help="which kernels a call takes, and why (no GPU needed)",
+        description="The forward and backward kernels and configs of a described call (flashtile.explain).",
+    )
+    explain.add_argument("--seqlen-q", type=_positive_int, default=4096)
+    explain.add_argument("--seqlen-k", type=_positive_int)
+    explain.add_argument("--head-dim", type=_positive_int, default=128)
+    explain.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), default="bf16")
+    explain.add_argument("--causal", action="store_true")
+    explain.add_argument("--window", type=int, nargs=2, default=(-1, -1), metavar=("LEFT", "RIGHT"))
+    explain.add_argument("--softcap", type=float, default=0.0)
+    explain.add_argument("--alibi", action="store_true")
+    explain.add_argument("--dropout", type=float, default=0.0)
+    explain.add_argument("--varlen", action="store_true", help="a packed call (seqlen = the longest sequence)")
+    explain.add_argument("--seqused", action="store_true", help="varlen with seqused_q/k or paged keys")
+    explain.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    explain.add_argument("--capability", type=int, nargs=2, default=(9, 0), metavar=("MAJOR", "MINOR"))
 
     # No options of its own and no -h: every argument after `bench`, -h included, is
     # flashtile.bench's to parse.
@@ -144,6 +163,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         from flashtile.demo import run_demo
 
         return run_demo()
+    if args.command == "explain":
+        from flashtile.explain import explain
+
+        print(explain(args.seqlen_q, args.seqlen_k, args.head_dim, dtype=args.dtype, causal=args.causal,
+                      window=tuple(args.window), softcap=args.softcap, alibi=args.alibi, dropout_p=args.dropout,
+                      varlen=args.varlen, seqused=args.seqused, device=args.device,
+                      capability=tuple(args.capability)))
+        return 0
     return _run_traffic(args)
 
 
