@@ -50,6 +50,18 @@ def poison_outputs(monkeypatch):
     yield
 
 
+@pytest.fixture(params=["torch", "triton"])
+def backend(request, monkeypatch):
+    """Each test twice: on the torch twin, and on the Triton kernels under the interpreter
+    (skipped without TRITON_INTERPRET=1)."""
+    if request.param == "triton":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            pytest.skip("set TRITON_INTERPRET=1 (make test does) to run the Triton kernels on CPU")
+        pytest.importorskip("triton")
+    monkeypatch.setenv("FLASHTILE_BACKEND", request.param)
+    return request.param
+
+
 @pytest.fixture
 def triton_backend(monkeypatch):
     """Run the Triton kernels on CPU tensors (needs TRITON_INTERPRET=1 from the start)."""

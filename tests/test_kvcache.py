@@ -15,17 +15,6 @@ import flashtile
 from flashtile.testing import assert_close, plain_attention
 
 
-@pytest.fixture(params=["torch", "triton"])
-def backend(request, monkeypatch):
-    if request.param == "triton":
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("set TRITON_INTERPRET=1 (make test does) to run the Triton kernels on CPU")
-        monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
-    else:
-        monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
-    return request.param
-
-
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 
 

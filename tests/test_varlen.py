@@ -17,17 +17,6 @@ from varlen_cases import VarlenCase, check_varlen, cu_seqlens, make_inputs, run_
 MIXED = (0, 1, 2, 17, 113, 1000)
 
 
-@pytest.fixture(params=["torch", "triton"])
-def backend(request, monkeypatch):
-    if request.param == "triton":
-        if os.environ.get("TRITON_INTERPRET") != "1":
-            pytest.skip("set TRITON_INTERPRET=1 (make test does) to run the Triton kernels on CPU")
-        monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
-    else:
-        monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
-    return request.param
-
-
 pytestmark = pytest.mark.usefixtures("poison_outputs")
 
 

@@ -29,12 +29,12 @@ import random
 from pathlib import Path
 from typing import Any, Callable
 
+from flashtile.bench import _SDPA_BACKENDS as _SDPA
 from flashtile.bench import HIDDEN, RowWriter, _reason, gpu_slug, run_info
 
 TOKENS = 16384
 IMPLS = ("flashtile", "flashtile-fixed", "flex", "varlen_attn", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
 DISTS = ("equal", "uniform", "longtail")
-_SDPA = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION", "sdpa-efficient": "EFFICIENT_ATTENTION"}
 
 
 def lengths_for(dist: str, tokens: int = TOKENS, seed: int = 0) -> list[int]:

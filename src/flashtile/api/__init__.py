@@ -34,17 +34,6 @@ from .padding import pad_input, unpad_input
 from .sdpa import scaled_dot_product_attention
 from .varlen import flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func
 
-__all__ = [
-    "MAX_HEAD_DIM",
-    "flash_attn_func",
-    "flash_attn_qkvpacked_func",
-    "flash_attn_kvpacked_func",
-    "flash_attn_varlen_func",
-    "flash_attn_varlen_qkvpacked_func",
-    "flash_attn_varlen_kvpacked_func",
-    "flash_attn_with_kvcache",
-    "flash_attn_combine",
-    "scaled_dot_product_attention",
-    "unpad_input",
-    "pad_input",
-]
+from .. import _API_NAMES  # the public names, listed once (flashtile/__init__.py)
+
+__all__ = ["MAX_HEAD_DIM", *_API_NAMES]

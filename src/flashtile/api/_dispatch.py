@@ -56,12 +56,27 @@ def _torch_path(q4, k4, v4, problem: _Problem, alibi, mask) -> tuple[torch.Tenso
     return out4, lse_out
 
 
+def host_spans(varlen) -> list[tuple[int, int, int, int]]:
+    """(q start, q length, k start, k length) of every sequence of a varlen call, its
+    lengths cut to seqused, read on the host (one copy per tensor): for the torch twin and
+    S_dmask, never for the kernels."""
+    cu_q, cu_k, used_q, used_k = (None if t is None else t.tolist() for t in varlen[:4])
+    spans = []
+    for b in range(len(cu_q) - 1):
+        len_q, len_k = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if used_q is not None:
+            len_q = min(used_q[b], len_q)
+        if used_k is not None:
+            len_k = min(used_k[b], len_k)
+        spans.append((cu_q[b], len_q, cu_k[b], len_k))
+    return spans
+
+
 def _torch_varlen_path(q4, k4, v4, problem: _Problem, alibi, varlen) -> tuple[torch.Tensor, torch.Tensor]:
     """The torch twin of a packed call: the chunked twin once per sequence (its bounds read
     on the host: CPU tensors), rows past a sequence's used length 0 / -inf. Differentiable."""
     from ..ops.chunked import chunked_attention_forward
 
-    cu_q, cu_k, used_q, used_k = (None if t is None else t.tolist() for t in varlen[:4])
     heads, total_q, dim = q4.shape[1], q4.shape[2], q4.shape[3]
     outs, lses, row = [], [], 0
 
@@ -71,23 +86,20 @@ def _torch_varlen_path(q4, k4, v4, problem: _Problem, alibi, varlen) -> tuple[to
         outs.append(torch.where(torch.zeros((), dtype=torch.bool, device=q4.device), rows, 0.0))
         lses.append(torch.full((1, heads, end - start), float("-inf"), device=q4.device))
 
-    for b in range(len(cu_q) - 1):
-        len_q = cu_q[b + 1] - cu_q[b] if used_q is None else min(used_q[b], cu_q[b + 1] - cu_q[b])
-        len_k = cu_k[b + 1] - cu_k[b] if used_k is None else min(used_k[b], cu_k[b + 1] - cu_k[b])
-        if cu_q[b] > row:
-            gap(row, cu_q[b])
+    for b, (start_q, len_q, start_k, len_k) in enumerate(host_spans(varlen)):
+        if start_q > row:
+            gap(row, start_q)
         if len_k == 0:
-            len_q = 0  # every row of this sequence is empty: a gap, below or at the next one
-            row = cu_q[b]
+            row = start_q  # every row of this sequence is empty: a gap, below or at the next one
             continue
         out, lse = chunked_attention_forward(
-            q4[:, :, cu_q[b]:cu_q[b] + len_q], k4[:, :, cu_k[b]:cu_k[b] + len_k], v4[:, :, cu_k[b]:cu_k[b] + len_k],
+            q4[:, :, start_q:start_q + len_q], k4[:, :, start_k:start_k + len_k], v4[:, :, start_k:start_k + len_k],
             scale=problem.scale, diag_offset=len_k - len_q, window_left=problem.window_left,
             window_right=problem.window_right, softcap=problem.softcap,
             alibi_slopes=None if alibi is None else alibi[b:b + 1], dropout_p=problem.dropout_p)
         outs.append(out.to(q4.dtype))
         lses.append(lse.to(torch.float32))
-        row = cu_q[b] + len_q
+        row = start_q + len_q
     if total_q > row or not outs:
         gap(row, total_q)
     out = torch.cat(outs, dim=2)
@@ -124,6 +136,28 @@ def _attention(q4, k4, v4, problem: _Problem, alibi, mask, varlen: tuple = (),
         problem.softcap, alibi, mask, problem.dropout_p, seed,
         problem.deterministic or torch.are_deterministic_algorithms_enabled(), tuple(varlen))
     return out.transpose(1, 2), lse
+
+
+def attention_with_probs(q4, k4, v4, problem: _Problem, alibi, varlen: tuple = (), want_probs: bool = False):
+    """``_attention`` for the flash-attn functions: (out4, lse, S_dmask or None). With
+    ``want_probs`` and dropout, the Philox key is drawn here so that S_dmask
+    (``_probs.dropout_probs``) redraws the kernels' own mask; the twin cannot (torch.rand)."""
+    seed = None
+    want_mask = want_probs and problem.dropout_p > 0.0
+    if want_mask:
+        if _backend_for(q4.device) == "torch":
+            raise NotImplementedError(
+                "return_attn_probs=True with dropout_p > 0 reports the Triton kernels' Philox mask; the torch twin "
+                "(CPU tensors) draws its mask with torch.rand. Run on CUDA tensors, or on CPU tensors with "
+                "FLASHTILE_BACKEND=triton and TRITON_INTERPRET=1")
+        seed = new_seed(q4.device)
+    out4, lse = _attention(q4, k4, v4, problem, alibi, None, varlen, seed)
+    probs = None
+    if want_mask:
+        from ._probs import dropout_probs
+
+        probs = dropout_probs(q4, k4, problem, alibi, seed, varlen)
+    return out4, lse, probs
 
 
 def new_seed(device) -> torch.Tensor:

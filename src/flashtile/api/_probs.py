@@ -39,13 +39,10 @@ def dropout_probs(q4, k4, problem, alibi, seed, meta=()) -> torch.Tensor:
     (batch, H, max_seqlen_q, max_seqlen_k), each sequence in its top-left corner."""
     heads = q4.shape[1]
     if meta:
-        cu_q, cu_k, used_q, used_k = (None if t is None else t.tolist() for t in meta[:4])
-        batch, rows, cols = len(cu_q) - 1, meta[4], meta[5]
-        spans = []
-        for b in range(batch):
-            lq = cu_q[b + 1] - cu_q[b] if used_q is None else min(used_q[b], cu_q[b + 1] - cu_q[b])
-            lk = cu_k[b + 1] - cu_k[b] if used_k is None else min(used_k[b], cu_k[b + 1] - cu_k[b])
-            spans.append((0, cu_q[b], lq, cu_k[b], lk))
+        from ._dispatch import host_spans
+
+        spans = [(0, *span) for span in host_spans(meta)]
+        batch, rows, cols = len(spans), meta[4], meta[5]
     else:
         batch, rows, cols = q4.shape[0], q4.shape[2], k4.shape[2]
         spans = [(b, 0, rows, 0, cols) for b in range(batch)]

@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 
 from ..ops.window import effective_window
-from ._dispatch import _Problem, _attention, new_seed
+from ._dispatch import _Problem, attention_with_probs
 from ._validate import (_check_alibi, _check_dropout, _check_head_dim, _check_heads, _check_same, _check_scale,
                         _check_softcap, _check_tensor, _check_window, _flag, _unit_last_stride)
 
@@ -42,23 +42,10 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     left, right = effective_window(left, right, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
     problem = _Problem(scale, seqlen_k - seqlen_q, left, right, softcap, dropout_p, bool(deterministic))
     want_probs = _flag("return_attn_probs", return_attn_probs)
-    seed = None
-    if want_probs and dropout_p > 0.0:
-        from .varlen import refuse_twin_probs
-
-        refuse_twin_probs(q.device)
-        seed = new_seed(q.device)
-    q4, k4, v4 = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-    out4, lse = _attention(q4, k4, v4, problem, alibi, None, (), seed)
+    out4, lse, probs = attention_with_probs(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), problem, alibi,
+                                            want_probs=want_probs)
     out = out4.transpose(1, 2)
-    if not want_probs:
-        return out
-    probs = None
-    if dropout_p > 0.0:
-        from ._probs import dropout_probs
-
-        probs = dropout_probs(q4, k4, problem, alibi, seed)
-    return out, lse, probs
+    return (out, lse, probs) if want_probs else out
 
 
 def flash_attn_func(

@@ -20,7 +20,8 @@ import torch
 from ._dispatch import _Problem, _attention
 from ._validate import (_check_alibi, _check_head_dim, _check_heads, _check_index_tensor, _check_same, _check_scale,
                         _check_softcap, _check_tensor, _check_window, _flag, _integer, _unit_last_stride)
-from .varlen import _unbounded
+from ..ops.window import effective_window
+from .varlen import gather_pages
 
 
 def _check_rotary(cos, sin, q, head_dim: int):
@@ -258,8 +259,7 @@ def flash_attn_with_kvcache(
             _append(k_cache, v_cache, k, v, seqlens, batch_idx, table if paged else None, capacity)
         lengths = (seqlens.long() + new - pads).to(torch.int32)
         if paged:
-            keys = k_cache[table.long().clamp(0, max(num_blocks - 1, 0))].flatten(1, 2)  # (batch, capacity, Hk, D)
-            values = v_cache[table.long().clamp(0, max(num_blocks - 1, 0))].flatten(1, 2)
+            keys, values = gather_pages(k_cache, table), gather_pages(v_cache, table)  # (batch, capacity, Hk, D)
         elif batch_idx is not None:
             rows = batch_idx.long().clamp(0, batch_cache - 1)
             keys, values = k_cache[rows], v_cache[rows]
@@ -271,7 +271,7 @@ def flash_attn_with_kvcache(
         cu_k[:-1] += pads.to(torch.int32)
         qp = _unit_last_stride(q).reshape(batch * seqlen_q, nheads, head_dim)
         keys, values = _unit_last_stride(keys), _unit_last_stride(values)
-        left, right = _unbounded(left, right, seqlen_q, capacity)
+        left, right = effective_window(left, right, seqlen_q, capacity, capacity - seqlen_q)
         problem = _Problem(scale, 0, left, right, softcap)
         meta = (cu_q, cu_k, None, lengths, seqlen_q, capacity)
         out4, lse = _attention(qp.unsqueeze(0).transpose(1, 2), keys.unsqueeze(0).transpose(1, 2),

@@ -13,21 +13,18 @@ from typing import Optional
 
 import torch
 
-from ._dispatch import _Problem, _attention, _backend_for, new_seed
+from ..ops.window import effective_window
+from ._dispatch import _Problem, attention_with_probs
 from ._validate import (_check_alibi, _check_dropout, _check_head_dim, _check_heads, _check_index_tensor,
                         _check_max_seqlen, _check_same, _check_scale, _check_softcap, _check_tensor,
                         _check_varlen_values, _check_window, _flag, _unit_last_stride)
 
 
-def _unbounded(left: int, right: int, max_seqlen_q: int, max_seqlen_k: int) -> tuple[int, int]:
-    """Window sides that hide no key of any sequence become -1: query i of a sequence sees
-    key j iff i + d - left <= j <= i + d + right with d = len_k - len_q, so left >= len_k - 1
-    and right >= len_q - 1 hide nothing (exact, as ``ops.window.effective_window``)."""
-    if left >= 0 and left >= max_seqlen_k - 1:
-        left = -1
-    if right >= 0 and right >= max_seqlen_q - 1:
-        right = -1
-    return left, right
+def gather_pages(cache, block_table):
+    """(batch, max_blocks * page_size, Hk, D): each sequence's pages of a paged cache
+    (num_blocks, page_size, Hk, D), in block-table order. Entries past a sequence's pages
+    are clamped to a valid block (their rows are never used). Differentiable, no host sync."""
+    return cache[block_table.long().clamp(0, max(cache.shape[0] - 1, 0))].flatten(1, 2)
 
 
 def _paged_keys(k, v, block_table, cu_seqlens_k, seqused_k):
@@ -37,9 +34,7 @@ def _paged_keys(k, v, block_table, cu_seqlens_k, seqused_k):
     Entries past a sequence's pages are clamped to a valid block (their keys are unused)."""
     batch, max_blocks = block_table.shape
     page = k.shape[1]
-    table = block_table.clamp(0, max(k.shape[0] - 1, 0)).long()
-    kg = k[table].reshape(batch * max_blocks * page, *k.shape[2:])
-    vg = v[table].reshape(batch * max_blocks * page, *v.shape[2:])
+    kg, vg = (gather_pages(t, block_table).flatten(0, 1) for t in (k, v))
     lengths = cu_seqlens_k[1:] - cu_seqlens_k[:-1]
     if seqused_k is not None:
         lengths = torch.minimum(lengths, seqused_k)
@@ -105,33 +100,15 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     if paged:
         k, v, cu_k, used_k = _paged_keys(k, v, table, cu_k, used_k)
 
-    left, right = _unbounded(left, right, max_q, max_k)
+    # One window for every sequence: a side that hides no key of the longest ones hides none.
+    left, right = effective_window(left, right, max_q, max_k, max_k - max_q)
     problem = _Problem(scale, 0, left, right, softcap, dropout_p, bool(deterministic))
     want_probs = _flag("return_attn_probs", return_attn_probs)
-    seed = None
-    if want_probs and dropout_p > 0.0:
-        refuse_twin_probs(q.device)
-        seed = new_seed(q.device)
     meta = (cu_q, cu_k, used_q, used_k, max_q, max_k)
-    q4, k4, v4 = (t.unsqueeze(0).transpose(1, 2) for t in (q, k, v))
-    out4, lse = _attention(q4, k4, v4, problem, alibi, None, meta, seed)
+    out4, lse, probs = attention_with_probs(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), problem, alibi,
+                                            meta, want_probs)
     out = out4.transpose(1, 2)[0]
-    if not want_probs:
-        return out
-    probs = None
-    if dropout_p > 0.0:
-        from ._probs import dropout_probs
-
-        probs = dropout_probs(q4, k4, problem, alibi, seed, meta)
-    return out, lse[0], probs
-
-
-def refuse_twin_probs(device) -> None:
-    if _backend_for(device) == "torch":
-        raise NotImplementedError(
-            "return_attn_probs=True with dropout_p > 0 reports the Triton kernels' Philox mask; the torch twin "
-            "(CPU tensors) draws its mask with torch.rand. Run on CUDA tensors, or on CPU tensors with "
-            "FLASHTILE_BACKEND=triton and TRITON_INTERPRET=1")
+    return (out, lse[0], probs) if want_probs else out
 
 
 def flash_attn_varlen_func(

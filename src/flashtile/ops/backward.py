@@ -476,16 +476,23 @@ def _bwd_dkdv_kernel(
              + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=ok)
 
 
-def _ws_applies(*args) -> bool:
+def _gluon_applies(q, k, v, dout, dq, dk, dv, head_dim: int, scale: float, window_left: int, window_right: int,
+                   softcap: float, alibi_slopes, attn_mask, dropout_p: float, varlen) -> bool:
+    """Whether the Hopper Gluon kernels (``backward_sm90``) take this backward: CUDA sm90,
+    FLASHTILE_WS not 0, their scope, TMA-ready tensors; varlen only at d64/d128 and without
+    seqused (see forward.py: tiles past the used rows)."""
+    if not q.is_cuda or os.environ.get("FLASHTILE_WS", "1") == "0":
+        return False
+    if cuda_capability(device_index(q.device))[0] != 9:  # wgmma, setmaxnreg: Hopper only
+        return False
     from . import backward_sm90
 
-    return backward_sm90.ws_applies(*args)
-
-
-def backward_sm90_split_dims() -> tuple:
-    from . import backward_sm90
-
-    return backward_sm90.SPLIT_HEAD_DIMS
+    if varlen is not None and (head_dim in backward_sm90.SPLIT_HEAD_DIMS or varlen.seqused_q is not None
+                               or varlen.seqused_k is not None):
+        return False
+    return (backward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes,
+                                     attn_mask, dropout_p)
+            and _tma_ok(q, k, v, dout, dq, dk, dv))
 
 
 _launch_pre = Launcher(_bwd_preprocess)
@@ -524,13 +531,8 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
     block_d = max(16, triton.next_power_of_2(head_dim))
     delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     built = []
-    use_ws = (q.is_cuda and os.environ.get("FLASHTILE_WS", "1") != "0"
-              and cuda_capability(device_index(q.device))[0] == 9  # wgmma, setmaxnreg: Hopper only
-              and (varlen is None or (head_dim not in backward_sm90_split_dims()  # see forward.py: seqused
-                                      and varlen.seqused_q is None and varlen.seqused_k is None))
-              and _ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes, attn_mask,
-                              dropout_p)
-              and _tma_ok(q, k, v, dout, dq, dk, dv))
+    use_ws = _gluon_applies(q, k, v, dout, dq, dk, dv, head_dim, scale, window_left, window_right, softcap,
+                            alibi_slopes, attn_mask, dropout_p, varlen)
     if varlen is None:
         pre_blocks = triton.cdiv(seqlen_q, 64)
         pre_grid, pre_items, pre_cap, pre_sizes = pre_blocks * batch * nheads, q, 0, (seqlen_q, pre_blocks)

@@ -28,6 +28,9 @@ from typing import Optional
 
 import torch
 
+from ..api._dispatch import _Problem, _attention, _backend_for
+from ..ops.window import effective_window
+
 LAYOUTS = ("zigzag", "contiguous")
 
 
@@ -144,47 +147,24 @@ def _merge(out, lse, out_b, lse_b):
     return out, new_lse
 
 
-def _pair_problem(q_start, k_start, problem):
-    """The canonical problem of a query chunk at q_start against a key chunk at k_start."""
-    from ..api._dispatch import _Problem
-
-    return _Problem(problem.scale, q_start - k_start, problem.window_left, problem.window_right, problem.softcap)
-
-
-def _pair_forward(q4, k4, v4, problem):
-    """(out (B, H, Sq, D), lse (B, H, Sq)) of one chunk pair; rows that see nothing 0 / -inf."""
-    from ..api._dispatch import _attention
-    from ..ops.window import effective_window
-
-    left, right = effective_window(problem.window_left, problem.window_right, q4.shape[2], k4.shape[2],
-                                   problem.diag_offset)
-    from ..api._dispatch import _Problem
-
-    p = _Problem(problem.scale, problem.diag_offset, left, right, problem.softcap)
-    if _hidden(q4.shape[2], k4.shape[2], p):
-        return None, None
-    return _attention(q4, k4, v4, p, None, None)
-
-
-def _hidden(seqlen_q: int, seqlen_k: int, p) -> bool:
-    """Whether no query of the pair sees any key (a causal pair above the diagonal, or
-    out of the window): such pairs are skipped, forward and backward."""
+def _pair_problem(q_start: int, k_start: int, seqlen_q: int, seqlen_k: int, problem):
+    """The canonical problem of a query chunk at global row q_start against a key chunk at
+    k_start (diagonal offset q_start - k_start, window normalised), or None when no query of
+    the pair sees any key (a causal pair above the diagonal, or out of the window): such
+    pairs are skipped, forward and backward."""
+    left, right = effective_window(problem.window_left, problem.window_right, seqlen_q, seqlen_k, q_start - k_start)
+    p = _Problem(problem.scale, q_start - k_start, left, right, problem.softcap)
     if p.window_right >= 0 and (seqlen_q - 1) + p.diag_offset + p.window_right < 0:
-        return True
-    return p.window_left >= 0 and 0 + p.diag_offset - p.window_left > seqlen_k - 1
-
-
-def _pair_backward(dout4, q4, k4, v4, out4, lse, problem):
-    """Gradients of one chunk pair against the global out and LSE: (dq, dk, dv) as
-    (B, H, S, D) float32. The Triton backward where it runs, else the same formulas in torch."""
-    from ..api._dispatch import _backend_for, _Problem
-    from ..ops.window import effective_window
-
-    left, right = effective_window(problem.window_left, problem.window_right, q4.shape[2], k4.shape[2],
-                                   problem.diag_offset)
-    p = _Problem(problem.scale, problem.diag_offset, left, right, problem.softcap)
-    if _hidden(q4.shape[2], k4.shape[2], p):
         return None
+    if p.window_left >= 0 and p.diag_offset - p.window_left > seqlen_k - 1:
+        return None
+    return p
+
+
+def _pair_backward(dout4, q4, k4, v4, out4, lse, p):
+    """Gradients of one chunk pair (problem ``p`` from ``_pair_problem``) against the global
+    out and LSE: (dq, dk, dv) as (B, H, S, D) float32. The Triton backward where it runs,
+    else the same formulas in torch."""
     if _backend_for(q4.device) == "triton":
         from .. import autograd  # noqa: F401  (registers the ops)
 
@@ -268,9 +248,10 @@ def _forward(q4, k4, v4, problem, group, world, rank, layout):
         theirs = chunk_starts(src, world, local, layout)
         for c, (row_q, start_q, n_q) in enumerate(mine):
             for row_k, start_k, n_k in theirs:
-                o, l = _pair_forward(q4[:, :, row_q:row_q + n_q], kv[0][:, :, row_k:row_k + n_k],
-                                     kv[1][:, :, row_k:row_k + n_k], _pair_problem(start_q, start_k, problem))
-                if o is not None:
+                p = _pair_problem(start_q, start_k, n_q, n_k, problem)
+                if p is not None:
+                    o, l = _attention(q4[:, :, row_q:row_q + n_q], kv[0][:, :, row_k:row_k + n_k],
+                                      kv[1][:, :, row_k:row_k + n_k], p, None, None)
                     out[c], lse[c] = _merge(out[c], lse[c], o, l)
         if step + 1 < world:
             kv = tuple(ring.finish())
@@ -314,9 +295,10 @@ class _RingAttention(torch.autograd.Function):
                 sq = slice(row_q, row_q + n_q)
                 for row_k, start_k, n_k in chunk_starts(src, world, local, layout):
                     sk = slice(row_k, row_k + n_k)
-                    grads = _pair_backward(dout[:, :, sq], q4[:, :, sq], k_b[:, :, sk], v_b[:, :, sk], out[:, :, sq],
-                                           lse[:, :, sq], _pair_problem(start_q, start_k, problem))
-                    if grads is not None:
+                    p = _pair_problem(start_q, start_k, n_q, n_k, problem)
+                    if p is not None:
+                        grads = _pair_backward(dout[:, :, sq], q4[:, :, sq], k_b[:, :, sk], v_b[:, :, sk],
+                                               out[:, :, sq], lse[:, :, sq], p)
                         dq[:, :, sq] += grads[0]
                         dk_b[:, :, sk] += grads[1]
                         dv_b[:, :, sk] += grads[2]
@@ -353,7 +335,6 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         With one rank it is the local kernel.
     """
     from ..api._validate import _check_scale, _check_softcap, _check_window, _flag
-    from ..api._dispatch import _Problem
 
     _check_shapes(q, k, v)
     _check_layout(layout)
