@@ -117,29 +117,30 @@ def test_gluon_backward_compiles_with_the_overlap(tmp_path):
 def test_gluon_forward_dynamic_schedule_compiles(tmp_path):
     """ops/forward_sm90._fwd_ws_dyn_kernel (the dynamic schedule): compiles
     for sm_90a within shared memory, redistributes registers, claims items with one
-    atomic per claim (the first and the loop's), and keeps its tiles out of local memory
-    (the causal d128 kernel spills loop scalars: 128 bytes)."""
+    atomic per claim (the first and the loop's) plus the exchange that resets the counter
+    for the next launch, and keeps its tiles out of local memory (the causal d128 kernel
+    spills loop scalars: 128 bytes)."""
     script = (
         "from flashtile.ops.sm90_check import compile_forward_ws\n"
         "for d in (64, 128, 256):\n"
         "    c = compile_forward_ws('bf16', d, causal=True, dynamic=True)\n"
         "    regs, spill = c.registers()\n"
         "    print('dyn', f'd={d} spill={spill} smem={c.shared}', f\"setmaxnreg={c.ptx.count('setmaxnreg')}\",\n"
-        "          f\"atom={c.ptx.count('atom.global')}\", flush=True)\n"
+        "          f\"atom={c.ptx.count('atom.global')}\", f\"exch={c.ptx.count('.exch.')}\", flush=True)\n"
     )
     out = _compile_run(tmp_path, "-c", script)
     lines = _report(out, ("dyn",))
     assert len(lines) == 3, out
     for line, fields in lines:
         assert int(fields["smem"]) <= SM90_SHARED_LIMIT and int(fields["setmaxnreg"]) > 0, line
-        assert int(fields["atom"]) == 2 and int(fields["spill"]) <= 128, line
+        assert int(fields["atom"]) == 3 and int(fields["exch"]) == 1 and int(fields["spill"]) <= 128, line
 
 
 def test_varlen_kernels_compile(tmp_path):
     """The packed-sequence variants: the Gluon forward on a work list (d64/128/256) and the
     Gluon dK/dV and dQ kernels (d64/128), and the Triton forward and backward kernels with
     VARLEN, all compile for sm_90a within shared memory; the Gluon forward still claims
-    items with one atomic per claim."""
+    items with one atomic per claim (and resets its counter with one exchange)."""
     script = (
         "from flashtile.ops import configs\n"
         "from flashtile.ops.sm90_check import compile_backward, compile_backward_ws, compile_forward, compile_forward_ws\n"
@@ -163,4 +164,4 @@ def test_varlen_kernels_compile(tmp_path):
     for line, fields in lines:
         assert int(fields["smem"]) <= SM90_SHARED_LIMIT, line
         if fields["kind"] == "fwd-ws":
-            assert int(fields["atom"]) == 2, line
+            assert int(fields["atom"]) == 3, line

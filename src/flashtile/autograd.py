@@ -23,6 +23,8 @@ import torch.autograd.forward_ad as fwad
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
+from .ops import plan
+
 
 def _device_capability(t: Tensor) -> Optional[tuple[int, int]]:
     if t.device.type != "cuda":
@@ -57,6 +59,10 @@ def _varlen(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_
     return Varlen(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
 
 
+_FWD_PLANS = plan.cache("attn_fwd")
+_BWD_PLANS = plan.cache("attn_bwd")
+
+
 def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
                    window_right: int, softcap: float, alibi_slopes: Optional[Tensor],
                    attn_mask: Optional[Tensor], dropout_p: float = 0.0,
@@ -64,7 +70,8 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: i
                    cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
                    seqused_q: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
                    max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[Tensor, Tensor]:
-    """Forward kernel: returns out (B, Sq, H, D) and lse (B, H, Sq) float32.
+    """Forward kernel: returns out (B, Sq, H, D) and lse (B, H, Sq) float32; a repeated
+    call replays its launch plan (``flashtile.ops.plan``), a new one runs ``_attn_fwd_run``.
 
     ``seed`` is a 1-element int64 tensor on q's device, the Philox key of the dropout mask.
     ``deterministic`` only matters to the backward (it forbids the atomic dQ variant).
@@ -72,6 +79,18 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: i
     D), k/v (1, Hk, total_k, D), int32 (batch + 1) offsets, optional int32 (batch,) used
     lengths, and the longest sequences; ``diag_offset`` is then per sequence (len_k - len_q).
     """
+    inputs = (q, k, v, alibi_slopes, attn_mask, seed, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
+    key = plan.make_key(inputs, (scale, diag_offset, window_left, window_right, softcap, dropout_p,
+                                 bool(deterministic), max_seqlen_q, max_seqlen_k))
+    return plan.call(_FWD_PLANS, key, inputs, lambda: _attn_fwd_run(
+        q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
+        deterministic, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k))
+
+
+def _attn_fwd_run(q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
+                  dropout_p, seed, deterministic, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+                  max_seqlen_k) -> tuple[Tensor, Tensor]:
+    """The forward's ordinary path: config, buffers, launches (``_attn_fwd_impl``'s arguments)."""
     from .ops import configs
     from .ops.forward import attention_forward
 
@@ -144,8 +163,22 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
 
     ``dlse`` (B, H, Sq), the gradient reaching the returned LSE (a z-loss, say), is folded
     into the kernels' Delta: d lse / d s_j = p_j, so dS_j = p_j (dP_j - (Delta - dlse)).
-    The varlen arguments are the forward's (B = 1, packed sequences).
+    The varlen arguments are the forward's (B = 1, packed sequences). Planned as the forward.
     """
+    inputs = (dout, q, k, v, out, lse, alibi_slopes, attn_mask, seed, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q,
+              seqused_k)
+    key = plan.make_key(inputs, (scale, diag_offset, window_left, window_right, softcap, dropout_p,
+                                 bool(deterministic), max_seqlen_q, max_seqlen_k))
+    return plan.call(_BWD_PLANS, key, inputs, lambda: _attn_bwd_run(
+        dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
+        dropout_p, seed, deterministic, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+        max_seqlen_k))
+
+
+def _attn_bwd_run(dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap, alibi_slopes,
+                  attn_mask, dropout_p, seed, deterministic, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                  max_seqlen_q, max_seqlen_k) -> tuple[Tensor, Tensor, Tensor]:
+    """The backward's ordinary path (``_attn_bwd_impl``'s arguments)."""
     from .ops import configs
     from .ops.backward import attention_backward
 
@@ -283,7 +316,10 @@ def _plain_eager(*tensors) -> bool:
     subclasses) the call must go through the op, which those tools understand."""
     if torch.compiler.is_compiling() or torch._C._get_tracing_state() is not None:
         return False
-    if torch._C._are_functorch_transforms_active() or _get_current_dispatch_mode() is not None:
+    if torch._C._are_functorch_transforms_active():
+        return False
+    mode = _get_current_dispatch_mode()
+    if mode is not None and type(mode) is not plan.Recorder:  # a plan's recorder is not a tracer
         return False
     return all(t is None or (type(t) is Tensor and t.device.type != "meta") for t in tensors)
 

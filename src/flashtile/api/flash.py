@@ -6,14 +6,40 @@ from typing import Optional
 
 import torch
 
+from ..ops import plan
 from ..ops.window import effective_window
 from ._dispatch import _Problem, attention_with_probs
 from ._validate import (_check_alibi, _check_dropout, _check_head_dim, _check_heads, _check_same, _check_scale,
                         _check_softcap, _check_tensor, _check_window, _flag, _unit_last_stride)
 
 
+_PLANS = plan.cache("flash_attn_func")
+
+
 def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                 return_attn_probs, names=("q", "k", "v")):
+    """Validate (once per key: ``flashtile.ops.plan``), then run; a repeated call without
+    grad replays its whole launch plan."""
+    inputs = (q, k, v, alibi_slopes)
+    scalars = plan.plain_scalars((names, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                                  return_attn_probs))
+    key = None if scalars is None else plan.make_key(inputs, scalars)
+    if key is None:
+        return _run(q, k, v, alibi_slopes, _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size,
+                                                    softcap, alibi_slopes, deterministic, return_attn_probs, names))
+    entry = _PLANS.entry(key, inputs)
+    prepared = entry.prepared
+    if prepared is None:
+        prepared = entry.prepared = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
+                                             alibi_slopes, deterministic, return_attn_probs, names)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _run(q, k, v, alibi_slopes, prepared)  # autograd's Function replays the kernels' plans
+    return plan.run(entry, inputs, lambda: _run(q, k, v, alibi_slopes, prepared))
+
+
+def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
+             return_attn_probs, names):
+    """Every check of a call; returns what its run needs besides the tensors."""
     qn, kn, vn = names
     _check_tensor(qn, q, 4)
     _check_tensor(kn, k, 4)
@@ -37,11 +63,16 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
         right = 0
     softcap = _check_softcap(softcap)
     alibi = _check_alibi(alibi_slopes, batch, nheads, q.device)
-    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
-
     left, right = effective_window(left, right, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
     problem = _Problem(scale, seqlen_k - seqlen_q, left, right, softcap, dropout_p, bool(deterministic))
-    want_probs = _flag("return_attn_probs", return_attn_probs)
+    return problem, _flag("return_attn_probs", return_attn_probs), alibi is not alibi_slopes
+
+
+def _run(q, k, v, alibi, prepared):
+    problem, want_probs, expand_alibi = prepared
+    if expand_alibi:  # (nheads,) slopes, as _check_alibi expands them
+        alibi = alibi.unsqueeze(0).expand(q.shape[0], alibi.shape[0])
+    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     out4, lse, probs = attention_with_probs(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), problem, alibi,
                                             want_probs=want_probs)
     out = out4.transpose(1, 2)

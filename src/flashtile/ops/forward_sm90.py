@@ -53,6 +53,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from .configs import device_index, sm_count
 from .forward import LOG2E
 from .launch import _TESTED_VERSION, Launcher
+from .plan import stream_counter
 
 HALF_M = 64  # query rows per consumer warpgroup; a program holds two
 BLOCK_M = 2 * HALF_M
@@ -524,6 +525,18 @@ def _dyn_loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_s
         done += 1
         t = _claim_item(Counter)
         _publish_item(t, done, item_smem, item_ready, item_empty)  # t >= total tells the consumers to stop
+    _reset_counter(Counter, t, total)
+
+
+@gluon.jit
+def _reset_counter(Counter, t, total):
+    """Leave *Counter at 0 for the next launch: every program ends with exactly one claim
+    past the last item, so the claim that returned total + programs - 1 was the launch's
+    last atomic on it. (One counter per device and stream, ``plan.stream_counter``.)"""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lane = gl.arange(0, 32, layout=layout)
+    last = t == total + gl.num_programs(0) - 1
+    gl.atomic_xchg(Counter + lane * 0, gl.zeros([32], gl.int32, layout), mask=(lane == 0) & last)
 
 
 @gluon.jit
@@ -531,7 +544,8 @@ def _fwd_ws_dyn_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Counter, nheads, gro
                        num_m_blocks, num_bh, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om,
                        CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        LOADER_REGS: gl.constexpr):
-    """``_fwd_ws_kernel`` with the dynamic schedule; *Counter (int32) must be 0 at launch."""
+    """``_fwd_ws_kernel`` with the dynamic schedule; *Counter (int32) must be 0 at launch,
+    and is 0 again when the kernel ends."""
     (q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty) = _allocate(q_desc, k_desc, v_desc, o_desc, CAUSAL, NUM_BUF)
     item_smem = gl.allocate_shared_memory(gl.int32, [2, 32], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -637,9 +651,7 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
     grid = min(items, sm_count(device_index(q.device))) if persistent or dynamic else items
     constexprs = dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS)
     if dynamic:
-        import torch
-
-        counter = torch.zeros(1, dtype=torch.int32, device=q.device)
+        counter = stream_counter(q.device)
         _launch_dyn((grid,), (*descs, counter, *sizes), constexprs, 4, 1)
     else:
         _launch((grid,), (*descs, *sizes), constexprs, 4, 1)

@@ -28,6 +28,8 @@ from typing import Any, Sequence
 import triton
 from triton.runtime import driver
 
+from . import plan
+
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _I64_MIN, _I64_MAX, _U64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
 _UNKNOWN = object()  # an argument type without a rule here: take Triton's own path
@@ -103,6 +105,22 @@ class Launcher:
 
     def __call__(self, grid: tuple[int, ...], args: Sequence[Any], constexprs: dict[str, Any],
                  num_warps: int, num_stages: int) -> None:
+        rec = plan.active_recorder()
+        if rec is None:
+            self._launch(grid, args, constexprs, num_warps, num_stages)
+            return
+        rec.paused += 1  # the interpreter's own tensor work is not the call's
+        try:
+            compiled = self._launch(grid, args, constexprs, num_warps, num_stages)
+        finally:
+            rec.paused -= 1
+        if not (_fast_ok() and not self.fn.pre_run_hooks and not _hooks_installed()
+                and hasattr(compiled, "packed_metadata")):
+            compiled = None  # the interpreter, hooks, FLASHTILE_FAST_LAUNCH=0: replays go through kernel[grid]
+        rec.launch(self, compiled, grid, args, constexprs, num_warps, num_stages)
+
+    def _launch(self, grid, args, constexprs, num_warps, num_stages):
+        """Launch; returns the compiled kernel (what Triton returned under the interpreter)."""
         key = None
         if _fast_ok() and not self.fn.pre_run_hooks and not _hooks_installed():
             arg_keys = tuple(map(arg_key, args))
@@ -114,10 +132,11 @@ class Launcher:
                 compiled = self.cache.get(key)
                 if compiled is not None:
                     self._run(compiled, device, modes, grid, args, constexprs, num_warps, num_stages)
-                    return
+                    return compiled
         compiled = self.fn[grid](*args, **constexprs, num_warps=num_warps, num_stages=num_stages)
         if key is not None:
             self.cache[key] = compiled
+        return compiled
 
     def _run(self, compiled, device, modes, grid, args, constexprs, num_warps, num_stages) -> None:
         """The end of ``JITFunction.run`` for a kernel it has already compiled."""
