@@ -69,3 +69,34 @@ def triton_backend(monkeypatch):
         pytest.skip("set TRITON_INTERPRET=1 (make test does) to run the Triton kernels on CPU")
     pytest.importorskip("triton")
     monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+
+
+@pytest.fixture
+def plan_replays(monkeypatch):
+    """Count launch-plan replays (``n``; ``raw``: those with C-launcher steps), from an
+    empty plan cache; ``plans_off(fn)`` runs fn on the full path."""
+    pytest.importorskip("torch")
+    from flashtile.ops import plan
+
+    plan.clear()
+    count = {"n": 0, "raw": 0}
+    original = plan.Plan.replay
+
+    def counting(self, inputs, bases):
+        count["n"] += 1
+        count["raw"] += any(kind == "raw" for kind, *_ in self.steps)
+        return original(self, inputs, bases)
+
+    monkeypatch.setattr(plan.Plan, "replay", counting)
+    yield count
+    plan.clear()
+
+
+@pytest.fixture
+def plans_off(monkeypatch):
+    def run(fn):
+        with monkeypatch.context() as m:
+            m.setenv("FLASHTILE_PLANS", "0")
+            return fn()
+
+    return run

@@ -23,27 +23,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 
 @pytest.fixture
-def replays(monkeypatch, triton_backend):
-    """Count Plan.replay calls, from a clean cache."""
-    plan.clear()
-    count = {"n": 0}
-    original = plan.Plan.replay
-
-    def counting(self, inputs, bases):
-        count["n"] += 1
-        return original(self, inputs, bases)
-
-    monkeypatch.setattr(plan.Plan, "replay", counting)
-    yield count
-    plan.clear()
-
-
-def _full_path(monkeypatch, fn):
-    monkeypatch.setenv("FLASHTILE_PLANS", "0")
-    try:
-        return fn()
-    finally:
-        monkeypatch.delenv("FLASHTILE_PLANS")
+def replays(plan_replays, triton_backend):
+    return plan_replays
 
 
 def _same(a, b):
@@ -78,7 +59,7 @@ FWD_CASES = [
 
 
 @pytest.mark.parametrize("case", FWD_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
-def test_replayed_forward_is_bitwise_the_full_path(case, replays, monkeypatch):
+def test_replayed_forward_is_bitwise_the_full_path(case, replays, plans_off):
     b, sq, sk, h, hk, d = case["shape"]
     kwargs = {k: case[k] for k in ("causal", "window_size", "softcap") if k in case}
     dtype = case.get("dtype", torch.float32)
@@ -91,11 +72,11 @@ def test_replayed_forward_is_bitwise_the_full_path(case, replays, monkeypatch):
     got = flashtile.flash_attn_func(*again, return_attn_probs=True, **kwargs)
     got = flashtile.flash_attn_func(*again, return_attn_probs=True, **kwargs)  # the first records this key
     assert replays["n"] == 1
-    want = _full_path(monkeypatch, lambda: flashtile.flash_attn_func(*again, return_attn_probs=True, **kwargs))
+    want = plans_off(lambda: flashtile.flash_attn_func(*again, return_attn_probs=True, **kwargs))
     assert _same(got, want)
 
 
-def test_replayed_training_step_is_bitwise_the_full_path(replays, monkeypatch):
+def test_replayed_training_step_is_bitwise_the_full_path(replays, plans_off):
     def step(seed):
         leaves = [t.requires_grad_() for t in _qkv(2, 40, 56, 4, 2, 16, seed=seed)]
         out = flashtile.flash_attn_func(*leaves, causal=True)
@@ -106,15 +87,15 @@ def test_replayed_training_step_is_bitwise_the_full_path(replays, monkeypatch):
     assert replays["n"] == 0
     got = step(2)
     assert replays["n"] == 2  # the forward's plan and the backward's
-    assert _same(got, _full_path(monkeypatch, lambda: step(2)))
+    assert _same(got, plans_off(lambda: step(2)))
 
 
-def test_packed_and_aliased_inputs_get_their_own_plans(replays, monkeypatch):
+def test_packed_and_aliased_inputs_get_their_own_plans(replays, plans_off):
     qkv = torch.randn(2, 30, 3, 2, 16)
     flashtile.flash_attn_qkvpacked_func(qkv, causal=True)
     got = flashtile.flash_attn_qkvpacked_func(qkv * 2, causal=True)
     assert replays["n"] == 1
-    assert _same(got, _full_path(monkeypatch, lambda: flashtile.flash_attn_qkvpacked_func(qkv * 2, causal=True)))
+    assert _same(got, plans_off(lambda: flashtile.flash_attn_qkvpacked_func(qkv * 2, causal=True)))
     # The same tensor as q, k and v, then three tensors: one key, two overlap signatures.
     x = torch.randn(1, 20, 2, 16)
     a = flashtile.flash_attn_func(x, x, x)
@@ -125,11 +106,11 @@ def test_packed_and_aliased_inputs_get_their_own_plans(replays, monkeypatch):
     y = torch.randn(1, 20, 2, 16)
     flashtile.flash_attn_func(y, x, x)  # a third signature: k is v, q apart
     z = torch.randn(1, 20, 2, 16)
-    assert _same(flashtile.flash_attn_func(z, y, y), _full_path(monkeypatch, lambda: flashtile.flash_attn_func(z, y, y)))
+    assert _same(flashtile.flash_attn_func(z, y, y), plans_off(lambda: flashtile.flash_attn_func(z, y, y)))
     assert replays["n"] == 3
 
 
-def test_varlen_and_kvcache_replay(replays, monkeypatch):
+def test_varlen_and_kvcache_replay(replays, plans_off):
     cu = torch.tensor([0, 5, 5, 19, 30], dtype=torch.int32)
     q = torch.randn(30, 2, 16)
     k, v = torch.randn(30, 1, 16), torch.randn(30, 1, 16)
@@ -138,7 +119,7 @@ def test_varlen_and_kvcache_replay(replays, monkeypatch):
     n = replays["n"]
     got = run(2.0)
     assert replays["n"] > n
-    assert _same(got, _full_path(monkeypatch, lambda: run(2.0)))
+    assert _same(got, plans_off(lambda: run(2.0)))
     k_cache, v_cache = torch.randn(3, 24, 1, 16), torch.randn(3, 24, 1, 16)
     lens = torch.tensor([3, 10, 17], dtype=torch.int32)
     decode = lambda s: flashtile.flash_attn_with_kvcache(  # noqa: E731
@@ -148,7 +129,7 @@ def test_varlen_and_kvcache_replay(replays, monkeypatch):
     n = replays["n"]
     got = decode(2)
     assert replays["n"] > n
-    assert _same(got, _full_path(monkeypatch, lambda: decode(2)))
+    assert _same(got, plans_off(lambda: decode(2)))
 
 
 def test_a_changed_argument_misses(replays):
@@ -187,7 +168,7 @@ def test_bad_input_raises_on_a_warm_cache(replays):
     assert replays["n"] == 1
 
 
-def test_unplannable_calls_stay_correct(replays, monkeypatch):
+def test_unplannable_calls_stay_correct(replays, plans_off):
     q, k, v = _qkv(1, 24, 24, 2, 2, 16)
     # Dropout draws a Philox key per call (an RNG op): the call is not planned as a whole
     # (only the kernels' op, which takes the key as an input), and stays reproducible.
@@ -196,7 +177,7 @@ def test_unplannable_calls_stay_correct(replays, monkeypatch):
     torch.manual_seed(3)
     a = [flashtile.flash_attn_func(q, k, v, dropout_p=0.3) for _ in range(4)]
     torch.manual_seed(3)
-    b = [_full_path(monkeypatch, lambda: flashtile.flash_attn_func(q, k, v, dropout_p=0.3)) for _ in range(4)]
+    b = [plans_off(lambda: flashtile.flash_attn_func(q, k, v, dropout_p=0.3)) for _ in range(4)]
     assert all(_same(x, y) for x, y in zip(a, b)) and not _same(a[0], a[1])
     [entry] = flash._PLANS.entries.values()
     assert list(entry.plans.values()) == [plan._UNPLANNABLE]
@@ -207,7 +188,7 @@ def test_unplannable_calls_stay_correct(replays, monkeypatch):
     assert len(flash._PLANS.entries) == 1 and replays["n"] == n + 1  # the kernels' op replayed, not the call
 
 
-def test_threads_with_different_shapes(replays, monkeypatch):
+def test_threads_with_different_shapes(replays, monkeypatch, plans_off):
     """Lookups, recordings and replays run concurrently; the kernels themselves one at a
     time (Triton's interpreter patches builtins while it runs a kernel)."""
     import threading
@@ -225,7 +206,7 @@ def test_threads_with_different_shapes(replays, monkeypatch):
         monkeypatch.setattr(cls, name, locked)
     shapes = [(1, 16 + 8 * i, 24, 2, 2, 16) for i in range(4)]
     inputs = [_qkv(*s, seed=i) for i, s in enumerate(shapes)]
-    want = [_full_path(monkeypatch, lambda x=x: flashtile.flash_attn_func(*x, causal=True)) for x in inputs]
+    want = [plans_off(lambda x=x: flashtile.flash_attn_func(*x, causal=True)) for x in inputs]
 
     def work(i):
         return [flashtile.flash_attn_func(*inputs[i], causal=True) for _ in range(3)]
@@ -253,7 +234,7 @@ def _roles(args, tensors):
     return out
 
 
-def test_raw_replay_hands_the_c_launcher_the_full_paths_arguments(triton_backend, monkeypatch):
+def test_raw_replay_hands_the_c_launcher_the_full_paths_arguments(triton_backend, plans_off):
     """With launches stubbed: the argument list a replay passes to the C launcher is the
     ordinary path's, with this call's addresses in it."""
     q, k, v = _qkv(2, 40, 56, 4, 2, 16)
@@ -265,7 +246,7 @@ def test_raw_replay_hands_the_c_launcher_the_full_paths_arguments(triton_backend
         flashtile.flash_attn_func(q2, k2, v2, causal=True)
         replayed = list(log)
         log.clear()
-        _full_path(monkeypatch, lambda: flashtile.flash_attn_func(q2, k2, v2, causal=True))
+        plans_off(lambda: flashtile.flash_attn_func(q2, k2, v2, causal=True))
         ordinary = list(log)
     assert len(replayed) == len(ordinary) == 1
     names = dict(q=q2, k=k2, v=v2)

@@ -16,27 +16,8 @@ pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture
-def replays(monkeypatch):
-    plan.clear()
-    count = {"n": 0, "raw": 0}
-    original = plan.Plan.replay
-
-    def counting(self, inputs, bases):
-        count["n"] += 1
-        count["raw"] += any(kind == "raw" for kind, *_ in self.steps)
-        return original(self, inputs, bases)
-
-    monkeypatch.setattr(plan.Plan, "replay", counting)
-    yield count
-    plan.clear()
-
-
-def _full(monkeypatch, fn):
-    monkeypatch.setenv("FLASHTILE_PLANS", "0")
-    try:
-        return fn()
-    finally:
-        monkeypatch.delenv("FLASHTILE_PLANS")
+def replays(plan_replays):
+    return plan_replays
 
 
 def _rand(*shape, dtype=torch.bfloat16, seed=0):
@@ -53,19 +34,19 @@ def _equal(a, b):
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_forward_replay_is_bitwise(d, causal, dtype, replays, monkeypatch):
+def test_forward_replay_is_bitwise(d, causal, dtype, replays, plans_off):
     for seed in (1, 2, 3):
         q, k, v = (_rand(2, 700, 4, d, dtype=dtype, seed=seed * 3 + i) for i in range(3))
         got = flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True)
     assert replays["raw"] == 2
-    want = _full(monkeypatch, lambda: flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True))
+    want = plans_off(lambda: flashtile.flash_attn_func(q, k, v, causal=causal, return_attn_probs=True))
     assert _equal(got[:2], want[:2])
     torch.cuda.synchronize()
     assert all(c.item() == 0 for c in plan._COUNTERS.values())  # the kernel left its counter at 0
 
 
 @pytest.mark.parametrize("d", [64, 128])
-def test_training_step_replay_is_bitwise(d, replays, monkeypatch):
+def test_training_step_replay_is_bitwise(d, replays, plans_off):
     def step(seed):
         leaves = [_rand(2, 600, 4, d, seed=seed * 3 + i).requires_grad_() for i in range(3)]
         out = flashtile.flash_attn_func(*leaves, causal=True)
@@ -74,10 +55,10 @@ def test_training_step_replay_is_bitwise(d, replays, monkeypatch):
     step(1)
     got = step(2)
     assert replays["raw"] == 2
-    assert _equal(got, _full(monkeypatch, lambda: step(2)))
+    assert _equal(got, plans_off(lambda: step(2)))
 
 
-def test_varlen_and_decode_replay_is_bitwise(replays, monkeypatch):
+def test_varlen_and_decode_replay_is_bitwise(replays, plans_off):
     cu = torch.tensor([0, 100, 100, 612, 1000], dtype=torch.int32, device="cuda")
     k, v = _rand(1000, 2, 128, seed=1), _rand(1000, 2, 128, seed=2)
     run = lambda s: flashtile.flash_attn_varlen_func(_rand(1000, 8, 128, seed=s), k, v, cu, cu,  # noqa: E731
@@ -91,8 +72,8 @@ def test_varlen_and_decode_replay_is_bitwise(replays, monkeypatch):
     decode(7)
     got_decode = decode(8)
     assert replays["raw"] >= 2
-    assert _equal(got, _full(monkeypatch, lambda: run(4)))
-    assert _equal(got_decode, _full(monkeypatch, lambda: decode(8)))
+    assert _equal(got, plans_off(lambda: run(4)))
+    assert _equal(got_decode, plans_off(lambda: decode(8)))
 
 
 def test_two_streams_do_not_share_a_counter(replays):

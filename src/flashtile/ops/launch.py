@@ -17,7 +17,8 @@ another binary. ``FLASHTILE_FAST_LAUNCH=0`` turns the direct path off; it is als
 ``TRITON_INTERPRET=1``, with launch hooks installed, and for triton versions other than
 the 3.6 it was written against. Not seen by the direct path:
 ``fn.device_caches`` cleared by hand (the launcher keeps its own references to compiled
-kernels; build a new ``Launcher`` to drop them).
+kernels; build a new ``Launcher`` to drop them). While ``ops.plan`` records a call, each
+launch is also reported to its recorder (the compiled kernel and the full argument list).
 """
 
 from __future__ import annotations
