@@ -178,7 +178,12 @@ def rotating_cases(head_dims, seq_pairs, heads) -> list[Case]:
 
 def spy_calls(monkeypatch, module, name: str) -> list:
     """Wrap ``module.name`` so that every call's keyword arguments are recorded; returns
-    the (live) list of records."""
+    the (live) list of records. Launch plans are off while the spy is in place: a plan's
+    replay calls the recorded kernels, not the Python function the spy wraps."""
+    from flashtile.ops import plan
+
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    plan.clear()
     calls = []
     original = getattr(module, name)
 
