@@ -1,114 +1,160 @@
-"""Host cost per call vs GPU time, to tell launch-bound shapes from kernel-bound ones.
+"""Host cost per call next to GPU time: forward, forward with grad, backward, varlen
+forward and kv-cache decode, for flashtile and its peers in the same process.
 
-    PYTHONPATH=src python3 benchmarks/host_overhead.py
+    PYTHONPATH=src python3 benchmarks/host_overhead.py [--plans-off]
 
-For each shape: do_bench of the kernel launcher alone (``attention_forward``), of the
-public API (``flash_attn_func``) and of torch SDPA (cuDNN); and the host time per call of
-each (perf_counter over 200 enqueued calls, no sync inside: while the GPU queue is not
-full this is the CPU cost of one call). When host us/call > kernel us, do_bench of the
-API measures the host, not the kernel.
+For each workload and implementation: ``host`` is microseconds per call measured with
+perf_counter over 200 calls enqueued back to back, the fastest of 5 such blocks (no sync
+inside a block: while the GPU queue is not full this is the CPU cost of one call), ``gpu`` is do_bench's median. When host > gpu,
+a loop of eager calls waits on Python, and do_bench of it times the host, not the kernel.
+Peers: sdpa-cudnn and sdpa-flash (torch SDPA with that backend forced). For varlen the
+peers run the same tokens as one dense sequence; for decode they attend over the whole
+cache (SDPA has no per-sequence lengths). ``--plans-off`` sets FLASHTILE_PLANS=0 (every
+call takes the full path: validation, config, Triton's launcher).
 
     TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/host_overhead.py --cpu-stub
 
-needs no GPU: it replaces the kernel launchers with no-ops and times the Python host
-path alone (validation, autograd, buffers, config lookup) on small CPU tensors.
+needs no GPU: every kernel launch is stubbed (``flashtile.ops.plan.stub_launches``: plans
+are recorded and replayed as on a GPU, the launch itself does nothing) and the flashtile
+rows time the Python host path alone on small CPU tensors: a benchmark CI can run to
+catch a host-cost regression, not a timed test.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
+from typing import Callable
 
 import torch
-from triton.testing import do_bench
 
 import flashtile
-from flashtile.bench import make_shape
-from flashtile.ops.configs import default_fwd_config
-from flashtile.ops.forward import attention_forward
-from sweep_common import canonical
+
+IMPLS = ("flashtile", "sdpa-cudnn", "sdpa-flash")
 
 
-def host_us(fn, n=200, warmup=1):
-    """Host microseconds per call: ``n`` calls enqueued back to back after ``warmup``."""
+def host_us(fn, n=200, warmup=1, sync=None, blocks=1):
+    """Host microseconds per call: ``n`` calls enqueued back to back after ``warmup``; with
+    ``blocks`` > 1 the fastest of that many such blocks (a shared machine's noise only
+    ever adds time)."""
+    sync = sync or torch.cuda.synchronize
     for _ in range(warmup):
         fn()
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    host = (time.perf_counter() - t) / n * 1e6
-    torch.cuda.synchronize()
-    return host
-
-
-def cpu_stub(n: int = 2000) -> None:
-    """Host microseconds per call of the API with the kernel launchers stubbed out."""
-    import os
-
-    os.environ["FLASHTILE_BACKEND"] = "triton"
-    import flashtile.ops.backward as bwd
-    import flashtile.ops.forward as fwd
-
-    fwd.attention_forward = lambda *a, **k: None
-    bwd.attention_backward = lambda *a, **k: None
-
-    def per_call(fn):
-        for _ in range(100):
-            fn()
+    best = float("inf")
+    for _ in range(blocks):
+        sync()
         t = time.perf_counter()
         for _ in range(n):
             fn()
-        return (time.perf_counter() - t) / n * 1e6
+        best = min(best, (time.perf_counter() - t) / n * 1e6)
+    sync()
+    return best
 
-    q = torch.randn(2, 512, 8, 64, dtype=torch.float16)
-    leaves = [t.clone().requires_grad_(True) for t in (q, q, q)]
+
+def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool) -> dict[str, dict[str, Callable]]:
+    """{workload: {impl: zero-argument call}}; ``peers`` adds the SDPA rows (CUDA only)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.functional import scaled_dot_product_attention as sdpa
+
+    B, H = 4, 16
+    mk = lambda *shape, grad=False: torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
+    q, k, v = (mk(B, S, H, d) for _ in range(3))
+    leaves = [mk(B, S, H, d, grad=True) for _ in range(3)]
     out = flashtile.flash_attn_func(*leaves, causal=True)
-    dout = torch.ones_like(out)
+    dout = torch.randn_like(out)
+    # varlen: four documents packed into one row of 4*S tokens
+    lens = [S // 2, S + S // 2, S // 4, S + S // 4 + S]
+    cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=device, dtype=torch.int32)
+    qv, kv, vv = (mk(sum(lens), H, d) for _ in range(3))
+    # decode: batch 8, one new token, 4096 cached tokens (32 query heads over 8 kv heads)
+    Bd, Sc, Hq, Hk = 8, 4096, 32, 8
+    qd = mk(Bd, 1, Hq, d)
+    kc, vc = mk(Bd, Sc, Hk, d), mk(Bd, Sc, Hk, d)
+    seqlens = torch.full((Bd,), Sc - 96, device=device, dtype=torch.int32)
     rows = {
-        "flash_attn_func, no grad": lambda: flashtile.flash_attn_func(q, q, q, causal=True),
-        "flash_attn_func, inputs require grad": lambda: flashtile.flash_attn_func(*leaves, causal=True),
-        "backward (autograd.grad, retained graph)": lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
-        "torch.ops.flashtile.attn_fwd, no grad": lambda: torch.ops.flashtile.attn_fwd(
-            *(t.transpose(1, 2) for t in (q, q, q)), 0.125, 0, -1, 0, 0.0, None, None),
+        "fwd, no grad": {"flashtile": lambda: flashtile.flash_attn_func(q, k, v, causal=True)},
+        "fwd, inputs require grad": {"flashtile": lambda: flashtile.flash_attn_func(*leaves, causal=True)},
+        "bwd (autograd.grad, retained graph)": {
+            "flashtile": lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)},
+        "varlen fwd, 4 documents": {"flashtile": lambda: flashtile.flash_attn_varlen_func(
+            qv, kv, vv, cu, cu, max(lens), max(lens), causal=True)},
+        "kvcache decode, B8 4096 cached": {"flashtile": lambda: flashtile.flash_attn_with_kvcache(
+            qd, kc, vc, cache_seqlens=seqlens)},
     }
-    for name, fn in rows.items():
-        print(f"{name:42s} {per_call(fn):7.1f} us", flush=True)
+    if not peers:
+        return rows
+    t = lambda x: x.transpose(1, 2)
+    qt, kt, vt = (t(x).contiguous() for x in (q, k, v))
+    lt = [t(x).detach().contiguous().requires_grad_(True) for x in leaves]
+    qvt, kvt, vvt = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (qv, kv, vv))
+    qdt = t(qd).contiguous()
+    kdt, vdt = (t(x).repeat_interleave(Hq // Hk, dim=1).contiguous() for x in (kc, vc))
+    for impl, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+        def forced(fn, backend=backend):
+            def call():
+                with sdpa_kernel(backend):
+                    return fn()
+            return call
+        with sdpa_kernel(backend):
+            o = sdpa(*lt, is_causal=True)
+        do = torch.randn_like(o)
+        rows["fwd, no grad"][impl] = forced(lambda: sdpa(qt, kt, vt, is_causal=True))
+        rows["fwd, inputs require grad"][impl] = forced(lambda: sdpa(*lt, is_causal=True))
+        rows["bwd (autograd.grad, retained graph)"][impl] = forced(
+            lambda o=o, do=do: torch.autograd.grad(o, lt, do, retain_graph=True))
+        rows["varlen fwd, 4 documents"][impl] = forced(lambda: sdpa(qvt, kvt, vvt, is_causal=True))
+        rows["kvcache decode, B8 4096 cached"][impl] = forced(lambda: sdpa(qdt, kdt, vdt))
+    return rows
+
+
+def cpu_stub(n: int = 2000) -> None:
+    """Host microseconds per call of flashtile's API with every kernel launch stubbed."""
+    from flashtile.ops import plan
+
+    os.environ.setdefault("FLASHTILE_BACKEND", "triton")
+    with plan.stub_launches():
+        rows = workloads("cpu", torch.float16, 64, 128, peers=False)
+        for name, impls in rows.items():
+            fn = impls["flashtile"]
+            try:
+                us = host_us(fn, n=n // 10, warmup=100, sync=lambda: None, blocks=10)
+                print(f"{name:38s} flashtile host {us:7.1f} us", flush=True)
+            except Exception as err:  # a workload the stub cannot run: say so, go on
+                print(f"{name:38s} flashtile failed: {type(err).__name__}: {err}", flush=True)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser()
-    p.add_argument("--cpu-stub", action="store_true", help="no GPU: time the host path with stubbed launchers")
-    p.add_argument("--shapes", default="64,512,1;256,512,1;128,512,1;128,1024,0;64,4096,0",
-                   help="d,seqlen,causal;... (batch*seqlen = 16k, hidden 2048)")
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cpu-stub", action="store_true", help="no GPU: time the host path with stubbed launches")
+    p.add_argument("--plans-off", action="store_true", help="FLASHTILE_PLANS=0: the full path on every call")
+    p.add_argument("--headdim", type=int, default=128)
+    p.add_argument("--seqlen", type=int, default=512, help="fwd/bwd rows: batch 4, 16 heads, causal")
+    p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     args = p.parse_args(argv)
+    if args.plans_off:
+        os.environ["FLASHTILE_PLANS"] = "0"
     if args.cpu_stub:
         cpu_stub()
         return 0
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-    for spec in args.shapes.split(";"):
-        d, S, causal = (int(x) for x in spec.split(","))
-        causal = bool(causal)
-        shape = make_shape(S, d, causal, "bf16")
-        B, H = shape.batch, shape.nheads
-        q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
-        k, v = torch.randn_like(q), torch.randn_like(q)
-        q4, k4, v4, out4, lse, problem = canonical(q, k, v, causal)
-        cfg = default_fwd_config(torch.cuda.get_device_capability(), d, "bfloat16", causal, S)
-        direct = lambda: attention_forward(q4, k4, v4, out4, lse, config=cfg, **problem)
-        api = lambda: flashtile.flash_attn_func(q, k, v, causal=causal)
-        op = lambda: torch.ops.flashtile.attn_fwd(q4, k4, v4, d ** -0.5, 0, -1, 0 if causal else -1, 0.0, None, None)
-        qt, kt, vt = (t.transpose(1, 2).contiguous() for t in (q, k, v))
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            cudnn = lambda: torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal)
-            row = {}
-            for name, fn in (("direct", direct), ("op", op), ("api", api), ("cudnn", cudnn)):
+    from triton.testing import do_bench
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} d{args.headdim} S{args.seqlen} "
+          f"{args.dtype} plans {'off' if args.plans_off else 'on'}", flush=True)
+    for name, impls in workloads("cuda", dtype, args.headdim, args.seqlen, peers=True).items():
+        cells = []
+        for impl in IMPLS:
+            try:
+                fn = impls[impl]
                 fn()
                 torch.cuda.synchronize()
-                row[name] = (do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3, host_us(fn))
-        print(f"d{d} S{S} B{B} H{H} causal={int(causal)} {cfg}: "
-              + "  ".join(f"{n}: gpu {g:6.1f} us host {h:6.1f} us" for n, (g, h) in row.items()), flush=True)
+                gpu = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+                cells.append(f"{impl}: host {host_us(fn, blocks=5):6.1f} gpu {gpu:7.1f}")
+            except Exception as err:  # e.g. a backend that refuses the shape
+                cells.append(f"{impl}: failed ({type(err).__name__}: {str(err)[:60]})")
+        print(f"{name:38s} " + " | ".join(cells), flush=True)
     return 0
 
 

@@ -236,10 +236,13 @@ def _reference_slice(shape: Shape, q: Any, k: Any, v: Any) -> Any:
 
 
 def measure_shape(shape: Shape, impls: list[str], passes: list[str], warmup: int, rep: int,
-                  emit: Callable[[str, str, dict[str, Any]], None]) -> None:
+                  emit: Callable[[str, str, dict[str, Any]], None], cuda_graph: bool = False) -> None:
     """Every (impl, pass) for one shape on CUDA. `emit(impl, pass, fields)` writes a row.
     Per impl: one untimed-by-do_bench first forward (wall time -> first_call row, output ->
-    max_abs_diff against the fp32 slice), then do_bench median of each pass."""
+    max_abs_diff against the fp32 slice), then do_bench median of each pass; with
+    ``cuda_graph``, do_bench_cudagraph's (the calls captured once and replayed: no host
+    cost, the kernels' own time; a bwd row is forward + backward less the forward; rows
+    carry ``"cuda_graph": true``)."""
     import torch
     import triton.testing
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[shape.dtype]
@@ -267,9 +270,18 @@ def measure_shape(shape: Shape, impls: list[str], passes: list[str], warmup: int
             continue
         for pass_ in passes:
             try:
-                ms = triton.testing.do_bench(timed_call(impl, shape, pass_, inputs),
-                                             warmup=warmup, rep=rep, return_mode="median")
-                emit(impl, pass_, {"ms": ms, "max_abs_diff": diff})
+                fn = timed_call(impl, shape, pass_, inputs)
+                if cuda_graph and pass_ == "bwd":
+                    # autograd runs a backward on its forward's stream, and do_bench_cudagraph
+                    # captures on a side stream: capture forward + backward, less the forward
+                    graph = lambda p: triton.testing.do_bench_cudagraph(
+                        timed_call(impl, shape, p, inputs), rep=rep, return_mode="median")
+                    ms = graph("fwd_bwd") - graph("fwd")
+                elif cuda_graph:
+                    ms = triton.testing.do_bench_cudagraph(fn, rep=rep, return_mode="median")
+                else:
+                    ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+                emit(impl, pass_, {"ms": ms, "max_abs_diff": diff, **({"cuda_graph": True} if cuda_graph else {})})
             except Exception as err:  # e.g. flashtile's NotImplementedError backward, OOM
                 emit(impl, pass_, {"skipped": _reason(err), "max_abs_diff": diff})
             torch.cuda.empty_cache()
@@ -456,6 +468,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--memory", action="store_true",
                    help="also measure peak extra memory at batch 1 of one forward (pass fwd_mem) and "
                         "of one training step (pass fwd_bwd_mem)")
+    p.add_argument("--cuda-graph", action="store_true",
+                   help="time captured CUDA graphs (do_bench_cudagraph): the kernels without host cost")
     p.add_argument("--quick", action="store_true", help="seqlen 1024 4096 16384, headdim 64 128")
     p.add_argument("--dry-run", action="store_true", help="no CUDA: print the plan, write fake rows")
     p.add_argument("--no-plot", action="store_true")
@@ -539,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
         elif passes == ["fwd_mem"]:
             memory_rows(shape, args.impl, shape_emit)
         else:
-            measure_shape(shape, args.impl, passes, args.warmup, args.rep, shape_emit)
+            measure_shape(shape, args.impl, passes, args.warmup, args.rep, shape_emit, args.cuda_graph)
     if hasattr(items, "close"):
         items.close()
 
