@@ -90,6 +90,29 @@ def test_replayed_training_step_is_bitwise_the_full_path(replays, plans_off):
     assert _same(got, plans_off(lambda: step(2)))
 
 
+def test_backward_plan_follows_dout_layout_and_the_lse_gradient(replays, plans_off):
+    """A training call finds its backward's entry from the forward's by dout, dlse and the
+    switches alone (``autograd._attn_bwd_planned``): each of these must get its own plan."""
+    def step(seed, transposed_dout, lse_loss):
+        leaves = [t.requires_grad_() for t in _qkv(1, 24, 30, 2, 1, 16, seed=seed)]
+        out, lse, _ = flashtile.flash_attn_func(*leaves, causal=True, return_attn_probs=True)
+        g = torch.Generator().manual_seed(seed + 100)
+        dout = (torch.randn(1, 2, 24, 16, generator=g).transpose(1, 2) if transposed_dout
+                else torch.randn(1, 24, 2, 16, generator=g))
+        outputs, grads = ((out, lse), (dout, torch.randn(lse.shape, generator=g))) if lse_loss else ((out,), (dout,))
+        return (out.detach(), *torch.autograd.grad(outputs, leaves, grads))
+
+    combos = [(False, False), (True, False), (False, True), (True, True)]
+    for combo in combos:
+        step(1, *combo)
+    n = replays["n"]
+    for combo in combos:
+        assert _same(step(2, *combo), plans_off(lambda: step(2, *combo))), combo
+    # every forward and the two backwards without an LSE gradient replayed (with one, the
+    # backward subtracts dlse from Delta with a torch op, which a plan does not record)
+    assert replays["n"] == n + len(combos) + 2
+
+
 def test_packed_and_aliased_inputs_get_their_own_plans(replays, plans_off):
     qkv = torch.randn(2, 30, 3, 2, 16)
     flashtile.flash_attn_qkvpacked_func(qkv, causal=True)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import replace
+from functools import partial
 from typing import Optional
 
 import torch
@@ -79,12 +80,61 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: i
     D), k/v (1, Hk, total_k, D), int32 (batch + 1) offsets, optional int32 (batch,) used
     lengths, and the longest sequences; ``diag_offset`` is then per sequence (len_k - len_q).
     """
-    inputs = (q, k, v, alibi_slopes, attn_mask, seed, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k)
-    key = plan.make_key(inputs, (scale, diag_offset, window_left, window_right, softcap, dropout_p,
-                                 bool(deterministic), max_seqlen_q, max_seqlen_k))
-    return plan.call(_FWD_PLANS, key, inputs, lambda: _attn_fwd_run(
-        q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
-        deterministic, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k))
+    args = (q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
+            deterministic, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+    return plan.call(_FWD_PLANS, _fwd_key(args), _fwd_inputs(args), lambda: _attn_fwd_run(*args))
+
+
+# The forward's and the backward's arguments in full: (q, k, v, scale, diag_offset,
+# window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
+# deterministic, *varlen) and (dout, q, k, v, out, lse, <the same from scale to
+# deterministic>, dlse, *varlen); a fixed-length call leaves the six varlen ones out.
+_NO_VARLEN = (None, None, None, None, 0, 0)
+
+
+def _fwd_inputs(args: tuple) -> tuple:
+    return (*args[0:3], args[8], args[9], args[11], *args[13:17])
+
+
+def _fwd_key(args: tuple):
+    return plan.make_key(_fwd_inputs(args), (*args[3:8], args[10], bool(args[12]), *args[17:19]))
+
+
+def _bwd_inputs(args: tuple) -> tuple:
+    return (*args[0:6], args[11], args[12], args[14], *args[16:21])
+
+
+def _bwd_key(args: tuple):
+    return plan.make_key(_bwd_inputs(args), (*args[6:11], args[13], bool(args[15]), *args[21:23]))
+
+
+def _fwd_entry(args: tuple):
+    """The forward's plan entry for these (full) arguments, or None when not planned."""
+    key = _fwd_key(args)
+    return None if key is None else _FWD_PLANS.entry(key, _fwd_inputs(args))
+
+
+def _attn_fwd_planned(entry, args: tuple) -> tuple[Tensor, Tensor]:
+    """``_attn_fwd_impl`` with the key's entry already found (full arguments)."""
+    return plan.run(entry, _fwd_inputs(args), lambda: _attn_fwd_run(*args))
+
+
+def _attn_bwd_planned(fwd_entry, *args) -> tuple[Tensor, Tensor, Tensor]:
+    """``_attn_bwd_impl`` for the backward of a planned forward: its key is the forward's
+    plus what only the backward brings (dout, dlse, the switches), so the entry is found in
+    the forward entry's ``below`` without making the full key."""
+    args = args + _NO_VARLEN[len(args) - 17:]
+    if plan.active_recorder() is not None:  # inside another call's recording: never planned
+        return _attn_bwd_run(*args)
+    dout, dlse = args[0], args[16]
+    small = (plan.env_key(), plan.tensor_key(dout), plan.tensor_key(dlse))
+    entry = fwd_entry.below.get(small)
+    if entry is None:
+        key = _bwd_key(args)
+        if key is None:  # something traces this backward: the ordinary path, this time
+            return _attn_bwd_run(*args)
+        entry = fwd_entry.below[small] = _BWD_PLANS.entry(key, _bwd_inputs(args))
+    return plan.run(entry, _bwd_inputs(args), lambda: _attn_bwd_run(*args))
 
 
 def _attn_fwd_run(q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
@@ -165,14 +215,10 @@ def _attn_bwd_impl(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, l
     into the kernels' Delta: d lse / d s_j = p_j, so dS_j = p_j (dP_j - (Delta - dlse)).
     The varlen arguments are the forward's (B = 1, packed sequences). Planned as the forward.
     """
-    inputs = (dout, q, k, v, out, lse, alibi_slopes, attn_mask, seed, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q,
-              seqused_k)
-    key = plan.make_key(inputs, (scale, diag_offset, window_left, window_right, softcap, dropout_p,
-                                 bool(deterministic), max_seqlen_q, max_seqlen_k))
-    return plan.call(_BWD_PLANS, key, inputs, lambda: _attn_bwd_run(
-        dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
-        dropout_p, seed, deterministic, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-        max_seqlen_k))
+    args = (dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
+            dropout_p, seed, deterministic, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+            max_seqlen_k)
+    return plan.call(_BWD_PLANS, _bwd_key(args), _bwd_inputs(args), lambda: _attn_bwd_run(*args))
 
 
 def _attn_bwd_run(dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap, alibi_slopes,
@@ -282,12 +328,18 @@ class _EagerAttention(torch.autograd.Function):
     functorch transform, which would need ``setup_context``)."""
 
     @staticmethod
-    def forward(ctx, *inputs):
-        output = _attn_fwd_impl(*inputs)
+    def forward(ctx, entry, *inputs):
+        # entry: the forward's plan entry when the caller knows it (``attention``'s hint),
+        # else found here; the backward finds its own entry below it.
+        args = inputs + _NO_VARLEN[len(inputs) - 13:]
+        if entry is None:
+            entry = _fwd_entry(args)
+        output = _attn_fwd_run(*args) if entry is None else _attn_fwd_planned(entry, args)
         # An unused LSE (or out) arrives as None and skips the Delta update; the op's
         # autograd passes zeros instead. Same gradients either way.
         ctx.set_materialize_grads(False)
         _setup_context(ctx, inputs, output)
+        ctx.entry = entry
         return output
 
     @staticmethod
@@ -295,8 +347,13 @@ class _EagerAttention(torch.autograd.Function):
         # create_graph=True: go through the op, whose missing autograd formula makes a
         # double backward raise instead of treating the kernels' output as constant; a
         # traced backward (compiled autograd) also needs the op and its fake kernel.
-        plain = not torch.is_grad_enabled() and _plain_eager(dout, dlse)
-        return _grads(ctx, dout, dlse, _attn_bwd_impl if plain else torch.ops.flashtile.attn_bwd)
+        if torch.is_grad_enabled() or not _plain_eager(dout, dlse):
+            bwd = torch.ops.flashtile.attn_bwd
+        elif ctx.entry is not None:
+            bwd = partial(_attn_bwd_planned, ctx.entry)
+        else:
+            bwd = _attn_bwd_impl
+        return (None,) + _grads(ctx, dout, dlse, bwd)
 
 
 def _refuse_forward_ad(*tensors) -> None:
@@ -327,19 +384,29 @@ def _plain_eager(*tensors) -> bool:
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
               window_right: int, softcap: float, alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor],
               dropout_p: float = 0.0, seed: Optional[Tensor] = None,
-              deterministic: bool = False, varlen: tuple = ()) -> tuple[Tensor, Tensor]:
+              deterministic: bool = False, varlen: tuple = (), hint=None) -> tuple[Tensor, Tensor]:
     """What ``flashtile.api`` calls: the same code as ``torch.ops.flashtile.attn_fwd``
     without the op dispatch for plain eager calls, the op itself whenever something traces
     or transforms the tensors (torch.compile, FakeTensor, vmap, ...: see ``_plain_eager``).
     Arguments and outputs as ``attn_fwd``; ``varlen``: empty, or its six varlen arguments
-    (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)."""
+    (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k).
+    ``hint``: the plan entry (``flashtile.ops.plan``) of an API call whose key determines
+    this call's arguments but their addresses; a training call then keeps its kernels'
+    entry in ``hint.below`` instead of making their key."""
     args = (q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
             dropout_p, seed, deterministic, *varlen)
     _refuse_forward_ad(q, k, v, alibi_slopes, attn_mask)
     if not _plain_eager(q, k, v, alibi_slopes, attn_mask, seed, *varlen[:4]):
         return torch.ops.flashtile.attn_fwd(*args)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _EagerAttention.apply(*args)
+        entry = None
+        if hint is not None:
+            entry = hint.below.get("attn_fwd")
+            if entry is None:
+                entry = _fwd_entry(args + _NO_VARLEN[len(args) - 13:])
+                if entry is not None:
+                    hint.below["attn_fwd"] = entry
+        return _EagerAttention.apply(entry, *args)
     return _attn_fwd_impl(*args)
 
 

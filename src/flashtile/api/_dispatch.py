@@ -107,13 +107,13 @@ def _torch_varlen_path(q4, k4, v4, problem: _Problem, alibi, varlen) -> tuple[to
 
 
 def _attention(q4, k4, v4, problem: _Problem, alibi, mask, varlen: tuple = (),
-               seed=None) -> tuple[torch.Tensor, torch.Tensor]:
+               seed=None, hint=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Run the canonical problem: out (B, H, Sq, D) laid out as (B, Sq, H, D), lse (B, H, Sq).
 
     ``varlen``: empty, or (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
     max_seqlen_k) of a validated packed call (B = 1; the diagonal is per sequence).
     ``seed``: the dropout's Philox key when the caller needs to know it (S_dmask); drawn
-    here otherwise.
+    here otherwise. ``hint``: the caller's plan entry (``autograd.attention``).
     """
     if _backend_for(q4.device) == "torch":
         if varlen:
@@ -134,11 +134,12 @@ def _attention(q4, k4, v4, problem: _Problem, alibi, mask, varlen: tuple = (),
     out, lse = autograd.attention(
         q4, k4, v4, problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
         problem.softcap, alibi, mask, problem.dropout_p, seed,
-        problem.deterministic or torch.are_deterministic_algorithms_enabled(), tuple(varlen))
+        problem.deterministic or torch.are_deterministic_algorithms_enabled(), tuple(varlen), hint)
     return out.transpose(1, 2), lse
 
 
-def attention_with_probs(q4, k4, v4, problem: _Problem, alibi, varlen: tuple = (), want_probs: bool = False):
+def attention_with_probs(q4, k4, v4, problem: _Problem, alibi, varlen: tuple = (), want_probs: bool = False,
+                         hint=None):
     """``_attention`` for the flash-attn functions: (out4, lse, S_dmask or None). With
     ``want_probs`` and dropout, the Philox key is drawn here so that S_dmask
     (``_probs.dropout_probs``) redraws the kernels' own mask; the twin cannot (torch.rand)."""
@@ -151,7 +152,7 @@ def attention_with_probs(q4, k4, v4, problem: _Problem, alibi, varlen: tuple = (
                 "(CPU tensors) draws its mask with torch.rand. Run on CUDA tensors, or on CPU tensors with "
                 "FLASHTILE_BACKEND=triton and TRITON_INTERPRET=1")
         seed = new_seed(q4.device)
-    out4, lse = _attention(q4, k4, v4, problem, alibi, None, varlen, seed)
+    out4, lse = _attention(q4, k4, v4, problem, alibi, None, varlen, seed, hint)
     probs = None
     if want_mask:
         from ._probs import dropout_probs

@@ -33,7 +33,7 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
         prepared = entry.prepared = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
                                              alibi_slopes, deterministic, return_attn_probs, names)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _run(q, k, v, alibi_slopes, prepared)  # autograd's Function replays the kernels' plans
+        return _run(q, k, v, alibi_slopes, prepared, entry)  # autograd's Function replays the kernels' plans
     return plan.run(entry, inputs, lambda: _run(q, k, v, alibi_slopes, prepared))
 
 
@@ -68,13 +68,13 @@ def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
     return problem, _flag("return_attn_probs", return_attn_probs), alibi is not alibi_slopes
 
 
-def _run(q, k, v, alibi, prepared):
+def _run(q, k, v, alibi, prepared, hint=None):
     problem, want_probs, expand_alibi = prepared
     if expand_alibi:  # (nheads,) slopes, as _check_alibi expands them
         alibi = alibi.unsqueeze(0).expand(q.shape[0], alibi.shape[0])
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
     out4, lse, probs = attention_with_probs(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), problem, alibi,
-                                            want_probs=want_probs)
+                                            want_probs=want_probs, hint=hint)
     out = out4.transpose(1, 2)
     return (out, lse, probs) if want_probs else out
 

@@ -93,6 +93,9 @@ def _extent(t: torch.Tensor) -> int:
 
 def _overlaps(bases: Sequence[int], extents: Sequence[int]) -> tuple:
     """(i, j, base_j - base_i) for every pair of inputs whose bytes overlap."""
+    spans = sorted((b, b + e) for b, e in zip(bases, extents) if e)
+    if all(spans[i][1] <= spans[i + 1][0] for i in range(len(spans) - 1)):
+        return ()  # sorted by start, no span reaches the next one's start: no overlaps (the common case)
     sig = ()
     n = len(bases)
     for i in range(n):
@@ -398,15 +401,19 @@ class Plan:
 
 class _Entry:
     """One key's state: its inputs' extents, plans per overlap signature (a Plan, a count
-    of refused recordings, or unplannable), and what an API layer derived once for it."""
+    of refused recordings, or unplannable), what an API layer derived once for it
+    (``prepared``), and ``below``: entries of the call one layer down that this key
+    determines (so a training call finds its kernels' entry without making their key:
+    ``flashtile.autograd``)."""
 
-    __slots__ = ("extents", "overlapping", "plans", "prepared")
+    __slots__ = ("extents", "overlapping", "plans", "prepared", "below")
 
     def __init__(self, inputs):
         self.extents = [0 if t is None else _extent(t) for t in inputs]
         self.overlapping = any(self.extents)
         self.plans: dict = {}
         self.prepared = None
+        self.below: dict = {}
 
 
 class Cache:
