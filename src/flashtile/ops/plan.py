@@ -31,6 +31,13 @@ through their pointer differences, so a pointer derived from one input is also r
 any other that contains it. Not part of the key, and not seen by a replay: Triton's debug
 and instrumentation knobs and a change of a global a kernel read at compile time; call
 ``clear()`` after changing those. ``FLASHTILE_PLANS=0`` turns plans off.
+
+Layers: ``flash_attn_func`` plans the whole call (and validates once per key); the ops
+under every API (``autograd._attn_fwd_impl`` / ``_attn_bwd_impl``) plan their kernels.
+A training call cannot replay as a whole (autograd must see it), so the API entry keeps
+the forward op's entry in ``below``, and the forward's entry keeps its backward's there,
+keyed by what only the backward brings (dout, dlse, the switches): neither key is made
+again on a repeated training step.
 """
 
 from __future__ import annotations
