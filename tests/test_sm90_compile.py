@@ -39,14 +39,16 @@ def _report(out: str, names) -> list[tuple[str, dict[str, str]]]:
             for line in out.splitlines() if line.split(" ")[0] in names]
 
 
-def test_sm90_table_compiles_and_fits(tmp_path):
-    out = _compile_run(tmp_path, "-m", "flashtile.ops.sm90_check", "--regs")
-    assert out.count("ok  ") >= 20, out  # the checks really ran
+@pytest.mark.parametrize("head_dim", [64, 128, 256])  # one head dim per case: xdist spreads the compiles
+def test_sm90_table_compiles_and_fits(tmp_path, head_dim):
+    out = _compile_run(tmp_path, "-m", "flashtile.ops.sm90_check", "--regs", "--headdim", str(head_dim))
+    assert out.count("ok  ") >= 12, out  # the checks really ran (12-17 per head dim)
+    assert f" d{head_dim} " in out and not any(f" d{d} " in out for d in (64, 128, 256) if d != head_dim), out
     # The plain forward (no explicit mask) holds its tiles in registers without spilling;
     # the H200 speed of the table rests on it. (Masked forwards and the backward kernels
     # do spill today: docs/perf-notes.md.)
     plain_fwd = [line for line in out.splitlines() if " fwd " in line and "mask=0" in line]
-    assert len(plain_fwd) >= 6, out
+    assert len(plain_fwd) >= 2, out
     spilling = [line for line in plain_fwd if " spill=    0B" not in line]
     assert not spilling, "\n".join(spilling)
 

@@ -8,6 +8,7 @@ TRITON_INTERPRET (under the interpreter ``@triton.jit`` builds no compilable fun
 
     python -m flashtile.ops.sm90_check            # smem and wgmma of every table config
     python -m flashtile.ops.sm90_check --regs     # plus registers and spills (ptxas -v)
+    python -m flashtile.ops.sm90_check --headdim 128   # one head dim of the table
 
 Registers per thread and spill bytes come from running Triton's bundled ptxas with
 ``-v`` on the generated PTX: a kernel at the 255-register cap that spills to local
@@ -300,9 +301,17 @@ def table_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
 
 
 def main(argv=None) -> int:
-    regs = "--regs" in (sys.argv[1:] if argv is None else argv)
+    """``python -m flashtile.ops.sm90_check [--regs] [--headdim N ...]``: compile the table
+    (every head dim, or those given) and print one line per kernel."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m flashtile.ops.sm90_check")
+    p.add_argument("--regs", action="store_true", help="also report registers and spills")
+    p.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    regs = args.regs
     failures = 0
-    for check in table_checks():
+    for check in table_checks(head_dims=tuple(args.headdim)):
         for result in check():
             ok = result.shared <= SM90_SHARED_LIMIT and result.wgmma
             failures += not ok
