@@ -82,7 +82,7 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: i
     """
     args = (q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
             deterministic, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
-    return plan.call(_FWD_PLANS, _fwd_key(args), _fwd_inputs(args), lambda: _attn_fwd_run(*args))
+    return _attn_fwd_planned(_fwd_entry(args), args)
 
 
 # The forward's and the backward's arguments in full: (q, k, v, scale, diag_offset,
@@ -115,7 +115,10 @@ def _fwd_entry(args: tuple):
 
 
 def _attn_fwd_planned(entry, args: tuple) -> tuple[Tensor, Tensor]:
-    """``_attn_fwd_impl`` with the key's entry already found (full arguments)."""
+    """``_attn_fwd_impl`` on full arguments with the key's entry already found (None: not
+    planned, the ordinary path)."""
+    if entry is None:
+        return _attn_fwd_run(*args)
     return plan.run(entry, _fwd_inputs(args), lambda: _attn_fwd_run(*args))
 
 
@@ -334,7 +337,7 @@ class _EagerAttention(torch.autograd.Function):
         args = inputs + _NO_VARLEN[len(inputs) - 13:]
         if entry is None:
             entry = _fwd_entry(args)
-        output = _attn_fwd_run(*args) if entry is None else _attn_fwd_planned(entry, args)
+        output = _attn_fwd_planned(entry, args)
         # An unused LSE (or out) arrives as None and skips the Delta update; the op's
         # autograd passes zeros instead. Same gradients either way.
         ctx.set_materialize_grads(False)
