@@ -12,7 +12,7 @@ what=${1:-all}
 
 if [[ $what == tests || $what == all ]]; then
   # -n 8: compiles run in parallel on the host's cores; the GPU work per case is small.
-  timeout 480 python3 -m pytest -m gpu tests -q -n 8 \
+  timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -m gpu tests -q -n ${TESTS_WORKERS:-8} \
     --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests.log" | cut -c1-200 | tail -15
 fi

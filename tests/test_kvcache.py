@@ -230,3 +230,119 @@ def test_combine_equals_the_whole(backend):
     none_seen, none_lse = flashtile.flash_attn_combine(torch.zeros(2, 1, 1, 1, 4),
                                                        torch.full((2, 1, 1, 1), float("-inf")))
     assert torch.equal(none_seen, torch.zeros_like(none_seen)) and torch.isneginf(none_lse).all()
+
+
+def _spy_launches(monkeypatch):
+    """Count the kv-cache kernels' launches (name -> number); plans off (a replay skips the Python launchers)."""
+    from flashtile.ops import decode, plan
+
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    plan.clear()
+    counts = {}
+    for name in ("_launch_check", "_launch_append", "_launch_decode", "_launch_combine"):
+        launcher = getattr(decode, name)
+
+        def spy(*args, _name=name, _orig=launcher._launch, **kw):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _orig(*args, **kw)
+
+        monkeypatch.setattr(launcher, "_launch", spy)
+    return counts
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize("page", [0, 16, 64], ids=["rows", "page16", "page64"])
+@pytest.mark.parametrize("sq", [1, 3])
+def test_split_kv(triton_backend, monkeypatch, num_splits, page, sq):
+    """The split-KV kernel and its combine: ragged lengths over several key tiles, GQA,
+    contiguous rows and pages (64: one page per key tile; 16: a page per key)."""
+    counts = _spy_launches(monkeypatch)
+    q, k, v, kc, vc, table, seqlens = _case(batch=4, sq=sq, new=sq, heads=(8, 2), d=32, capacity=320,
+                                             seqlens=(0, 5, 129, 320 - sq), page=page)
+    _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True, num_splits=num_splits)
+    assert counts["_launch_decode"] == 1 and counts["_launch_append"] == 1
+    assert counts.get("_launch_combine", 0) == (num_splits != 1)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_split_kv_windows_softcap_alibi_rotary(triton_backend, monkeypatch, num_splits):
+    counts = _spy_launches(monkeypatch)
+    q, k, v, kc, vc, _, seqlens = _case(batch=3, sq=5, new=5, heads=(8, 1), d=32, capacity=300,
+                                         seqlens=(40, 170, 295))
+    pos = torch.arange(300, dtype=torch.float64)[:, None] * 10000 ** (-torch.arange(8) / 8)[None, :]
+    _run_and_check(q, k, v, kc, vc, seqlens, window=(70, 3), softcap=2.0, num_splits=num_splits,
+                   rotary=(torch.cos(pos).float(), torch.sin(pos).float()), interleaved=False,
+                   alibi=torch.rand(3, 8, generator=torch.Generator().manual_seed(3)) * 0.2,
+                   leftpad=torch.tensor([0, 9, 100], dtype=torch.int32))
+    assert counts.get("_launch_combine", 0) == (num_splits > 1)
+
+
+@pytest.mark.parametrize("bad, status", [
+    (dict(cache_seqlens=torch.tensor([0, 17, 40], dtype=torch.int32)), (1, 2, 0, 40)),
+    (dict(cache_seqlens=torch.tensor([0, -1, 3], dtype=torch.int32)), (1, 1, 0, -1)),
+    (dict(cache_leftpad=torch.tensor([0, 18, 0], dtype=torch.int32)), (2, 1, 0, 18)),
+    (dict(cache_batch_idx=torch.tensor([0, 1, 3], dtype=torch.int32)), (3, 2, 0, 3)),
+    (dict(rotary_cos=torch.ones(30, 4), rotary_sin=torch.zeros(30, 4)), (5, 2, 0, 31)),
+])
+def test_device_check(triton_backend, monkeypatch, bad, status):
+    """FLASHTILE_KVCACHE_CHECK=device (what CUDA metadata gets): a bad value found by the
+    check kernel leaves the cache bitwise unchanged and makes out and lse NaN; a good call
+    is the same as with the host's check."""
+    from flashtile.ops import decode
+
+    found = []
+    orig = decode.check_metadata
+
+    def keep(st, *a, **kw):
+        orig(st, *a, **kw)
+        found.append(st)
+
+    monkeypatch.setattr(decode, "check_metadata", keep)
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")  # a replay does not call check_metadata
+    q, k, v, kc, vc, _, seqlens = _case()
+    args = dict(k=k, v=v, cache_seqlens=seqlens)
+    good = flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **args)
+    assert tuple(found[-1].tolist()) == (0, 0, 0, 0)
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "host")
+    assert torch.equal(good, flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **args))
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    args.update(bad)
+    before = kc.clone(), vc.clone()
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, **args, return_softmax_lse=True)
+    assert tuple(found[-1].tolist()) == status
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    assert out.isnan().all() and lse.isnan().all()
+    # the same through a launch plan: recorded on a good call, replayed on the bad one
+    monkeypatch.delenv("FLASHTILE_PLANS")
+    good_args = dict(k=k, v=v, cache_seqlens=seqlens)
+    for t in ("cache_leftpad", "cache_batch_idx", "rotary_cos", "rotary_sin"):
+        if t in bad:
+            good_args[t] = {"cache_leftpad": torch.zeros(3, dtype=torch.int32),
+                            "cache_batch_idx": torch.arange(3, dtype=torch.int32),
+                            "rotary_cos": torch.ones(64, 4), "rotary_sin": torch.zeros(64, 4)}[t]
+    for _ in range(2):
+        flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **good_args)
+    if "rotary_cos" in bad:
+        return  # a shorter table is another key
+    out = flashtile.flash_attn_with_kvcache(q, kc, vc, **args)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]) and out.isnan().all()
+
+
+def test_device_check_paged(triton_backend, monkeypatch):
+    from flashtile.ops import decode
+
+    found = []
+    orig = decode.check_metadata
+    monkeypatch.setattr(decode, "check_metadata", lambda st, *a, **kw: (orig(st, *a, **kw), found.append(st)))
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    q, k, v, kc, vc, table, seqlens = _case(page=16, capacity=40)
+    bad = table.clone()
+    bad[2, 1] = kc.shape[0]
+    bad[2, 2] = -1
+    bad[0, 2] = -5  # past sequence 0's pages (it holds 1 key): never read, not an error
+    before = kc.clone(), vc.clone()
+    out = flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=bad)
+    assert tuple(found[-1].tolist()) == (4, 2, 1, kc.shape[0])
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]) and out.isnan().all()

@@ -432,3 +432,85 @@ def _autotune(q, k, v, out4, lse, problem: dict, default):
                         warmup=5, rep=20, return_mode="median")
 
     return configs.autotuned_fwd_config(key, [default] + configs.fwd_candidates(q.shape[-1]), time_ms)
+
+
+# ---------------------------------------------------------------------------------------
+# KV-cache decoding (flash_attn_with_kvcache): not differentiable, mutates the caches
+# ---------------------------------------------------------------------------------------
+
+_KV_PLANS = plan.cache("kvcache")
+
+
+def _kvcache_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+                  cos: Optional[Tensor], sin: Optional[Tensor], seqlens: Tensor, leftpad: Optional[Tensor],
+                  batch_idx: Optional[Tensor], table: Optional[Tensor], alibi: Optional[Tensor], scale: float,
+                  softcap: float, window_left: int, window_right: int, interleaved: bool, rotary_local: bool,
+                  num_splits: int, device_check: bool, batch_cache: int, num_blocks: int,
+                  rotary_len: int) -> tuple[Tensor, Tensor]:
+    """The kv-cache kernels (``flashtile.ops.decode``), through the launch plan of the key:
+    out (batch, seqlen_q, H, D), lse (batch, H, seqlen_q) float32; k_cache/v_cache get k, v."""
+    inputs = (q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi)
+    scalars = (scale, softcap, window_left, window_right, interleaved, rotary_local, num_splits, device_check,
+               batch_cache, num_blocks, rotary_len)
+    return plan.call(_KV_PLANS, plan.make_key(inputs, scalars), inputs,
+                     lambda: _kvcache_run(*inputs, *scalars))
+
+
+def _kvcache_run(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, scale, softcap,
+                 window_left, window_right, interleaved, rotary_local, num_splits, device_check, batch_cache,
+                 num_blocks, rotary_len):
+    from .ops import decode
+
+    if q.dtype == torch.bfloat16 and q.device.type != "cuda":
+        raise TypeError("bfloat16 cannot run under TRITON_INTERPRET=1 (triton 3.6's interpreter has no bf16 arithmetic)")
+    batch, seqlen_q, nheads, head_dim = q.shape
+    new = 0 if k is None else k.shape[1]
+    out = q.new_empty((batch, seqlen_q, nheads, head_dim))
+    lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
+    if out.numel() == 0:
+        return out, lse
+    status = None
+    if device_check:
+        paged = table is not None
+        page = k_cache.shape[1] if paged else 0
+        capacity = table.shape[1] * page if paged else k_cache.shape[1]
+        status = torch.empty(4, dtype=torch.int32, device=q.device)
+        decode.check_metadata(status, seqlens, leftpad, batch_idx, table, new=new, queries=seqlen_q,
+                              capacity=capacity, batch_cache=batch_cache, num_blocks=num_blocks, page=page,
+                              rotary_len=rotary_len, rotary_local=rotary_local)
+    if k is not None and new > 0:
+        decode.append(k_cache, v_cache, k, v, seqlens, batch_idx, table, cos, sin, interleaved=interleaved,
+                      status=status)
+    decode.decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, alibi, cos, sin, new=new,
+                  scale=scale, softcap=softcap, window_left=window_left, window_right=window_right,
+                  interleaved=interleaved, rotary_local=rotary_local, num_splits=num_splits, status=status)
+    return out, lse
+
+
+@torch.library.custom_op("flashtile::kvcache", mutates_args=("k_cache", "v_cache"), device_types=("cuda", "cpu"))
+def kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
+               cos: Optional[Tensor], sin: Optional[Tensor], seqlens: Tensor, leftpad: Optional[Tensor],
+               batch_idx: Optional[Tensor], table: Optional[Tensor], alibi: Optional[Tensor], scale: float,
+               softcap: float, window_left: int, window_right: int, interleaved: bool, rotary_local: bool,
+               num_splits: int, device_check: bool, batch_cache: int, num_blocks: int,
+               rotary_len: int) -> tuple[Tensor, Tensor]:
+    """The kv-cache call as a torch.library op that declares its in-place writes to the
+    caches (what torch.compile traces): see ``_kvcache_impl``."""
+    return _kvcache_impl(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, scale,
+                         softcap, window_left, window_right, interleaved, rotary_local, num_splits, device_check,
+                         batch_cache, num_blocks, rotary_len)
+
+
+@kvcache_op.register_fake
+def _kvcache_fake(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, *rest):
+    batch, seqlen_q, nheads, head_dim = q.shape
+    return q.new_empty((batch, seqlen_q, nheads, head_dim)), q.new_empty((batch, nheads, seqlen_q),
+                                                                          dtype=torch.float32)
+
+
+def kvcache(*args) -> tuple[Tensor, Tensor]:
+    """What ``flashtile.api.kvcache`` calls (``kvcache_op``'s arguments): the kernels
+    directly for plain eager calls, the op when something traces (``_plain_eager``)."""
+    if not _plain_eager(*args[:12]):
+        return torch.ops.flashtile.kvcache(*args)
+    return _kvcache_impl(*args)

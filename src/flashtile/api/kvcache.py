@@ -13,11 +13,12 @@ is validated but does not change the computation.
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
-from ._dispatch import _Problem, _attention
+from ._dispatch import _Problem, _attention, _backend_for
 from ._validate import (_check_alibi, _check_head_dim, _check_heads, _check_index_tensor, _check_same, _check_scale,
                         _check_softcap, _check_tensor, _check_window, _flag, _integer, _unit_last_stride)
 from ..ops.window import effective_window
@@ -240,9 +241,18 @@ def flash_attn_with_kvcache(
         raise ValueError(f"num_splits must be >= 0 (0 = choose), got {num_splits}")
     want_lse = _flag("return_softmax_lse", return_softmax_lse)
     local = causal or left >= 0 or right >= 0
-    _check_values(seqlens, leftpad, batch_idx, table if paged else None, new=new, queries=seqlen_q,
-                  capacity=capacity, batch_cache=batch_cache, num_blocks=num_blocks, page=page,
-                  rotary_len=rotary_cos.shape[0] if rotary_dim else None, causal_rotary=local)
+    rotary_len = rotary_cos.shape[0] if rotary_dim else None
+    check_args = dict(new=new, queries=seqlen_q, capacity=capacity, batch_cache=batch_cache, num_blocks=num_blocks,
+                      page=page, rotary_len=rotary_len, causal_rotary=local)
+    metadata = (seqlens, leftpad, batch_idx, table if paged else None)
+    if _backend_for(device) == "torch" or _host_check(seqlens):
+        _check_values(*metadata, **check_args)
+    if _backend_for(device) == "triton":
+        out, lse = _kernels(q, k_cache, v_cache, k, v, rotary_cos if rotary_dim else None,
+                            rotary_sin if rotary_dim else None, *metadata, alibi, scale=scale, softcap=softcap,
+                            left=left, right=right, interleaved=interleaved, local=local, num_splits=num_splits,
+                            device_check=not _host_check(seqlens), **check_args)
+        return (out, lse) if want_lse else out
 
     with torch.no_grad():
         pads = leftpad.long() if leftpad is not None else torch.zeros(batch, dtype=torch.long, device=device)
@@ -280,6 +290,41 @@ def flash_attn_with_kvcache(
     if not want_lse:
         return out
     return out, lse[0].reshape(nheads, batch, seqlen_q).transpose(0, 1)
+
+
+def _host_check(seqlens: torch.Tensor) -> bool:
+    """Whether the metadata values are checked on the host (FLASHTILE_KVCACHE_CHECK): by
+    default when they are there (CPU tensors, an int cache_seqlens), never for CUDA
+    tensors (that would be a device synchronisation per call); ``host`` reads CUDA
+    metadata too (except while a CUDA graph is captured or torch.compile traces), ``device``
+    checks even CPU metadata with the device kernel (the Triton backend only)."""
+    mode = os.environ.get("FLASHTILE_KVCACHE_CHECK", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "host", "device"):
+        raise ValueError(f"FLASHTILE_KVCACHE_CHECK must be auto, host or device, got {mode!r}")
+    if mode == "device":
+        return False
+    if not seqlens.is_cuda:
+        return True
+    if mode == "host":
+        return not (torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing())
+    return False
+
+
+def _kernels(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, *, scale, softcap,
+             left, right, interleaved, local, num_splits, device_check, new, queries, capacity, batch_cache,
+             num_blocks, page, rotary_len, causal_rotary):
+    """The Triton path (``flashtile.ops.decode``): the device check when the host did not
+    check, the append, the split-KV decode and its combine."""
+    from .. import autograd
+
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride along headdim (it is written in place), got strides "
+                             f"{t.stride()}")
+    q, k, v, cos, sin = (None if t is None else _unit_last_stride(t) for t in (q, k, v, cos, sin))
+    return autograd.kvcache(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi,
+                            scale, softcap, left, right, interleaved, local, num_splits, device_check,
+                            batch_cache, num_blocks, -1 if rotary_len is None else rotary_len)
 
 
 def _append(k_cache, v_cache, k, v, seqlens, batch_idx, table, capacity: int) -> None:
@@ -323,6 +368,15 @@ def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out
     s, b, n, h, _ = out_partial.shape
     if tuple(lse_partial.shape) != (s, b, h, n):
         raise ValueError(f"lse_partial must have shape {(s, b, h, n)}, got {tuple(lse_partial.shape)}")
+    if _backend_for(out_partial.device) == "triton":
+        from ..ops import decode
+
+        if lse_partial.device != out_partial.device:
+            raise ValueError(f"lse_partial must be on {out_partial.device}, got {lse_partial.device}")
+        out = out_partial.new_empty((b, n, h, out_partial.shape[-1]), dtype=out_dtype or out_partial.dtype)
+        lse = lse_partial.new_empty((b, h, n))
+        decode.combine(_unit_last_stride(out_partial), _unit_last_stride(lse_partial.float()), out, lse)
+        return out, lse
     lse = torch.logsumexp(lse_partial.float(), dim=0)  # -inf where every split is -inf
     safe = torch.where(torch.isneginf(lse), 0.0, lse)
     weight = torch.exp(lse_partial.float() - safe[None])  # 0 for a split that saw nothing
