@@ -40,6 +40,20 @@ if [[ $what == varlen ]]; then
   echo "varlen bench rc=$?"; grep -v Warning "$OUT/bench-varlen.log" | grep "^|" | tail -30
   cp /tmp/bench/h200-varlen* "$OUT/" 2>/dev/null
 fi
+if [[ $what == decode ]]; then
+  # KV-cache decoding: its GPU tests first (a fault ends here), then the split sweep and the bench.
+  timeout ${DECODE_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu tests/test_kvcache_gpu.py -q -n 8 --maxfail=20 \
+    -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-kvcache.log" 2>&1
+  echo "kvcache gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-kvcache.log" | cut -c1-300 | tail -25
+  if [[ -n ${DECODE_SWEEP:-} ]]; then
+    timeout ${DECODE_SWEEP_TIMEOUT:-150} python3 benchmarks/sweep_decode.py $DECODE_SWEEP > "$OUT/sweep-decode.log" 2>&1
+    echo "decode sweep rc=$?"; grep -v Warn "$OUT/sweep-decode.log" | tail -60
+  fi
+  timeout ${DECODE_BENCH_TIMEOUT:-200} python3 -m flashtile.bench --decode --out /tmp/bench --tag h200-decode \
+    ${DECODE_BENCH_ARGS:-} > "$OUT/bench-decode.log" 2>&1
+  echo "decode bench rc=$?"; grep -v Warn "$OUT/bench-decode.log" | tail -45
+  cp /tmp/bench/h200-decode* "$OUT/" 2>/dev/null
+fi
 if [[ $what == sweep ]]; then
   timeout 280 python3 benchmarks/sweep_bwd.py --out "$OUT/sweep-bwd.jsonl" > "$OUT/sweep-bwd.log" 2>&1
   echo "sweep bwd rc=$?"; sed -n '/best per shape/,$p' "$OUT/sweep-bwd.log"

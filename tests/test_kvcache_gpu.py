@@ -20,11 +20,54 @@ def _cuda(*tensors):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("page", [0, 16, 256])
 @pytest.mark.parametrize("sq", [1, 4])
-def test_matrix(dtype, page, sq):
+@pytest.mark.parametrize("num_splits", [0, 1])
+def test_matrix(dtype, page, sq, num_splits):
     q, k, v, kc, vc, table, seqlens = _case(batch=4, sq=sq, new=sq, heads=(32, 8), d=128, capacity=600,
                                              seqlens=(0, 1, 333, 590), dtype=dtype, page=page)
     q, k, v, kc, vc, table, seqlens = _cuda(q, k, v, kc, vc, table, seqlens)
-    _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True)
+    _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("sq", [1, 7])
+def test_head_dims_rotary_windows(d, sq):
+    q, k, v, kc, vc, _, seqlens = _case(batch=3, sq=sq, new=sq, heads=(16, 4), d=d, capacity=1000,
+                                         seqlens=(10, 500, 990), dtype=torch.bfloat16)
+    pos = torch.arange(1000, dtype=torch.float64)[:, None] * 10000 ** (-torch.arange(d // 4) / (d // 4))[None, :]
+    rotary = [t.float().cuda() for t in (torch.cos(pos), torch.sin(pos))]
+    q, k, v, kc, vc, seqlens = _cuda(q, k, v, kc, vc, seqlens)
+    _run_and_check(q, k, v, kc, vc, seqlens, rotary=rotary, window=(300, 0), softcap=5.0,
+                   leftpad=torch.tensor([0, 100, 7], dtype=torch.int32, device="cuda"))
+
+
+def test_bad_device_metadata_writes_nothing():
+    """CUDA metadata is checked on the device (no synchronisation): a bad value leaves the
+    cache bitwise unchanged and makes the output NaN."""
+    q, k, v, kc, vc, table, seqlens = _cuda(*_case(page=16, capacity=40, dtype=torch.float16))
+    before = kc.clone(), vc.clone()
+    bad = seqlens.clone()
+    bad[1] = 40
+    out = flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=bad, block_table=table)
+    assert out.isnan().all() and torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    out = flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table)
+    assert not out.isnan().any() and not torch.equal(kc, before[0])
+
+
+def test_compiled_decode_step():
+    B, S, H, Hk, D = 2, 256, 8, 2, 64
+    kc = torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, 1, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor([3, 200], dtype=torch.int32, device="cuda")
+
+    def step(q, kc, vc, k, v, seqlens):
+        return flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True) * 2
+
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = step(q, kc2, vc2, k, v, seqlens)
+    got = torch.compile(step, fullgraph=True)(q, kc, vc, k, v, seqlens)
+    assert torch.equal(got, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
 
 
 def test_decode_loop_matches_prefill():

@@ -9,6 +9,7 @@ Every measurement is one long-format JSON row appended (and flushed) to
     python -m flashtile.bench --dry-run            # no CUDA: the plan and fake rows
     python -m flashtile.bench --plot-only FILE.jsonl
     python -m flashtile.bench --varlen            # packed documents: flashtile.bench_varlen
+    python -m flashtile.bench --decode            # KV-cache decode bandwidth: flashtile.bench_decode
 """
 from __future__ import annotations
 
@@ -489,6 +490,10 @@ def _progress(items: list[Any]) -> tuple[Iterable[Any], Callable[[str], None]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if "--decode" in (sys.argv[1:] if argv is None else argv):
+        from flashtile import bench_decode
+
+        return bench_decode.main(argv)
     if "--varlen" in (sys.argv[1:] if argv is None else argv):
         from flashtile import bench_varlen
 

@@ -1,0 +1,40 @@
+"""flashtile's decode kernel at fixed split counts (CUDA graphs: the kernels alone), per
+decode shape of ``flashtile.bench_decode``: which split count each shape wants, next to
+the one ``ops.decode.choose_splits`` picks (num_splits=0).
+
+    PYTHONPATH=src python3 benchmarks/sweep_decode.py [--only 0 1 2]
+"""
+from __future__ import annotations
+
+import argparse
+
+from flashtile.bench_decode import measure, read_ceiling, shapes
+
+SPLITS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--only", nargs="+", type=int)
+    p.add_argument("--splits", nargs="+", type=int, default=list(SPLITS))
+    p.add_argument("--rep", type=int, default=50)
+    args = p.parse_args()
+    todo = shapes()
+    if args.only:
+        todo = [todo[i] for i in args.only]
+    ceiling = read_ceiling()
+    print(f"read ceiling {ceiling:.2f} TB/s", flush=True)
+    for shape in todo:
+        best = None
+        for n in args.splits:
+            ms = measure("flashtile", shape, "cuda_graph", 10, args.rep, num_splits=n)
+            tb = shape.bytes() / (ms * 1e-3) / 1e12
+            print(f"{shape.label():40s} splits {n:3d}: {ms * 1e3:8.1f} us {tb:5.2f} TB/s ({100 * tb / ceiling:.0f}%)",
+                  flush=True)
+            if n and (best is None or ms < best[1]):
+                best = (n, ms)
+        print(f"{shape.label():40s} best: {best[0]} splits", flush=True)
+
+
+if __name__ == "__main__":
+    main()
