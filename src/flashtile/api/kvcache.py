@@ -1,14 +1,25 @@
 """flash-attn 2's decoding entry point: ``flash_attn_with_kvcache`` (and FA3's combine).
 
 A decode step appends each sequence's new keys/values to its KV cache in place (rotary
-applied first, when given) and attends its new queries to the whole valid cache. Here the
-append and the rotary run as torch ops, every check before the first write (a bad call
-leaves the cache bitwise unchanged), and the attention runs as a packed varlen call on
-flashtile's kernels (``flashtile.api.varlen``): each batch element is one sequence whose
-keys are its cache row from ``cache_leftpad`` to ``cache_seqlens + seqlen_new``. A
-dedicated split-KV decode kernel (GQA-packed, paged loads) is not written yet: paged
-caches and ``cache_batch_idx`` are gathered into one buffer per call, and ``num_splits``
-is validated but does not change the computation.
+applied first, when given) and attends its new queries to the whole valid cache.
+
+On the Triton backend (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) the call
+runs ``flashtile.ops.decode``'s kernels through one op (``torch.ops.flashtile.kvcache``,
+which declares its writes to the caches for torch.compile): the append (and the rotary of
+k), then the split-KV decode kernel (all query heads of a KV head in one program, keys
+read straight from the cache rows or pages) and its combine. Nothing is gathered or
+copied per call, and a repeated call replays its launch plan.
+
+The checks of the metadata *values* (cache_seqlens, cache_leftpad, cache_batch_idx,
+block_table, rotary length) run before anything is written: on the host when the values
+are there (CPU tensors, an int cache_seqlens: a ValueError naming the argument), and on
+the device when they are CUDA tensors, so that a decode step never synchronises with the
+GPU and can be captured in a CUDA graph. A device check that fails leaves the cache
+untouched and makes out and the LSE NaN (``FLASHTILE_KVCACHE_CHECK=host`` reads CUDA
+metadata on the host instead, one synchronisation per call, for a ValueError).
+
+The torch twin (CPU tensors by default) runs the same semantics with torch ops: rotary,
+an in-place append, and the packed varlen twin over the cache rows.
 """
 
 from __future__ import annotations
@@ -154,17 +165,18 @@ def flash_attn_with_kvcache(
         softmax_scale, window_size, softcap, alibi_slopes: as in ``flash_attn_func``; causal
             is bottom-right against the valid cache: query i of sequence b sees key j iff
             j <= i + len_k(b) - seqlen_q, len_k(b) = cache_seqlens + seqlen_new - leftpad.
-        num_splits: 0 (choose), 1 (no split) or n >= 1 splits of the cache length; accepted
-            for compatibility, the result does not depend on it.
+        num_splits: 0 (choose: enough splits of the cache length to fill the GPU when
+            batch x nheads_k does not), 1 (no split) or n splits (at most one per key tile
+            and 128); the result depends on it only through float32 reassociation.
         return_softmax_lse: also return the LSE (batch, nheads, seqlen_q) float32.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, lse). Not differentiable (as in
         flash-attn): use the other functions to train.
 
-    Every check, including those of the metadata values (one host copy; not while a CUDA
-    graph is captured), runs before the cache is touched: a call that raises leaves the
-    cache bitwise unchanged.
+    Every check runs before the cache is touched: a call that raises leaves the cache
+    bitwise unchanged. Metadata values held by CUDA tensors are checked on the device
+    (module docstring): a bad value there writes nothing and returns NaN.
     """
     _check_tensor("q", q, 4)
     _check_tensor("k_cache", k_cache, 4)
