@@ -346,3 +346,30 @@ def test_device_check_paged(triton_backend, monkeypatch):
     out = flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=bad)
     assert tuple(found[-1].tolist()) == (4, 2, 1, kc.shape[0])
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]) and out.isnan().all()
+
+
+def test_repeated_calls_skip_validation(triton_backend, monkeypatch):
+    """Metadata checked on the device: a repeated call with one key goes straight to the
+    kernels (validated once), bitwise the same as the full path; a changed shape or flag
+    is another key and is validated (bad ones still raise)."""
+    from flashtile.api import kvcache as api
+
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    calls = []
+    full = api._check_window
+    monkeypatch.setattr(api, "_check_window", lambda w: (calls.append(w), full(w))[1])
+    q, k, v, kc, vc, table, seqlens = _case(page=16, capacity=40, heads=(4, 2))
+    alibi = torch.rand(4)
+    args = dict(cache_seqlens=seqlens, block_table=table, causal=True, alibi_slopes=alibi, return_softmax_lse=True)
+    outs = [flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **args) for _ in range(3)]
+    assert len(calls) == 1
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    kc2 = kc.clone()
+    want = flashtile.flash_attn_with_kvcache(q, kc2, vc.clone(), k, v, **args)
+    monkeypatch.delenv("FLASHTILE_PLANS")
+    for out, lse in outs:
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    with pytest.raises(ValueError, match="window_size"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, **{**args, "window_size": (-3, 0)})
+    with pytest.raises(TypeError, match="v must be float16"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, k, v.double(), **args)

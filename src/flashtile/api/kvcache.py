@@ -29,6 +29,7 @@ from typing import Optional
 
 import torch
 
+from ..ops import plan
 from ._dispatch import _Problem, _attention, _backend_for
 from ._validate import (_check_alibi, _check_head_dim, _check_heads, _check_index_tensor, _check_same, _check_scale,
                         _check_softcap, _check_tensor, _check_window, _flag, _integer, _unit_last_stride)
@@ -178,6 +179,17 @@ def flash_attn_with_kvcache(
     bitwise unchanged. Metadata values held by CUDA tensors are checked on the device
     (module docstring): a bad value there writes nothing and returns NaN.
     """
+    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+               block_table, alibi_slopes)
+    entry = None
+    if isinstance(cache_seqlens, torch.Tensor):
+        scalars = plan.plain_scalars((softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
+                                      return_softmax_lse))
+        key = None if scalars is None else plan.make_key(tensors, scalars)
+        if key is not None:
+            entry = _PLANS.entry(key, tensors)
+            if entry.prepared is not None:
+                return _fast(entry.prepared, *tensors)
     _check_tensor("q", q, 4)
     _check_tensor("k_cache", k_cache, 4)
     _check_tensor("v_cache", v_cache, 4)
@@ -260,10 +272,15 @@ def flash_attn_with_kvcache(
     if _backend_for(device) == "torch" or _host_check(seqlens):
         _check_values(*metadata, **check_args)
     if _backend_for(device) == "triton":
+        consts = dict(scale=scale, softcap=softcap, left=left, right=right, interleaved=interleaved, local=local,
+                      num_splits=num_splits, device_check=not _host_check(seqlens), **check_args)
+        same = all(a is b for a, b in zip(metadata, (cache_seqlens, cache_leftpad, cache_batch_idx, block_table)))
+        if entry is not None and consts["device_check"] and _check_mode() != "host" and same:
+            # Nothing of this call's host path depends on more than the key: the next call
+            # with it goes straight to the kernels (``_fast``).
+            entry.prepared = (bool(rotary_dim), alibi is not alibi_slopes, want_lse, consts)
         out, lse = _kernels(q, k_cache, v_cache, k, v, rotary_cos if rotary_dim else None,
-                            rotary_sin if rotary_dim else None, *metadata, alibi, scale=scale, softcap=softcap,
-                            left=left, right=right, interleaved=interleaved, local=local, num_splits=num_splits,
-                            device_check=not _host_check(seqlens), **check_args)
+                            rotary_sin if rotary_dim else None, *metadata, alibi, **consts)
         return (out, lse) if want_lse else out
 
     with torch.no_grad():
@@ -304,15 +321,36 @@ def flash_attn_with_kvcache(
     return out, lse[0].reshape(nheads, batch, seqlen_q).transpose(0, 1)
 
 
+_PLANS = plan.cache("flash_attn_with_kvcache")
+
+
+def _fast(prepared, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, table, alibi):
+    """A repeated call whose key was validated (``flash_attn_with_kvcache``'s first call
+    with it stored what the kernels need besides the tensors): metadata on the device,
+    checked there, so nothing here depends on values."""
+    rotary, expand_alibi, want_lse, consts = prepared
+    if expand_alibi:
+        alibi = alibi.unsqueeze(0).expand(q.shape[0], alibi.shape[0])
+    if not rotary:
+        cos = sin = None
+    out, lse = _kernels(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, **consts)
+    return (out, lse) if want_lse else out
+
+
+def _check_mode() -> str:
+    mode = os.environ.get("FLASHTILE_KVCACHE_CHECK", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "host", "device"):
+        raise ValueError(f"FLASHTILE_KVCACHE_CHECK must be auto, host or device, got {mode!r}")
+    return mode
+
+
 def _host_check(seqlens: torch.Tensor) -> bool:
     """Whether the metadata values are checked on the host (FLASHTILE_KVCACHE_CHECK): by
     default when they are there (CPU tensors, an int cache_seqlens), never for CUDA
     tensors (that would be a device synchronisation per call); ``host`` reads CUDA
     metadata too (except while a CUDA graph is captured or torch.compile traces), ``device``
     checks even CPU metadata with the device kernel (the Triton backend only)."""
-    mode = os.environ.get("FLASHTILE_KVCACHE_CHECK", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "host", "device"):
-        raise ValueError(f"FLASHTILE_KVCACHE_CHECK must be auto, host or device, got {mode!r}")
+    mode = _check_mode()
     if mode == "device":
         return False
     if not seqlens.is_cuda:

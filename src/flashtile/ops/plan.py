@@ -51,7 +51,8 @@ import torch.autograd.forward_ad as _fwad
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
 _ENV = ("FLASHTILE_PLANS", "FLASHTILE_BACKEND", "FLASHTILE_WS", "FLASHTILE_BWD_DQ", "FLASHTILE_AUTOTUNE",
-        "FLASHTILE_FAST_LAUNCH", "FLASHTILE_LAUNCH_CHECK", "FLASHTILE_CACHE_DIR", "TRITON_INTERPRET")
+        "FLASHTILE_FAST_LAUNCH", "FLASHTILE_LAUNCH_CHECK", "FLASHTILE_CACHE_DIR", "TRITON_INTERPRET",
+        "FLASHTILE_KVCACHE_CHECK")
 _MAX_PLANS = 4096  # per cache; a new key past this clears the cache (shapes built per call stay bounded)
 _MAX_TMA = 4096
 _MAX_TRIES = 3  # recordings of a key that refuse before it is marked unplannable
