@@ -130,3 +130,17 @@ def test_varlen_bench_plan_summary_and_plots(tmp_path, capsys):
     assert "| equal | 8 | 64 | yes | fwd | 300 | 400 | 200 | 150 | 0.75x | 1.50x | 2.00x |" in table
     paths = bv.plot(rows, tmp_path, "t")
     assert [p.name for p in paths] == ["t-fwd.png", "t-bwd.png"] and all(p.stat().st_size > 0 for p in paths)
+
+
+def test_decode_bench_plan_and_summary(capsys):
+    from flashtile import bench, bench_decode as bd
+
+    assert bench.main(["--decode", "--dry-run"]) == 0
+    text = capsys.readouterr().out
+    assert "B8 L32768 H32/8 d128 q1 page 16" in text and "1024.1 MiB" in text
+    s = bd.DecodeShape(8, 4096)
+    assert s.bytes() == 2 * (2 * 8 * 4096 * 8 * 128 + 2 * 8 * 32 * 128)
+    rows = [{"label": s.label(), "mode": "eager", "impl": i, "tb_per_s": tb}
+            for i, tb in (("flashtile", 3.0), ("sdpa-cudnn", 2.5), ("sdpa-flash", None))]
+    table = bd.summary_markdown(rows, 4.0)
+    assert "| B8 L4096 H32/8 d128 q1 | eager | 3.00 | 75% | 2.50 | - | 1.20 | - |" in table
