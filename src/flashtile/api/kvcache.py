@@ -179,10 +179,12 @@ def flash_attn_with_kvcache(
     bitwise unchanged. Metadata values held by CUDA tensors are checked on the device
     (module docstring): a bad value there writes nothing and returns NaN.
     """
-    tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-               block_table, alibi_slopes)
     entry = None
-    if isinstance(cache_seqlens, torch.Tensor):
+    mode = _check_mode()
+    if isinstance(cache_seqlens, torch.Tensor) and (cache_seqlens.is_cuda or mode == "device"):
+        # only metadata checked on the device can skip the host path (``_fast``)
+        tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                   block_table, alibi_slopes)
         scalars = plan.plain_scalars((softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
                                       return_softmax_lse))
         key = None if scalars is None else plan.make_key(tensors, scalars)
@@ -269,13 +271,15 @@ def flash_attn_with_kvcache(
     check_args = dict(new=new, queries=seqlen_q, capacity=capacity, batch_cache=batch_cache, num_blocks=num_blocks,
                       page=page, rotary_len=rotary_len, causal_rotary=local)
     metadata = (seqlens, leftpad, batch_idx, table if paged else None)
-    if _backend_for(device) == "torch" or _host_check(seqlens):
+    triton = _backend_for(device) == "triton"
+    host = _host_check(seqlens, mode)
+    if host or not triton:
         _check_values(*metadata, **check_args)
-    if _backend_for(device) == "triton":
+    if triton:
         consts = dict(scale=scale, softcap=softcap, left=left, right=right, interleaved=interleaved, local=local,
-                      num_splits=num_splits, device_check=not _host_check(seqlens), **check_args)
+                      num_splits=num_splits, device_check=not host, **check_args)
         same = all(a is b for a, b in zip(metadata, (cache_seqlens, cache_leftpad, cache_batch_idx, block_table)))
-        if entry is not None and consts["device_check"] and _check_mode() != "host" and same:
+        if entry is not None and not host and mode != "host" and same:
             # Nothing of this call's host path depends on more than the key: the next call
             # with it goes straight to the kernels (``_fast``).
             entry.prepared = (bool(rotary_dim), alibi is not alibi_slopes, want_lse, consts)
@@ -344,13 +348,13 @@ def _check_mode() -> str:
     return mode
 
 
-def _host_check(seqlens: torch.Tensor) -> bool:
+def _host_check(seqlens: torch.Tensor, mode: str) -> bool:
     """Whether the metadata values are checked on the host (FLASHTILE_KVCACHE_CHECK): by
     default when they are there (CPU tensors, an int cache_seqlens), never for CUDA
     tensors (that would be a device synchronisation per call); ``host`` reads CUDA
     metadata too (except while a CUDA graph is captured or torch.compile traces), ``device``
-    checks even CPU metadata with the device kernel (the Triton backend only)."""
-    mode = _check_mode()
+    checks even CPU metadata with the device kernel (the Triton backend only). ``mode``:
+    ``_check_mode()``."""
     if mode == "device":
         return False
     if not seqlens.is_cuda:
