@@ -4,8 +4,8 @@
     PYTHONPATH=src python3 benchmarks/host_profile.py --no-profile [--repeat 5]   # A/B: times only
 
 Profiles, at d128 S512 causal (bf16, batch 32, 16 heads), the forward launcher alone with
-the TMA config and with pointer loads, the public forward without and with grad, and the
-backward. Prints per-call wall time without the profiler, then the profile's top functions
+the TMA config and with pointer loads, the public forward without and with grad, the
+backward, and a KV-cache decode step (batch 8 x 4096, ``--only kvcache`` for it alone). Prints per-call wall time without the profiler, then the profile's top functions
 by own time. Use it with host_overhead.py: that one says whether a shape is launch-bound,
 this one says which Python or driver call to cut.
 """
@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     p.add_argument("--no-profile", action="store_true",
                    help="only the host time per call, the minimum over --repeat rounds (for A/B runs)")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--only", nargs="+", help="the cases whose name holds one of these words")
     args = p.parse_args(argv)
     d, S = args.headdim, args.seqlen
     B, H = 16384 // S, 2048 // d
@@ -67,6 +68,14 @@ def main(argv=None) -> int:
         "flash_attn_func, grad": lambda: flashtile.flash_attn_func(*leaves, causal=True),
         "backward (autograd.grad)": lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
     }
+    # decode: batch 8, 4096 cached tokens, GQA 32/8, cache_seqlens on the device (checked there)
+    qd = torch.randn(8, 1, 32, d, device="cuda", dtype=torch.bfloat16)
+    kc, vc = (torch.randn(8, 4096, 8, d, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.full((8,), 4000, device="cuda", dtype=torch.int32)
+    cases["flash_attn_with_kvcache, B8 4096"] = lambda: flashtile.flash_attn_with_kvcache(
+        qd, kc, vc, cache_seqlens=seqlens)
+    if args.only:
+        cases = {n: fn for n, fn in cases.items() if any(w in n for w in args.only)}
     for name, fn in cases.items():
         if args.no_profile:
             best = min(host_us(fn, args.calls, warmup=20) for _ in range(args.repeat))

@@ -18,7 +18,18 @@ def main() -> None:
     p.add_argument("--only", nargs="+", type=int)
     p.add_argument("--splits", nargs="+", type=int, default=list(SPLITS))
     p.add_argument("--rep", type=int, default=50)
+    p.add_argument("--stages-paged", type=int, nargs="+", help="num_stages of the paged kernel (each in turn)")
     args = p.parse_args()
+    from flashtile.ops import decode
+
+    for stages in args.stages_paged or [None]:
+        if stages is not None:
+            decode.STAGES["tile"] = decode.STAGES["gather"] = stages
+            print(f"paged num_stages {stages}", flush=True)
+        sweep(args)
+
+
+def sweep(args) -> None:
     todo = shapes()
     if args.only:
         todo = [todo[i] for i in args.only]

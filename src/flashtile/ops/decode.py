@@ -43,7 +43,19 @@ from .launch import Launcher
 
 # status codes (status[0]); status[1], status[2] say where, status[3] the value found
 OK, BAD_SEQLEN, BAD_LEFTPAD, BAD_BATCH_IDX, BAD_BLOCK, BAD_ROTARY = 0, 1, 2, 3, 4, 5
+# the same codes as the kernels see them (a @triton.jit function reads only constexpr globals)
+_C_SEQLEN, _C_LEFTPAD, _C_BATCH_IDX, _C_BLOCK, _C_ROTARY = map(
+    tl.constexpr, (BAD_SEQLEN, BAD_LEFTPAD, BAD_BATCH_IDX, BAD_BLOCK, BAD_ROTARY))
+_C_LOG2E = tl.constexpr(LOG2E)
 MAX_SPLITS = 128
+# num_stages of the decode kernel. 3 double-buffers the K and V tiles of a row cache. When a
+# tile lies in one page ("tile") its block-table read is one more pipeline stage in front
+# of the tile, and Triton 3.6 gives K and V two buffers only from 5 stages on (one buffer
+# and a full wait per tile at 3 or 4: sm90_check's TTGIR); the H200 measured 4.24 TB/s at 5
+# vs 3.59 at 3 (batch 8 x 32768, page 256). A per-key gather ("gather", pages smaller than
+# the tile) measured best at 3 (3.77 vs 3.46 TB/s at batch 64 x 8192, page 16).
+# benchmarks/sweep_decode.py --stages-paged overrides "tile" and "gather".
+STAGES = {"rows": 3, "tile": 5, "gather": 3}
 
 
 @triton.jit
@@ -104,18 +116,18 @@ def _check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries
         b = c0 + tl.arange(0, BLOCK)
         ok = b < batch
         n = tl.load(SeqLens + b, mask=ok, other=0)
-        err = tl.where(ok & ((n < 0) | (n + new > capacity)), BAD_SEQLEN, 0)
+        err = tl.where(ok & ((n < 0) | (n + new > capacity)), _C_SEQLEN, 0)
         val = n
         idx = b * 0
         if HAS_LEFTPAD:
             pad = tl.load(LeftPad + b, mask=ok, other=0)
             bad = ok & (err == 0) & ((pad < 0) | (pad > n))
-            err = tl.where(bad, BAD_LEFTPAD, err)
+            err = tl.where(bad, _C_LEFTPAD, err)
             val = tl.where(bad, pad, val)
         if HAS_BATCH_IDX:
             row = tl.load(BatchIdx + b, mask=ok, other=0)
             bad = ok & (err == 0) & ((row < 0) | (row >= batch_cache))
-            err = tl.where(bad, BAD_BATCH_IDX, err)
+            err = tl.where(bad, _C_BATCH_IDX, err)
             val = tl.where(bad, row, val)
         if ROTARY:
             if ROTARY_LOCAL:
@@ -123,7 +135,7 @@ def _check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries
             else:
                 need = n + tl.maximum(new, 1)
             bad = ok & (err == 0) & (need > rotary_len)
-            err = tl.where(bad, BAD_ROTARY, err)
+            err = tl.where(bad, _C_ROTARY, err)
             val = tl.where(bad, need, val)
         if PAGED:
             # the pages a sequence addresses after the append; the first bad one
@@ -141,7 +153,7 @@ def _check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries
                 found = tl.where(new_hit, tl.sum(tl.where(hit & bad_j, blk, 0), 1), found)
                 first = tl.where(new_hit, jj, first)
             bad = first < NONE
-            err = tl.where(bad, BAD_BLOCK, err)
+            err = tl.where(bad, _C_BLOCK, err)
             val = tl.where(bad, found, val)
             idx = tl.where(bad, first, idx)
         bb = tl.min(tl.where(err != 0, b, NONE), 0)
@@ -285,7 +297,7 @@ def _decode_kernel(
 
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
-        slope = tl.load(Alibi + b64 * stride_ab + h.to(tl.int64) * stride_ah, mask=row_ok, other=0.0) * LOG2E
+        slope = tl.load(Alibi + b64 * stride_ab + h.to(tl.int64) * stride_ah, mask=row_ok, other=0.0) * _C_LOG2E
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -417,17 +429,24 @@ def block_sizes(head_dim: int, rows: int) -> tuple[int, int, int]:
     return block_m, block_n, block_d
 
 
-def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, device) -> int:
+def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, device, *,
+                  gather: bool = False) -> int:
     """Splits of the cache length: ``num_splits`` when given (at most one per key tile),
-    else enough to give every SM about two programs when batch x nheads_k x row blocks
-    (``programs``) would not, each split at least 4 key tiles long."""
+    else from ``programs`` (batch x nheads_k x row blocks) and the SM count. Fewer than two
+    programs per SM: split until there are about two per SM, one wave (on the H200, 2-4x
+    the unsplit speed at batch 1-8). More: enough splits for about 12 programs per SM, so
+    that the last, partial wave is short (batch 64 x 8192: 4.38 vs 3.85 TB/s unsplit).
+    ``gather`` (a page size that is not a multiple of the key tile, whose table reads
+    sit in front of every key load): always the many-wave count, more programs to hide
+    the latency. At most one split per 4 key tiles."""
     tiles = max(1, triton.cdiv(capacity, block_n))
     if num_splits > 0:
         return max(1, min(num_splits, tiles, MAX_SPLITS))
     sms = sm_count(device_index(device)) if device.type == "cuda" else 16
-    if programs >= sms:
-        return 1
-    return max(1, min(triton.cdiv(2 * sms, programs), triton.cdiv(tiles, 4), MAX_SPLITS))
+    most = max(1, min(triton.cdiv(tiles, 4), MAX_SPLITS))
+    if programs < 2 * sms and not gather:
+        return max(1, min(2 * sms // programs, most))
+    return max(1, min(triton.cdiv(12 * sms, programs), most))
 
 
 def check_metadata(status, seqlens, leftpad, batch_idx, table, *, new: int, queries: int, capacity: int,
@@ -491,7 +510,8 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
     block_m, block_n, block_d = block_sizes(head_dim, seqlen_q * group)
     num_m_blocks = triton.cdiv(seqlen_q * group, block_m)
     programs = batch * nheads_k * num_m_blocks
-    splits = choose_splits(num_splits, programs, capacity, block_n, q.device)
+    splits = choose_splits(num_splits, programs, capacity, block_n, q.device,
+                           gather=paged and page % block_n != 0)
     split_size = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
     splits = triton.cdiv(capacity, split_size)  # no split without keys
     rotary = cos is not None
@@ -526,7 +546,7 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
                  SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, ROTARY=rotary, INTERLEAVED=interleaved,
                  ROTARY_LOCAL=rotary_local, SPLIT=splits > 1, CHECKED=status is not None,
                  IEEE_DOT=q.dtype == torch.float32),
-            4, 3)
+            4, STAGES["rows" if not paged else "tile" if page % block_n == 0 else "gather"])
         if splits > 1:
             combine(out_part, lse_part, out, lse)
 

@@ -9,6 +9,7 @@ TRITON_INTERPRET (under the interpreter ``@triton.jit`` builds no compilable fun
     python -m flashtile.ops.sm90_check            # smem and wgmma of every table config
     python -m flashtile.ops.sm90_check --regs     # plus registers and spills (ptxas -v)
     python -m flashtile.ops.sm90_check --headdim 128   # one head dim of the table
+    python -m flashtile.ops.sm90_check --decode   # the KV-cache kernels (ops/decode.py)
 
 Registers per thread and spill bytes come from running Triton's bundled ptxas with
 ``-v`` on the generated PTX: a kernel at the 255-register cap that spills to local
@@ -271,6 +272,51 @@ def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extr
     return out
 
 
+def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, extras: bool = False,
+                   split: bool = True) -> list[Compiled]:
+    """The KV-cache kernels of ``ops/decode.py`` as a decode step launches them: the check,
+    the append and the decode kernel (``rows`` packed query rows, seqlen_q x group; ``paged``:
+    the page size, 0 for a row cache, a multiple of the key tile reads one table entry per
+    tile), then the combine kernel when ``split``. ``extras`` turns on every option
+    (leftpad, batch index, windows, softcap, ALiBi, rotary)."""
+    from . import decode
+
+    block_m, block_n, block_d = decode.block_sizes(head_dim, rows)
+    tag = f"{dtype} d{head_dim} rows={rows} paged={paged} extras={extras}"
+    ints = ("SeqLens", "LeftPad", "BatchIdx", "Table", "Status")
+    ptrs = {n: "*i32" for n in ints}
+    ptrs.update({n: f"*{dtype}" for n in ("Q", "K", "V", "KCache", "VCache", "Out")})
+    ptrs.update(Lse="*fp32", OutPart="*fp32", LsePart="*fp32", Alibi="*fp32", Cos="*fp32", Sin="*fp32")
+    out = [_compile(f"decode-check {tag}", decode._check_kernel, ptrs,
+                    dict(HAS_LEFTPAD=extras, HAS_BATCH_IDX=extras and not paged, PAGED=paged > 0, ROTARY=extras,
+                         ROTARY_LOCAL=False, BLOCK=16), 4, 1),
+           _compile(f"decode-append {tag}", decode._append_kernel, ptrs,
+                    dict(BLOCK_T=16, BLOCK_D=block_d, PAGED=paged > 0, HAS_BATCH_IDX=extras and not paged,
+                         ROTARY=extras, INTERLEAVED=False, CHECKED=True), 4, 1),
+           _compile(f"decode {tag} split={split}", decode._decode_kernel, ptrs,
+                    dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PAGED=paged > 0,
+                         PAGE_TILE=paged > 0 and paged % block_n == 0, HAS_BATCH_IDX=extras and not paged,
+                         HAS_LEFTPAD=extras, WINDOW_LEFT=extras, WINDOW_RIGHT=extras, SOFTCAP=extras,
+                         HAS_ALIBI=extras, ROTARY=extras, INTERLEAVED=False, ROTARY_LOCAL=extras, SPLIT=split,
+                         CHECKED=True, IEEE_DOT=dtype == "fp32"), 4,
+                             decode.STAGES["rows" if not paged else "tile" if paged % block_n == 0 else "gather"])]
+    if split:
+        out.append(_compile(f"decode-combine {tag}", decode._combine_kernel, ptrs,
+                            dict(BLOCK_S=16, BLOCK_D=block_d), 4, 1))
+    return out
+
+
+def decode_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
+    """The decode kernels at each head dim: row cache (GQA group 4, one query) split and
+    unsplit, pages of 16 and 256 keys, and every option at 4 x 4 rows."""
+    for head_dim in head_dims:
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=4)
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=4, split=False)
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=16)
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=256)
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=16, extras=True)
+
+
 def table_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
     """Every distinct sm90 table entry, plain and with an explicit mask and every option."""
     from . import configs
@@ -308,12 +354,15 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m flashtile.ops.sm90_check")
     p.add_argument("--regs", action="store_true", help="also report registers and spills")
     p.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--decode", action="store_true", help="the KV-cache decode kernels instead of the table")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     regs = args.regs
     failures = 0
-    for check in table_checks(head_dims=tuple(args.headdim)):
+    checks = (decode_checks if args.decode else table_checks)(head_dims=tuple(args.headdim))
+    for check in checks:
         for result in check():
-            ok = result.shared <= SM90_SHARED_LIMIT and result.wgmma
+            # the decode kernels' products are small (16-64 rows): Triton may pick mma.sync there
+            ok = result.shared <= SM90_SHARED_LIMIT and (result.wgmma or args.decode)
             failures += not ok
             extra = ""
             if regs:
