@@ -7,6 +7,12 @@ the one ``ops.decode.choose_splits`` picks (num_splits=0).
 from __future__ import annotations
 
 import argparse
+import os
+
+# Launch plans replay what a key's first call launched, and the key does not hold
+# ops.decode.STAGES: with plans on, every --stages-paged value after the first would time
+# the first one's kernel (H200 run 68 did). CUDA-graph timing has no host cost to save.
+os.environ["FLASHTILE_PLANS"] = "0"
 
 from flashtile.bench_decode import measure, read_ceiling, shapes
 
