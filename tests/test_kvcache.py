@@ -353,19 +353,23 @@ def test_device_check_paged(triton_backend, monkeypatch):
 
 def test_repeated_calls_skip_validation(triton_backend, monkeypatch):
     """Metadata checked on the device: a repeated call with one key goes straight to the
-    kernels (validated once), bitwise the same as the full path; a changed shape or flag
+    kernels (validated once) and to their plan (one key made per call: the kernels' entry
+    is kept under the API's), bitwise the same as the full path; a changed shape or flag
     is another key and is validated (bad ones still raise)."""
     from flashtile.api import kvcache as api
+    from flashtile.ops import plan
 
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
-    calls = []
-    full = api._check_window
+    calls, keys = [], []
+    full, make_key = api._check_window, plan.make_key
     monkeypatch.setattr(api, "_check_window", lambda w: (calls.append(w), full(w))[1])
+    monkeypatch.setattr(plan, "make_key", lambda *a: (keys.append(1), make_key(*a))[1])
     q, k, v, kc, vc, table, seqlens = _case(page=16, capacity=40, heads=(4, 2))
     alibi = torch.rand(4)
     args = dict(cache_seqlens=seqlens, block_table=table, causal=True, alibi_slopes=alibi, return_softmax_lse=True)
     outs = [flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **args) for _ in range(3)]
     assert len(calls) == 1
+    assert len(keys) == 2 + 1 + 1  # the first call: the API's key and the kernels'; then the API's alone
     monkeypatch.setenv("FLASHTILE_PLANS", "0")
     kc2 = kc.clone()
     want = flashtile.flash_attn_with_kvcache(q, kc2, vc.clone(), k, v, **args)
@@ -380,8 +384,8 @@ def test_repeated_calls_skip_validation(triton_backend, monkeypatch):
 
 def test_choose_splits():
     """The split heuristic (ops.decode.choose_splits; a CPU device counts 16 SMs): about two
-    programs per SM in one wave when few, about 12 per SM when more, at least 4 key tiles
-    a split, a page gather always the many-wave count, an explicit count capped by tiles."""
+    programs per SM in one wave when few, about 12 per SM when more, at most one split per
+    4 key tiles, a page gather always the many-wave count, an explicit count capped by tiles."""
     from flashtile.ops.decode import choose_splits
 
     cpu = torch.device("cpu")

@@ -508,9 +508,20 @@ def _kvcache_fake(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_i
                                                                           dtype=torch.float32)
 
 
-def kvcache(*args) -> tuple[Tensor, Tensor]:
+def kvcache(*args, hint=None) -> tuple[Tensor, Tensor]:
     """What ``flashtile.api.kvcache`` calls (``kvcache_op``'s arguments): the kernels
-    directly for plain eager calls, the op when something traces (``_plain_eager``)."""
+    directly for plain eager calls, the op when something traces (``_plain_eager``).
+    ``hint``: the plan entry of an API call whose key determines these arguments but
+    their addresses; the kernels' entry is then kept in ``hint.below`` and a repeated call
+    replays it without making its key (as ``attention`` does for training calls)."""
     if not _plain_eager(*args[:12]):
         return torch.ops.flashtile.kvcache(*args)
-    return _kvcache_impl(*args)
+    if hint is None:
+        return _kvcache_impl(*args)
+    entry = hint.below.get("kvcache")
+    if entry is None:
+        key = plan.make_key(args[:12], args[12:])
+        if key is None:
+            return _kvcache_impl(*args)
+        entry = hint.below["kvcache"] = _KV_PLANS.entry(key, args[:12])
+    return plan.run(entry, args[:12], lambda: _kvcache_run(*args))

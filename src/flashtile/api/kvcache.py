@@ -191,7 +191,7 @@ def flash_attn_with_kvcache(
         if key is not None:
             entry = _PLANS.entry(key, tensors)
             if entry.prepared is not None:
-                return _fast(entry.prepared, *tensors)
+                return _fast(entry, *tensors)
     _check_tensor("q", q, 4)
     _check_tensor("k_cache", k_cache, 4)
     _check_tensor("v_cache", v_cache, 4)
@@ -279,12 +279,15 @@ def flash_attn_with_kvcache(
         consts = dict(scale=scale, softcap=softcap, left=left, right=right, interleaved=interleaved, local=local,
                       num_splits=num_splits, device_check=not host, **check_args)
         same = all(a is b for a, b in zip(metadata, (cache_seqlens, cache_leftpad, cache_batch_idx, block_table)))
+        hint = None
         if entry is not None and not host and mode != "host" and same:
             # Nothing of this call's host path depends on more than the key: the next call
-            # with it goes straight to the kernels (``_fast``).
+            # with it goes straight to the kernels (``_fast``), and the kernels' plan entry
+            # is kept under this one (``hint``).
             entry.prepared = (bool(rotary_dim), alibi is not alibi_slopes, want_lse, consts)
+            hint = entry
         out, lse = _kernels(q, k_cache, v_cache, k, v, rotary_cos if rotary_dim else None,
-                            rotary_sin if rotary_dim else None, *metadata, alibi, **consts)
+                            rotary_sin if rotary_dim else None, *metadata, alibi, hint=hint, **consts)
         return (out, lse) if want_lse else out
 
     with torch.no_grad():
@@ -328,16 +331,17 @@ def flash_attn_with_kvcache(
 _PLANS = plan.cache("flash_attn_with_kvcache")
 
 
-def _fast(prepared, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, table, alibi):
+def _fast(entry, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, table, alibi):
     """A repeated call whose key was validated (``flash_attn_with_kvcache``'s first call
-    with it stored what the kernels need besides the tensors): metadata on the device,
-    checked there, so nothing here depends on values."""
-    rotary, expand_alibi, want_lse, consts = prepared
+    with it stored what the kernels need besides the tensors in ``entry.prepared``):
+    metadata on the device, checked there, so nothing here depends on values."""
+    rotary, expand_alibi, want_lse, consts = entry.prepared
     if expand_alibi:
         alibi = alibi.unsqueeze(0).expand(q.shape[0], alibi.shape[0])
     if not rotary:
         cos = sin = None
-    out, lse = _kernels(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, **consts)
+    out, lse = _kernels(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, hint=entry,
+                        **consts)
     return (out, lse) if want_lse else out
 
 
@@ -366,9 +370,10 @@ def _host_check(seqlens: torch.Tensor, mode: str) -> bool:
 
 def _kernels(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, *, scale, softcap,
              left, right, interleaved, local, num_splits, device_check, new, queries, capacity, batch_cache,
-             num_blocks, page, rotary_len, causal_rotary):
+             num_blocks, page, rotary_len, causal_rotary, hint=None):
     """The Triton path (``flashtile.ops.decode``): the device check when the host did not
-    check, the append, the split-KV decode and its combine."""
+    check, the append, the split-KV decode and its combine. ``hint``: this call's plan
+    entry when its key determines everything the kernels' key holds but addresses."""
     from .. import autograd
 
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
@@ -378,7 +383,7 @@ def _kernels(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, t
     q, k, v, cos, sin = (None if t is None else _unit_last_stride(t) for t in (q, k, v, cos, sin))
     return autograd.kvcache(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi,
                             scale, softcap, left, right, interleaved, local, num_splits, device_check,
-                            batch_cache, num_blocks, -1 if rotary_len is None else rotary_len)
+                            batch_cache, num_blocks, -1 if rotary_len is None else rotary_len, hint=hint)
 
 
 def _append(k_cache, v_cache, k, v, seqlens, batch_idx, table, capacity: int) -> None:
