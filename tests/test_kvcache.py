@@ -332,6 +332,30 @@ def test_device_check(triton_backend, monkeypatch, bad, status):
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]) and out.isnan().all()
 
 
+def test_device_check_with_splits(triton_backend, monkeypatch):
+    """The device check with split-KV: status and the partial results share one scratch
+    allocation (``decode.scratch``); recorded on good calls and replayed on a bad one, the
+    cache stays unchanged and out and lse are NaN through the combine."""
+    from flashtile.ops import decode
+
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    q, k, v, kc, vc, _, seqlens = _case(capacity=300, seqlens=(0, 170, 290))
+    assert decode.split_plan(q, kc, None, 3)[0] == 3
+    args = dict(cache_seqlens=seqlens, num_splits=3, return_softmax_lse=True)
+    got = [flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **args) for _ in range(3)]
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "host")
+    want = flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **args)
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    for out, lse in got:
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    bad = seqlens.clone()
+    bad[2] = 300  # no room for the new key
+    before = kc.clone(), vc.clone()
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, **{**args, "cache_seqlens": bad})
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    assert out.isnan().all() and lse.isnan().all()
+
+
 def test_device_check_paged(triton_backend, monkeypatch):
     from flashtile.ops import decode
 

@@ -469,12 +469,11 @@ def _kvcache_run(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_id
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
-    status = None
+    status, parts = decode.scratch(q, k_cache, table, num_splits, device_check)
     if device_check:
         paged = table is not None
         page = k_cache.shape[1] if paged else 0
         capacity = table.shape[1] * page if paged else k_cache.shape[1]
-        status = torch.empty(4, dtype=torch.int32, device=q.device)
         decode.check_metadata(status, seqlens, leftpad, batch_idx, table, new=new, queries=seqlen_q,
                               capacity=capacity, batch_cache=batch_cache, num_blocks=num_blocks, page=page,
                               rotary_len=rotary_len, rotary_local=rotary_local)
@@ -483,7 +482,8 @@ def _kvcache_run(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_id
                       status=status)
     decode.decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, alibi, cos, sin, new=new,
                   scale=scale, softcap=softcap, window_left=window_left, window_right=window_right,
-                  interleaved=interleaved, rotary_local=rotary_local, num_splits=num_splits, status=status)
+                  interleaved=interleaved, rotary_local=rotary_local, num_splits=num_splits, status=status,
+                  parts=parts)
     return out, lse
 
 

@@ -492,13 +492,51 @@ def append(k_cache, v_cache, k, v, seqlens, batch_idx, table, cos, sin, *, inter
             4, 1)
 
 
+def split_plan(q, k_cache, table, num_splits: int) -> tuple[int, int]:
+    """(splits, split_size) of a decode call: ``choose_splits``, then split_size a multiple
+    of the key tile and no split without keys."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_k = k_cache.shape[2]
+    paged = table is not None
+    page = k_cache.shape[1] if paged else 1
+    capacity = table.shape[1] * page if paged else k_cache.shape[1]
+    block_m, block_n, _ = block_sizes(head_dim, seqlen_q * (nheads // nheads_k))
+    programs = batch * nheads_k * triton.cdiv(seqlen_q * (nheads // nheads_k), block_m)
+    splits = choose_splits(num_splits, programs, capacity, block_n, q.device, gather=paged and page % block_n != 0)
+    split_size = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
+    return triton.cdiv(capacity, split_size), split_size
+
+
+def scratch(q, k_cache, table, num_splits: int, checked: bool):
+    """(status, parts) of a decode call in one float32 allocation (a call's host time is a
+    few allocations and launches): status int32 (4,) when ``checked`` else None; parts
+    (out_part (S, B, Sq, H, D), lse_part (S, B, H, Sq)) when it splits, else None."""
+    import torch
+
+    splits, _ = split_plan(q, k_cache, table, num_splits)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    n_out = splits * batch * seqlen_q * nheads * head_dim if splits > 1 else 0
+    n_lse = splits * batch * nheads * seqlen_q if splits > 1 else 0
+    head = 4 if checked else 0  # 16 bytes: the partials stay 16-byte aligned
+    if head + n_out + n_lse == 0:
+        return None, None
+    buf = torch.empty(head + n_out + n_lse, dtype=torch.float32, device=q.device)
+    status = buf[:4].view(torch.int32) if checked else None
+    parts = None
+    if splits > 1:
+        parts = (buf[head:head + n_out].view(splits, batch, seqlen_q, nheads, head_dim),
+                 buf[head + n_out:].view(splits, batch, nheads, seqlen_q))
+    return status, parts
+
+
 def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, alibi, cos, sin, *,
            new: int, scale: float, softcap: float, window_left: int, window_right: int, interleaved: bool,
-           rotary_local: bool, num_splits: int, status=None) -> None:
+           rotary_local: bool, num_splits: int, status=None, parts=None) -> None:
     """Attention of q (batch, seqlen_q, H, D) against the caches (after the append):
     out (batch, seqlen_q, H, D), lse (batch, H, seqlen_q) float32 (unit last stride).
     ``num_splits``: 0 chooses (``choose_splits``); with more than one split the partial
-    results go to float32 buffers and ``_combine_kernel`` writes out and lse."""
+    results go to float32 buffers (``parts``, from ``scratch``, or made here) and
+    ``_combine_kernel`` writes out and lse."""
     import torch
 
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -509,21 +547,23 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
     capacity = table.shape[1] * page if paged else k_cache.shape[1]
     block_m, block_n, block_d = block_sizes(head_dim, seqlen_q * group)
     num_m_blocks = triton.cdiv(seqlen_q * group, block_m)
-    programs = batch * nheads_k * num_m_blocks
-    splits = choose_splits(num_splits, programs, capacity, block_n, q.device,
-                           gather=paged and page % block_n != 0)
-    split_size = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
-    splits = triton.cdiv(capacity, split_size)  # no split without keys
+    splits, split_size = split_plan(q, k_cache, table, num_splits)
     rotary = cos is not None
     softcap_on = softcap > 0.0
-    if splits > 1:
+    if splits > 1 and parts is not None:
+        out_part, lse_part = parts
+        if out_part.shape != (splits, batch, seqlen_q, nheads, head_dim) or lse_part.shape != (splits, batch, nheads,
+                                                                                                 seqlen_q):
+            raise ValueError(f"decode: parts of shapes {tuple(out_part.shape)}, {tuple(lse_part.shape)} for "
+                             f"{splits} splits (make them with scratch())")
+    elif splits > 1:
         out_part = torch.empty((splits, batch, seqlen_q, nheads, head_dim), dtype=torch.float32, device=q.device)
         lse_part = torch.empty((splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
     else:
         out_part, lse_part = out, lse
     with _device_ctx(q):
         _launch_decode(
-            (programs * splits,),
+            (batch * nheads_k * num_m_blocks * splits,),
             (q, k_cache, v_cache, out, lse, out_part, lse_part, seqlens if status is None else status, seqlens,
              seqlens if leftpad is None else leftpad, seqlens if batch_idx is None else batch_idx,
              table if paged else seqlens, q if alibi is None else alibi, cos if rotary else q, sin if rotary else q,
