@@ -25,14 +25,20 @@ def main() -> None:
     p.add_argument("--splits", nargs="+", type=int, default=list(SPLITS))
     p.add_argument("--rep", type=int, default=50)
     p.add_argument("--stages-paged", type=int, nargs="+", help="num_stages of the paged kernel (each in turn)")
+    p.add_argument("--page-slice", type=int, nargs="+",
+                   help="decode.PAGE_SLICE_MAX values (each in turn; 0: the per-tile table read)")
     args = p.parse_args()
     from flashtile.ops import decode
 
-    for stages in args.stages_paged or [None]:
-        if stages is not None:
-            decode.STAGES["tile"] = decode.STAGES["gather"] = stages
-            print(f"paged num_stages {stages}", flush=True)
-        sweep(args)
+    for page_slice in args.page_slice or [None]:
+        if page_slice is not None:
+            decode.PAGE_SLICE_MAX = page_slice
+            print(f"page slice max {page_slice}", flush=True)
+        for stages in args.stages_paged or [None]:
+            if stages is not None:
+                decode.STAGES["tile"] = decode.STAGES["gather"] = stages
+                print(f"paged num_stages {stages}", flush=True)
+            sweep(args)
 
 
 def sweep(args) -> None:

@@ -267,6 +267,30 @@ def test_split_kv(triton_backend, monkeypatch, num_splits, page, sq):
     assert counts.get("_launch_combine", 0) == (num_splits != 1)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize("page", [1, 16, 48])
+def test_paged_table_slice(triton_backend, monkeypatch, page, num_splits):
+    """decode.PAGE_SLICE_MAX (an experiment, off by default): the per-key page gather with
+    each split's table entries read once into registers; 48-key pages do not divide the
+    64-key tiles, so a split's first tile starts inside a page."""
+    from flashtile.ops import decode
+
+    monkeypatch.setattr(decode, "PAGE_SLICE_MAX", 512)
+    slices = []
+    orig = decode._launch_decode._launch
+
+    def spy(grid, args, constexprs, *rest):
+        slices.append(constexprs["PAGE_SLICE"])
+        return orig(grid, args, constexprs, *rest)
+
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    monkeypatch.setattr(decode._launch_decode, "_launch", spy)
+    q, k, v, kc, vc, table, seqlens = _case(batch=4, sq=3, new=3, heads=(8, 2), d=32, capacity=320,
+                                             seqlens=(0, 5, 129, 317), page=page)
+    _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True, num_splits=num_splits)
+    assert len(slices) == 1 and slices[0] >= 16
+
+
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_split_kv_windows_softcap_alibi_rotary(triton_backend, monkeypatch, num_splits):
     counts = _spy_launches(monkeypatch)

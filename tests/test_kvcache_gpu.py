@@ -28,6 +28,21 @@ def test_matrix(dtype, page, sq, num_splits):
     _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("page", [16, 48])
+@pytest.mark.parametrize("num_splits", [0, 1])
+def test_paged_table_slice(monkeypatch, page, num_splits):
+    """decode.PAGE_SLICE_MAX on (an experiment, off by default): the page gather with the
+    split's table entries in registers."""
+    from flashtile.ops import decode
+
+    monkeypatch.setattr(decode, "PAGE_SLICE_MAX", 512)
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    q, k, v, kc, vc, table, seqlens = _case(batch=4, sq=4, new=4, heads=(32, 8), d=128, capacity=2000,
+                                             seqlens=(0, 1, 1333, 1990), dtype=torch.bfloat16, page=page)
+    q, k, v, kc, vc, table, seqlens = _cuda(q, k, v, kc, vc, table, seqlens)
+    _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True, num_splits=num_splits)
+
+
 @pytest.mark.parametrize("d", [64, 256])
 @pytest.mark.parametrize("sq", [1, 7])
 def test_head_dims_rotary_windows(d, sq):

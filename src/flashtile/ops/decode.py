@@ -56,6 +56,11 @@ MAX_SPLITS = 128
 # the tile) measured best at 3 (3.77 vs 3.46 TB/s at batch 64 x 8192, page 16).
 # benchmarks/sweep_decode.py --stages-paged overrides "tile" and "gather".
 STAGES = {"rows": 3, "tile": 5, "gather": 3}
+# Experiment (off: 0; not yet measured on a GPU): a per-key page gather whose split spans at
+# most this many pages reads the split's table entries once, before the loop, and takes
+# each key's page from registers (tl.gather): its K/V addresses then wait on no load inside
+# the loop, which Triton pipelines like a row cache. benchmarks/sweep_decode.py --page-slice.
+PAGE_SLICE_MAX = 0
 
 
 @triton.jit
@@ -230,7 +235,8 @@ def _decode_kernel(
     num_splits, split_size, num_m_blocks, rotary_dim, rotary_max,
     qk_scale, softcap_in, softcap_out, window_left, window_right,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_TILE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, HAS_LEFTPAD: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_TILE: tl.constexpr, PAGE_SLICE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, ROTARY_LOCAL: tl.constexpr,
     SPLIT: tl.constexpr, CHECKED: tl.constexpr, IEEE_DOT: tl.constexpr,
@@ -288,6 +294,13 @@ def _decode_kernel(
         k_base = K + hk64 * stride_kh
         v_base = V + hk64 * stride_vh
         table_row = Table + b64 * stride_table
+        if PAGE_SLICE > 0:
+            # the table entries of this split's pages, read once: inside the loop a key's
+            # page comes from registers (tl.gather), so no K/V address waits on a load there
+            first_page = start // page_size
+            pg = first_page + tl.arange(0, PAGE_SLICE)
+            slice_ = tl.load(table_row + pg, mask=pg * page_size < hi, other=0)
+            slice_ = tl.minimum(tl.maximum(slice_, 0), num_blocks - 1)
     else:
         row = b64
         if HAS_BATCH_IDX:
@@ -312,6 +325,11 @@ def _decode_kernel(
                 off = (n0 % page_size).to(tl.int64)
                 k_rows = blk * stride_kb + (off + offs_n0) * stride_ks
                 v_rows = blk * stride_vb + (off + offs_n0) * stride_vs
+            elif PAGE_SLICE > 0:
+                at = tl.minimum(tl.maximum(j // page_size - first_page, 0), PAGE_SLICE - 1)
+                blk = tl.gather(slice_, at, 0).to(tl.int64)
+                k_rows = blk * stride_kb + (j % page_size).to(tl.int64) * stride_ks
+                v_rows = blk * stride_vb + (j % page_size).to(tl.int64) * stride_vs
             else:
                 blk = tl.load(table_row + j // page_size, mask=j_ok, other=0)
                 blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
@@ -550,6 +568,11 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
     splits, split_size = split_plan(q, k_cache, table, num_splits)
     rotary = cos is not None
     softcap_on = softcap > 0.0
+    page_slice = 0
+    if paged and page % block_n and PAGE_SLICE_MAX:
+        spanned = triton.cdiv(split_size, page) + 1  # a split's first tile may start inside a page
+        if spanned <= PAGE_SLICE_MAX:
+            page_slice = max(16, triton.next_power_of_2(spanned))
     if splits > 1 and parts is not None:
         out_part, lse_part = parts
         if out_part.shape != (splits, batch, seqlen_q, nheads, head_dim) or lse_part.shape != (splits, batch, nheads,
@@ -581,7 +604,7 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
              scale * LOG2E, scale / softcap if softcap_on else 0.0, softcap * LOG2E if softcap_on else 0.0,
              window_left, window_right),
             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PAGED=paged,
-                 PAGE_TILE=paged and page % block_n == 0, HAS_BATCH_IDX=batch_idx is not None,
+                 PAGE_TILE=paged and page % block_n == 0, PAGE_SLICE=page_slice, HAS_BATCH_IDX=batch_idx is not None,
                  HAS_LEFTPAD=leftpad is not None, WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
                  SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, ROTARY=rotary, INTERLEAVED=interleaved,
                  ROTARY_LOCAL=rotary_local, SPLIT=splits > 1, CHECKED=status is not None,

@@ -273,16 +273,17 @@ def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extr
 
 
 def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, extras: bool = False,
-                   split: bool = True) -> list[Compiled]:
+                   split: bool = True, page_slice: int = 0) -> list[Compiled]:
     """The KV-cache kernels of ``ops/decode.py`` as a decode step launches them: the check,
     the append and the decode kernel (``rows`` packed query rows, seqlen_q x group; ``paged``:
     the page size, 0 for a row cache, a multiple of the key tile reads one table entry per
     tile), then the combine kernel when ``split``. ``extras`` turns on every option
-    (leftpad, batch index, windows, softcap, ALiBi, rotary)."""
+    (leftpad, batch index, windows, softcap, ALiBi, rotary); ``page_slice``: the page
+    gather's table slice in registers (``decode.PAGE_SLICE_MAX``)."""
     from . import decode
 
     block_m, block_n, block_d = decode.block_sizes(head_dim, rows)
-    tag = f"{dtype} d{head_dim} rows={rows} paged={paged} extras={extras}"
+    tag = f"{dtype} d{head_dim} rows={rows} paged={paged} extras={extras}" + (f" slice={page_slice}" if page_slice else "")
     ints = ("SeqLens", "LeftPad", "BatchIdx", "Table", "Status")
     ptrs = {n: "*i32" for n in ints}
     ptrs.update({n: f"*{dtype}" for n in ("Q", "K", "V", "KCache", "VCache", "Out")})
@@ -295,7 +296,8 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
                          ROTARY=extras, INTERLEAVED=False, CHECKED=True), 4, 1),
            _compile(f"decode {tag} split={split}", decode._decode_kernel, ptrs,
                     dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PAGED=paged > 0,
-                         PAGE_TILE=paged > 0 and paged % block_n == 0, HAS_BATCH_IDX=extras and not paged,
+                         PAGE_TILE=paged > 0 and paged % block_n == 0, PAGE_SLICE=page_slice,
+                         HAS_BATCH_IDX=extras and not paged,
                          HAS_LEFTPAD=extras, WINDOW_LEFT=extras, WINDOW_RIGHT=extras, SOFTCAP=extras,
                          HAS_ALIBI=extras, ROTARY=extras, INTERLEAVED=False, ROTARY_LOCAL=extras, SPLIT=split,
                          CHECKED=True, IEEE_DOT=dtype == "fp32"), 4,
@@ -308,12 +310,14 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
 
 def decode_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
     """The decode kernels at each head dim: row cache (GQA group 4, one query) split and
-    unsplit, pages of 16 and 256 keys, and every option at 4 x 4 rows."""
+    unsplit, pages of 16 and 256 keys, pages of 16 with the table slice in registers
+    (``decode.PAGE_SLICE_MAX``), and every option at 4 x 4 rows."""
     for head_dim in head_dims:
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, split=False)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=16)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=256)
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=16, page_slice=128)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=16, extras=True)
 
 
