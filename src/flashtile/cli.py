@@ -1,4 +1,4 @@
-"""The ``flashtile`` command: ``demo``, ``traffic`` and ``bench``.
+"""The ``flashtile`` command: ``demo``, ``traffic``, ``bench``, ``explain`` and ``check``.
 
     flashtile demo                         # the lesson's five checked demonstrations
     flashtile traffic --seq 1024 4096      # naive vs tiled HBM traffic per head
@@ -40,7 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     from flashtile import __version__  # numpy-only package import
 
     parser.add_argument("--version", action="version", version=f"flashtile {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="{demo,traffic,bench,explain}")
+    sub = parser.add_subparsers(dest="command", metavar="{demo,traffic,bench,explain,check}")
 
     sub.add_parser(
         "demo",
@@ -86,6 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--seqused", action="store_true", help="varlen with seqused_q/k or paged keys")
     explain.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     explain.add_argument("--capability", type=int, nargs=2, default=(9, 0), metavar=("MAJOR", "MINOR"))
+
+    check = sub.add_parser(
+        "check",
+        help="does flashtile work here? every API against a float64 reference (GPU if any, else CPU)",
+        description="A small matrix of every API family under the accuracy rule, with the machine, the versions "
+                    "and the kernels taken (flashtile.check); exit status 1 when a case fails.",
+    )
+    check.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
+    check.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), nargs="+",
+                       help="default: fp16 and bf16 on a GPU, fp32 on CPU")
 
     # No options of its own and no -h: every argument after `bench`, -h included, is
     # flashtile.bench's to parse.
@@ -159,6 +169,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(bench.main(rest) or 0)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    if args.command == "check":
+        try:
+            import torch
+        except ModuleNotFoundError:
+            from flashtile import _missing
+
+            print(_missing("torch", "flashtile check"), file=sys.stderr)
+            return 2
+        from flashtile.check import run_check
+
+        dtypes = None if not args.dtype else [
+            {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[d] for d in args.dtype]
+        return run_check(args.device, dtypes)
     if args.command == "demo":
         from flashtile.demo import run_demo
 
