@@ -140,6 +140,22 @@ def test_torch_compile_fullgraph_forward_and_backward():
         assert torch.equal(a, b)
 
 
+def test_torch_compile_fullgraph_sdpa_with_a_mask():
+    """scaled_dot_product_attention (a bool mask, GQA) traces through the same ops."""
+    q = torch.randn(1, 4, 12, 16, dtype=torch.float32, requires_grad=True)
+    k, v = (torch.randn(1, 2, 20, 16, dtype=torch.float32, requires_grad=True) for _ in range(2))
+    mask = torch.rand(1, 1, 12, 20, generator=torch.Generator().manual_seed(0)) > 0.3
+
+    def f(q_, k_, v_):
+        return flashtile.scaled_dot_product_attention(q_, k_, v_, attn_mask=mask, enable_gqa=True).square().sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
+    want = torch.autograd.grad(f(q, k, v), (q, k, v))
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("case", [
     Case(33, 41, 16, causal=True, batch=2, nheads=6, nheads_k=2),
     Case(45, 38, 16, window=(3, 5), softcap=5.0, alibi="heads", batch=1, nheads=2, nheads_k=1),
