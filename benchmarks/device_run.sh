@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|bench|varlen|sweep|gluon-bwd|gluon-d256|fwd-schedule|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|bench|varlen|decode|sweep|gluon-bwd|fwd-schedule|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -65,16 +65,6 @@ if [[ $what == gluon-bwd ]]; then
   # next to the library's backward, the Triton backward and cuDNN.
   timeout 240 python3 benchmarks/experiments/gluon_bwd.py --split > "$OUT/gluon-bwd.log" 2>&1
   echo "gluon bwd rc=$?"; grep -v Warning "$OUT/gluon-bwd.log" | tail -20
-fi
-if [[ $what == gluon-d256 ]]; then
-  # d256 backward: the Triton kernels' split and the Gluon dQ kernel at 32-key tiles (a hybrid?).
-  # First one shape (never-run kernels: a hang or a fault ends here, in 2 minutes at most).
-  timeout 120 python3 benchmarks/experiments/gluon_bwd_d256.py --shapes 2048,1 > "$OUT/gluon-bwd-d256-smoke.log" 2>&1
-  rc=$?; echo "gluon bwd d256 smoke rc=$rc"; grep -v Warning "$OUT/gluon-bwd-d256-smoke.log" | tail -12
-  if [[ $rc == 0 ]]; then
-    timeout 400 python3 benchmarks/experiments/gluon_bwd_d256.py > "$OUT/gluon-bwd-d256.log" 2>&1
-    echo "gluon bwd d256 rc=$?"; grep -v Warning "$OUT/gluon-bwd-d256.log" | tail -30
-  fi
 fi
 if [[ $what == fwd-schedule ]]; then
   # The forward's schedules (one program per item, static persistent, dynamic) and cuDNN,

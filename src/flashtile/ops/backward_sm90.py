@@ -4,7 +4,7 @@ dim 64/128/256, plain or causal, no softcap/alibi/mask/dropout).
 The same algebra as ``backward.py`` (read its docstring first), split like it into a dK/dV
 kernel and a dQ kernel, so there are no atomics and gradients are bitwise reproducible.
 A one-pass kernel with dQ by reductions was measured and lost: the float32 reductions
-saturate the L2 (benchmarks/experiments/gluon_bwd_onepass.py, docs/perf-notes.md).
+saturate the L2 (docs/perf-notes.md, runs 30-34; the experiment is in git history).
 
 dK/dV (``_dkdv_kernel``): one program owns 2 x 64 keys of one (batch, kv head):
 
