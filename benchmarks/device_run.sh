@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|bench|varlen|decode|sweep|gluon-bwd|fwd-schedule|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|bench|varlen|decode|transformers|sweep|gluon-bwd|fwd-schedule|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -53,6 +53,16 @@ if [[ $what == decode ]]; then
     ${DECODE_BENCH_ARGS:-} > "$OUT/bench-decode.log" 2>&1
   echo "decode bench rc=$?"; grep -v Warn "$OUT/bench-decode.log" | tail -45
   cp /tmp/bench/h200-decode* "$OUT/" 2>/dev/null
+fi
+if [[ $what == transformers ]]; then
+  # The transformers integration: its GPU tests, then training steps and generation of a 1.1B
+  # random-weight Llama with each attn_implementation (benchmarks/transformers_step.py).
+  timeout ${TF_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu tests/test_transformers_gpu.py tests/test_check_gpu.py -q \
+    -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-transformers.log" 2>&1
+  echo "transformers gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-transformers.log" | tail -10
+  timeout ${TF_BENCH_TIMEOUT:-400} python3 benchmarks/transformers_step.py --out "$OUT/transformers-step.jsonl" \
+    ${TF_BENCH_ARGS:-} > "$OUT/transformers-step.log" 2>&1
+  echo "transformers step rc=$?"; grep -v Warn "$OUT/transformers-step.log" | tail -14
 fi
 if [[ $what == sweep ]]; then
   timeout 280 python3 benchmarks/sweep_bwd.py --out "$OUT/sweep-bwd.jsonl" > "$OUT/sweep-bwd.log" 2>&1
