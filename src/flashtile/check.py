@@ -47,15 +47,23 @@ def _with_grads(fn, inputs, dout):
     return out.detach(), [g.detach() for g in grads]
 
 
-def _reference(q, k, v, dout, dtype, **kw):
-    """plain_attention in ``dtype`` on flash-attn layout tensors (B, S, H, D): out, grads."""
+def _plain(q, k, v, dtype, **kw):
+    """plain_attention in ``dtype`` on flash-attn layout tensors (B, S, H, D)."""
     from .testing import plain_attention
 
-    def fn(q, k, v):
-        t = lambda x: x.transpose(1, 2)  # noqa: E731
-        return t(plain_attention(t(q), t(k), t(v), dtype=dtype, **kw)[0])
+    t = lambda x: x.transpose(1, 2)  # noqa: E731
+    return t(plain_attention(t(q.to(dtype)), t(k.to(dtype)), t(v.to(dtype)), dtype=dtype, **kw)[0])
 
-    return _with_grads(fn, [x.to(dtype) for x in (q, k, v)], dout.to(dtype))
+
+def _reference(q, k, v, dout, dtype, **kw):
+    """``_plain`` and its gradients of <out, dout> wrt q, k, v."""
+    return _with_grads(lambda q, k, v: _plain(q, k, v, dtype, **kw), [x.to(dtype) for x in (q, k, v)],
+                       dout.to(dtype))
+
+
+def _out_and_grads(out, grads, ref, ref_grads, base, base_grads):
+    """The comparisons of a differentiable case: out, then dq, dk, dv."""
+    return [("out", out, ref, base)] + list(zip(("dq", "dk", "dv"), grads, ref_grads, base_grads))
 
 
 def _flash_case(device, dtype, *, causal=False, window=(-1, -1), softcap=0.0, alibi=False, heads=(4, 2), d=64):
@@ -79,8 +87,7 @@ def _flash_case(device, dtype, *, causal=False, window=(-1, -1), softcap=0.0, al
         q, k, v, causal=causal, window_size=window, softcap=softcap, alibi_slopes=slopes), [q, k, v], dout)
     ref, ref_g = _reference(q, k, v, dout, torch.float64, **kw)
     base, base_g = _reference(q, k, v, dout, dtype, **kw)
-    pairs = [("out", out, ref, base)] + [(n, a, r, bb) for n, a, r, bb in zip(("dq", "dk", "dv"), grads, ref_g, base_g)]
-    return _verdicts(pairs, _factor)
+    return _verdicts(_out_and_grads(out, grads, ref, ref_g, base, base_g), _factor)
 
 
 def _varlen_case(device, dtype):
@@ -111,8 +118,7 @@ def _varlen_case(device, dtype):
 
     ref, ref_g = per_doc(torch.float64)
     base, base_g = per_doc(dtype)
-    pairs = [("out", out, ref, base)] + [(n, a, r, bb) for n, a, r, bb in zip(("dq", "dk", "dv"), grads, ref_g, base_g)]
-    return _verdicts(pairs, _factor)
+    return _verdicts(_out_and_grads(out, grads, ref, ref_g, base, base_g), _factor)
 
 
 def _sdpa_case(device, dtype):
@@ -134,8 +140,7 @@ def _sdpa_case(device, dtype):
 
     ref, ref_g = ref_in(torch.float64)
     base, base_g = ref_in(dtype)
-    pairs = [("out", out, ref, base)] + [(n, a, r, bb) for n, a, r, bb in zip(("dq", "dk", "dv"), grads, ref_g, base_g)]
-    return _verdicts(pairs, _factor)
+    return _verdicts(_out_and_grads(out, grads, ref, ref_g, base, base_g), _factor)
 
 
 def _kvcache_case(device, dtype, *, page=0):
@@ -170,8 +175,7 @@ def _kvcache_case(device, dtype, *, page=0):
         for i, n in enumerate(seqlens):
             keys = torch.cat([rows_k[i, :n], k[i]])[None]
             vals = torch.cat([rows_v[i, :n], v[i]])[None]
-            o, _ = _reference(q[i:i + 1], keys, vals, q[i:i + 1], dt, scale=d ** -0.5, diag_offset=n, window_right=0)
-            outs.append(o)
+            outs.append(_plain(q[i:i + 1], keys, vals, dt, scale=d ** -0.5, diag_offset=n, window_right=0))
         return torch.cat(outs)
 
     ok, worst, detail = _verdicts([("out", out, ref_in(torch.float64), ref_in(dtype))], _factor)

@@ -510,6 +510,13 @@ def append(k_cache, v_cache, k, v, seqlens, batch_idx, table, cos, sin, *, inter
             4, 1)
 
 
+def layout(paged: bool, page: int, block_n: int) -> str:
+    """How the decode kernel addresses keys: "rows" (a row cache), "tile" (pages that hold
+    whole key tiles: one table read per tile) or "gather" (a table read per key); the
+    key of ``STAGES``."""
+    return "rows" if not paged else "tile" if page % block_n == 0 else "gather"
+
+
 def split_plan(q, k_cache, table, num_splits: int) -> tuple[int, int]:
     """(splits, split_size) of a decode call: ``choose_splits``, then split_size a multiple
     of the key tile and no split without keys."""
@@ -520,7 +527,8 @@ def split_plan(q, k_cache, table, num_splits: int) -> tuple[int, int]:
     capacity = table.shape[1] * page if paged else k_cache.shape[1]
     block_m, block_n, _ = block_sizes(head_dim, seqlen_q * (nheads // nheads_k))
     programs = batch * nheads_k * triton.cdiv(seqlen_q * (nheads // nheads_k), block_m)
-    splits = choose_splits(num_splits, programs, capacity, block_n, q.device, gather=paged and page % block_n != 0)
+    splits = choose_splits(num_splits, programs, capacity, block_n, q.device,
+                           gather=layout(paged, page, block_n) == "gather")
     split_size = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
     return triton.cdiv(capacity, split_size), split_size
 
@@ -553,7 +561,7 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
     """Attention of q (batch, seqlen_q, H, D) against the caches (after the append):
     out (batch, seqlen_q, H, D), lse (batch, H, seqlen_q) float32 (unit last stride).
     ``num_splits``: 0 chooses (``choose_splits``); with more than one split the partial
-    results go to float32 buffers (``parts``, from ``scratch``, or made here) and
+    results go to float32 buffers (``parts``: ``scratch``'s, made here when not given) and
     ``_combine_kernel`` writes out and lse."""
     import torch
 
@@ -566,22 +574,16 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
     block_m, block_n, block_d = block_sizes(head_dim, seqlen_q * group)
     num_m_blocks = triton.cdiv(seqlen_q * group, block_m)
     splits, split_size = split_plan(q, k_cache, table, num_splits)
+    kind = layout(paged, page, block_n)
     rotary = cos is not None
     softcap_on = softcap > 0.0
     page_slice = 0
-    if paged and page % block_n and PAGE_SLICE_MAX:
+    if kind == "gather" and PAGE_SLICE_MAX:
         spanned = triton.cdiv(split_size, page) + 1  # a split's first tile may start inside a page
         if spanned <= PAGE_SLICE_MAX:
             page_slice = max(16, triton.next_power_of_2(spanned))
-    if splits > 1 and parts is not None:
-        out_part, lse_part = parts
-        if out_part.shape != (splits, batch, seqlen_q, nheads, head_dim) or lse_part.shape != (splits, batch, nheads,
-                                                                                                 seqlen_q):
-            raise ValueError(f"decode: parts of shapes {tuple(out_part.shape)}, {tuple(lse_part.shape)} for "
-                             f"{splits} splits (make them with scratch())")
-    elif splits > 1:
-        out_part = torch.empty((splits, batch, seqlen_q, nheads, head_dim), dtype=torch.float32, device=q.device)
-        lse_part = torch.empty((splits, batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    if splits > 1:
+        out_part, lse_part = parts if parts is not None else scratch(q, k_cache, table, num_splits, False)[1]
     else:
         out_part, lse_part = out, lse
     with _device_ctx(q):
@@ -604,12 +606,12 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
              scale * LOG2E, scale / softcap if softcap_on else 0.0, softcap * LOG2E if softcap_on else 0.0,
              window_left, window_right),
             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PAGED=paged,
-                 PAGE_TILE=paged and page % block_n == 0, PAGE_SLICE=page_slice, HAS_BATCH_IDX=batch_idx is not None,
+                 PAGE_TILE=kind == "tile", PAGE_SLICE=page_slice, HAS_BATCH_IDX=batch_idx is not None,
                  HAS_LEFTPAD=leftpad is not None, WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
                  SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, ROTARY=rotary, INTERLEAVED=interleaved,
                  ROTARY_LOCAL=rotary_local, SPLIT=splits > 1, CHECKED=status is not None,
                  IEEE_DOT=q.dtype == torch.float32),
-            4, STAGES["rows" if not paged else "tile" if page % block_n == 0 else "gather"])
+            4, STAGES[kind])
         if splits > 1:
             combine(out_part, lse_part, out, lse)
 

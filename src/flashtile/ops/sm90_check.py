@@ -288,6 +288,7 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
     ptrs = {n: "*i32" for n in ints}
     ptrs.update({n: f"*{dtype}" for n in ("Q", "K", "V", "KCache", "VCache", "Out")})
     ptrs.update(Lse="*fp32", OutPart="*fp32", LsePart="*fp32", Alibi="*fp32", Cos="*fp32", Sin="*fp32")
+    kind = decode.layout(paged > 0, paged, block_n)
     out = [_compile(f"decode-check {tag}", decode._check_kernel, ptrs,
                     dict(HAS_LEFTPAD=extras, HAS_BATCH_IDX=extras and not paged, PAGED=paged > 0, ROTARY=extras,
                          ROTARY_LOCAL=False, BLOCK=16), 4, 1),
@@ -296,12 +297,11 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
                          ROTARY=extras, INTERLEAVED=False, CHECKED=True), 4, 1),
            _compile(f"decode {tag} split={split}", decode._decode_kernel, ptrs,
                     dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PAGED=paged > 0,
-                         PAGE_TILE=paged > 0 and paged % block_n == 0, PAGE_SLICE=page_slice,
+                         PAGE_TILE=kind == "tile", PAGE_SLICE=page_slice,
                          HAS_BATCH_IDX=extras and not paged,
                          HAS_LEFTPAD=extras, WINDOW_LEFT=extras, WINDOW_RIGHT=extras, SOFTCAP=extras,
                          HAS_ALIBI=extras, ROTARY=extras, INTERLEAVED=False, ROTARY_LOCAL=extras, SPLIT=split,
-                         CHECKED=True, IEEE_DOT=dtype == "fp32"), 4,
-                             decode.STAGES["rows" if not paged else "tile" if paged % block_n == 0 else "gather"])]
+                         CHECKED=True, IEEE_DOT=dtype == "fp32"), 4, decode.STAGES[kind])]
     if split:
         out.append(_compile(f"decode-combine {tag}", decode._combine_kernel, ptrs,
                             dict(BLOCK_S=16, BLOCK_D=block_d), 4, 1))
