@@ -12,7 +12,7 @@ ROOT = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
 @pytest.mark.parametrize("name", ["sweep_fwd", "sweep_bwd", "train_block", "host_overhead", "host_profile",
-                                  "experiments/gluon_fwd"])
+                                  "context_parallel", "experiments/gluon_fwd"])
 def test_script_imports_and_shows_help(name, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))  # as when run as a script: benchmarks/ holds sweep_common
     spec = importlib.util.spec_from_file_location(f"bench_{name.replace('/', '_')}", ROOT / f"{name}.py")
@@ -82,3 +82,26 @@ def test_transformers_step_tiny_run(tmp_path, monkeypatch):
     ft = {w: rows[("tiled_attention", w)]["losses"] for w in ("train-padded", "train-packed")}
     assert ft["train-padded"] == pytest.approx(ft["train-packed"], rel=1e-5)
     assert ft["train-padded"] == pytest.approx(rows[("sdpa", "train-padded")]["losses"], rel=1e-4)
+
+
+def test_context_parallel_benchmark_runs_on_gloo(tmp_path):
+    # The multi-GPU benchmark's whole path (timing, the no-communication and comm-only
+    # breakdown, the one-process reference) on 2 CPU ranks: every implementation gives a row
+    # whose output matches one-process attention.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT.parent / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    out = tmp_path / "rows.jsonl"
+    proc = subprocess.run([sys.executable, str(ROOT / "context_parallel.py"), "--cpu-smoke", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["impl"] for r in rows) == ["ring-contiguous", "ring-zigzag", "ulysses"]
+    for r in rows:
+        assert r["world"] == 2 and r["step_s"] > 0 and r["single_s"] > 0
+        assert r["err"] < 1e-5, r
+    assert all(0.0 <= r["comm_hidden"] <= 1.0 for r in rows if r["impl"] != "ulysses")

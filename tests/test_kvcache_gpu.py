@@ -30,12 +30,13 @@ def test_matrix(dtype, page, sq, num_splits):
 
 @pytest.mark.parametrize("page", [16, 48])
 @pytest.mark.parametrize("num_splits", [0, 1])
-def test_paged_table_slice(monkeypatch, page, num_splits):
-    """decode.PAGE_SLICE_MAX on (an experiment, off by default): the page gather with the
-    split's table entries in registers."""
+@pytest.mark.parametrize("slice_max", [512, 0])
+def test_paged_table_slice(monkeypatch, page, num_splits, slice_max):
+    """decode.PAGE_SLICE_MAX (512 by default): the page gather with the split's table entries
+    in registers, and (0) the per-key table read of splits that span more pages."""
     from flashtile.ops import decode
 
-    monkeypatch.setattr(decode, "PAGE_SLICE_MAX", 512)
+    monkeypatch.setattr(decode, "PAGE_SLICE_MAX", slice_max)
     monkeypatch.setenv("FLASHTILE_PLANS", "0")
     q, k, v, kc, vc, table, seqlens = _case(batch=4, sq=4, new=4, heads=(32, 8), d=128, capacity=2000,
                                              seqlens=(0, 1, 1333, 1990), dtype=torch.bfloat16, page=page)

@@ -18,6 +18,8 @@ import types
 from typing import Sequence
 
 DEFAULT_SEQ_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+MEASURE_SEQ_LENGTHS = (1024, 2048, 4096, 8192, 16384)  # `traffic --measure`: large enough to pass the L2
+MEASURE_HEAD_DIMS = (64, 128)
 
 
 def _positive_int(text: str) -> int:
@@ -54,10 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="HBM traffic per (batch, head) of naive and tiled attention, from flashtile.traffic.",
     )
     traffic.add_argument(
-        "--seq", type=_positive_int, nargs="+", default=list(DEFAULT_SEQ_LENGTHS), metavar="N",
-        help="sequence lengths (default: %(default)s)",
+        "--seq", type=_positive_int, nargs="+", metavar="N",
+        help=f"sequence lengths (default: {list(DEFAULT_SEQ_LENGTHS)}; with --measure {list(MEASURE_SEQ_LENGTHS)})",
     )
-    traffic.add_argument("--d", type=_positive_int, default=64, help="head dim (default: %(default)s)")
+    traffic.add_argument("--d", type=_positive_int, nargs="+", metavar="D",
+                         help="head dims, a table each (default: 64; with --measure 64 128)")
     traffic.add_argument(
         "--dtype-bytes", type=_positive_int, default=4,
         help="bytes per element: 4 float32, 2 fp16/bf16 (default: %(default)s)",
@@ -67,6 +70,14 @@ def build_parser() -> argparse.ArgumentParser:
     traffic.add_argument("--causal", action="store_true", help="bottom-right causal mask")
     traffic.add_argument("--backward", action="store_true", help="model the backward pass instead of the forward")
     traffic.add_argument("--plot", metavar="FILE.png", help="also write a log-log plot (needs matplotlib)")
+    measure = traffic.add_argument_group(
+        "measured bytes (GPU)", "--measure runs naive and flashtile attention under Nsight Compute and prints the "
+        "DRAM bytes each pass moved beside the model's (flashtile.traffic_measure); without a GPU or ncu it says "
+        "so and exits 0. --seq and --d pick the shapes (default here: N 1024..16384, d 64 and 128)")
+    measure.add_argument("--measure", action="store_true", help="read the DRAM byte counters (needs a GPU and ncu)")
+    measure.add_argument("--heads", type=_positive_int, default=16, help="heads, batch 1 (default: %(default)s)")
+    measure.add_argument("--ncu", metavar="PATH", help="the ncu binary (default: FLASHTILE_NCU, then PATH)")
+    measure.add_argument("--out", metavar="DIR", help="write the rows (JSON lines) and ncu's CSV here")
 
     explain = sub.add_parser(
         "explain",
@@ -108,9 +119,32 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _run_traffic(args: argparse.Namespace) -> int:
+    if args.measure:
+        from flashtile.traffic_measure import measure
+
+        return measure(args.seq or list(MEASURE_SEQ_LENGTHS), args.d or list(MEASURE_HEAD_DIMS),
+                       heads=args.heads, ncu=args.ncu, out_dir=args.out, plot_path=args.plot)
     from flashtile import traffic
 
-    table_kwargs = dict(d=args.d, dtype_bytes=args.dtype_bytes, Br=args.br, Bc=args.bc, causal=args.causal)
+    args.seq = args.seq or list(DEFAULT_SEQ_LENGTHS)
+    args.d = args.d or [64]
+
+    for i, d in enumerate(args.d):
+        if i:
+            print()
+        _model_table(traffic, args, d)
+    if args.plot:
+        if args.causal or args.backward:
+            print("note: the plot shows the full (non-causal) forward pass", file=sys.stderr)
+        path = traffic.plot_traffic(
+            args.seq, args.plot, d=args.d[0], dtype_bytes=args.dtype_bytes, Br=args.br, Bc=args.bc
+        )
+        print(f"wrote {path}")
+    return 0
+
+
+def _model_table(traffic: types.ModuleType, args: argparse.Namespace, d: int) -> None:
+    table_kwargs = dict(d=d, dtype_bytes=args.dtype_bytes, Br=args.br, Bc=args.bc, causal=args.causal)
     if args.backward:
         if "backward" in inspect.signature(traffic.print_traffic_table).parameters:
             traffic.print_traffic_table(seq_lengths=args.seq, backward=True, **table_kwargs)
@@ -118,14 +152,6 @@ def _run_traffic(args: argparse.Namespace) -> int:
             _print_backward_table(traffic, args.seq, **table_kwargs)
     else:
         traffic.print_traffic_table(seq_lengths=args.seq, **table_kwargs)
-    if args.plot:
-        if args.causal or args.backward:
-            print("note: the plot shows the full (non-causal) forward pass", file=sys.stderr)
-        path = traffic.plot_traffic(
-            args.seq, args.plot, d=args.d, dtype_bytes=args.dtype_bytes, Br=args.br, Bc=args.bc
-        )
-        print(f"wrote {path}")
-    return 0
 
 
 def _print_backward_table(traffic: types.ModuleType, seq_lengths: Sequence[int], *, d: int, dtype_bytes: int,

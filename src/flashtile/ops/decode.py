@@ -56,11 +56,12 @@ MAX_SPLITS = 128
 # the tile) measured best at 3 (3.77 vs 3.46 TB/s at batch 64 x 8192, page 16).
 # benchmarks/sweep_decode.py --stages-paged overrides "tile" and "gather".
 STAGES = {"rows": 3, "tile": 5, "gather": 3}
-# Experiment (off: 0; not yet measured on a GPU): a per-key page gather whose split spans at
-# most this many pages reads the split's table entries once, before the loop, and takes
-# each key's page from registers (tl.gather): its K/V addresses then wait on no load inside
-# the loop, which Triton pipelines like a row cache. benchmarks/sweep_decode.py --page-slice.
-PAGE_SLICE_MAX = 0
+# A per-key page gather whose split spans at most this many pages reads the split's table
+# entries once, before the loop, and takes each key's page from registers (tl.gather): its
+# K/V addresses then wait on no load inside the loop, which Triton pipelines like a row
+# cache. H200 (page 16, best split count): 3.01 -> 3.22 TB/s at batch 8 x 32768, 3.73 ->
+# 3.97 at batch 64 x 8192 (0 turns it off; benchmarks/sweep_decode.py --page-slice).
+PAGE_SLICE_MAX = 512
 
 
 @triton.jit
