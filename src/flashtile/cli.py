@@ -78,6 +78,9 @@ def build_parser() -> argparse.ArgumentParser:
     measure.add_argument("--heads", type=_positive_int, default=16, help="heads, batch 1 (default: %(default)s)")
     measure.add_argument("--ncu", metavar="PATH", help="the ncu binary (default: FLASHTILE_NCU, then PATH)")
     measure.add_argument("--out", metavar="DIR", help="write the rows (JSON lines) and ncu's CSV here")
+    measure.add_argument("--from-csv", metavar="FILE", help="no GPU needed: the table, rows and plot of the "
+                         "ncu-traffic.csv an earlier --measure saved (give its --seq/--d/--heads if not the defaults)")
+    measure.add_argument("--gpu-name", metavar="NAME", help="with --from-csv: the GPU the CSV was measured on")
 
     explain = sub.add_parser(
         "explain",
@@ -123,7 +126,8 @@ def _run_traffic(args: argparse.Namespace) -> int:
         from flashtile.traffic_measure import measure
 
         return measure(args.seq or list(MEASURE_SEQ_LENGTHS), args.d or list(MEASURE_HEAD_DIMS),
-                       heads=args.heads, ncu=args.ncu, out_dir=args.out, plot_path=args.plot)
+                       heads=args.heads, ncu=args.ncu, out_dir=args.out, plot_path=args.plot,
+                       from_csv=args.from_csv, gpu_name=args.gpu_name)
     from flashtile import traffic
 
     args.seq = args.seq or list(DEFAULT_SEQ_LENGTHS)

@@ -18,9 +18,12 @@ to the model's two numbers for it:
   `split_backward_bytes`: its dK/dV kernel re-reads Q, dO, LSE and D per K/V tile, its dQ
   kernel K and V per Q tile).
 
-For flashtile the share of the re-read traffic that the L2 absorbed is
-(no cache - measured) / (no cache - compulsory): 1.0 when HBM saw only the compulsory
-bytes, 0.0 when every re-read reached it.
+For flashtile the share of the re-read traffic that the L2 absorbed is, on reads (every
+re-read is a read), (no cache - measured) / (no cache - kernel floor), where the kernel
+floor is each kernel reading each of its inputs once (`model_bytes`): 1.0 when HBM saw no
+tile re-read, 0.0 when every re-read reached it. The backward's floor is twice its
+compulsory reads: its dK/dV and dQ kernels both read Q, K, V and dO (and ncu's flush
+between kernels keeps the second from finding the first's lines in the L2).
 
 How it is measured. The parent process starts ``ncu --profile-from-start off`` on a worker
 (``python -m flashtile.traffic_measure --worker``) that sets up each case, runs it once to
@@ -29,8 +32,9 @@ compile and warm up, then runs it again between ``cudaProfilerStart`` and
 case are the rows between two markers of ncu's CSV. ncu's default cache control flushes
 the L2 before every kernel, so each kernel starts cold: a kernel's re-reads can hit lines
 it brought in itself, not lines an earlier kernel left. Dirty lines still in the L2 when a
-kernel ends are written back outside it; a kernel's counted writes can fall short of its
-output by up to the L2's size (60 MB on an H200), which is why the shapes are large.
+kernel ends are written back outside it: a kernel's counted writes fall short of its output
+by up to the L2's size (60 MB on an H200), so writes are reported but the comparison that
+matters is on reads.
 
 Without a CUDA GPU, or without ncu on the PATH (or ``--ncu`` / ``FLASHTILE_NCU``), it says so
 and returns 0: nothing to measure here is not an error.
@@ -101,38 +105,55 @@ def forward_tiles(d: int) -> tuple[int, int]:
 
 
 def split_backward_bytes(n: int, d: int, dtype_bytes: int = DTYPE_BYTES, *, keys_per_program: int = 128,
-                         queries_per_program: int = 128, dq_keys: int = 128, q_step: int = 64) -> int:
-    """HBM bytes of flashtile's split backward for one (batch, head), every re-read from HBM.
+                         queries_per_program: int = 128) -> tuple[int, int]:
+    """(read, written) HBM bytes of flashtile's split backward for one (batch, head), every
+    re-read from HBM.
 
     Three kernels: the preprocess reads O and dO and writes D = rowsum(dO * O) (fp32); the
-    dK/dV kernel holds ``keys_per_program`` keys and streams every visible query step of
-    ``q_step`` rows (Q, dO, LSE, D again for each), writing dK and dV once; the dQ kernel
-    holds ``queries_per_program`` queries and streams every visible K/V tile of ``dq_keys``
-    (K, V again for each), writing dQ once. Not causal (every tile pair is visible).
+    dK/dV kernel holds ``keys_per_program`` keys, reads K and V once and every query row's
+    Q, dO, LSE and D again for each such program, and writes dK and dV once; the dQ kernel
+    holds ``queries_per_program`` queries, reads Q, dO, LSE and D once and K and V again for
+    each such program, and writes dQ once. Not causal (every tile pair is visible).
     """
     b, st = dtype_bytes, traffic.STATS_BYTES
-    pre = 2 * n * d * b + n * st  # read O, dO; write D
+    rows = n * d * b  # one N x d tensor
     kv_programs = math.ceil(n / keys_per_program)
-    dkdv = 2 * n * d * b + kv_programs * n * (2 * d * b + 2 * st) + 2 * n * d * b
     q_programs = math.ceil(n / queries_per_program)
-    dq = n * (2 * d * b + 2 * st) + q_programs * 2 * n * d * b + n * d * b
-    del q_step  # every query row is loaded once per K/V program whatever the step
-    return pre + dkdv + dq
+    read = (2 * rows  # preprocess: O, dO
+            + 2 * rows + kv_programs * n * (2 * d * b + 2 * st)  # dK/dV: K, V; Q, dO, LSE, D per program
+            + n * (2 * d * b + 2 * st) + q_programs * 2 * rows)  # dQ: Q, dO, LSE, D; K, V per program
+    written = n * st + 2 * rows + rows  # D; dK, dV; dQ
+    return read, written
 
 
 def model_bytes(case: Case) -> dict:
-    """{"compulsory": bytes, "no_cache": bytes} of ``case`` over all its heads."""
-    n, d, h = case.n, case.d, case.heads
-    compulsory = traffic.min_hbm_bytes(1, h, h, n, n, d, DTYPE_BYTES, case.pass_)
+    """The model's bytes of ``case`` over all its heads: ``compulsory`` (every tensor moved
+    once) and ``no_cache`` (every re-read from HBM), each also split into ``*_read`` and
+    ``*_write``; ``kernel_floor_read``: each kernel of the algorithm reads each of its inputs
+    once (for the split backward twice the compulsory reads: both main kernels read Q, K, V
+    and dO; for the forward and naive the compulsory reads of their ledgers)."""
+    n, d, h, b = case.n, case.d, case.heads, DTYPE_BYTES
     backward = case.pass_ == "bwd"
-    if case.impl == "naive":
-        no_cache = traffic.memory_work(n, d, dtype_bytes=DTYPE_BYTES, backward=backward).naive.hbm_bytes * h
-    elif backward:
-        no_cache = split_backward_bytes(n, d) * h
+    compulsory = traffic.min_hbm_bytes(1, h, h, n, n, d, b, case.pass_)
+    # fwd writes out and the LSE; bwd writes dq, dk, dv (all of one head count here).
+    compulsory_write = h * (3 * n * d * b if backward else n * d * b + n * traffic.STATS_BYTES)
+    floor_read = None
+    if case.impl == "flashtile" and backward:
+        read, written = split_backward_bytes(n, d, b)
+        floor_read = split_backward_bytes(n, d, b, keys_per_program=n, queries_per_program=n)[0]
     else:
-        br, bc = forward_tiles(d)
-        no_cache = traffic.memory_work(n, d, dtype_bytes=DTYPE_BYTES, Br=br, Bc=bc).flash.hbm_bytes * h
-    return {"compulsory": int(compulsory), "no_cache": int(no_cache)}
+        if case.impl == "naive":
+            work = traffic.memory_work(n, d, dtype_bytes=b, backward=backward).naive
+        else:
+            br, bc = forward_tiles(d)
+            work = traffic.memory_work(n, d, dtype_bytes=b, Br=br, Bc=bc).flash
+        read = sum(line.reads_bytes for line in work.ledger)
+        written = sum(line.writes_bytes for line in work.ledger)
+        floor_read = sum(line.reads_bytes for line in work.ledger if not line.is_reread)
+    return {"compulsory": int(compulsory), "compulsory_read": int(compulsory - compulsory_write),
+            "kernel_floor_read": int(h * floor_read),
+            "compulsory_write": int(compulsory_write), "no_cache": int(h * (read + written)),
+            "no_cache_read": int(h * read), "no_cache_write": int(h * written)}
 
 
 # ---------------------------------------------------------------------------------------
@@ -192,20 +213,23 @@ def split_cases(rows: Sequence[KernelRow], names: Sequence[str]) -> dict[str, li
 
 
 def summarize(case: Case, kernels: Sequence[KernelRow]) -> dict:
-    """One result row: measured bytes, the model's, and the share of re-reads the L2 took."""
+    """One result row: measured bytes, the model's, and the share of re-reads the L2 took.
+
+    The share is computed on reads: every re-read of the model is a read, and the counted
+    writes fall short when the output can stay in the L2 past the kernel's end."""
     read = sum(k.metrics.get("dram__bytes_read.sum", 0.0) for k in kernels)
     write = sum(k.metrics.get("dram__bytes_write.sum", 0.0) for k in kernels)
     ns = sum(k.metrics.get("gpu__time_duration.sum", 0.0) for k in kernels)
     model = model_bytes(case)
-    measured = read + write
-    reread = model["no_cache"] - model["compulsory"]
-    absorbed = (model["no_cache"] - measured) / reread if case.impl == "flashtile" and reread > 0 else None
+    reread = model["no_cache_read"] - model["kernel_floor_read"]
+    absorbed = (model["no_cache_read"] - read) / reread if case.impl == "flashtile" and reread > 0 else None
     return {
         **asdict(case), "case": case.name, "kernels": len(kernels),
         "kernel_names": sorted({k.name.split("(")[0][:60] for k in kernels}),
-        "read_bytes": read, "write_bytes": write, "measured_bytes": measured,
-        "compulsory_bytes": model["compulsory"], "no_cache_bytes": model["no_cache"],
-        "measured_over_compulsory": measured / model["compulsory"],
+        "read_bytes": read, "write_bytes": write, "measured_bytes": read + write,
+        **{f"{key}_bytes": value for key, value in model.items()},
+        "measured_over_compulsory": (read + write) / model["compulsory"],
+        "read_over_compulsory_read": read / model["compulsory_read"],
         "l2_absorbed": absorbed, "ncu_time_us": ns / 1e3,
     }
 
@@ -290,8 +314,10 @@ def worker(cases: Sequence[Case], status_path: str) -> int:
         torch.cuda.synchronize()
         torch.cuda.cudart().cudaProfilerStop()
         done.append(case.name)
-        del fn
-        torch.cuda.empty_cache()
+        del fn  # its memory stays in torch's cache: memory handed back to the driver and
+        # taken again can be written by the driver during a later kernel, which the
+        # device-wide DRAM counters would charge to that kernel (run 75: 0.96 GB "written"
+        # by a forward whose output is 34 MB, right after empty_cache released 35 GB)
         Path(status_path).write_text(json.dumps({"measured": done, "skipped": skipped}))
     Path(status_path).write_text(json.dumps({"measured": done, "skipped": skipped}))
     return 0
@@ -373,24 +399,25 @@ def run_under_ncu(cases: Sequence[Case], ncu: str, workdir: Path, timeout: float
 
 def format_table(results: Sequence[dict]) -> str:
     """The measured-bytes table (GB = 1e9 bytes), one row per case."""
-    head = (f"{'impl':<9} {'pass':<4} {'d':>4} {'N':>6} | {'read GB':>8} {'write GB':>8} {'measured':>9} | "
-            f"{'compulsory':>10} {'no cache':>9} | {'meas/comp':>9} {'L2 took':>7} | kernels")
+    head = (f"{'impl':<9} {'pass':<4} {'d':>4} {'N':>6} | {'read GB':>8} {'write GB':>8} | "
+            f"{'comp. rd':>8} {'floor rd':>8} {'no-cache rd':>11} {'comp. wr':>8} | {'rd/comp':>8} {'L2 took':>7} | kernels")
     out = [head, "-" * len(head)]
     for r in results:
-        absorbed = "-" if r["l2_absorbed"] is None else f"{100 * r['l2_absorbed']:.0f}%"
+        absorbed = "-" if r["l2_absorbed"] is None else f"{100 * r['l2_absorbed']:.1f}%"
         out.append(f"{r['impl']:<9} {r['pass_']:<4} {r['d']:>4} {r['n']:>6} | {r['read_bytes'] / 1e9:>8.3f} "
-                   f"{r['write_bytes'] / 1e9:>8.3f} {r['measured_bytes'] / 1e9:>9.3f} | "
-                   f"{r['compulsory_bytes'] / 1e9:>10.3f} {r['no_cache_bytes'] / 1e9:>9.3f} | "
-                   f"{r['measured_over_compulsory']:>8.2f}x {absorbed:>7} | {r['kernels']}")
+                   f"{r['write_bytes'] / 1e9:>8.3f} | {r['compulsory_read_bytes'] / 1e9:>8.3f} "
+                   f"{r['kernel_floor_read_bytes'] / 1e9:>8.3f} {r['no_cache_read_bytes'] / 1e9:>11.3f} "
+                   f"{r['compulsory_write_bytes'] / 1e9:>8.3f} | "
+                   f"{r['read_over_compulsory_read']:>7.2f}x {absorbed:>7} | {r['kernels']}")
     return "\n".join(out)
 
 
 def plot(results: Sequence[dict], path: str | Path) -> Path:
-    """Log-log PNG: measured bytes against N beside the model's, one panel per pass."""
+    """Log-log PNG: DRAM bytes read against N beside the model's reads, one panel per pass."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=(11, 4.4))
+    fig = Figure(figsize=(11, 4.6))
     FigureCanvasAgg(fig)
     for i, p in enumerate(PASSES):
         ax = fig.add_subplot(1, 2, i + 1)
@@ -402,15 +429,16 @@ def plot(results: Sequence[dict], path: str | Path) -> Path:
                 if not rs:
                     continue
                 ns = [r["n"] for r in rs]
-                ax.loglog(ns, [r["measured_bytes"] for r in rs], marker + "-", label=f"{impl} measured, d{d}")
-                ax.loglog(ns, [r["no_cache_bytes"] for r in rs], marker + ":", alpha=0.6,
-                          label=f"{impl} model, no cache, d{d}")
+                ax.loglog(ns, [r["read_bytes"] for r in rs], marker + "-", label=f"{impl} measured, d{d}")
+                ax.loglog(ns, [r["no_cache_read_bytes"] for r in rs], marker + ":", alpha=0.6,
+                          label=f"{impl} model, every re-read from HBM, d{d}")
             if rows["flashtile"]:
-                ax.loglog([r["n"] for r in rows["flashtile"]], [r["compulsory_bytes"] for r in rows["flashtile"]],
+                ax.loglog([r["n"] for r in rows["flashtile"]],
+                          [r["compulsory_read_bytes"] for r in rows["flashtile"]],
                           "^--", alpha=0.6, label=f"compulsory, d{d}")
         ax.set_xlabel("sequence length N")
-        ax.set_ylabel("DRAM bytes (all heads)")
-        ax.set_title(f"{'forward' if p == 'fwd' else 'backward'}: ncu DRAM bytes vs the model")
+        ax.set_ylabel("DRAM bytes read (all heads)")
+        ax.set_title(f"{'forward' if p == 'fwd' else 'backward'}: ncu DRAM reads vs the model")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=6)
     fig.tight_layout()
@@ -419,11 +447,45 @@ def plot(results: Sequence[dict], path: str | Path) -> Path:
     return path
 
 
+def report(text: str, measured: Sequence[str], cases: Sequence[Case], *, gpu: str, heads: int,
+           out_dir: str | Path | None = None, plot_path: str | Path | None = None, extra: dict | None = None
+           ) -> list[dict]:
+    """Rows of ncu's CSV ``text`` for the cases named in ``measured`` (in the order the worker
+    ran them): print the table, write ``traffic-measured.jsonl`` under ``out_dir`` and the
+    plot. Also what ``--from-csv`` runs on a saved CSV, with no GPU."""
+    by_case = split_cases(parse_ncu_csv(text), measured)
+    lookup = {c.name: c for c in cases}
+    results = [summarize(lookup[name], by_case[name]) for name in measured]
+    print(f"DRAM bytes by Nsight Compute (L2 flushed before each kernel) on {gpu}; "
+          f"batch 1, {heads} heads, bf16, not causal; GB = 1e9 bytes")
+    print(format_table(results))
+    if out_dir is not None:
+        rows = Path(out_dir) / "traffic-measured.jsonl"
+        with rows.open("w") as f:
+            for r in results:
+                f.write(json.dumps({**r, "gpu": gpu, **(extra or {})}) + "\n")
+        print(f"wrote {rows}")
+    if plot_path is not None:
+        print(f"wrote {plot(results, plot_path)}")
+    return results
+
+
 def measure(seq_lengths: Sequence[int], head_dims: Sequence[int], *, heads: int = 16, ncu: str | None = None,
             out_dir: str | Path | None = None, plot_path: str | Path | None = None,
-            impls: Iterable[str] = IMPLS, passes: Iterable[str] = PASSES) -> int:
+            impls: Iterable[str] = IMPLS, passes: Iterable[str] = PASSES, from_csv: str | Path | None = None,
+            gpu_name: str | None = None) -> int:
     """``flashtile traffic --measure``: print the table (and write rows/plot); 0 on success or
-    when nothing can be measured here (said on stdout), 1 if the measurement failed."""
+    when nothing can be measured here (said on stdout), 1 if the measurement failed.
+
+    ``from_csv``: no measurement; read the ``ncu-traffic.csv`` an earlier run saved (its
+    cases are those of ``seq_lengths``, ``head_dims`` and ``heads``, all measured; ``gpu_name``
+    names the GPU it ran on in the rows)."""
+    cases = make_cases(seq_lengths, head_dims, heads, impls, passes)
+    if from_csv is not None:
+        text = Path(from_csv).read_text()
+        report(text, [c.name for c in cases], cases, gpu=gpu_name or "the GPU of the saved run", heads=heads,
+               out_dir=out_dir, plot_path=plot_path)
+        return 0
     ncu = find_ncu(ncu)
     reason = why_not_here(ncu)
     if reason:
@@ -431,7 +493,6 @@ def measure(seq_lengths: Sequence[int], head_dims: Sequence[int], *, heads: int 
         return 0
     import torch
 
-    cases = make_cases(seq_lengths, head_dims, heads, impls, passes)
     with tempfile.TemporaryDirectory() as tmp:
         try:
             text, status, error = run_under_ncu(cases, ncu, Path(tmp))
@@ -441,26 +502,12 @@ def measure(seq_lengths: Sequence[int], head_dims: Sequence[int], *, heads: int 
         if out_dir is not None:
             Path(out_dir).mkdir(parents=True, exist_ok=True)
             (Path(out_dir) / "ncu-traffic.csv").write_text(text)
-    measured = status["measured"]
-    by_case = split_cases(parse_ncu_csv(text), measured)
-    lookup = {c.name: c for c in cases}
-    results = [summarize(lookup[name], by_case[name]) for name in measured]
-    gpu = torch.cuda.get_device_name()
-    print(f"DRAM bytes by Nsight Compute ({Path(ncu).name}, L2 flushed before each kernel) on {gpu}; "
-          f"batch 1, {heads} heads, bf16, not causal")
-    print(format_table(results))
+    report(text, status["measured"], cases, gpu=torch.cuda.get_device_name(), heads=heads, out_dir=out_dir,
+           plot_path=plot_path, extra={"torch": torch.__version__})
     for name, why in status["skipped"].items():
         print(f"skipped {name}: {why}")
     if error:
-        print(f"the worker stopped after {len(measured)} of {len(cases)} cases: {error}", file=sys.stderr)
-    if out_dir is not None:
-        rows = Path(out_dir) / "traffic-measured.jsonl"
-        with rows.open("w") as f:
-            for r in results:
-                f.write(json.dumps({**r, "gpu": gpu, "torch": torch.__version__}) + "\n")
-        print(f"wrote {rows}")
-    if plot_path is not None:
-        print(f"wrote {plot(results, plot_path)}")
+        print(f"the worker stopped after {len(status['measured'])} of {len(cases)} cases: {error}", file=sys.stderr)
     return 1 if error else 0
 
 
