@@ -12,7 +12,9 @@ what=${1:-all}
 
 if [[ $what == tests || $what == all ]]; then
   # -n 8: compiles run in parallel on the host's cores; the GPU work per case is small.
-  timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -m gpu tests -q -n ${TESTS_WORKERS:-8} \
+  # -v: each result is logged as it comes (run 78 hit the limit at 95% with 3 failures that
+  # -q would only have named at the end).
+  timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -m gpu tests -v -rf -n ${TESTS_WORKERS:-8} \
     --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests.log" | cut -c1-200 | tail -15
 fi
