@@ -76,6 +76,39 @@ def test_sdpa_masks_match_torch(mask_dtype):
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_sdpa_rows_hidden_by_finfo_min_match_torch(dtype):
+    # The torch twin (CPU tensors) on a transformers-style mask whose rows 1 and 4 are hidden
+    # entirely by torch.finfo(dtype).min: the forward is torch's SDPA's (the mean of v), the
+    # gradients are those of that even softmax (float64 math). torch's own CPU SDPA (2.13)
+    # gets these gradients 9x too large (n keys: its saved LSE cannot hold log n at -3.4e38),
+    # so they are compared with float64. The Triton kernels' version: test_backward_triton_interp.py.
+    from flashtile.testing import GRAD_FACTOR, assert_close
+
+    g = torch.Generator().manual_seed(8)
+    q, k, v, dout = (torch.randn(2, 3, n, 16, generator=g).to(dtype) for n in (7, 9, 9, 7))
+    mask = torch.zeros(2, 1, 7, 9, dtype=dtype)
+    mask[..., 6:] = torch.finfo(dtype).min
+    mask[:, :, [1, 4]] = torch.finfo(dtype).min
+
+    def run(fn, dt=dtype):
+        leaves = [t.to(dt).requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves, attn_mask=mask.to(dt))
+        return (out.detach(), *torch.autograd.grad(out, leaves, dout.to(dt)))
+
+    def plain(a, b, c, attn_mask):
+        return plain_attention(a, b, c, scale=0.25, attn_mask=attn_mask.expand(2, 3, 7, 9))[0]
+
+    got = run(flashtile.scaled_dot_product_attention)
+    torch_sdpa = run(torch.nn.functional.scaled_dot_product_attention)
+    ref, base = run(plain, torch.float64), run(plain)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(got[0], torch_sdpa[0], **tol)
+    torch.testing.assert_close(got[0][:, :, 1], v.mean(dim=2), **tol)
+    for name, a, r, b in zip(("dq", "dk", "dv"), got[1:], ref[1:], base[1:]):
+        assert_close(f"twin finfo.min {name}", a, r, b, factor=GRAD_FACTOR)
+
+
 def test_gradients_flow_on_torch_path():
     q, k, v = (torch.randn(1, n, 2, 8, dtype=torch.float32, requires_grad=True) for n in (5, 7, 7))
     out = flashtile.flash_attn_func(q, k, v, causal=True)

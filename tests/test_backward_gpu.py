@@ -84,6 +84,39 @@ def test_sdpa_mask_gradients(mask_kind):
         assert_close(f"sdpa {mask_kind} {name}", a, r, b, factor=GRAD_FACTOR)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+def test_sdpa_rows_hidden_by_finfo_min(dtype):
+    # transformers' additive masks hide keys with torch.finfo(dtype).min; rows hidden entirely
+    # come out as torch's SDPA gives them (bf16/fp32: the mean of v, the gradients of that
+    # even softmax; fp16: -65504 keeps the q.k differences), forward and backward.
+    from flashtile.testing import FORWARD_FACTOR, GRAD_FACTOR, assert_close, plain_attention
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    B, H, L, S, E = 2, 4, 300, 333, 64
+    q, k, v, dout = (torch.randn(B, H, n, E, generator=g, device="cuda", dtype=dtype) for n in (L, S, S, L))
+    hide = torch.zeros(B, 1, L, S, dtype=torch.bool, device="cuda")
+    hide[..., 250:] = True
+    hide[:, :, 10:20, :] = True
+    hide[:, :, 299, :] = True
+    mask = torch.zeros(B, 1, L, S, dtype=dtype, device="cuda").masked_fill(hide, torch.finfo(dtype).min)
+    full = mask.expand(B, H, L, S)
+
+    def run(fn, dt):
+        leaves = [t.to(dt).requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves)
+        return (out.detach(), *torch.autograd.grad(out, leaves, dout.to(dt)))
+
+    got = run(lambda a, b, c: flashtile.scaled_dot_product_attention(a, b, c, attn_mask=mask), dtype)
+    ref = run(lambda a, b, c: plain_attention(a, b, c, scale=E ** -0.5, attn_mask=full)[0], torch.float64)
+    base = run(lambda a, b, c: plain_attention(a, b, c, scale=E ** -0.5, attn_mask=full)[0], dtype)
+    for name, a, r, b in zip(("out", "dq", "dk", "dv"), got, ref, base):
+        assert_close(f"finfo.min {name}", a, r, b, factor=FORWARD_FACTOR if name == "out" else GRAD_FACTOR)
+    if dtype != torch.float16:
+        want = v.double().mean(dim=2, keepdim=True).expand(B, H, 11, E)
+        rows = got[0][:, :, list(range(10, 20)) + [299]].double()
+        assert (rows - want).abs().max() < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
 def _grads_once(q, k, v, dout, **kw):
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     out = flashtile.flash_attn_func(*leaves, **kw)

@@ -301,3 +301,38 @@ def test_forward_mode_ad_is_refused():
     q, k, v = _small_qkv()
     with fwad.dual_level(), pytest.raises(NotImplementedError, match="forward-mode AD"):
         flashtile.flash_attn_func(fwad.make_dual(q, torch.ones_like(q)), k, v)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+def test_sdpa_rows_hidden_by_finfo_min(dtype):
+    # transformers hides keys with torch.finfo(dtype).min in an additive mask. A row hidden
+    # entirely must come out as torch's SDPA gives it: at fp32 (and bf16) the bias swallows
+    # q.k and the row spreads evenly (out = mean of v, gradients of that softmax); at fp16
+    # (-65504 scaled by log2 e is still finite) the q.k differences survive. Rows 2, 7
+    # hidden entirely, row 4 all but two keys, the rest a padding mask.
+    g = torch.Generator().manual_seed(6)
+    B, H, L, S, E = 2, 2, 19, 37, 16
+    q, k, v, dout = (torch.randn(B, H, n, E, generator=g, dtype=dtype) for n in (L, S, S, L))
+    hide = torch.zeros(B, 1, L, S, dtype=torch.bool)
+    hide[..., 30:] = True
+    hide[:, :, [2, 7], :] = True
+    hide[:, :, 4, :] = True
+    hide[:, :, 4, [5, 11]] = False
+    mask = torch.zeros(B, 1, L, S, dtype=dtype).masked_fill(hide, torch.finfo(dtype).min)
+    full = mask.expand(B, H, L, S)
+
+    def run(fn):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out = fn(*leaves)
+        return (out.detach(), *torch.autograd.grad(out, leaves, dout.to(out.dtype)))
+
+    got = run(lambda a, b, c: flashtile.scaled_dot_product_attention(a, b, c, attn_mask=mask))
+    ref = run(lambda a, b, c: plain_attention(a.double(), b.double(), c.double(), scale=E ** -0.5,
+                                              attn_mask=full.double())[0])
+    base = run(lambda a, b, c: plain_attention(a, b, c, scale=E ** -0.5, attn_mask=full)[0])
+    for name, a, r, b in zip(("out", "dq", "dk", "dv"), got, ref, base):
+        assert_close(f"finfo.min {name}", a, r, b, factor=2.0 if name == "out" else GRAD_FACTOR)
+    if dtype == torch.float32:
+        mean_v = v.double().mean(dim=2)
+        for row in (2, 7):
+            torch.testing.assert_close(got[0][:, :, row].double(), mean_v, atol=1e-5, rtol=0)

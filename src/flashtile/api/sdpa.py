@@ -29,7 +29,11 @@ def scaled_dot_product_attention(
             unless ``enable_gqa`` (then heads % heads_kv == 0). value's E must equal E.
         attn_mask: broadcastable to (batch, heads, L, S). bool: True = take part;
             float (query's dtype or float32): added to the scores. Evaluated inside the
-            kernel tile by tile, never expanded in memory.
+            kernel tile by tile, never expanded in memory. Huge negative biases
+            (torch.finfo(float32 or bfloat16).min, transformers' "hidden") behave as in
+            torch: a row that only such keys reach spreads evenly over them (the mean of
+            their values), with the gradients of that even softmax on every backend; a row
+            whose keys are all -inf gives 0.
         dropout_p: as in torch: applied only when > 0 (pass 0.0 at evaluation time).
         is_causal: top-left aligned (torch's ``tril``): query i sees keys j <= i. Not
             together with attn_mask (as in torch).

@@ -38,7 +38,8 @@ from .configs import BwdConfig, cuda_capability, device_index
 from .launch import Launcher
 from .varlen import varlen_item
 from .window import effective_window
-from .forward import LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, _dropout_keep, _key_tiles, _tanh, _tma_ok
+from .forward import (HIDDEN2, HUGE_BIAS2, LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, _add_float_mask, _dropout_keep,
+                      _key_tiles, _tanh, _tma_ok)
 
 
 @triton.jit
@@ -93,6 +94,23 @@ def _bwd_preprocess(
 
 
 @triton.jit
+def _row_lse2(lse, MASK_MODE: tl.constexpr):
+    """(lse2, tail) of rows whose saved LSE is ``lse`` (natural log): P = exp2(s - lse2 - tail).
+
+    lse2 is the LSE in base 2, +inf for rows that saw no key (and rows past the end, loaded
+    as +inf), so their P is 0. tail is 0, except under a float mask for a row that only
+    hidden keys reach (``forward.HIDDEN2``): there lse2 = HIDDEN2 and tail = log2 of the
+    number of keys, taken back from the LSE the forward encoded, so each gets P = 1/n."""
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tail = tl.zeros_like(lse2)
+    if MASK_MODE == 2:
+        hidden_row = lse2 < HUGE_BIAS2
+        tail = tl.where(hidden_row, tl.maximum((lse2 / HIDDEN2 - 1.0) * 32.0, 0.0), 0.0)
+        lse2 = tl.where(hidden_row, HIDDEN2, lse2)
+    return lse2, tail
+
+
+@triton.jit
 def _score_tile(
     raw, i2, j2, mask_ptrs, seqlen_q, seqlen_k,
     qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
@@ -119,7 +137,7 @@ def _score_tile(
         s = tl.where(keep != 0, s, float("-inf"))
     elif MASK_MODE == 2:
         bias = tl.load(mask_ptrs, mask=(j2 < seqlen_k) & (i2 < seqlen_q), other=0.0)
-        s = s + bias.to(tl.float32) * 1.4426950408889634
+        s = _add_float_mask(s, bias)
     if BOUNDARY:
         visible = j2 < seqlen_k
         if WINDOW_RIGHT:
@@ -132,7 +150,7 @@ def _score_tile(
 
 @triton.jit
 def _dq_tiles(
-    dq, q, do, lse2, delta,
+    dq, q, do, lse2, tail, delta,
     k_base, v_base, mask_base, n_start, n_end,
     offs_m, offs_n0, offs_d,
     stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
@@ -163,7 +181,10 @@ def _dq_tiles(
             raw, offs_m[:, None], offs_n[None, :], mask_base + offs_n0[None, :] * stride_mn, seqlen_q, seqlen_k,
             qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
             BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE)
-        p = tl.exp2(s - lse2[:, None])
+        if MASK_MODE == 2:
+            p = tl.exp2((s - lse2[:, None]) - tail[:, None])
+        else:
+            p = tl.exp2(s - lse2[:, None])
         if DROPOUT:
             # dO reaches P only through the kept, rescaled entries; Delta already holds them.
             keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
@@ -234,8 +255,7 @@ def _bwd_dq_kernel(
                  + offs_d[None, :], mask=ok, other=0.0)
     lse_row = b_ptr * stride_lb + h64 * stride_lh + q_row
     lse = tl.load(Lse + lse_row + offs_m, mask=m_ok, other=float("inf"))
-    # Rows that saw no key (lse -inf) and rows past seqlen_q get lse +inf: P = exp2(s - inf) = 0.
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    lse2, tail = _row_lse2(lse, MASK_MODE)
     delta = tl.load(Delta + lse_row + offs_m, mask=m_ok, other=0.0)
     k_base = K + b_ptr * stride_kb + kvh64 * stride_kh + k_row * stride_kn
     v_base = V + b_ptr * stride_vb + kvh64 * stride_vh + k_row * stride_vn
@@ -256,17 +276,17 @@ def _bwd_dq_kernel(
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if WINDOW_LEFT:
-        dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, mask_base + tl.cast(lo_tile, tl.int64) * stride_mn, lo_tile, inner_lo,
+        dq = _dq_tiles(dq, q, do, lse2, tail, delta, k_base, v_base, mask_base + tl.cast(lo_tile, tl.int64) * stride_mn, lo_tile, inner_lo,
                        offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
                        qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
                        diag_offset, window_left, window_right, seed, bh, dropout_p,
                        BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, mask_base + tl.cast(inner_lo, tl.int64) * stride_mn, inner_lo, inner_hi,
+    dq = _dq_tiles(dq, q, do, lse2, tail, delta, k_base, v_base, mask_base + tl.cast(inner_lo, tl.int64) * stride_mn, inner_lo, inner_hi,
                    offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
                    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
                    diag_offset, window_left, window_right, seed, bh, dropout_p,
                    BLOCK_N, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base, v_base, mask_base + tl.cast(inner_hi, tl.int64) * stride_mn, inner_hi, hi,
+    dq = _dq_tiles(dq, q, do, lse2, tail, delta, k_base, v_base, mask_base + tl.cast(inner_hi, tl.int64) * stride_mn, inner_hi, hi,
                    offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
                    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
                    diag_offset, window_left, window_right, seed, bh, dropout_p,
@@ -302,7 +322,7 @@ def _dkdv_tiles(
         q = tl.load(q_base + row * stride_qm + offs_m0[:, None] * stride_qm + offs_d[None, :], mask=ok, other=0.0)
         do = tl.load(do_base + row * stride_dom + offs_m0[:, None] * stride_dom + offs_d[None, :], mask=ok, other=0.0)
         lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        lse2, tail = _row_lse2(lse, MASK_MODE)
         delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
         if IEEE_DOT:
             raw_t = tl.dot(k, tl.trans(q), input_precision="ieee")
@@ -315,7 +335,10 @@ def _dkdv_tiles(
             mask_base + row * stride_mm + offs_m0[None, :] * stride_mm, seqlen_q, seqlen_k,
             qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
             BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE)
-        p_t = tl.exp2(s_t - lse2[None, :])
+        if MASK_MODE == 2:
+            p_t = tl.exp2((s_t - lse2[None, :]) - tail[None, :])
+        else:
+            p_t = tl.exp2(s_t - lse2[None, :])
         pv_t = p_t
         if DROPOUT:
             keep_t = _dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], dropout_p)

@@ -42,6 +42,28 @@ LN2 = 0.6931471805599453
 # MASK_MODE values for an explicit attn_mask.
 MASK_NONE, MASK_BOOL, MASK_FLOAT = 0, 1, 2
 
+# Float masks hide keys with huge negative biases (transformers uses torch.finfo(dtype).min).
+# A bias below -2^126 in base 2 (about -5.9e37: the float32 and bfloat16 minimum and anything
+# near them) overflows once scaled by log2(e), and in torch's own arithmetic it swallows the
+# q.k term: every key of a row that only such keys reach gets the same score, so torch's SDPA
+# spreads the row evenly over them (out = their mean of v). The kernels give such keys the
+# score HIDDEN2 = -2^127 exactly (an explicit -inf stays -inf): a row with any other key
+# gives them weight 0, a row with none spreads evenly. Its LSE (HIDDEN2 + log2(n), with
+# log2(n) lost to rounding at that size) is stored as HIDDEN2 * (1 + log2(n) / 32) (nat
+# units: that times ln 2): a value below -2^126 that no other row reaches, from which the
+# backward takes log2(n) back (`ops.backward._row_lse2`) to form P = 1/n.
+HUGE_BIAS2 = tl.constexpr(-8.507059173023462e37)  # -2^126
+HIDDEN2 = tl.constexpr(-1.7014118346046923e38)  # -2^127
+
+
+@triton.jit
+def _add_float_mask(s, bias):
+    """Scores in base 2 plus a float mask's ``bias`` (natural units), huge biases to HIDDEN2."""
+    bias = bias.to(tl.float32)
+    bias2 = bias * 1.4426950408889634
+    hidden = tl.where(bias == float("-inf"), float("-inf"), HIDDEN2)
+    return tl.where(bias2 < HUGE_BIAS2, hidden, s + bias2)
+
 
 @triton.jit
 def _tanh(x):
@@ -156,7 +178,7 @@ def _fwd_tiles(
         elif MASK_MODE == 2:
             bias = tl.load(mask_base + offs_n0[None, :] * stride_mn,
                            mask=(offs_n[None, :] < seqlen_k) & (offs_m[:, None] < seqlen_q), other=0.0)
-            s = s + bias.to(tl.float32) * 1.4426950408889634
+            s = _add_float_mask(s, bias)
         if BOUNDARY:
             visible = offs_n[None, :] < seqlen_k
             if WINDOW_RIGHT:
@@ -317,6 +339,11 @@ def _fwd_kernel(
     else:
         out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    if MASK_MODE == 2:
+        # A row that only hidden keys reach (see HIDDEN2): the count its LSE cannot hold.
+        hidden_row = seen & (m_i == HIDDEN2)
+        lse = tl.where(hidden_row, HIDDEN2 * (1.0 + tl.log2(tl.where(seen, l_i, 1.0)) / 32.0) * 0.6931471805599453,
+                       lse)
     o_ptrs = (Out + b_ptr * stride_ob + h64 * stride_oh + (q_row + m0) * stride_om
               + offs_m0[:, None] * stride_om + offs_d[None, :])
     if USE_TMA:
