@@ -949,4 +949,16 @@ def _backward_varlen_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, va
     kv_rows = _unpad_rows(kv_table, kv_cap, batch, meta.cu_seqlens_k, total_k, True)
     q_rows = _unpad_rows(q_table, q_cap, batch, meta.cu_seqlens_q, total_q, False)
     for out, pad, rows in ((dk, dk_pad, kv_rows), (dv, dv_pad, kv_rows), (dq, dq_pad, q_rows)):
-        out.transpose(1, 2)[0].copy_(pad.transpose(1, 2)[0].index_select(0, rows))
+        gather_rows_into(out.transpose(1, 2)[0], pad.transpose(1, 2)[0], rows)
+
+
+def gather_rows_into(dst, src, rows) -> None:
+    """``dst[i] = src[rows[i]]``: straight into ``dst`` when it is contiguous (one gather
+    kernel; H200 run 76: the copy through a temporary was 4 DtoD copies, ~130 us of a 1.9 ms
+    varlen backward), else through a temporary."""
+    import torch
+
+    if dst.is_contiguous() and dst.dtype == src.dtype and dst.device == src.device:
+        torch.index_select(src, 0, rows, out=dst)
+    else:
+        dst.copy_(src.index_select(0, rows))
