@@ -193,3 +193,17 @@ def test_decode_kernels_compile_for_sm90(tmp_path):
     for d in ("d64", "d128", "d256"):
         assert smem[("256", d)] >= smem[("0", d)], smem
         assert smem[("16 slice=128", d)] >= smem[("0", d)] > smem[("16", d)], smem
+
+
+def test_gluon_tma_reduce_compiles_to_a_bulk_reduction(tmp_path):
+    """Issue 17's first fact: triton 3.6's libtriton builds a bulk tensor reduction from shared
+    memory for Gluon (``ops.tma_reduce``, the builder the public ``tma`` module does not
+    export), and it lowers to FA3's instruction for sm_90a, issued once per tile, waited on
+    as a bulk group."""
+    code = ("from flashtile.ops.sm90_check import compile_tma_reduce_probe as f; c = f(); "
+            "print('\\n'.join(l.strip() for l in c.ptx.splitlines() if 'bulk' in l and not l.strip().startswith('//')))")
+    out = _compile_run(tmp_path, "-c", code)
+    reduces = [line for line in out.splitlines() if "cp.reduce" in line]
+    assert len(reduces) == 1, out
+    assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add", reduces[0]), out
+    assert "cp.async.bulk.commit_group" in out and "cp.async.bulk.wait_group" in out, out

@@ -144,6 +144,20 @@ def compile_gluon(name: str, fn, sig: dict, constexprs: dict, attrs: dict, num_w
     return _build(name, GluonASTSource(fn, sig, constexprs=constexprs, attrs=attrs), num_warps=num_warps)
 
 
+def compile_tma_reduce_probe(rows: int = 64, cols: int = 128) -> Compiled:
+    """``ops.tma_reduce._reduce_probe_kernel`` for sm_90a: an fp32 (rows, cols) tile added
+    from shared memory into a tensor descriptor's block by one bulk TMA reduction
+    (``cp.reduce.async.bulk.tensor...add``, the instruction FA3's dQ accumulation uses)."""
+    from triton.experimental.gluon import language as gl
+
+    from .tma_reduce import _reduce_probe_kernel
+
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float32)
+    sig = {"desc": f"tensordesc<fp32[{rows}, {cols}],{layout}>", "X": "*fp32", "stride_x": "i32"}
+    return compile_gluon(f"tma-reduce-probe fp32 {rows}x{cols}", _reduce_probe_kernel, sig,
+                         dict(ROWS=rows, COLS=cols), {(1,): [["tt.divisibility", 16]]}, num_warps=4)
+
+
 def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: int = 0, extras: bool = False,
                     varlen: bool = False) -> Compiled:
     """The forward kernel with ``cfg`` (a FwdConfig); ``extras`` turns on every option;
