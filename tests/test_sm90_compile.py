@@ -207,3 +207,17 @@ def test_gluon_tma_reduce_compiles_to_a_bulk_reduction(tmp_path):
     assert len(reduces) == 1, out
     assert re.search(r"cp\.reduce\.async\.bulk\.tensor\.2d\.global\.shared::cta\.add", reduces[0]), out
     assert "cp.async.bulk.commit_group" in out and "cp.async.bulk.wait_group" in out, out
+
+
+def test_tma_reduce_rate_kernels_compile(tmp_path):
+    """benchmarks/tma_reduce_rate.py's kernel: the TMA variant issues one bulk reduction per
+    tile from its NUM_BUF slots (2 x 32 KB of shared memory at 2 slots), the other atomics."""
+    code = ("from flashtile.ops.sm90_check import compile_tma_reduce_rate as f\n"
+            "for t, n in ((True, 1), (True, 2), (True, 3), (False, 1)):\n"
+            "    c = f(t, n); print(t, n, c.shared, c.ptx.count('cp.reduce.async.bulk.tensor'), c.ptx.count('atom.global'))")
+    rows = [line.split() for line in _compile_run(tmp_path, "-c", code).splitlines()]
+    got = {(t, int(n)): (int(smem), int(bulk), int(atom)) for t, n, smem, bulk, atom in rows}
+    for n in (1, 2, 3):
+        smem, bulk, atom = got[("True", n)]
+        assert smem >= n * 64 * 128 * 4 and bulk == 1 and atom == 0, got
+    assert got[("False", 1)][1] == 0 and got[("False", 1)][2] > 0, got

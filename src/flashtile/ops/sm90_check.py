@@ -158,6 +158,20 @@ def compile_tma_reduce_probe(rows: int = 64, cols: int = 128) -> Compiled:
                          dict(ROWS=rows, COLS=cols), {(1,): [["tt.divisibility", 16]]}, num_warps=4)
 
 
+def compile_tma_reduce_rate(use_tma: bool, num_buf: int = 2, rows: int = 64, cols: int = 128) -> Compiled:
+    """``ops.tma_reduce._reduce_rate_kernel`` (benchmarks/tma_reduce_rate.py) for sm_90a."""
+    from triton.experimental.gluon import language as gl
+
+    from .tma_reduce import _reduce_rate_kernel
+
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float32)
+    sig = {"desc": f"tensordesc<fp32[{rows}, {cols}],{layout}>", "DQ": "*fp32", "stride_dq": "i32",
+           "n_q_blocks": "i32", "n_k_blocks": "i32"}
+    return compile_gluon(f"tma-reduce-rate use_tma={use_tma} num_buf={num_buf}", _reduce_rate_kernel, sig,
+                         dict(ROWS=rows, COLS=cols, USE_TMA=use_tma, NUM_BUF=num_buf),
+                         {(1,): [["tt.divisibility", 16]]}, num_warps=4)
+
+
 def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: int = 0, extras: bool = False,
                     varlen: bool = False) -> Compiled:
     """The forward kernel with ``cfg`` (a FwdConfig); ``extras`` turns on every option;

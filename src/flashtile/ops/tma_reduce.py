@@ -49,3 +49,34 @@ def _reduce_probe_kernel(desc, X, stride_x, ROWS: gl.constexpr, COLS: gl.constex
     fence_async_shared()
     async_reduce_add_shared_to_global(desc, [0, 0], smem)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _reduce_rate_kernel(desc, DQ, stride_dq, n_q_blocks, n_k_blocks, ROWS: gl.constexpr, COLS: gl.constexpr,
+                        USE_TMA: gl.constexpr, NUM_BUF: gl.constexpr):
+    """The dQ traffic of a one-pass backward without its products: program (head h, key
+    block j) adds an fp32 (ROWS, COLS) tile into each of the ``n_q_blocks`` query blocks of
+    head h's rows of DQ, starting at block j (so the programs of a wave hit different
+    blocks), by bulk TMA reductions from NUM_BUF shared-memory slots (USE_TMA) or by
+    per-thread atomic adds from registers. benchmarks/tma_reduce_rate.py times both."""
+    layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
+    rows = gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    cols = gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    pid = gl.program_id(0)
+    head = pid // n_k_blocks
+    j = pid % n_k_blocks
+    tile = gl.full([ROWS, COLS], 1.0, gl.float32, layout) * (pid % 7 + 1).to(gl.float32)
+    if USE_TMA:
+        smem = gl.allocate_shared_memory(gl.float32, [NUM_BUF, ROWS, COLS], desc.layout)
+        for i in range(n_q_blocks):
+            slot = i % NUM_BUF
+            tma.store_wait(pendings=NUM_BUF - 1)  # the reduction that last read this slot is done
+            smem.index(slot).store(tile)
+            fence_async_shared()
+            q0 = (head * n_q_blocks + (j + i) % n_q_blocks) * ROWS
+            async_reduce_add_shared_to_global(desc, [q0, 0], smem.index(slot))
+        tma.store_wait(pendings=0)
+    else:
+        for i in range(n_q_blocks):
+            q0 = (head * n_q_blocks + (j + i) % n_q_blocks) * ROWS
+            gl.atomic_add(DQ + (q0 + rows).to(gl.int64)[:, None] * stride_dq + cols[None, :], tile, sem="relaxed")
