@@ -209,7 +209,8 @@ def main(argv=None) -> int:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
     dist.barrier()
-    dist.destroy_process_group()
+    if os.environ.get("FLASHTILE_CP_SMOKE") != "1":  # the smoke workers leave their own way
+        dist.destroy_process_group()
     return 0
 
 
@@ -226,11 +227,22 @@ def format_row(row) -> str:
 
 def _smoke_worker(rank, world, port, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), FLASHTILE_CP_CPU="1")
+                      LOCAL_RANK=str(rank), FLASHTILE_CP_CPU="1", FLASHTILE_CP_SMOKE="1")
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
     main(["--seqlen", "128", "--heads", "4", "--kv-heads", "2", "--headdim", "16", "--reps", "1",
           "--single-max", "128", "--out", out])
+    # Leave without gloo's teardown (it can abort a rank: tests/test_parallel.py's
+    # _leave_together): a file barrier after main's gloo barrier, then os._exit.
+    import time
+
+    mark = f"{out}.left"
+    open(f"{mark}{rank}", "w").close()
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(f"{mark}{r}") for r in range(world)) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    sys.stdout.flush()
+    os._exit(0)
 
 
 def cpu_smoke(args) -> int:
