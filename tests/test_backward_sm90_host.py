@@ -69,22 +69,3 @@ def test_launch_arguments_are_checked_before_any_work():
                               causal=False, dkdv_block_q=128)
     with pytest.raises(ValueError, match="ring slots"):
         attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, dq_num_buf=1)
-
-
-def test_gather_rows_into_writes_in_place():
-    # The varlen backward's last step: padded gradient rows gathered into the packed
-    # gradient (a (total, H, D) view of the (1, H, total, D) tensor), without a temporary
-    # when the view is contiguous, and correctly through one when it is not.
-    from flashtile.ops.backward_sm90 import gather_rows_into
-
-    g = torch.Generator().manual_seed(0)
-    src = torch.randn(40, 3, 8, generator=g)
-    rows = torch.tensor([5, 0, 39, 39, 12, 7])
-    dst = torch.empty(1, 6, 3, 8).transpose(1, 2)  # what the API hands the kernels
-    view = dst.transpose(1, 2)[0]
-    ptr = view.data_ptr()
-    gather_rows_into(view, src, rows)
-    assert view.data_ptr() == ptr and torch.equal(view, src[rows])
-    strided = torch.empty(3, 6, 8).transpose(0, 1)  # not contiguous
-    gather_rows_into(strided, src, rows)
-    assert torch.equal(strided, src[rows])

@@ -62,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .forward import LOG2E
 from . import forward_sm90
-from .forward_sm90 import _item, _load_kv_tiles, _work_item, tma_descriptor, varlen_block_start, varlen_item
+from .forward_sm90 import _item, _load_kv_tiles, _work_item, tma_descriptor, varlen_item
 from .launch import Launcher
 
 BLOCK = 64  # rows per consumer warpgroup (keys in dK/dV, queries in dQ), queries per dK/dV step
@@ -185,9 +185,39 @@ def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag
 
 
 @gluon.jit
+def _store_grad(x, smem, desc, Ptr, stride_h, stride_m, b, h, row0, r, seqlen, VARLEN: gl.constexpr):
+    """Rows r .. r + ROWS of x (ROWS, D; a warpgroup's gradient tile) into head h of a
+    gradient at batch b, rows row0 + r ..: by TMA through its staging tile ``smem``, which
+    clips rows past the tensor's end; but a varlen tile that reaches past its sequence's
+    end (seqlen rows from row0) goes from registers, its rows masked: a TMA store would
+    overwrite the next document's first rows. The caller waits for the TMA stores."""
+    HEAD_D: gl.constexpr = x.shape[1]
+    if VARLEN:
+        if r + ROWS > seqlen:
+            layout: gl.constexpr = x.type.layout
+            rows = r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+            cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
+            ptrs = (Ptr + h.to(gl.int64) * stride_h + (row0 + rows).to(gl.int64)[:, None] * stride_m
+                    + cols[None, :])
+            gl.store(ptrs, x, mask=(rows < seqlen)[:, None])
+        else:
+            _tma_store_tile(x, smem, desc, b, h, row0 + r)
+    else:
+        _tma_store_tile(x, smem, desc, b, h, row0 + r)
+
+
+@gluon.jit
+def _tma_store_tile(x, smem, desc, b, h, row):
+    HEAD_D: gl.constexpr = x.shape[1]
+    smem.reshape([ROWS, HEAD_D]).store(x)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [b, h, row, 0], smem)
+
+
+@gluon.jit
 def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta,
                    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty,
-                   b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset, qk_scale, scale, q_row, k_row, out_n0, lse_stride):
+                   b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset, qk_scale, scale, q_row, k_row, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
@@ -248,39 +278,36 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(last), count=1)
 
-    # K and V are no longer read: their tiles stage dK and dV for the TMA stores, which
-    # clip rows past seqlen_k.
-    k_smem.index(WG).reshape([ROWS, HEAD_D]).store((dk * scale).to(dtype))
-    v_smem.index(WG).reshape([ROWS, HEAD_D]).store(dv.to(dtype))
-    fence_async_shared()
-    # (varlen: into block-aligned padded buffers, out_n0 = this program's first row there)
-    tma.async_copy_shared_to_global(dk_desc, [b, kvh, out_n0 + WG * ROWS, 0], k_smem.index(WG))
-    tma.async_copy_shared_to_global(dv_desc, [b, kvh, out_n0 + WG * ROWS, 0], v_smem.index(WG))
+    # K and V are no longer read: their tiles stage dK and dV for the TMA stores.
+    VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
+    _store_grad((dk * scale).to(dtype), k_smem.index(WG), dk_desc, Dk, dk_sh, dk_sm, b, kvh, k_row, nk, seqlen_k,
+                VARLEN)
+    _store_grad(dv.to(dtype), v_smem.index(WG), dv_desc, Dv, dv_sh, dv_sm, b, kvh, k_row, nk, seqlen_k, VARLEN)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _dkdv_consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
                     p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
-                    diag_offset, qk_scale, scale, q_row, k_row, out_n0, lse_stride):
+                    diag_offset, qk_scale, scale, q_row, k_row, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
     _dkdv_consumer(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
                    p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
-                   diag_offset, qk_scale, scale, q_row, k_row, out_n0, lse_stride)
+                   diag_offset, qk_scale, scale, q_row, k_row, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
 
 
 @gluon.jit
 def _dkdv_consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
                     p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
-                    diag_offset, qk_scale, scale, q_row, k_row, out_n0, lse_stride):
+                    diag_offset, qk_scale, scale, q_row, k_row, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
     _dkdv_consumer(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
                    p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
-                   diag_offset, qk_scale, scale, q_row, k_row, out_n0, lse_stride)
+                   diag_offset, qk_scale, scale, q_row, k_row, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
 
 
 @gluon.jit
 def _dkdv_loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
                  p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k,
-                 diag_offset, qk_scale, scale, q_row, k_row, out_n0, lse_stride):
+                 diag_offset, qk_scale, scale, q_row, k_row, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
     for wg in gl.static_range(2):
         mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -311,8 +338,8 @@ def _load_qdo_steps(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, b, kvh, 
 
 @gluon.jit
 def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size,
-                 seqlen_q, seqlen_k, num_n_blocks, diag_offset, qk_scale, scale, Items, item_cap, batch,
-                 CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                 seqlen_q, seqlen_k, num_n_blocks, diag_offset, qk_scale, scale, Items, item_cap,
+                 Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                  LOADER_REGS: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
@@ -320,7 +347,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, 
     lse_stride = seqlen_q
     if Items.dtype.element_ty == gl.int32:
         # Varlen: (work item over key blocks, kv head); batch row 0 from the sequence's
-        # first rows, its own lengths and diagonal; dK/dV go to block-aligned padded rows.
+        # first rows, its own lengths and diagonal (dK/dV: see ``_store_grad``).
         count = gl.load(Items)  # (kv head, item), heads outer: see forward_sm90._item
         if pid >= count * nheads_k:
             return
@@ -329,7 +356,6 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, 
         seq, blk, q_row, seqlen_q, k_row, seqlen_k = varlen_item(Items, item, item_cap)
         diag_offset = seqlen_k - seqlen_q
         n0 = blk * (2 * ROWS)
-        out_n0 = varlen_block_start(Items, item_cap, batch, seq) * (2 * ROWS) + n0
         b = seq * 0
     else:
         bk = pid // num_n_blocks
@@ -338,7 +364,6 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, 
         kvh = bk % nheads_k
         q_row = b * 0
         k_row = q_row
-        out_n0 = n0
 
     QROWS: gl.constexpr = q_desc.block_type.shape[2]  # queries per step
     q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], q_desc.layout)
@@ -359,7 +384,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, 
 
     args = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
             p_smem, ds_smem, kv_bar, q_ready, q_empty, b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset,
-            qk_scale, scale, q_row, k_row, out_n0, lse_stride)
+            qk_scale, scale, q_row, k_row, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
     gl.warp_specialize([(_dkdv_consumer0, args), (_dkdv_consumer1, args), (_dkdv_loader, args)], [4, 1],
                        [CONSUMER_REGS, LOADER_REGS])
 
@@ -370,7 +395,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, 
 @gluon.jit
 def _dq_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem,
                  k_smem, v_smem, q_ready, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads,
-                 group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, scale, Items, item_cap, batch):
+                 group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, scale, Items, item_cap, Dq, dq_sh, dq_sm):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     NUM_BUF: gl.constexpr = k_smem.type.shape[0]
@@ -385,10 +410,6 @@ def _dq_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse
     b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k, diag_offset = _item(
         gl.program_id(0), num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, Items, item_cap,
         ROWS, BLOCK_N, CAUSAL)
-    out_m0 = m0
-    if Items.dtype.element_ty == gl.int32:  # varlen: dQ goes to block-aligned padded rows
-        seq = gl.load(Items + 16 + gl.program_id(0) % gl.load(Items))
-        out_m0 = varlen_block_start(Items, item_cap, batch, seq) * (2 * ROWS) + m0
     mq = m0 + WG * ROWS  # first query row of this warpgroup
     # A key tile needs element masks iff it reaches past the keys or past the diagonal of
     # this warpgroup's first row.
@@ -445,36 +466,34 @@ def _dq_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse
                            is_async=True)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         mbarrier.arrive(k_empty.index(last), count=1)
-    # dO is no longer read: its tile stages dQ for the TMA store, which clips rows past
-    # seqlen_q.
-    do_tile.store((dq * scale).to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dq_desc, [b, h, out_m0 + WG * ROWS, 0], do_smem.index(WG))
+    # dO is no longer read: its tile stages dQ for the TMA store.
+    _store_grad((dq * scale).to(dtype), do_smem.index(WG), dq_desc, Dq, dq_sh, dq_sm, b, h, q_row, mq, seqlen_q,
+                Items.dtype.element_ty == gl.int32)
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _dq_consumer0(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
                   k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                  diag_offset, qk_scale, scale, Items, item_cap, batch):
+                  diag_offset, qk_scale, scale, Items, item_cap, Dq, dq_sh, dq_sm):
     _dq_consumer(0, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
                  k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                 diag_offset, qk_scale, scale, Items, item_cap, batch)
+                 diag_offset, qk_scale, scale, Items, item_cap, Dq, dq_sh, dq_sm)
 
 
 @gluon.jit
 def _dq_consumer1(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
                   k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                  diag_offset, qk_scale, scale, Items, item_cap, batch):
+                  diag_offset, qk_scale, scale, Items, item_cap, Dq, dq_sh, dq_sm):
     _dq_consumer(1, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
                  k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                 diag_offset, qk_scale, scale, Items, item_cap, batch)
+                 diag_offset, qk_scale, scale, Items, item_cap, Dq, dq_sh, dq_sm)
 
 
 @gluon.jit
 def _dq_loader(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
                k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-               diag_offset, qk_scale, scale, Items, item_cap, batch):
+               diag_offset, qk_scale, scale, Items, item_cap, Dq, dq_sh, dq_sm):
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     CAUSAL: gl.constexpr = q_ready.type.shape[0] == 3
     b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k, diag_offset = _item(
@@ -491,7 +510,7 @@ def _dq_loader(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_
 
 @gluon.jit
 def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, nheads, group_size, seqlen_q, seqlen_k,
-               num_m_blocks, num_bh, diag_offset, qk_scale, scale, Items, item_cap, batch,
+               num_m_blocks, num_bh, diag_offset, qk_scale, scale, Items, item_cap, Dq, dq_sh, dq_sm,
                CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                LOADER_REGS: gl.constexpr):
     """One program per work item (2 x ROWS queries of one (batch, head)), in the forward's
@@ -522,7 +541,7 @@ def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, nheads, gro
 
     args = (q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem, q_ready,
             k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-            diag_offset, qk_scale, scale, Items, item_cap, batch)
+            diag_offset, qk_scale, scale, Items, item_cap, Dq, dq_sh, dq_sm)
     gl.warp_specialize([(_dq_consumer0, args), (_dq_consumer1, args), (_dq_loader, args)], [4, 1],
                        [CONSUMER_REGS, LOADER_REGS])
 
@@ -839,9 +858,9 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
             (benchmarks/experiments/gluon_bwd.py --split); at d256 also "dv" or "dk".
         varlen: None, or (Varlen, key table, query table) for packed sequences (B = 1,
             head dims 64/128): the work lists of blocks of 2 * BLOCK keys and queries
-            (``ops.varlen.build_work_items``). The kernels write dQ, dK, dV into
-            block-aligned padded buffers (a 64-row tile past a sequence's end must not
-            land on the next document's rows), gathered back into dq, dk, dv here.
+            (``ops.varlen.build_work_items``). The kernels store dQ, dK, dV in place, a
+            tile that reaches past its sequence's end from registers (``_store_grad``);
+            rows outside every sequence are not written.
     """
     batch, nheads, seqlen_q, head_dim = q.shape
     split = head_dim in SPLIT_HEAD_DIMS
@@ -891,7 +910,7 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
         _launch_dkdv((num_n_blocks * batch * nheads_k,),
                      (desc(q, dkdv_block_q), desc(k, BLOCK), desc(v, BLOCK), desc(dout, dkdv_block_q), desc(dk, BLOCK),
                       desc(dv, BLOCK), *sizes,
-                      num_n_blocks, diag_offset, scale * LOG2E, scale, lse, 0, 0),
+                      num_n_blocks, diag_offset, scale * LOG2E, scale, lse, 0, dk, 0, 0, dv, 0, 0),
                      dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), 4, 1)
     if "dq" not in kernels:
         return
@@ -899,66 +918,24 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
     _launch_dq((num_m_blocks * batch * nheads,),
                (q_d, desc(k, dq_block_n), desc(v, dq_block_n), do_d, desc(dq, BLOCK), lse, delta,
                 nheads, nheads // nheads_k, seqlen_q, seqlen_k, num_m_blocks, batch * nheads, diag_offset,
-                scale * LOG2E, scale, lse, 0, 0),
+                scale * LOG2E, scale, lse, 0, dq, 0, 0),
                dict(CAUSAL=causal, NUM_BUF=dq_num_buf, **regs), 4, 1)
-
-
-def _padded(like, rows: int):
-    """A (1, H, rows + 2 * BLOCK, D) view of a new (1, rows + 2 * BLOCK, H, D) buffer whose
-    last 2 * BLOCK rows are zero (what ``_unpad_rows`` points unused rows at)."""
-    import torch
-
-    buf = torch.empty((1, rows + 2 * BLOCK, like.shape[1], like.shape[3]), dtype=like.dtype, device=like.device)
-    buf[:, rows:].zero_()
-    return buf.transpose(1, 2)
-
-
-def _unpad_rows(table, cap: int, batch: int, cu, total: int, over_keys: bool):
-    """For each packed row of one side (queries, or keys with over_keys): its row in the
-    padded layout where sequence b starts at block (prefix of its blocks) * 2 * BLOCK, or the
-    zero rows at the end for rows past the sequence's used length. Device ops only."""
-    import torch
-
-    base = 16 + 2 * cap
-    meta = table[base:base + 4 * batch].view(batch, 4).long()
-    first = table[base + 4 * batch:base + 5 * batch].long() * (2 * BLOCK)
-    rows = torch.arange(total, device=cu.device, dtype=torch.int32)
-    seq = torch.searchsorted(cu[1:], rows, right=True).clamp_(max=max(batch - 1, 0))
-    local = rows.long() - cu.long()[seq]
-    used = meta[seq, 3 if over_keys else 1]
-    return torch.where(local < used, first[seq] + local, cap * 2 * BLOCK)
 
 
 def _backward_varlen_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, varlen, desc, dkdv_num_buf,
                         dq_block_n, dq_num_buf, dkdv_block_q, regs):
     """The dK/dV and dQ kernels on work lists; see ``attention_backward_ws``."""
-    meta, (kv_table, kv_cap), (q_table, q_cap) = varlen
+    _, (kv_table, kv_cap), (q_table, q_cap) = varlen
     _, nheads, total_q, _ = q.shape
-    nheads_k, total_k = k.shape[1], k.shape[2]
-    batch = meta.batch
-    dk_pad, dv_pad, dq_pad = _padded(dk, kv_cap * 2 * BLOCK), _padded(dv, kv_cap * 2 * BLOCK), _padded(dq, q_cap * 2 * BLOCK)
+    nheads_k = k.shape[1]
     sizes = (lse, delta, nheads, nheads_k, nheads // nheads_k, total_q, 0)
     _launch_dkdv((kv_cap * nheads_k,),
-                 (desc(q, dkdv_block_q), desc(k, BLOCK), desc(v, BLOCK), desc(dout, dkdv_block_q), desc(dk_pad, BLOCK),
-                  desc(dv_pad, BLOCK), *sizes, 0, 0, scale * LOG2E, scale, kv_table, kv_cap, batch),
+                 (desc(q, dkdv_block_q), desc(k, BLOCK), desc(v, BLOCK), desc(dout, dkdv_block_q), desc(dk, BLOCK),
+                  desc(dv, BLOCK), *sizes, 0, 0, scale * LOG2E, scale, kv_table, kv_cap,
+                  dk, dk.stride(1), dk.stride(2), dv, dv.stride(1), dv.stride(2)),
                  dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), 4, 1)
     _launch_dq((q_cap * nheads,),
-               (desc(q, BLOCK), desc(k, dq_block_n), desc(v, dq_block_n), desc(dout, BLOCK), desc(dq_pad, BLOCK), lse,
-                delta, nheads, nheads // nheads_k, total_q, 0, 0, 0, 0, scale * LOG2E, scale, q_table, q_cap, batch),
+               (desc(q, BLOCK), desc(k, dq_block_n), desc(v, dq_block_n), desc(dout, BLOCK), desc(dq, BLOCK), lse,
+                delta, nheads, nheads // nheads_k, total_q, 0, 0, 0, 0, scale * LOG2E, scale, q_table, q_cap,
+                dq, dq.stride(1), dq.stride(2)),
                dict(CAUSAL=causal, NUM_BUF=dq_num_buf, **regs), 4, 1)
-    kv_rows = _unpad_rows(kv_table, kv_cap, batch, meta.cu_seqlens_k, total_k, True)
-    q_rows = _unpad_rows(q_table, q_cap, batch, meta.cu_seqlens_q, total_q, False)
-    for out, pad, rows in ((dk, dk_pad, kv_rows), (dv, dv_pad, kv_rows), (dq, dq_pad, q_rows)):
-        gather_rows_into(out.transpose(1, 2)[0], pad.transpose(1, 2)[0], rows)
-
-
-def gather_rows_into(dst, src, rows) -> None:
-    """``dst[i] = src[rows[i]]``: straight into ``dst`` when it is contiguous (one gather
-    kernel; H200 run 76: the copy through a temporary was 4 DtoD copies, ~130 us of a 1.9 ms
-    varlen backward), else through a temporary."""
-    import torch
-
-    if dst.is_contiguous() and dst.dtype == src.dtype and dst.device == src.device:
-        torch.index_select(src, 0, rows, out=dst)
-    else:
-        dst.copy_(src.index_select(0, rows))

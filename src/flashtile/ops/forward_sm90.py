@@ -125,13 +125,6 @@ def varlen_item(Items, item, item_cap):
 
 
 @gluon.jit
-def varlen_block_start(Items, item_cap, batch, seq):
-    """The blocks of the sequences before ``seq`` in a work list (its prefix sums): the
-    sequence's first block in a layout where every sequence starts on a block boundary."""
-    return gl.load(Items + 16 + 2 * item_cap + 4 * batch + seq)
-
-
-@gluon.jit
 def _item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, Items, item_cap,
           ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
     """Work item t -> (b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k,

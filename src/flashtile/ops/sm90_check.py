@@ -204,7 +204,8 @@ def _compile_ws(name: str, fn, dtype: str, head_dim: int, rows: dict, constexprs
     torch_name = {"bf16": "bfloat16", "fp16": "float16"}[dtype]
     pointers = {n: f"tensordesc<{dtype}[1, 1, {r}, {head_dim}],{_smem_layout(r, head_dim, torch_name)}>"
                 for n, r in rows.items()}
-    pointers.update(Lse="*fp32", Delta="*fp32", Counter="*i32", Items="*fp32", Out="*fp32")
+    pointers.update(Lse="*fp32", Delta="*fp32", Counter="*i32", Items="*fp32", Out="*fp32",
+                    **{n: f"*{dtype}" for n in ("Dq", "Dk", "Dv")})
     pointers.update(extra_pointers or {})
     sig = _signature(fn, pointers, constexprs)
     attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
