@@ -119,6 +119,23 @@ def test_packed_variants(backend):
     assert torch.equal(out, ref)
 
 
+def test_backward_graph_has_no_copying_nodes(triton_backend):
+    # Between the leaves and the output there are only views and the attention node: a
+    # select (``out[0]``) there made every backward zero-fill and copy a gradient the size
+    # of q (H200 run 80: 55 us of a 1.6 ms backward).
+    lens = (7, 12)
+    cu = cu_seqlens(lens, "cpu")
+    q, k, v = (torch.randn(sum(lens), 2, 16, requires_grad=True) for _ in range(3))
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 12, 12, causal=True, return_attn_probs=True)
+    names, todo = set(), [out.grad_fn, lse.grad_fn]
+    while todo:
+        fn = todo.pop()
+        if fn is not None and type(fn).__name__ != "AccumulateGrad":
+            names.add(type(fn).__name__)
+            todo.extend(f for f, _ in fn.next_functions)
+    assert names and not [n for n in names if "Select" in n or "Copy" in n or "Clone" in n], names
+
+
 def test_documents_match_fixed_length_calls(backend):
     # Each document of a packed batch gives what flash_attn_func gives on it alone.
     case = VarlenCase((17, 40, 1), (23, 40, 9), causal=True)

@@ -107,8 +107,10 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     meta = (cu_q, cu_k, used_q, used_k, max_q, max_k)
     out4, lse, probs = attention_with_probs(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), problem, alibi,
                                             meta, want_probs)
-    out = out4.transpose(1, 2)[0]
-    return (out, lse[0], probs) if want_probs else out
+    # squeeze, not [0]: the backward of a select allocates a zero-filled gradient and copies
+    # into it (H200 run 80: 55 us of a 1.6 ms varlen backward); an unsqueeze is a view.
+    out = out4.transpose(1, 2).squeeze(0)
+    return (out, lse.squeeze(0), probs) if want_probs else out
 
 
 def flash_attn_varlen_func(
