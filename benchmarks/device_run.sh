@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|bench|varlen|decode|transformers|sweep|gluon-bwd|fwd-schedule|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|bench|varlen|decode|transformers|sweep|gluon-bwd|onepass|fwd-schedule|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -77,6 +77,17 @@ if [[ $what == gluon-bwd ]]; then
   # next to the library's backward, the Triton backward and cuDNN.
   timeout 240 python3 benchmarks/experiments/gluon_bwd.py --split > "$OUT/gluon-bwd.log" 2>&1
   echo "gluon bwd rc=$?"; grep -v Warning "$OUT/gluon-bwd.log" | tail -20
+fi
+if [[ $what == onepass ]]; then
+  # Issue 17's one-pass backward (benchmarks/experiments/gluon_bwd_onepass.py): the reducer
+  # warp's bulk TMA reductions (mode 3), then the same kernel with red.v4 from the consumers
+  # (mode 0) and with no reductions (mode 1, dQ wrong) for the A/B; checks, then TF/s next
+  # to the library's backward and cuDNN. A never-run kernel: a hang ends in its timeout.
+  for m in 3 0 1; do
+    FLASHTILE_EXP_DQ=$m timeout ${ONEPASS_TIMEOUT:-180} python3 benchmarks/experiments/gluon_bwd_onepass.py \
+      ${ONEPASS_ARGS:-} > "$OUT/onepass-mode$m.log" 2>&1
+    echo "onepass mode $m rc=$?"; grep -v Warning "$OUT/onepass-mode$m.log" | tail -16
+  done
 fi
 if [[ $what == fwd-schedule ]]; then
   # The forward's schedules (one program per item, static persistent, dynamic) and cuDNN,

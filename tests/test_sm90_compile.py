@@ -221,3 +221,16 @@ def test_tma_reduce_rate_kernels_compile(tmp_path):
         smem, bulk, atom = got[("True", n)]
         assert smem >= n * 64 * 128 * 4 and bulk == 1 and atom == 0, got
     assert got[("False", 1)][1] == 0 and got[("False", 1)][2] > 0, got
+
+
+def test_one_pass_backward_experiment_compiles_with_a_reducer_warp(tmp_path):
+    """Issue 17's experiment (benchmarks/experiments/gluon_bwd_onepass.py, DQ_MODE 3): the
+    one-pass backward hands dQ tiles to a reducer warp that issues bulk TMA reductions (two
+    per step, one per warpgroup's half); d64 compiles without spills and fits."""
+    out = _compile_run(tmp_path, str(ROOT / "benchmarks" / "experiments" / "gluon_bwd_onepass.py"), "--compile",
+                       "--variants", "0,3,1,1", "--shapes", "64,1024,0")
+    lines = [line for line in out.splitlines() if line.startswith("onepass mode=3 d64")]
+    assert len(lines) == 2, out  # causal and not
+    for line in lines:
+        shared = int(re.search(r"shared (\d+) B", line).group(1))
+        assert 0 < shared <= SM90_SHARED_LIMIT and "spills 0 B" in line and "bulk reduce True" in line, line
