@@ -39,7 +39,10 @@ block that sees those keys, for every query head of the GQA group. Partitions:
         wait for S_s, dP_s only
         P_s = exp2(S_s * c - lse),  dS_s = P_s (dP_s - Delta)   (under step s-1's products)
         issue  dQ_{s-1}[:, half w] = dS_{s-1} K[:, half w]     (both warpgroups' dS halves)
-        wait; add dQ_{s-1} into a float32 dQ with atomics; store P_s, dS_s to shared memory
+        wait; add dQ_{s-1} into a float32 dQ (mode 3: store it into a dQ slot for the
+        reducer warp; modes 0, 2: atomics from registers); store P_s, dS_s to shared memory
+    reducer  (1 warp, mode 3) per step: wait for both halves in the step's slot, two bulk
+             TMA reductions into the float32 dQ, wait until they have read it, free it
 
 so the elementwise work of step s runs while the tensor cores do step s-1's products.
 The two warpgroups split the dQ product by head-dim halves (64 x D/2 accumulators: the
@@ -433,7 +436,9 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, DQ, 
     """DQ_MODE 3's reduction warp: for every step, once both warpgroups have stored their
     dQ halves in the step's slot, add them into the float32 dQ (a (B * H * dq_rows, D)
     matrix) with two bulk TMA reductions, wait until they have read the slot, and free it.
-    The consumers never wait on the L2: only on a slot, DQ_BUF steps later."""
+    The consumers never wait on the L2: only on a slot, DQ_BUF steps later. (Untried: with
+    DQ_BUF 2, ``store_wait(pendings=2)`` and free the older slot instead.) Rows are int32:
+    B * H * dq_rows < 2**31, as TMA coordinates are."""
     DQ_BUF: gl.constexpr = dq_smem.type.shape[0] // 2
     HALF_D: gl.constexpr = dq_smem.type.shape[2]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3

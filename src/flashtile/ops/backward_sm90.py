@@ -190,7 +190,10 @@ def _store_grad(x, smem, desc, Ptr, stride_h, stride_m, b, h, row0, r, seqlen, V
     gradient at batch b, rows row0 + r ..: by TMA through its staging tile ``smem``, which
     clips rows past the tensor's end; but a varlen tile that reaches past its sequence's
     end (seqlen rows from row0) goes from registers, its rows masked: a TMA store would
-    overwrite the next document's first rows. The caller waits for the TMA stores."""
+    overwrite the next document's first rows. The caller waits for the TMA stores. (The
+    register store keeps the wgmma layout: 4-byte stores, one tile per sequence end; the
+    forward's 16-byte ones go through a layout conversion, whose scratch the dK/dV
+    kernel's 229 KB of shared memory has no room for.)"""
     HEAD_D: gl.constexpr = x.shape[1]
     if VARLEN:
         if r + ROWS > seqlen:
