@@ -16,8 +16,9 @@ The fixed-length rates come from another run (by default run 52, session 8); the
 changed since, so read the ``equal`` rows first: there both references are the same
 documents (2048 tokens), and their difference is that drift (d128 forward: 597 then, 642
 in run 81, so the same-documents figures are up to ~7% generous). The right reference is
-these rates measured in the same run (owed: a ``flashtile bench --varlen`` impl that
-times the fixed-length kernel at each document length).
+these rates measured in the same run: ``flashtile bench --varlen`` does that since session
+15 (its ``flashtile-docs`` impl and "vs docs" column); this script estimates it from rows
+measured before.
 """
 
 from __future__ import annotations

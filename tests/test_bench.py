@@ -127,7 +127,12 @@ def test_varlen_bench_plan_summary_and_plots(tmp_path, capsys):
     for r in rows:
         r["pass"] = r.pop("pass_")
     table = bv.summary_markdown(rows)
-    assert "| equal | 8 | 64 | yes | fwd | 300 | 400 | 200 | 150 | 0.75x | 1.50x | 2.00x |" in table
+    assert "| equal | 8 | 64 | yes | fwd | 300 | 400 | 200 | 150 | 0.75x |  | 1.50x | 2.00x |" in table
+    rows += [dict(r, impl="flashtile-docs", tflops=250.0) for r in rows if r["impl"] == "flashtile"]
+    assert "| 300 | 400 | 250 | 200 | 150 | 0.75x | 1.20x | 1.50x | 2.00x |" in bv.summary_markdown(rows)
+    # the fixed-length reference at each document's own length: FLOP-weighted harmonic mean
+    assert bv.same_documents_rate([1, 2], False, lambda n: 100.0 * n) == pytest.approx(5 / (1 / 100 + 4 / 200))
+    assert bv.same_documents_rate([7, 7, 7], True, lambda n: 123.0) == pytest.approx(123.0)
     paths = bv.plot(rows, tmp_path, "t")
     assert [p.name for p in paths] == ["t-fwd.png", "t-bwd.png"] and all(p.stat().st_size > 0 for p in paths)
 

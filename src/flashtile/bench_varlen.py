@@ -11,6 +11,13 @@ Implementations in the same run:
     flashtile-fixed  flashtile's fixed-length flash_attn_func on the same token count as
                      equal documents of the token-weighted mean length (same work shape;
                      for the ``equal`` distribution exactly the same documents)
+    flashtile-docs   the fixed-length kernel at each document's own length: for every
+                     distinct length n, flash_attn_func on TOKENS // n sequences of n
+                     tokens (a full GPU, as ``flashtile bench`` runs fixed lengths), and
+                     the batch's documents charged at those rates (``same_documents_rate``).
+                     For mixed lengths this is the fair reference: the mean-length one
+                     runs longer sequences than the batch holds, where the kernel is
+                     faster per FLOP
     flex             FlexAttention with a document mask (block mask from document ids)
     varlen_attn      torch.nn.attention.varlen.varlen_attn, where the installed torch has it
     sdpa-*           torch SDPA backends on the padded batch (causal: is_causal, which is
@@ -33,7 +40,8 @@ from flashtile.bench import _SDPA_BACKENDS as _SDPA
 from flashtile.bench import HIDDEN, RowWriter, _reason, gpu_slug, run_info
 
 TOKENS = 16384
-IMPLS = ("flashtile", "flashtile-fixed", "flex", "varlen_attn", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient")
+IMPLS = ("flashtile", "flashtile-fixed", "flashtile-docs", "flex", "varlen_attn", "sdpa-flash", "sdpa-cudnn",
+         "sdpa-efficient")
 DISTS = ("equal", "uniform", "longtail")
 
 
@@ -61,6 +69,14 @@ def visible_pairs(lengths: list[int], causal: bool) -> int:
 
 def flops(lengths: list[int], nheads: int, headdim: int, causal: bool, pass_: str) -> float:
     return 4.0 * nheads * headdim * visible_pairs(lengths, causal) * {"fwd": 1.0, "bwd": 2.5}[pass_]
+
+
+def same_documents_rate(lengths: list[int], causal: bool, rate_at) -> float:
+    """TFLOP/s of a batch whose document of n tokens runs at ``rate_at(n)`` TFLOP/s: the
+    FLOP-weighted harmonic mean (each document's time is its FLOPs over its rate; FLOPs
+    are proportional to its visible pairs)."""
+    pairs = [visible_pairs([n], causal) for n in lengths]
+    return sum(pairs) / sum(p / rate_at(n) for p, n in zip(pairs, lengths))
 
 
 def _varlen_attn_call(q, k, v, cu, max_len, causal):
@@ -92,9 +108,12 @@ def build(impl: str, lengths: list[int], nheads: int, headdim: int, causal: bool
     if impl == "flashtile-fixed":
         import flashtile
 
-        weighted = sum(n * n for n in lengths) / total
-        seqlen = max(64, int(round(weighted / 64)) * 64)
-        batch = max(1, total // seqlen)
+        if len(set(lengths)) == 1:  # equal documents: exactly these (``flashtile-docs`` too)
+            seqlen, batch = lengths[0], len(lengths)
+        else:
+            weighted = sum(n * n for n in lengths) / total
+            seqlen = max(64, int(round(weighted / 64)) * 64)
+            batch = max(1, total // seqlen)
         ins = [t[:batch * seqlen].reshape(batch, seqlen, nheads, headdim).detach().requires_grad_(leaves)
                for t in (q, k, v)]
         return (lambda: flashtile.flash_attn_func(*ins, causal=causal)), ins
@@ -143,6 +162,16 @@ def build(impl: str, lengths: list[int], nheads: int, headdim: int, causal: bool
 
 
 def measure(impl, lengths, nheads, headdim, causal, pass_, warmup, rep) -> float:
+    """Milliseconds of one call (``flashtile-docs``: the time the batch would take at the
+    fixed-length rates of its document lengths, each measured here)."""
+    if impl == "flashtile-docs":
+        rates = {}
+        for n in sorted(set(lengths)):
+            batch = max(1, TOKENS // n)
+            ms = measure("flashtile-fixed", [n] * batch, nheads, headdim, causal, pass_, warmup, rep)
+            rates[n] = flops([n] * batch, nheads, headdim, causal, pass_) / (ms * 1e-3) / 1e12
+        rate = same_documents_rate(lengths, causal, rates.__getitem__)
+        return flops(lengths, nheads, headdim, causal, pass_) / (rate * 1e12) * 1e3
     import torch
     import triton.testing
 
@@ -169,7 +198,7 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
         return None if r is None or r.get("tflops") is None else r["tflops"]
 
     lines = ["| dist | docs | d | causal | pass | " + " | ".join(impls)
-             + " | vs fixed | vs flex | vs best sdpa |", "|---" * (8 + len(impls)) + "|"]
+             + " | vs fixed | vs docs | vs flex | vs best sdpa |", "|---" * (9 + len(impls)) + "|"]
     for key in keys:
         mine = tf(key, "flashtile")
         sdpa = [x for x in (tf(key, i) for i in _SDPA) if x]
@@ -180,7 +209,8 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
 
         lines.append(f"| {key[0]} | {docs} | {key[1]} | {'yes' if key[2] else 'no'} | {key[3]} | "
                      + " | ".join("skip" if tf(key, i) is None else f"{tf(key, i):.0f}" for i in impls)
-                     + f" | {ratio(tf(key, 'flashtile-fixed'))} | {ratio(tf(key, 'flex'))} | "
+                     + f" | {ratio(tf(key, 'flashtile-fixed'))} | {ratio(tf(key, 'flashtile-docs'))} | "
+                     + f"{ratio(tf(key, 'flex'))} | "
                      + f"{ratio(max(sdpa) if sdpa else None)} |")
     return "\n".join(lines) + "\n"
 
