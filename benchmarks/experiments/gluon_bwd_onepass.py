@@ -19,7 +19,10 @@ the kernel (the postprocess).
 
 Compiled for sm_90a (session 15, CPU): d64 fits without spills in every variant; d128 fits
 only with 3 ring slots + 1 dQ slot (224.5 KB) or 2 + 2, and spills 536-1300 B there (mode 0
-spilled 876 B too; mode 1 304 B).
+spilled 876 B too; mode 1 304 B). The reducer warp is not the cause (mode 3 without it: 880
+B); using the dQ accumulator at all is (~560 B over mode 1). Giving the reducer more
+registers takes them from the consumers: 48 -> 1192 B, 80 -> 2096 B; fewer for the worker
+consumer does not help either (232: 1016 B, 216: 1144 B).
 
 Variants are (pipelined, num_buf, rotate[, dq_buf]). The kernel's own notes (from runs 30-34) follow.
 
@@ -118,6 +121,8 @@ sub.s64 a, $6, 8;
 # FLASHTILE_EXP_DQ: 0 = red.v4 reductions, 1 = none (dQ wrong: measures everything else), 2 = red.v2,
 # 3 (default) = bulk TMA reductions issued by a reducer warp of their own (``_reducer``).
 _EXP_DQ = gl.constexpr(int(os.environ.get("FLASHTILE_EXP_DQ", "3")))
+# Registers of mode 3's reducer warp (FLASHTILE_EXP_REDUCER_REGS; the loader's 24 by default).
+_REDUCER_REGS = gl.constexpr(int(os.environ.get("FLASHTILE_EXP_REDUCER_REGS", "24")))
 
 
 @gluon.jit
@@ -512,10 +517,10 @@ def _bwd_ws_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
     if _EXP_DQ == 3:
         if PIPELINED:
             gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args), (_reducer, args)],
-                               [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
+                               [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, _REDUCER_REGS])
         else:
             gl.warp_specialize([(_serial0, args), (_serial1, args), (_loader, args), (_reducer, args)],
-                               [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
+                               [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, _REDUCER_REGS])
     elif PIPELINED:
         gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 1],
                            [CONSUMER_REGS, LOADER_REGS])
