@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.mark.parametrize("name", ["sweep_fwd", "sweep_bwd", "train_block", "host_overhead", "host_profile",
                                   "context_parallel", "varlen_profile", "tma_reduce_rate",
-                                  "experiments/gluon_fwd"])
+                                  "varlen_same_documents", "experiments/gluon_fwd"])
 def test_script_imports_and_shows_help(name, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))  # as when run as a script: benchmarks/ holds sweep_common
     spec = importlib.util.spec_from_file_location(f"bench_{name.replace('/', '_')}", ROOT / f"{name}.py")
@@ -24,6 +24,28 @@ def test_script_imports_and_shows_help(name, capsys, monkeypatch):
     assert exc.value.code == 0
     assert "usage" in capsys.readouterr().out
 
+
+
+def test_varlen_same_documents(tmp_path, capsys, monkeypatch):
+    # Each document at the fixed-length rate of its own length, beside the varlen rows.
+    monkeypatch.syspath_prepend(str(ROOT))
+    import json
+
+    import varlen_same_documents as vsd
+
+    fixed = [dict(impl="flashtile", seqlen_q=n, seqlen_k=n, headdim=64, causal=False, tflops=t, **{"pass": "fwd"})
+             for n, t in ((512, 100.0), (2048, 300.0))]
+    fixed.append(dict(fixed[0], impl="sdpa-cudnn", tflops=1.0))  # other impls are not the reference
+    varlen = [dict(impl=i, dist="mix", headdim=64, causal=False, lengths=[512, 2048], tflops=t, **{"pass": "fwd"})
+              for i, t in (("flashtile", 250.0), ("flashtile-fixed", 400.0))]
+    for name, rows in (("fixed", fixed), ("varlen", varlen)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert vsd.main(["--fixed", str(tmp_path / "fixed.jsonl"), "--varlen", str(tmp_path / "varlen.jsonl")]) == 0
+    same = (512 ** 2 + 2048 ** 2) / (512 ** 2 / 100 + 2048 ** 2 / 300)  # FLOP-weighted harmonic mean: 260.7
+    assert f"| mix | fwd | 64 | no | 250 | {same:.0f} | {250 / same:.2f}x | 400 | 0.62x |" in capsys.readouterr().out
+    rates = {("fwd", 64, False, 512): 100.0, ("fwd", 64, False, 2048): 300.0}
+    assert vsd.rate_at(rates, ("fwd", 64, False), 1024) == pytest.approx(200.0)  # log-linear between lengths
+    assert vsd.rate_at(rates, ("fwd", 64, False), 64) == 100.0 and vsd.rate_at(rates, ("fwd", 64, False), 9999) == 300.0
 
 
 def test_sweep_records_rows_and_the_best_candidate(tmp_path, capsys, monkeypatch):
