@@ -6,6 +6,7 @@ a training step and greedy generation."""
 from __future__ import annotations
 
 import copy
+import os
 
 import pytest
 import torch
@@ -136,3 +137,25 @@ def test_refusals_name_the_feature():
         ft.attention_forward(module, q, q, q, None, output_attentions=True)
     with pytest.raises(NotImplementedError, match="4-D float attention mask"):
         ft.attention_forward(module, q, q, q, torch.zeros(1, 1, 4, 4))
+
+
+def test_the_example_runs_and_agrees_with_sdpa():
+    # examples/transformers_llama.py, as a user runs it on CPU: its printed differences are
+    # the claims of the README's transformers section.
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(root / "examples" / "transformers_llama.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    diffs = [float(x) for x in re.findall(r"max \|(?:logits )?diff\|[^0-9]*([0-9.e+-]+)", out)]
+    assert len(diffs) == 2 and max(diffs) < 1e-4, out
+    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
+    assert len(losses) == 2 and abs(losses[0] - losses[1]) < 1e-4, out
+    assert "identical True" in out, out
