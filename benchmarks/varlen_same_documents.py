@@ -28,6 +28,8 @@ import json
 import math
 from pathlib import Path
 
+from flashtile.bench_varlen import same_documents_rate
+
 RESULTS = Path(__file__).resolve().parent / "results" / "h200"
 
 
@@ -43,7 +45,7 @@ def fixed_rates(path: Path) -> dict:
 
 def rate_at(rates: dict, key: tuple, length: int) -> float:
     """The rate at ``length``, log-linear between the measured lengths (clamped at the ends)."""
-    lengths = sorted(s for k, s in (((k[:3]), k[3]) for k in rates) if k == key)
+    lengths = sorted(k[3] for k in rates if k[:3] == key)
     if length <= lengths[0]:
         return rates[key + (lengths[0],)]
     if length >= lengths[-1]:
@@ -53,13 +55,6 @@ def rate_at(rates: dict, key: tuple, length: int) -> float:
             t = (math.log(length) - math.log(a)) / (math.log(b) - math.log(a))
             return rates[key + (a,)] * (1 - t) + rates[key + (b,)] * t
     raise AssertionError("unreachable")
-
-
-def same_documents(rates: dict, key: tuple, lengths: list[int]) -> float:
-    """TFLOP/s of the fixed-length kernel running each document at its own length's rate."""
-    causal = key[2]
-    flops = [n * (n + 1) / 2 if causal else n * n for n in lengths]
-    return sum(flops) / sum(f / rate_at(rates, key, n) for f, n in zip(flops, lengths))
 
 
 def main(argv=None) -> int:
@@ -75,7 +70,7 @@ def main(argv=None) -> int:
     for (dist, pass_, d, causal, impl), r in got.items():
         if impl != "flashtile":
             continue
-        same = same_documents(rates, (pass_, d, causal), r["lengths"])
+        same = same_documents_rate(r["lengths"], causal, lambda n: rate_at(rates, (pass_, d, causal), n))
         mean = got.get((dist, pass_, d, causal, "flashtile-fixed"), {}).get("tflops")
         mean_cols = f"{mean:.0f} | {r['tflops'] / mean:.2f}x" if mean else "- | -"
         print(f"| {dist} | {pass_} | {d} | {'yes' if causal else 'no'} | {r['tflops']:.0f} | {same:.0f} | "

@@ -82,7 +82,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtile.ops.backward_sm90 import _step_range
+from flashtile.ops.backward_sm90 import BLOCK, CONSUMER_REGS, LOADER_REGS, ROWS, _step_range
 from flashtile.ops.forward import LOG2E
 from flashtile.ops.forward_sm90 import _smem_layout
 from flashtile.ops.launch import Launcher
@@ -91,13 +91,8 @@ from flashtile.ops.tma_reduce import async_reduce_add_shared_to_global
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_bwd import run  # noqa: E402  (the library experiment's checks and timing)
 
-BLOCK = 64  # keys per consumer warpgroup, and queries per step
-ROWS = gl.constexpr(BLOCK)
-# (Q, dO) ring slots: the step in use, the previous one (its products in flight) and two
-# loading. 4, not 3: the modulo-3 slot arithmetic alone made d128 spill (sm_90a compile).
-NUM_BUF = 4
-LOADER_REGS = 24
-CONSUMER_REGS = 240
+# BLOCK (= ROWS): keys per consumer warpgroup and queries per step, and the partitions'
+# registers, as the library's backward has them. (Q, dO) ring slots: ``default_num_buf``.
 HEAD_DIMS = (64, 128)
 # dQ reductions, 16 bytes each. A thread of the wgmma accumulator layout holds, per 8
 # columns, (row r, cols c, c+1) and (row r + 8, cols c, c+1), c = 2 * (lane % 4); lanes
