@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|bench|varlen|decode|transformers|sweep|gluon-bwd|onepass|fwd-schedule|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|bench|varlen|decode|transformers|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -79,15 +79,27 @@ if [[ $what == gluon-bwd ]]; then
   echo "gluon bwd rc=$?"; grep -v Warning "$OUT/gluon-bwd.log" | tail -20
 fi
 if [[ $what == onepass ]]; then
-  # Issue 17's one-pass backward (benchmarks/experiments/gluon_bwd_onepass.py): the reducer
-  # warp's bulk TMA reductions (mode 3), then the same kernel with red.v4 from the consumers
-  # (mode 0) and with no reductions (mode 1, dQ wrong) for the A/B; checks, then TF/s next
-  # to the library's backward and cuDNN. A never-run kernel: a hang ends in its timeout.
-  for m in 3 0 1; do
-    FLASHTILE_EXP_DQ=$m timeout ${ONEPASS_TIMEOUT:-180} python3 benchmarks/experiments/gluon_bwd_onepass.py \
-      ${ONEPASS_ARGS:-} > "$OUT/onepass-mode$m.log" 2>&1
-    echo "onepass mode $m rc=$?"; grep -v Warning "$OUT/onepass-mode$m.log" | tail -16
-  done
+  # Issue 17's one-pass backward (ops/backward_sm90_onepass.py, the default at d64): its
+  # ring sizes next to the library's backward, the Triton backward and cuDNN.
+  timeout ${ONEPASS_TIMEOUT:-240} python3 benchmarks/experiments/gluon_bwd_onepass.py ${ONEPASS_ARGS:-} \
+    > "$OUT/onepass.log" 2>&1
+  echo "onepass rc=$?"; grep -v Warning "$OUT/onepass.log" | tail -16
+fi
+if [[ $what == onepass-ncu ]]; then
+  # Where the one-pass kernel's time goes, on one shape under Nsight Compute: speed of
+  # light, warp stalls, shared-memory bank conflicts, spills (local bytes), L2 reductions.
+  # (Session 16's A/B against no reductions used the experiment at 47aaad2, FLASHTILE_EXP_DQ=1.)
+  ncu=$(ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  shape=${NCU_SHAPE:-128,4096,0}; variant=${NCU_VARIANT:-2,2}
+  timeout 200 $ncu -k regex:_onepass_kernel --launch-skip 1 --launch-count 1 \
+    --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
+    --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
+    --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,lts__t_sectors_op_red.sum \
+    python3 benchmarks/experiments/gluon_bwd_onepass.py --profile $shape --variants $variant \
+    > "$OUT/onepass-ncu.log" 2>&1
+  echo "onepass ncu rc=$?"
+  grep -E "Duration|Throughput|Pipe|Stall|Warp Cycles|bank_conflicts|wavefronts|local_op|op_red|Registers|ERR" \
+    "$OUT/onepass-ncu.log" | head -40
 fi
 if [[ $what == fwd-schedule ]]; then
   # The forward's schedules (one program per item, static persistent, dynamic) and cuDNN,

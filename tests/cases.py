@@ -176,19 +176,20 @@ def rotating_cases(head_dims, seq_pairs, heads) -> list[Case]:
     return cases
 
 
-def spy_calls(monkeypatch, module, name: str) -> list:
-    """Wrap ``module.name`` so that every call's keyword arguments are recorded; returns
-    the (live) list of records. Launch plans are off while the spy is in place: a plan's
+def spy_calls(monkeypatch, module, name: str, calls: list | None = None) -> list:
+    """Wrap ``module.name`` so that every call's keyword arguments are recorded (with the
+    function's name under "fn"); returns the (live) list of records, ``calls`` if given (so
+    two spies can share one). Launch plans are off while the spy is in place: a plan's
     replay calls the recorded kernels, not the Python function the spy wraps."""
     from flashtile.ops import plan
 
     monkeypatch.setenv("FLASHTILE_PLANS", "0")
     plan.clear()
-    calls = []
+    calls = [] if calls is None else calls
     original = getattr(module, name)
 
     def spy(*args, **kwargs):
-        calls.append(kwargs)
+        calls.append(dict(kwargs, fn=name))
         return original(*args, **kwargs)
 
     monkeypatch.setattr(module, name, spy)

@@ -132,13 +132,21 @@ def test_deterministic_50_reruns():
             assert torch.equal(a, b)
 
 
-def test_race_hunt_batch_60():
+@pytest.mark.parametrize("deterministic", [True, False])
+def test_race_hunt_batch_60(deterministic):
+    """Many programs at once: everything bitwise over reruns, except dQ of the default
+    backward at d64 on Hopper (the one-pass kernel sums it in a varying order; its accuracy
+    is checked in test_backward_sm90_gpu.py::test_one_pass_race_hunt)."""
     q, k, v, _ = make_inputs(Case(517, 517, 64, dtype=torch.float16, batch=60, nheads=4, nheads_k=4), "cuda")
     dout = torch.randn_like(q)
-    first = _grads_once(q, k, v, dout)
+    first = _grads_once(q, k, v, dout, deterministic=deterministic)
     for _ in range(20):
-        for a, b in zip(_grads_once(q, k, v, dout), first):
-            assert torch.equal(a, b)
+        again = _grads_once(q, k, v, dout, deterministic=deterministic)
+        for name, a, b in zip(("out", "dq", "dk", "dv"), again, first):
+            if name == "dq" and not deterministic:
+                torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+            else:
+                assert torch.equal(a, b), name
 
 
 def test_torch_compile_fullgraph():
@@ -166,7 +174,8 @@ def test_opcheck_cuda():
 def test_cuda_graph_capture(shape):
     """Capture a training step and replay it. On Hopper the d128 and d256 cases run the
     Gluon kernels: the forward's dynamic schedule allocates and zeroes its work counter
-    inside the capture, so every replay starts from 0 (short causal d64 runs Triton)."""
+    inside the capture, so every replay starts from 0 (short causal d64 runs the Triton
+    forward, and the one-pass Gluon backward, whose float32 dQ is zeroed in the capture)."""
     S, D, dtype = shape
     q, k, v = (torch.randn(2, S, 8, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     dout = torch.randn(2, S, 8, D, device="cuda", dtype=dtype)
@@ -183,8 +192,11 @@ def test_cuda_graph_capture(shape):
     for _ in range(2):  # the second replay sees what the first left in the graph's buffers
         graph.replay()
         torch.cuda.synchronize()
-        for a, b in zip(captured, eager):
-            assert torch.equal(a, b)
+        for name, a, b in zip(("dq", "dk", "dv"), captured, eager):
+            if name == "dq" and D == 64:  # the one-pass backward: dQ summed in a varying order
+                torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+            else:
+                assert torch.equal(a, b), name
 
 
 def test_backward_memory_is_linear():

@@ -1,4 +1,5 @@
-"""GPU tests of the warp-specialized Gluon backward (``ops/backward_sm90.py``, Hopper only).
+"""GPU tests of the warp-specialized Gluon backward (``ops/backward_sm90.py``, and at d64
+``ops/backward_sm90_onepass.py`` unless deterministic; Hopper only).
 
 Every case asserts that the Gluon kernels really ran (a spy counts their launches), so the
 matrix cannot pass on the Triton backward alone; gradient buffers are NaN-poisoned first
@@ -18,7 +19,7 @@ import pytest
 import torch
 
 import flashtile
-from cases import Case, check_flash_grads, make_inputs, reference, rotating_cases, spy_calls
+from cases import Case, _grads, check_flash_grads, make_inputs, reference, rotating_cases, spy_calls
 from flashtile.testing import GRAD_FACTOR, assert_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
@@ -28,9 +29,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
 def bwd_ws_calls(monkeypatch):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the Gluon backward is for sm90 (Hopper)")
-    from flashtile.ops import backward_sm90
+    from flashtile.ops import backward_sm90, backward_sm90_onepass
 
-    return spy_calls(monkeypatch, backward_sm90, "attention_backward_ws")
+    calls = spy_calls(monkeypatch, backward_sm90, "attention_backward_ws")
+    return spy_calls(monkeypatch, backward_sm90_onepass, "attention_backward_onepass", calls)
 
 
 SEQ_PAIRS = [(1, 1), (17, 17), (64, 64), (127, 129), (129, 127), (200, 1000), (1000, 200), (1000, 1000)]
@@ -41,6 +43,8 @@ SEQ_PAIRS = [(1, 1), (17, 17), (64, 64), (127, 129), (129, 127), (200, 1000), (1
 def test_ws_grad_matrix(case, bwd_ws_calls):
     check_flash_grads(case, device="cuda")
     assert len(bwd_ws_calls) == 1 and bwd_ws_calls[0]["causal"] == (case.causal and case.seqlen_q > 1), bwd_ws_calls
+    one_pass = case.head_dim == 64  # the default there (not deterministic)
+    assert bwd_ws_calls[0]["fn"] == ("attention_backward_onepass" if one_pass else "attention_backward_ws")
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
@@ -66,9 +70,10 @@ def test_out_of_scope_and_switch_use_the_triton_backward(bwd_ws_calls, monkeypat
     assert len(bwd_ws_calls) == 1
 
 
-@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_bitwise_reproducible(head_dim, bwd_ws_calls):
-    """No atomics: every gradient element is written by one program in a fixed order."""
+    """deterministic=True: the split kernels (no atomics, no reductions: every gradient
+    element is written by one program in a fixed order), at d64 too."""
     g = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = (torch.randn(2, 1537, n, head_dim, device="cuda", dtype=torch.bfloat16,
                            generator=g).requires_grad_(True) for n in (8, 2, 2))
@@ -78,7 +83,40 @@ def test_bitwise_reproducible(head_dim, bwd_ws_calls):
     for _ in range(10):
         again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
         assert all(torch.equal(a, b) for a, b in zip(again, first))
-    assert len(bwd_ws_calls) == 11
+    assert len(bwd_ws_calls) == 11 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_ws"}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_pass_race_hunt(causal, bwd_ws_calls):
+    """The one-pass kernel at batch 60 (many programs add into each dQ tile at once, GQA):
+    dK and dV bitwise equal over reruns (each program owns its keys), dQ within the
+    accuracy rule every time (its float32 sums arrive in a varying order)."""
+    case = Case(333, 333, 64, dtype=torch.bfloat16, causal=causal, batch=60, nheads=4, nheads_k=2)
+    q, k, v, _ = make_inputs(case, "cuda", 0)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dout = torch.randn(q.shape, device="cuda", dtype=case.dtype, generator=g)
+    ref = _grads(lambda *a: reference(case, *a, None, torch.float64)[0], (q, k, v), dout.double())[1:]
+    base = _grads(lambda *a: reference(case, *a, None, case.dtype)[0], (q, k, v), dout)[1:]
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out = flashtile.flash_attn_func(*leaves, causal=causal)
+    first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    for name, a, r, b in zip(("dq", "dk", "dv"), first, ref, base):
+        assert_close(f"one-pass {name}", a, r, b, factor=GRAD_FACTOR)
+    for _ in range(5):
+        dq, dk, dv = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        assert torch.equal(dk, first[1]) and torch.equal(dv, first[2])
+        assert_close("one-pass dq again", dq, ref[0], base[0], factor=GRAD_FACTOR)
+    assert len(bwd_ws_calls) == 6 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
+
+
+def test_one_pass_switch(bwd_ws_calls, monkeypatch):
+    """FLASHTILE_BWD_DQ=split keeps d64 on the split kernels; unset, it takes the one-pass one."""
+    case = Case(517, 300, 64, dtype=torch.float16, causal=True, nheads=6, nheads_k=2)
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "split")
+    check_flash_grads(case, device="cuda")
+    monkeypatch.delenv("FLASHTILE_BWD_DQ")
+    check_flash_grads(case, device="cuda")
+    assert [c["fn"] for c in bwd_ws_calls] == ["attention_backward_ws", "attention_backward_onepass"]
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])

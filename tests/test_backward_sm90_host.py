@@ -69,3 +69,85 @@ def test_launch_arguments_are_checked_before_any_work():
                               causal=False, dkdv_block_q=128)
     with pytest.raises(ValueError, match="ring slots"):
         attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, dq_num_buf=1)
+
+
+def test_one_pass_scope(monkeypatch):
+    """The one-pass kernel (issue 17) takes d64 unless the call is deterministic or
+    FLASHTILE_BWD_DQ says split (or atomic: the Triton kernels' own variant)."""
+    from flashtile.ops.backward_sm90_onepass import ONEPASS_HEAD_DIMS, applies
+
+    assert ONEPASS_HEAD_DIMS == (64,)
+    monkeypatch.delenv("FLASHTILE_BWD_DQ", raising=False)
+    assert applies(64, deterministic=False)
+    assert not applies(64, deterministic=True)
+    assert not any(applies(d, deterministic=False) for d in (32, 128, 256))
+    for value, expect in (("auto", True), ("", True), ("split", False), ("atomic", False)):
+        monkeypatch.setenv("FLASHTILE_BWD_DQ", value)
+        assert applies(64, deterministic=False) == expect, value
+
+
+def test_one_pass_or_split_by_determinism(monkeypatch, triton_backend):
+    """ops/backward.py's choice between the Gluon kernels, with the device check faked (the
+    kernels themselves are GPU-only): each spy raises as soon as it is chosen."""
+    import flashtile
+    from flashtile.ops import backward, backward_sm90, backward_sm90_onepass, plan
+
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    plan.clear()
+    monkeypatch.setattr(backward, "_gluon_applies", lambda *args, **kwargs: True)
+
+    class Chosen(Exception):
+        pass
+
+    def spy(name):
+        def launch(*args, **kwargs):
+            raise Chosen(name)
+        return launch
+
+    monkeypatch.setattr(backward_sm90, "attention_backward_ws", spy("split"))
+    monkeypatch.setattr(backward_sm90_onepass, "attention_backward_onepass", spy("one-pass"))
+
+    def chosen(head_dim, **kwargs):
+        q, k, v = (torch.randn(1, 40, 2, head_dim, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        out = flashtile.flash_attn_func(q, k, v, causal=True, **kwargs)
+        with pytest.raises(Chosen) as err:
+            out.float().sum().backward()
+        return str(err.value)
+
+    monkeypatch.delenv("FLASHTILE_BWD_DQ", raising=False)
+    assert chosen(64) == "one-pass"
+    assert chosen(64, deterministic=True) == "split"
+    assert chosen(128) == "split"
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert chosen(64) == "split"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "split")
+    assert chosen(64) == "split"
+
+
+def test_one_pass_postprocess_casts_the_padded_accumulator(triton_backend):
+    """``_dq_convert``: rows of the float32 dQ (padded to 64 rows) cast into a strided dq
+    view, nothing past seqlen_q written (NaN-filled rows stay NaN)."""
+    from flashtile.ops.backward_sm90_onepass import _launch_convert
+
+    B, H, S, D, rows = 2, 3, 70, 64, 128
+    acc = torch.randn(B, H, rows, D)
+    base = torch.full((B, S + 5, H, D), float("nan"), dtype=torch.float16)
+    dq = base[:, :S].transpose(1, 2)  # (B, H, S, D) view of a (B, S, H, D) buffer, rows to spare
+    _launch_convert((2, B * H), (acc, dq, H, S, rows, *dq.stride()[:3]), dict(BLOCK_M=64, HEAD_D=D), 4, 1)
+    assert torch.equal(dq, acc[:, :, :S].to(torch.float16))
+    assert base[:, S:].isnan().all()
+
+
+def test_one_pass_arguments_are_checked_before_any_work():
+    from flashtile.ops.backward_sm90_onepass import attention_backward_onepass
+
+    t = torch.zeros(1, 2, 8, 32, dtype=torch.float16)
+    lse = torch.zeros(1, 2, 8)
+    with pytest.raises(ValueError, match="head dims"):
+        attention_backward_onepass(t, t, t, t, lse, lse, t, t, t, scale=0.1, diag_offset=0, causal=False)
+    t = torch.zeros(1, 2, 8, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="num_buf"):
+        attention_backward_onepass(t, t, t, t, lse, lse, t, t, t, scale=0.1, diag_offset=0, causal=False, num_buf=1)

@@ -171,6 +171,8 @@ def test_deterministic_flag_overrides_atomic(monkeypatch):
 
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "atomic")
     assert configs.bwd_dq_mode(True) == "split" and configs.bwd_dq_mode(False) == "atomic"
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "auto")  # the default: the one-pass Gluon kernel where it applies
+    assert configs.bwd_dq_mode(True) == "split" and configs.bwd_dq_mode(False) == "split"
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "fast")
     with pytest.raises(ValueError, match="FLASHTILE_BWD_DQ"):
         configs.bwd_dq_mode(False)

@@ -14,7 +14,9 @@ from flashtile.explain import explain  # noqa: E402
 
 @pytest.mark.parametrize("kwargs, forward, backward, reason", [
     (dict(seqlen_q=4096, head_dim=128), "Gluon", "Gluon dK/dV", None),
-    (dict(seqlen_q=1024, head_dim=64, causal=True), "Triton", "Gluon dK/dV", "short causal d64"),
+    (dict(seqlen_q=1024, head_dim=64, causal=True), "Triton", "Gluon one-pass", "short causal d64"),
+    (dict(seqlen_q=1024, head_dim=64, causal=True, deterministic=True), "Triton", "Gluon dK/dV", "short causal d64"),
+    (dict(seqlen_q=4096, head_dim=64, varlen=True), "Gluon", "Gluon dK/dV + dQ kernels", None),
     (dict(seqlen_q=4096, head_dim=256, causal=True), "Gluon", "Gluon dV, dK and dQ", None),
     (dict(seqlen_q=4096, head_dim=128, softcap=5.0), "Triton", "Triton", "outside the Gluon kernels' scope"),
     (dict(seqlen_q=4096, head_dim=96), "Triton", "Triton", "outside the Gluon kernels' scope"),
@@ -36,6 +38,13 @@ def test_known_paths(kwargs, forward, backward, reason):
         assert not plan.reasons, plan
     else:
         assert any(reason in r for r in plan.reasons), plan
+
+
+def test_bwd_dq_split_keeps_the_split_kernels(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "split")
+    assert explain(4096, head_dim=64).backward.startswith("Gluon dK/dV")
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "auto")
+    assert explain(4096, head_dim=64).backward.startswith("Gluon one-pass")
 
 
 def test_command_line(capsys):

@@ -258,7 +258,7 @@ def _attn_bwd_run(dout, q, k, v, out, lse, scale, diag_offset, window_left, wind
                            scale=scale, diag_offset=diag_offset, window_left=window_left,
                            window_right=window_right, softcap=softcap, alibi_slopes=alibi_slopes,
                            attn_mask=attn_mask, config=config, dropout_p=dropout_p, seed=seed, dlse=dlse,
-                           varlen=varlen)
+                           varlen=varlen, deterministic=deterministic)
     return dq4.transpose(1, 2), dk4.transpose(1, 2), dv4.transpose(1, 2)
 
 

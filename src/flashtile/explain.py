@@ -35,10 +35,13 @@ _DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 def explain(seqlen_q: int, seqlen_k: Optional[int] = None, head_dim: int = 128, *, dtype: str = "bf16",
             causal: bool = False, window: tuple = (-1, -1), softcap: float = 0.0, alibi: bool = False,
             mask: bool = False, dropout_p: float = 0.0, varlen: bool = False, seqused: bool = False,
-            device: str = "cuda", capability: tuple = (9, 0), ws_env: bool = True) -> Plan:
+            device: str = "cuda", capability: tuple = (9, 0), ws_env: bool = True,
+            deterministic: bool = False) -> Plan:
     """The plan of a flash-attn-style call (``varlen``: a packed call, seqlen = the longest
     sequence; ``seqused``: with seqused_q/k or paged keys) on a GPU of ``capability``, or on
-    CPU tensors (``device="cpu"``). ``ws_env=False`` stands for FLASHTILE_WS=0."""
+    CPU tensors (``device="cpu"``). ``ws_env=False`` stands for FLASHTILE_WS=0;
+    ``deterministic`` for the call's flag (or torch.use_deterministic_algorithms).
+    FLASHTILE_BWD_DQ is read from the environment."""
     import torch
 
     from .ops import configs
@@ -96,10 +99,14 @@ def explain(seqlen_q: int, seqlen_k: Optional[int] = None, head_dim: int = 128, 
     split = head_dim in SPLIT_HEAD_DIMS
     bwd_ws = ws_env and hopper and aligned and scope and not (varlen and (seqused or split))
     if bwd_ws:
-        backward = ("Gluon dK/dV + dQ kernels (ops/backward_sm90.py" + (", work lists, padded gradients)" if varlen
-                                                                      else ")"))
+        from .ops import backward_sm90_onepass
+
+        backward = "Gluon dK/dV + dQ kernels (ops/backward_sm90.py" + (", work lists)" if varlen else ")")
         if split and not varlen:
             backward = "Gluon dV, dK and dQ kernels (ops/backward_sm90.py, d256 split)"
+        if not varlen and backward_sm90_onepass.applies(head_dim, deterministic):
+            backward = ("Gluon one-pass kernel (ops/backward_sm90_onepass.py: dQ by float32 reductions, not "
+                        "bitwise reproducible; deterministic=True takes the split kernels)")
         bwd_config = None
     else:
         backward = "Triton dK/dV + dQ kernels (ops/backward.py" + (", VARLEN work lists)" if varlen else ")")

@@ -125,10 +125,14 @@ def flash_attn_func(
         softcap: if > 0, scores -> softcap * tanh(scores / softcap) after scaling.
         alibi_slopes: (nheads,) or (batch, nheads) float32; adds
             -slope * |i + seqlen_k - seqlen_q - j| to the scores after softcap.
-        deterministic: forbid the backward's atomic dQ variant, so gradients are bitwise
-            reproducible (so does ``torch.use_deterministic_algorithms(True)``). The
-            default backward is deterministic too: the Gluon backward on Hopper has no
-            atomics, and the Triton kernels use them only with ``FLASHTILE_BWD_DQ=atomic``.
+        deterministic: gradients bitwise reproducible (so does
+            ``torch.use_deterministic_algorithms(True)``): the backward takes no kernel
+            that sums dQ in a varying order. Without it, Hopper at head dim 64 takes the
+            one-pass Gluon backward (5 tile products per tile pair, dQ by float32
+            reductions: 3-9% faster on the H200, dQ's rounding varies between runs, dK and
+            dV do not); every other case is deterministic anyway, except the Triton
+            kernels under ``FLASHTILE_BWD_DQ=atomic``. With it: the split kernels (7
+            products, no reductions).
         return_attn_probs: also return softmax_lse (differentiable, e.g. for a z-loss) and
             S_dmask: None without dropout; with dropout_p > 0 a (batch, nheads, seqlen_q,
             seqlen_k) float32 tensor holding exp(s - rowmax(s)) for kept entries, the

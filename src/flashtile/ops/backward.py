@@ -525,12 +525,16 @@ _launch_dq = Launcher(_bwd_dq_kernel)
 
 def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, diag_offset: int,
                        window_left: int, window_right: int, softcap: float, alibi_slopes, attn_mask,
-                       config: BwdConfig, dropout_p: float = 0.0, seed=None, dlse=None, varlen=None) -> None:
+                       config: BwdConfig, dropout_p: float = 0.0, seed=None, dlse=None, varlen=None,
+                       deterministic: bool = True) -> None:
     """Launch the backward kernels. Inputs are validated by ``flashtile.api``.
 
     On Hopper, plain and causal fp16/bf16 calls at head dim 64/128/256 take the
-    warp-specialized Gluon kernels of ``backward_sm90`` (deterministic too);
-    ``FLASHTILE_WS=0`` turns them off, as it does the Gluon forward.
+    warp-specialized Gluon kernels: at head dim 64 with fixed lengths and not
+    ``deterministic``, the one-pass kernel of ``backward_sm90_onepass`` (dQ by float32
+    reductions, whose order varies between runs); otherwise the split kernels of
+    ``backward_sm90`` (bitwise reproducible). ``FLASHTILE_WS=0`` turns both off, as it
+    does the Gluon forward; ``FLASHTILE_BWD_DQ=split`` keeps the split kernels.
 
     Args:
         q, out, dout, dq: (B, H, Sq, D) views with unit stride along D.
@@ -539,6 +543,7 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
         alibi_slopes: None or float32 (B, H).  attn_mask: None or (B, H, Sq, Sk) view.
         dropout_p, seed: as in the forward; the same seed redraws the same mask.
         dlse: None or (B, H, Sq), the upstream gradient of the LSE (subtracted from Delta).
+        deterministic: gradients bitwise reproducible (no one-pass kernel, no atomics).
         varlen: None, or a ``varlen.Varlen`` (packed sequences, B = 1, as in the forward).
             Rows and keys outside every sequence's used part are not written: the caller
             zeroes dq, dk, dv first when seqused is given.
@@ -580,8 +585,12 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
         delta -= dlse.to(torch.float32)
 
     if use_ws:
-        from . import backward_sm90
+        from . import backward_sm90, backward_sm90_onepass
 
+        if varlen is None and backward_sm90_onepass.applies(head_dim, deterministic):
+            backward_sm90_onepass.attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, scale=scale,
+                                                             diag_offset=diag_offset, causal=window_right == 0)
+            return
         backward_sm90.attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=scale,
                                             diag_offset=diag_offset, causal=window_right == 0,
                                             varlen=None if varlen is None else (varlen, *built))

@@ -243,18 +243,21 @@ INTERPRETER_BWD = BwdConfig(16, 16, 16, 16, 4, 1)
 
 
 def bwd_dq_mode(deterministic: bool) -> str:
-    """"split" (dq kernel, deterministic) or "atomic" (fused, FA2's single pass).
+    """The Triton backward's dQ: "split" (dq kernel, deterministic) or "atomic" (fused,
+    FA2's single pass).
 
-    Split is the default until a GPU sweep says otherwise; ``FLASHTILE_BWD_DQ=atomic``
-    opts in to the fused variant, and determinism (the call's flag or
+    ``FLASHTILE_BWD_DQ``: ``auto`` (default) and ``split`` give split here (``auto`` lets
+    the Hopper one-pass Gluon kernel take the head dims where it is faster:
+    ``backward_sm90_onepass.applies``; ``split`` keeps the split kernels everywhere);
+    ``atomic`` opts in to the fused variant. Determinism (the call's flag or
     ``torch.use_deterministic_algorithms``) always wins over it.
     """
+    mode = os.environ.get("FLASHTILE_BWD_DQ", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "split", "atomic"):
+        raise ValueError(f"FLASHTILE_BWD_DQ must be 'auto', 'split' or 'atomic', got {mode!r}")
     if deterministic:
         return "split"
-    mode = os.environ.get("FLASHTILE_BWD_DQ", "split").strip().lower() or "split"
-    if mode not in ("split", "atomic"):
-        raise ValueError(f"FLASHTILE_BWD_DQ must be 'split' or 'atomic', got {mode!r}")
-    return mode
+    return "atomic" if mode == "atomic" else "split"
 
 
 def default_bwd_config(capability: tuple[int, int], head_dim: int, dtype_name: str,

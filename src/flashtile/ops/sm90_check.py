@@ -277,6 +277,23 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
     return out
 
 
+def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf: int | None = None,
+                             dq_buf: int | None = None) -> Compiled:
+    """The one-pass Gluon backward (``backward_sm90_onepass``; its default rings unless
+    given): its PTX should hold the bulk tensor reductions of dQ."""
+    from . import backward_sm90_onepass as op
+
+    num_buf = num_buf or op.NUM_BUF[head_dim]
+    dq_buf = dq_buf or op.DQ_BUF
+    dq_desc = f"tensordesc<fp32[{op.BLOCK}, {head_dim // 2}],{op.dq_accumulator_layout(head_dim)}>"
+    return _compile_ws(f"bwd-onepass {dtype} d{head_dim} causal={causal} num_buf={num_buf} dq_buf={dq_buf}",
+                       op._onepass_kernel, dtype, head_dim,
+                       dict.fromkeys(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc"), op.BLOCK),
+                       dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=op.CONSUMER_REGS,
+                            LOADER_REGS=op.LOADER_REGS, REDUCER_REGS=op.REDUCER_REGS),
+                       dict(dq_desc=dq_desc))
+
+
 def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extras: bool = False,
                      varlen: bool = False) -> list[Compiled]:
     """The dq and dk/dv kernels with ``cfg`` (a BwdConfig); ``varlen``: packed sequences."""
