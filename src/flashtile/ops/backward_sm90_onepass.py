@@ -32,10 +32,10 @@ The float32 sums of dQ arrive in an order that varies between runs, so dQ is not
 reproducible (dK and dV are: each program owns its keys). ``deterministic=True`` and
 ``torch.use_deterministic_algorithms(True)`` take the split kernels of ``backward_sm90``.
 
-Speed (H200, session 16, docs/perf-notes.md runs 83-86): at d64, bf16, in ``flashtile
-bench``, 1.03-1.09x the split kernels without causal and 0.99-1.04x with it (S512-16384),
-0.82-0.90x cuDNN. At d128 it loses to the split kernels (0.90-0.99x), held back by
-register spills in the consumer's loop (ncu, d128 S4096: 3.2 GB of local loads per call
+Speed (H200, session 16, docs/perf-notes.md "One-pass backward", runs 83-88): at d64, in
+``flashtile bench``, 1.03-1.09x the split kernels without causal and 0.99-1.04x with it
+(bf16, S512-16384), 0.82-0.91x cuDNN (bf16 and fp16). At d128 it loses to the split
+kernels (0.90-0.99x), held back by register spills in the consumer's loop (ncu, d128 S4096: 3.2 GB of local loads per call
 against 0.14 GB with the dQ reductions off; 40% of the stall cycles wait on L1TEX) and
 the bank conflicts of the float32 dQ stores (37M of 131M store wavefronts), so d128
 stays split.
