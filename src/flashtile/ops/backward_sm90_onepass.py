@@ -35,10 +35,10 @@ reproducible (dK and dV are: each program owns its keys). ``deterministic=True``
 Speed (H200, session 16, docs/perf-notes.md "One-pass backward", runs 83-88): at d64, in
 ``flashtile bench``, 1.03-1.09x the split kernels without causal and 0.99-1.04x with it
 (bf16, S512-16384), 0.82-0.91x cuDNN (bf16 and fp16). At d128 it loses to the split
-kernels (0.90-0.99x), held back by register spills in the consumer's loop (ncu, d128 S4096: 3.2 GB of local loads per call
-against 0.14 GB with the dQ reductions off; 40% of the stall cycles wait on L1TEX) and
-the bank conflicts of the float32 dQ stores (37M of 131M store wavefronts), so d128
-stays split.
+kernels (0.90-0.99x), held back by register spills in the consumer's loop (ncu, d128
+S4096: 3.2 GB of local loads per call against 0.14 GB with the dQ reductions off; 40% of
+the stall cycles wait on L1TEX) and the bank conflicts of the float32 dQ stores (37M of
+131M store wavefronts), so d128 stays split.
 
 Triton 3.6 turns constexprs passed through ``gl.warp_specialize`` into tensors, so the
 partitions read compile-time sizes from descriptor and shared-memory types (CAUSAL: the
