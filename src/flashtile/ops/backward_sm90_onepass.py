@@ -60,6 +60,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from .backward_sm90 import BLOCK, CONSUMER_REGS, LOADER_REGS, ROWS, _step_range
+from .configs import bwd_dq_env
 from .forward import LOG2E
 from .forward_sm90 import tma_descriptor
 from .launch import Launcher
@@ -367,12 +368,10 @@ _launch_convert = Launcher(_dq_convert)
 def applies(head_dim: int, deterministic: bool) -> bool:
     """Whether a backward that the Gluon kernels take (``backward._gluon_applies``, fixed
     lengths) runs here instead of the split kernels: not deterministic, a head dim of
-    ONEPASS_HEAD_DIMS, and FLASHTILE_BWD_DQ unset or ``auto``."""
+    ONEPASS_HEAD_DIMS, and FLASHTILE_BWD_DQ unset or ``auto`` (``configs.bwd_dq_env``)."""
     if deterministic or head_dim not in ONEPASS_HEAD_DIMS:
         return False
-    import os
-
-    return os.environ.get("FLASHTILE_BWD_DQ", "auto").strip().lower() in ("", "auto")
+    return bwd_dq_env() == "auto"
 
 
 def dq_accumulator_layout(head_dim: int):

@@ -242,6 +242,15 @@ _SM90_BWD_ONE_LOOP = (16, 32, 64, 256)
 INTERPRETER_BWD = BwdConfig(16, 16, 16, 16, 4, 1)
 
 
+def bwd_dq_env() -> str:
+    """FLASHTILE_BWD_DQ, checked: ``auto`` (unset or empty), ``split`` or ``atomic``
+    (``bwd_dq_mode`` and ``backward_sm90_onepass.applies`` read it through here)."""
+    mode = os.environ.get("FLASHTILE_BWD_DQ", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "split", "atomic"):
+        raise ValueError(f"FLASHTILE_BWD_DQ must be 'auto', 'split' or 'atomic', got {mode!r}")
+    return mode
+
+
 def bwd_dq_mode(deterministic: bool) -> str:
     """The Triton backward's dQ: "split" (dq kernel, deterministic) or "atomic" (fused,
     FA2's single pass).
@@ -252,9 +261,7 @@ def bwd_dq_mode(deterministic: bool) -> str:
     ``atomic`` opts in to the fused variant. Determinism (the call's flag or
     ``torch.use_deterministic_algorithms``) always wins over it.
     """
-    mode = os.environ.get("FLASHTILE_BWD_DQ", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "split", "atomic"):
-        raise ValueError(f"FLASHTILE_BWD_DQ must be 'auto', 'split' or 'atomic', got {mode!r}")
+    mode = bwd_dq_env()
     if deterministic:
         return "split"
     return "atomic" if mode == "atomic" else "split"
