@@ -51,3 +51,13 @@ def test_command_line(capsys):
     assert main(["explain", "--head-dim", "64", "--causal", "--seqlen-q", "1024"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("forward:  Triton forward") and "short causal d64" in out
+
+
+def test_command_line_deterministic(capsys, monkeypatch):
+    monkeypatch.delenv("FLASHTILE_BWD_DQ", raising=False)
+    assert main(["explain", "--head-dim", "64"]) == 0
+    assert "Gluon one-pass" in capsys.readouterr().out
+    assert main(["explain", "--head-dim", "64", "--deterministic"]) == 0
+    out = capsys.readouterr().out
+    assert "Gluon one-pass" not in out and "Gluon dK/dV" in out
+
