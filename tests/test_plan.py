@@ -280,3 +280,19 @@ def test_raw_replay_hands_the_c_launcher_the_full_paths_arguments(triton_backend
 def test_stream_counter_on_cpu_is_a_fresh_zero():
     c = plan.stream_counter(torch.device("cpu"))
     assert c.dtype == torch.int32 and c.tolist() == [0]
+
+
+def test_a_counter_made_during_a_recording_is_not_one_of_its_steps():
+    """The stream's work counter is made on a process's first call, which may be a call
+    being recorded: its allocation and fill must not become steps of that plan (a fresh
+    zeroed buffer every replay, that no launch reads: H200 run 90)."""
+    rec = plan.Recorder([])
+    plan._local.recorder = rec
+    try:
+        with rec:
+            counter = plan._new_counter(torch.device("cpu"), rec)
+            torch.zeros(2)  # the recorder itself still notes the call's own buffers
+    finally:
+        plan._local.recorder = None
+    assert counter.tolist() == [0] and counter.dtype == torch.int32
+    assert len(rec.slots) == 1 and rec.slots[0].shape == (2,) and rec.paused == 0

@@ -137,12 +137,26 @@ def stream_counter(device: torch.device) -> torch.Tensor:
         return torch.zeros(1, dtype=torch.int32, device=device)
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     counter = _COUNTERS.get(key)
-    if counter is None:
-        counter = _COUNTERS[key] = torch.zeros(1, dtype=torch.int32, device=device)
     rec = getattr(_local, "recorder", None)
+    if counter is None:
+        counter = _COUNTERS[key] = _new_counter(device, rec)
     if rec is not None:
         rec.counters[counter.data_ptr()] = device
     return counter
+
+
+def _new_counter(device: torch.device, rec: Optional["Recorder"]) -> torch.Tensor:
+    """The stream's counter, made once. A recording that is active meanwhile must not see
+    the allocation and its fill: they would become steps of its plan, a fresh zeroed buffer
+    per replay that no launch reads (H200 run 90: an allocation and a fill kernel in every
+    training forward, because the first call of a process made the counter)."""
+    if rec is not None:
+        rec.paused += 1
+    try:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    finally:
+        if rec is not None:
+            rec.paused -= 1
 
 
 # ---------------------------------------------------------------------------------------
