@@ -224,12 +224,44 @@ def test_eager_path_matches_the_op():
     for call in (autograd.attention, torch.ops.flashtile.attn_fwd):
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
         out, lse = call(*leaves, *args)
+        if call is autograd.attention:  # out in its inputs' layout, (B, H, S, D); the op's is (B, S, H, D)
+            out = out.transpose(1, 2)
         loss = (out * torch.linspace(-1, 1, out.shape[-1])).sum() + 0.1 * lse.square().sum()
         results.append((out.detach(), lse.detach(), *torch.autograd.grad(loss, leaves)))
         lse_only = call(*[t.clone().requires_grad_(True) for t in (q, k, v)], *args)[1]
         assert lse_only.grad_fn is not None
     for a, b in zip(*results):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("api", ["flash", "varlen", "sdpa"])
+def test_a_training_call_is_one_autograd_node(api):
+    """The layout views between the caller's tensors and the kernels' (B, H, S, D) happen
+    inside the autograd node: as views outside it, each was a node of its own that every
+    backward ran too (flash_attn_func had five; H200 run 90). The output of
+    flash_attn_func is then a plain tensor, as flash-attn's: an in-place op on it is
+    allowed (a backward through it then fails, as flash-attn's: out is saved)."""
+    g = torch.Generator().manual_seed(3)
+    if api == "flash":
+        q, k, v = (torch.randn(2, 9, 2, 16, generator=g).requires_grad_() for _ in range(3))
+        out = flashtile.flash_attn_func(q, k, v, causal=True)
+    elif api == "sdpa":
+        q, k, v = (torch.randn(2, 2, 9, 16, generator=g).requires_grad_() for _ in range(3))
+        out = flashtile.scaled_dot_product_attention(q, k, v, is_causal=True)
+    else:
+        q, k, v = (torch.randn(18, 2, 16, generator=g).requires_grad_() for _ in range(3))
+        cu = torch.tensor([0, 7, 18], dtype=torch.int32)
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 11, 11, causal=True)
+    assert out.shape == q.shape
+    assert type(out.grad_fn).__name__ == "_EagerAttentionBackward"
+    leaves = [f for f, _ in out.grad_fn.next_functions if f is not None]
+    assert [type(f).__name__ for f in leaves] == ["AccumulateGrad"] * 3
+    assert [f.variable for f in leaves] == [q, k, v]
+    if api == "flash":
+        assert not out._is_view()
+        flashtile.flash_attn_func(q, k, v).mul_(2)  # a view made inside a custom Function refuses this
+    dq, dk, dv = torch.autograd.grad(out.square().sum(), (q, k, v))
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == v.shape
 
 
 def test_eager_path_without_grad_builds_no_graph():

@@ -9,7 +9,9 @@ run time, never at trace time.
 Canonical layout at this boundary: q, k, v are (B, H, S, D) views with unit stride along
 D (as ``flashtile.ops.forward`` describes). Outputs are plain tensors: out and the
 gradients come back laid out (B, S, H, D) (flash-attn's layout; callers transpose the
-view), lse is (B, H, Sq) float32.
+view), lse is (B, H, Sq) float32. ``attention``, what the API calls, also takes q, k, v in
+flash-attn's (B, S, H, D) or a packed call's (total, H, D) layout (``LAYOUTS``) and gives
+out back in it, converting inside the autograd node of a training call.
 """
 
 from __future__ import annotations
@@ -39,6 +41,41 @@ def _bshd_view(t: Tensor) -> Tensor:
     """(B, H, S, D) view of a new (B, S, H, D) buffer shaped like ``t``."""
     b, h, s, d = t.shape
     return t.new_empty((b, s, h, d)).transpose(1, 2)
+
+
+# The layouts ``attention`` takes q, k, v in and gives out back in: the canonical one
+# ("bhsd": (B, H, S, D) views, as the op), flash-attn's ("bshd": (B, S, H, D)) and a packed
+# varlen call's ("thd": (total, H, D), one sequence of all the tokens). A training call's
+# conversions happen inside its autograd node: as views outside it, each was a node of its
+# own that the backward also ran (five per flash_attn_func call; H200 run 90).
+LAYOUTS = ("bhsd", "bshd", "thd")
+
+
+def _canonical(t: Tensor, layout: str) -> Tensor:
+    """A q, k or v given in ``layout`` as the (B, H, S, D) view the kernels take."""
+    if layout == "bshd":
+        return t.transpose(1, 2)
+    if layout == "thd":
+        return t.unsqueeze(0).transpose(1, 2)
+    return t
+
+
+def _to_bshd(t: Tensor, layout: str) -> Tensor:
+    """An out (or its gradient) given in ``layout`` as (B, S, H, D)."""
+    if layout == "bshd":
+        return t
+    if layout == "thd":
+        return t.unsqueeze(0)
+    return t.transpose(1, 2)
+
+
+def _from_bshd(t: Tensor, layout: str) -> Tensor:
+    """A (B, S, H, D) result (out, or a gradient of q, k, v) in ``layout``."""
+    if layout == "bshd":
+        return t
+    if layout == "thd":
+        return t.squeeze(0)
+    return t.transpose(1, 2)
 
 
 def _new_lse(t: Tensor) -> Tensor:
@@ -151,11 +188,12 @@ def _attn_fwd_run(q, k, v, scale, diag_offset, window_left, window_right, softca
         raise TypeError("bfloat16 cannot run under TRITON_INTERPRET=1 (triton 3.6's interpreter has no bf16 arithmetic)")
     batch, nheads, seqlen_q, head_dim = q.shape
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
-    out4 = _bshd_view(q)
+    out = q.new_empty((batch, seqlen_q, nheads, head_dim))  # returned as it is: not a view
+    out4 = out.transpose(1, 2)
     lse = _new_lse(q)
     if out4.numel() == 0 or k.shape[2] == 0 or (varlen is not None and varlen.batch == 0):
         # No keys at all: every row is empty (output 0, LSE -inf), as in the kernel.
-        return out4.transpose(1, 2).zero_(), lse.fill_(float("-inf"))
+        return out.zero_(), lse.fill_(float("-inf"))
     if varlen is not None and (seqused_q is not None or seqused_k is not None):
         # Rows past a sequence's used length belong to no work item.
         out4.zero_()
@@ -178,7 +216,7 @@ def _attn_fwd_run(q, k, v, scale, diag_offset, window_left, window_right, softca
             config = _autotune(q, k, v, out4, lse, problem, config)  # on q's device, as the launch
         attention_forward(q, k, v, out4, lse, config=config, dropout_p=dropout_p, seed=seed, varlen=varlen,
                           **problem)
-    return out4.transpose(1, 2), lse
+    return out, lse
 
 
 @torch.library.custom_op("flashtile::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
@@ -304,13 +342,21 @@ def _setup_context(ctx, inputs, output):
 
 
 def _grads(ctx, dout, dlse, bwd):
+    # The op's q, k, v are (B, H, S, D) views and its out (B, S, H, D); the eager Function's
+    # q, k, v and out are all in the caller's layout (ctx.layout).
+    layout = getattr(ctx, "layout", None)
     q, k, v, out, lse = ctx.saved_tensors
+    if layout is not None:
+        q, k, v = (_canonical(t, layout) for t in (q, k, v))
+        out = _to_bshd(out, layout)
+        dout = None if dout is None else _to_bshd(dout, layout)
     if dout is None:  # only the LSE was used downstream
         dout = torch.zeros_like(out)
     dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.problem, ctx.alibi_slopes, ctx.attn_mask, *ctx.dropout, dlse,
                      *ctx.varlen)
-    # The backward returns (B, S, H, D); q, k, v entered as (B, H, S, D) views.
-    return (dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)) + (None,) * (ctx.num_inputs - 3)
+    # The backward returns (B, S, H, D), each gradient goes back in its input's layout.
+    layout = layout or "bhsd"
+    return tuple(_from_bshd(g, layout) for g in (dq, dk, dv)) + (None,) * (ctx.num_inputs - 3)
 
 
 def _backward(ctx, dout, dlse):
@@ -331,19 +377,24 @@ class _EagerAttention(torch.autograd.Function):
     functorch transform, which would need ``setup_context``)."""
 
     @staticmethod
-    def forward(ctx, entry, *inputs):
-        # entry: the forward's plan entry when the caller knows it (``attention``'s hint),
+    def forward(ctx, hint, layout, *inputs):
+        # q, k, v come in ``layout`` and out goes back in it (``LAYOUTS``). The forward's
+        # plan entry is kept in ``hint.below`` when the caller has a hint (``attention``),
         # else found here; the backward finds its own entry below it.
-        args = inputs + _NO_VARLEN[len(inputs) - 13:]
+        args = tuple(_canonical(t, layout) for t in inputs[:3]) + inputs[3:] + _NO_VARLEN[len(inputs) - 13:]
+        entry = None if hint is None else hint.below.get("attn_fwd")
         if entry is None:
             entry = _fwd_entry(args)
-        output = _attn_fwd_planned(entry, args)
+            if hint is not None and entry is not None:
+                hint.below["attn_fwd"] = entry
+        out, lse = _attn_fwd_planned(entry, args)
+        out = _from_bshd(out, layout)
         # An unused LSE (or out) arrives as None and skips the Delta update; the op's
         # autograd passes zeros instead. Same gradients either way.
         ctx.set_materialize_grads(False)
-        _setup_context(ctx, inputs, output)
-        ctx.entry = entry
-        return output
+        _setup_context(ctx, inputs, (out, lse))
+        ctx.entry, ctx.layout = entry, layout
+        return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
@@ -356,7 +407,7 @@ class _EagerAttention(torch.autograd.Function):
             bwd = partial(_attn_bwd_planned, ctx.entry)
         else:
             bwd = _attn_bwd_impl
-        return (None,) + _grads(ctx, dout, dlse, bwd)
+        return (None, None) + _grads(ctx, dout, dlse, bwd)
 
 
 def _refuse_forward_ad(*tensors) -> None:
@@ -387,30 +438,29 @@ def _plain_eager(*tensors) -> bool:
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
               window_right: int, softcap: float, alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor],
               dropout_p: float = 0.0, seed: Optional[Tensor] = None,
-              deterministic: bool = False, varlen: tuple = (), hint=None) -> tuple[Tensor, Tensor]:
+              deterministic: bool = False, varlen: tuple = (), hint=None,
+              layout: str = "bhsd") -> tuple[Tensor, Tensor]:
     """What ``flashtile.api`` calls: the same code as ``torch.ops.flashtile.attn_fwd``
     without the op dispatch for plain eager calls, the op itself whenever something traces
     or transforms the tensors (torch.compile, FakeTensor, vmap, ...: see ``_plain_eager``).
-    Arguments and outputs as ``attn_fwd``; ``varlen``: empty, or its six varlen arguments
-    (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k).
-    ``hint``: the plan entry (``flashtile.ops.plan``) of an API call whose key determines
-    this call's arguments but their addresses; a training call then keeps its kernels'
-    entry in ``hint.below`` instead of making their key."""
-    args = (q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
-            dropout_p, seed, deterministic, *varlen)
+
+    Arguments as ``attn_fwd``, but q, k, v in ``layout`` (``LAYOUTS``: "bhsd" the op's
+    (B, H, S, D), "bshd" flash-attn's (B, S, H, D), "thd" a packed (total, H, D));
+    returns out in the same layout and lse (B, H, Sq) float32. ``varlen``: empty, or its six
+    varlen arguments (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
+    max_seqlen_k). ``hint``: the plan entry (``flashtile.ops.plan``) of an API call whose
+    key determines this call's arguments but their addresses; a training call then keeps
+    its kernels' entry in ``hint.below`` instead of making their key."""
+    tail = (scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
+            deterministic, *varlen)
     _refuse_forward_ad(q, k, v, alibi_slopes, attn_mask)
     if not _plain_eager(q, k, v, alibi_slopes, attn_mask, seed, *varlen[:4]):
-        return torch.ops.flashtile.attn_fwd(*args)
+        out, lse = torch.ops.flashtile.attn_fwd(*(_canonical(t, layout) for t in (q, k, v)), *tail)
+        return _from_bshd(out, layout), lse
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        entry = None
-        if hint is not None:
-            entry = hint.below.get("attn_fwd")
-            if entry is None:
-                entry = _fwd_entry(args + _NO_VARLEN[len(args) - 13:])
-                if entry is not None:
-                    hint.below["attn_fwd"] = entry
-        return _EagerAttention.apply(entry, *args)
-    return _attn_fwd_impl(*args)
+        return _EagerAttention.apply(hint, layout, q, k, v, *tail)
+    out, lse = _attn_fwd_impl(*(_canonical(t, layout) for t in (q, k, v)), *tail)
+    return _from_bshd(out, layout), lse
 
 
 def _autotune(q, k, v, out4, lse, problem: dict, default):

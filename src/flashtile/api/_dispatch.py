@@ -106,20 +106,26 @@ def _torch_varlen_path(q4, k4, v4, problem: _Problem, alibi, varlen) -> tuple[to
     return out.transpose(1, 2).contiguous().transpose(1, 2), torch.cat(lses, dim=2)
 
 
-def _attention(q4, k4, v4, problem: _Problem, alibi, mask, varlen: tuple = (),
-               seed=None, hint=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the canonical problem: out (B, H, Sq, D) laid out as (B, Sq, H, D), lse (B, H, Sq).
+def _attention(q, k, v, problem: _Problem, alibi, mask, varlen: tuple = (),
+               seed=None, hint=None, layout: str = "bhsd") -> tuple[torch.Tensor, torch.Tensor]:
+    """Run the canonical problem on q, k, v given in ``layout`` (``autograd.LAYOUTS``: by
+    default (B, H, S, D) views): out in the same layout, laid out as (B, Sq, H, D) in
+    memory, and lse (B, H, Sq).
 
     ``varlen``: empty, or (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
     max_seqlen_k) of a validated packed call (B = 1; the diagonal is per sequence).
     ``seed``: the dropout's Philox key when the caller needs to know it (S_dmask); drawn
     here otherwise. ``hint``: the caller's plan entry (``autograd.attention``).
     """
-    if _backend_for(q4.device) == "torch":
-        if varlen:
-            return _torch_varlen_path(q4, k4, v4, problem, alibi, varlen)
-        return _torch_path(q4, k4, v4, problem, alibi, mask)
     from .. import autograd  # registers torch.ops.flashtile on first use
+
+    if _backend_for(q.device) == "torch":
+        q4, k4, v4 = (autograd._canonical(t, layout) for t in (q, k, v))
+        if varlen:
+            out4, lse = _torch_varlen_path(q4, k4, v4, problem, alibi, varlen)
+        else:
+            out4, lse = _torch_path(q4, k4, v4, problem, alibi, mask)
+        return autograd._from_bshd(out4.transpose(1, 2), layout), lse
 
     if alibi is not None and alibi.requires_grad and torch.is_grad_enabled():
         raise NotImplementedError(
@@ -130,35 +136,37 @@ def _attention(q4, k4, v4, problem: _Problem, alibi, mask, varlen: tuple = (),
             "attn_mask requires grad: the Triton kernels do not compute mask gradients (that would need an "
             "(L, S) gradient); detach the mask, or run on CPU tensors where the torch path differentiates it")
     if problem.dropout_p > 0.0 and seed is None:
-        seed = new_seed(q4.device)
-    out, lse = autograd.attention(
-        q4, k4, v4, problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
+        seed = new_seed(q.device)
+    return autograd.attention(
+        q, k, v, problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
         problem.softcap, alibi, mask, problem.dropout_p, seed,
-        problem.deterministic or torch.are_deterministic_algorithms_enabled(), tuple(varlen), hint)
-    return out.transpose(1, 2), lse
+        problem.deterministic or torch.are_deterministic_algorithms_enabled(), tuple(varlen), hint, layout)
 
 
-def attention_with_probs(q4, k4, v4, problem: _Problem, alibi, varlen: tuple = (), want_probs: bool = False,
-                         hint=None):
-    """``_attention`` for the flash-attn functions: (out4, lse, S_dmask or None). With
-    ``want_probs`` and dropout, the Philox key is drawn here so that S_dmask
-    (``_probs.dropout_probs``) redraws the kernels' own mask; the twin cannot (torch.rand)."""
+def attention_with_probs(q, k, v, problem: _Problem, alibi, varlen: tuple = (), want_probs: bool = False,
+                         hint=None, layout: str = "bhsd"):
+    """``_attention`` for the flash-attn functions: (out, lse, S_dmask or None), q, k, v and
+    out in ``layout``. With ``want_probs`` and dropout, the Philox key is drawn here so that
+    S_dmask (``_probs.dropout_probs``) redraws the kernels' own mask; the twin cannot
+    (torch.rand)."""
     seed = None
     want_mask = want_probs and problem.dropout_p > 0.0
     if want_mask:
-        if _backend_for(q4.device) == "torch":
+        if _backend_for(q.device) == "torch":
             raise NotImplementedError(
                 "return_attn_probs=True with dropout_p > 0 reports the Triton kernels' Philox mask; the torch twin "
                 "(CPU tensors) draws its mask with torch.rand. Run on CUDA tensors, or on CPU tensors with "
                 "FLASHTILE_BACKEND=triton and TRITON_INTERPRET=1")
-        seed = new_seed(q4.device)
-    out4, lse = _attention(q4, k4, v4, problem, alibi, None, varlen, seed, hint)
+        seed = new_seed(q.device)
+    out, lse = _attention(q, k, v, problem, alibi, None, varlen, seed, hint, layout)
     probs = None
     if want_mask:
+        from .. import autograd
         from ._probs import dropout_probs
 
-        probs = dropout_probs(q4, k4, problem, alibi, seed, varlen)
-    return out4, lse, probs
+        probs = dropout_probs(autograd._canonical(q, layout), autograd._canonical(k, layout), problem, alibi, seed,
+                              varlen)
+    return out, lse, probs
 
 
 def new_seed(device) -> torch.Tensor:

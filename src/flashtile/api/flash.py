@@ -73,9 +73,7 @@ def _run(q, k, v, alibi, prepared, hint=None):
     if expand_alibi:  # (nheads,) slopes, as _check_alibi expands them
         alibi = alibi.unsqueeze(0).expand(q.shape[0], alibi.shape[0])
     q, k, v = (_unit_last_stride(t) for t in (q, k, v))
-    out4, lse, probs = attention_with_probs(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), problem, alibi,
-                                            want_probs=want_probs, hint=hint)
-    out = out4.transpose(1, 2)
+    out, lse, probs = attention_with_probs(q, k, v, problem, alibi, want_probs=want_probs, hint=hint, layout="bshd")
     return (out, lse, probs) if want_probs else out
 
 

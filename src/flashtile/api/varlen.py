@@ -105,11 +105,10 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     problem = _Problem(scale, 0, left, right, softcap, dropout_p, bool(deterministic))
     want_probs = _flag("return_attn_probs", return_attn_probs)
     meta = (cu_q, cu_k, used_q, used_k, max_q, max_k)
-    out4, lse, probs = attention_with_probs(*(t.unsqueeze(0).transpose(1, 2) for t in (q, k, v)), problem, alibi,
-                                            meta, want_probs)
-    # squeeze, not [0]: the backward of a select allocates a zero-filled gradient and copies
-    # into it (H200 run 80: 55 us of a 1.6 ms varlen backward); an unsqueeze is a view.
-    out = out4.transpose(1, 2).squeeze(0)
+    # (total, H, D) in and out: the views to the kernels' (1, H, total, D) and back happen
+    # inside the autograd node (as a select outside it, out[0] cost a zero-filled gradient
+    # and a copy per backward: H200 run 80, 55 us of a 1.6 ms varlen backward).
+    out, lse, probs = attention_with_probs(q, k, v, problem, alibi, meta, want_probs, layout="thd")
     return (out, lse.squeeze(0), probs) if want_probs else out
 
 
