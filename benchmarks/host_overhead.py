@@ -53,12 +53,12 @@ def host_us(fn, n=200, warmup=1, sync=None, blocks=1):
     return best
 
 
-def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool) -> dict[str, dict[str, Callable]]:
+def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: int = 4) -> dict[str, dict[str, Callable]]:
     """{workload: {impl: zero-argument call}}; ``peers`` adds the SDPA rows (CUDA only)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from torch.nn.functional import scaled_dot_product_attention as sdpa
 
-    B, H = 4, 16
+    H = 16
     mk = lambda *shape, grad=False: torch.randn(*shape, device=device, dtype=dtype, requires_grad=grad)
     q, k, v = (mk(B, S, H, d) for _ in range(3))
     leaves = [mk(B, S, H, d, grad=True) for _ in range(3)]
@@ -130,7 +130,10 @@ def main(argv=None) -> int:
     p.add_argument("--cpu-stub", action="store_true", help="no GPU: time the host path with stubbed launches")
     p.add_argument("--plans-off", action="store_true", help="FLASHTILE_PLANS=0: the full path on every call")
     p.add_argument("--headdim", type=int, default=128)
-    p.add_argument("--seqlen", type=int, default=512, help="fwd/bwd rows: batch 4, 16 heads, causal")
+    p.add_argument("--seqlen", type=int, default=512, help="fwd/bwd rows: --batch, 16 heads, causal")
+    p.add_argument("--batch", type=int, default=4, help="fwd/bwd rows' batch")
+    p.add_argument("--only", nargs="+", help="the workloads whose name holds one of these words")
+    p.add_argument("--impl", nargs="+", choices=IMPLS, default=IMPLS)
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     args = p.parse_args(argv)
     if args.plans_off:
@@ -142,10 +145,12 @@ def main(argv=None) -> int:
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     print(f"# {torch.cuda.get_device_name()} torch {torch.__version__} d{args.headdim} S{args.seqlen} "
-          f"{args.dtype} plans {'off' if args.plans_off else 'on'}", flush=True)
-    for name, impls in workloads("cuda", dtype, args.headdim, args.seqlen, peers=True).items():
+          f"B{args.batch} {args.dtype} plans {'off' if args.plans_off else 'on'}", flush=True)
+    for name, impls in workloads("cuda", dtype, args.headdim, args.seqlen, peers=True, B=args.batch).items():
+        if args.only and not any(w in name for w in args.only):
+            continue
         cells = []
-        for impl in IMPLS:
+        for impl in args.impl:
             try:
                 fn = impls[impl]
                 fn()

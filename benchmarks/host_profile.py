@@ -3,11 +3,12 @@
     PYTHONPATH=src python3 benchmarks/host_profile.py [--calls 300] [--top 25]
     PYTHONPATH=src python3 benchmarks/host_profile.py --no-profile [--repeat 5]   # A/B: times only
 
-Profiles, at d128 S512 causal (bf16, batch 32, 16 heads), the forward launcher alone with
+Profiles, at d128 S512 causal (bf16, batch 32 or ``--batch``, 16 heads), the forward launcher alone with
 the TMA config and with pointer loads, the public forward without and with grad, the
 backward, and a KV-cache decode step (batch 8 x 4096, ``--only kvcache`` for it alone). Prints per-call wall time without the profiler, then the profile's top functions
 by own time. Use it with host_overhead.py: that one says whether a shape is launch-bound,
-this one says which Python or driver call to cut.
+this one says which Python or driver call to cut; ``--torch-profiler`` shows the CUDA API
+calls (a sync, an allocation, a memset) that cProfile folds into its caller.
 """
 
 from __future__ import annotations
@@ -40,6 +41,22 @@ def profile(name: str, fn, n: int, top: int) -> None:
     print(f"\n===== {name}: {us:.1f} us/call host (no profiler)\n" + buf.getvalue(), flush=True)
 
 
+def torch_profile(name: str, fn, n: int, top: int) -> None:
+    """torch.profiler over ``n`` calls: CPU ops and CUDA runtime/driver calls (a device sync,
+    an allocation or a memset shows here, which cProfile folds into its caller) and kernels."""
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            fn()
+        torch.cuda.synchronize()
+    table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=top, max_name_column_width=60)
+    print(f"\n===== {name}: torch.profiler over {n} calls (counts are totals)\n{table}", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--calls", type=int, default=300)
@@ -49,10 +66,13 @@ def main(argv=None) -> int:
     p.add_argument("--no-profile", action="store_true",
                    help="only the host time per call, the minimum over --repeat rounds (for A/B runs)")
     p.add_argument("--repeat", type=int, default=5)
+    p.add_argument("--batch", type=int, help="batch of the fwd/bwd cases (default: 16384 // seqlen tokens)")
+    p.add_argument("--torch-profiler", action="store_true",
+                   help="torch.profiler's table (CPU ops, CUDA API calls, kernels) instead of cProfile")
     p.add_argument("--only", nargs="+", help="the cases whose name holds one of these words")
     args = p.parse_args(argv)
     d, S = args.headdim, args.seqlen
-    B, H = 16384 // S, 2048 // d
+    B, H = args.batch or 16384 // S, 2048 // d
     q = torch.randn(B, S, H, d, device="cuda", dtype=torch.bfloat16)
     k, v = torch.randn_like(q), torch.randn_like(q)
     q4, k4, v4, out4, lse, problem = canonical(q, k, v, True)
@@ -80,6 +100,9 @@ def main(argv=None) -> int:
         if args.no_profile:
             best = min(host_us(fn, args.calls, warmup=20) for _ in range(args.repeat))
             print(f"{name}: {best:.1f} us/call host (min of {args.repeat})", flush=True)
+        elif args.torch_profiler:
+            print(f"{name}: {host_us(fn, args.calls, warmup=20):.1f} us/call host (no profiler)", flush=True)
+            torch_profile(name, fn, args.calls, args.top)
         else:
             profile(name, fn, args.calls, args.top)
     return 0
