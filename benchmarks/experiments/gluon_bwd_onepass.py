@@ -12,7 +12,8 @@ Variants are (num_buf, dq_buf): (Q, dO) ring slots and float32 dQ slots. History
 perf-notes.md, "One-pass backward"): runs 30-34 reduced dQ from the consumers' registers
 (290-375 TF/s at d128); run 80 measured the L2's reduction rate alone (3.6 TB/s); runs
 83-85 (session 16) the reducer warp: d64 1.03-1.09x the split kernels, d128 0.90-0.99x
-with its register spills. The A/B modes of those runs (no reductions, red.v4 from
+with its register spills; run 96 (session 17), the loop's fixed tiles viewed anew each
+step: d128 1.07-1.16x the split kernels, 0.95-1.06x cuDNN (`--variants 2,2`). The A/B modes of those runs (no reductions, red.v4 from
 registers, the serial consumer) are in git history (benchmarks/experiments/
 gluon_bwd_onepass.py at 47aaad2).
 """

@@ -34,11 +34,14 @@ reproducible (dK and dV are: each program owns its keys). ``deterministic=True``
 
 Speed (H200, session 16, docs/perf-notes.md "One-pass backward", runs 83-88): at d64, in
 ``flashtile bench``, 1.03-1.09x the split kernels without causal and 0.99-1.04x with it
-(bf16, S512-16384), 0.82-0.91x cuDNN (bf16 and fp16). At d128 it loses to the split
-kernels (0.90-0.99x), held back by register spills in the consumer's loop (ncu, d128
-S4096: 3.2 GB of local loads per call against 0.14 GB with the dQ reductions off; 40% of
-the stall cycles wait on L1TEX) and the bank conflicts of the float32 dQ stores (37M of
-131M store wavefronts), so d128 stays split.
+(bf16, S512-16384), 0.81-0.87x cuDNN (bf16 and fp16, run 92). At d128 the wgmma
+descriptors of the fixed tiles (K, V, P, dS and the dQ halves of K: one per tile and
+k-step) were hoisted out of the loop and spilled (1,292 B; ncu: 3.2 GB of local loads per
+call at S4096, 40% of the stall cycles on L1TEX), and it lost to the split kernels
+(0.90-0.99x). Its loop now makes those views anew each step from an index the compiler
+cannot fold (312 B of spills; 1.27 GB of local loads): 1.07-1.16x the split kernels and
+0.95-1.06x cuDNN, bf16, the kernels alone (H200 run 96). Not d128's default yet: its GPU
+tests have not run (docs/perf-notes.md, "Next device session").
 
 Triton 3.6 turns constexprs passed through ``gl.warp_specialize`` into tensors, so the
 partitions read compile-time sizes from descriptor and shared-memory types (CAUSAL: the
@@ -115,17 +118,18 @@ def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, q
 
 
 @gluon.jit
-def _dq_issue(WG: gl.constexpr, t, k_smem, ds_smem, ds_full):
+def _dq_issue(WG: gl.constexpr, t, k_smem, ds_smem, ds_full, z):
     """Issue dQ of step t for this warpgroup's half of the head dim, from both warpgroups'
-    dS (async; the caller waits)."""
+    dS (async; the caller waits). ``z`` is 0 (see ``_consumer``'s loop)."""
     HEAD_D: gl.constexpr = k_smem.type.shape[4]
     HALF_D: gl.constexpr = HEAD_D // 2
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HALF_D, 16])
     mbarrier.wait(ds_full.index(0), t & 1)
-    dq = warpgroup_mma(ds_smem.index(0), k_smem.index(0).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D, dim=1),
+    dq = warpgroup_mma(ds_smem.index(z), k_smem.index(z).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D, dim=1),
                        gl.zeros([ROWS, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
-    return warpgroup_mma(ds_smem.index(1), k_smem.index(1).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D, dim=1),
+    return warpgroup_mma(ds_smem.index(1 + z), k_smem.index(1 + z).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D,
+                                                                                             dim=1),
                          dq, is_async=True)
 
 
@@ -185,6 +189,18 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         mbarrier.arrive(ds_full.index(0), count=1)
     for s in range(1, n_steps):
         prev = (s - 1) % NUM_BUF
+        # At d128, z = 0 (s < 2**30) but not to the compiler: the fixed tiles' views are
+        # then made anew each step instead of their wgmma descriptors (one per tile and
+        # k-step, ~40 words) being hoisted out of the loop and spilled (ptxas: 1,292 -> 312
+        # B of spills; H200 run 96: 7-16% faster). d64 does not spill: its code is as before.
+        if HEAD_D > 64:
+            z = s >> 30
+        else:
+            z = 0
+        k_tile = k_smem.index(WG + z).reshape([ROWS, HEAD_D])
+        v_tile = v_smem.index(WG + z).reshape([ROWS, HEAD_D])
+        p_tile = p_smem.index(WG + z)
+        ds_tile = ds_smem.index(WG + z)
         hq, m0, q_t, do_t = _step_tiles(s, q_lo, nq, q_rot, kvh, group_size, q_smem, do_smem, q_ready)
         st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
                            use_acc=False, is_async=True)
@@ -198,7 +214,7 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
         p_tile.store(pt)  # P_{s-1} is read (only this warpgroup reads it)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(_dq_issue(WG, s - 1, k_smem, ds_smem, ds_full),))
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(_dq_issue(WG, s - 1, k_smem, ds_smem, ds_full, z),))
         _dq_finish(WG, dq, s - 1, ds_empty, scale, dq_smem, dq_full, dq_empty)
         mbarrier.wait(ds_empty.index(0), (s - 1) & 1)  # the other warpgroup has read dS_{s-1} too
         ds_tile.store(dst)
@@ -211,7 +227,7 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(last).reshape([ROWS, HEAD_D]), dk, is_async=True)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(last), count=1)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(_dq_issue(WG, n_steps - 1, k_smem, ds_smem, ds_full),))
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(_dq_issue(WG, n_steps - 1, k_smem, ds_smem, ds_full, 0),))
         _dq_finish(WG, dq, n_steps - 1, ds_empty, scale, dq_smem, dq_full, dq_empty)
         # The other warpgroup's last dQ product reads this warpgroup's K tile, which is
         # about to stage dK.
