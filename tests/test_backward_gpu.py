@@ -149,6 +149,14 @@ def test_race_hunt_batch_60(deterministic):
                 assert torch.equal(a, b), name
 
 
+def _one_pass(head_dim: int) -> bool:
+    """Whether a default backward at this head dim takes the one-pass kernel here (its dQ
+    rounding varies between runs)."""
+    from flashtile.ops.backward_sm90_onepass import ONEPASS_HEAD_DIMS
+
+    return torch.cuda.get_device_capability()[0] == 9 and head_dim in ONEPASS_HEAD_DIMS
+
+
 def test_torch_compile_fullgraph():
     q, k, v = (torch.randn(2, 1024, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
 
@@ -158,8 +166,11 @@ def test_torch_compile_fullgraph():
     compiled = torch.compile(f, fullgraph=True)
     got = torch.autograd.grad(compiled(q, k, v), (q, k, v))
     want = torch.autograd.grad(f(q, k, v), (q, k, v))
-    for a, b in zip(got, want):
-        assert torch.equal(a, b)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        if name == "dq" and _one_pass(128):  # dQ summed in a varying order
+            torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
+        else:
+            assert torch.equal(a, b), name
 
 
 def test_opcheck_cuda():
@@ -175,7 +186,8 @@ def test_cuda_graph_capture(shape):
     """Capture a training step and replay it. On Hopper the d128 and d256 cases run the
     Gluon kernels: the forward's dynamic schedule allocates and zeroes its work counter
     inside the capture, so every replay starts from 0 (short causal d64 runs the Triton
-    forward, and the one-pass Gluon backward, whose float32 dQ is zeroed in the capture)."""
+    forward; d64 and d128 take the one-pass Gluon backward, whose float32 dQ is zeroed in
+    the capture)."""
     S, D, dtype = shape
     q, k, v = (torch.randn(2, S, 8, D, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3))
     dout = torch.randn(2, S, 8, D, device="cuda", dtype=dtype)
@@ -193,7 +205,7 @@ def test_cuda_graph_capture(shape):
         graph.replay()
         torch.cuda.synchronize()
         for name, a, b in zip(("dq", "dk", "dv"), captured, eager):
-            if name == "dq" and D == 64:  # the one-pass backward: dQ summed in a varying order
+            if name == "dq" and _one_pass(D):  # dQ summed in a varying order
                 torch.testing.assert_close(a, b, rtol=2e-3, atol=2e-3)
             else:
                 assert torch.equal(a, b), name

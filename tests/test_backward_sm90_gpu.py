@@ -1,5 +1,5 @@
 """GPU tests of the warp-specialized Gluon backward (``ops/backward_sm90.py``, and at d64
-``ops/backward_sm90_onepass.py`` unless deterministic; Hopper only).
+and d128 ``ops/backward_sm90_onepass.py`` unless deterministic; Hopper only).
 
 Every case asserts that the Gluon kernels really ran (a spy counts their launches), so the
 matrix cannot pass on the Triton backward alone; gradient buffers are NaN-poisoned first
@@ -20,6 +20,7 @@ import torch
 
 import flashtile
 from cases import Case, _grads, check_flash_grads, make_inputs, reference, rotating_cases, spy_calls
+from flashtile.ops.backward_sm90_onepass import ONEPASS_HEAD_DIMS
 from flashtile.testing import GRAD_FACTOR, assert_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
@@ -43,7 +44,7 @@ SEQ_PAIRS = [(1, 1), (17, 17), (64, 64), (127, 129), (129, 127), (200, 1000), (1
 def test_ws_grad_matrix(case, bwd_ws_calls):
     check_flash_grads(case, device="cuda")
     assert len(bwd_ws_calls) == 1 and bwd_ws_calls[0]["causal"] == (case.causal and case.seqlen_q > 1), bwd_ws_calls
-    one_pass = case.head_dim == 64  # the default there (not deterministic)
+    one_pass = case.head_dim in ONEPASS_HEAD_DIMS  # the default there (not deterministic)
     assert bwd_ws_calls[0]["fn"] == ("attention_backward_onepass" if one_pass else "attention_backward_ws")
 
 
@@ -86,12 +87,13 @@ def test_bitwise_reproducible(head_dim, bwd_ws_calls):
     assert len(bwd_ws_calls) == 11 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_ws"}
 
 
+@pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_one_pass_race_hunt(causal, bwd_ws_calls):
+def test_one_pass_race_hunt(causal, head_dim, bwd_ws_calls):
     """The one-pass kernel at batch 60 (many programs add into each dQ tile at once, GQA):
     dK and dV bitwise equal over reruns (each program owns its keys), dQ within the
     accuracy rule every time (its float32 sums arrive in a varying order)."""
-    case = Case(333, 333, 64, dtype=torch.bfloat16, causal=causal, batch=60, nheads=4, nheads_k=2)
+    case = Case(333, 333, head_dim, dtype=torch.bfloat16, causal=causal, batch=60, nheads=4, nheads_k=2)
     q, k, v, _ = make_inputs(case, "cuda", 0)
     g = torch.Generator(device="cuda").manual_seed(3)
     dout = torch.randn(q.shape, device="cuda", dtype=case.dtype, generator=g)

@@ -72,15 +72,15 @@ def test_launch_arguments_are_checked_before_any_work():
 
 
 def test_one_pass_scope(monkeypatch):
-    """The one-pass kernel (issue 17) takes d64 unless the call is deterministic or
+    """The one-pass kernel (issue 17) takes d64 and d128 unless the call is deterministic or
     FLASHTILE_BWD_DQ says split (or atomic: the Triton kernels' own variant)."""
     from flashtile.ops.backward_sm90_onepass import ONEPASS_HEAD_DIMS, applies
 
-    assert ONEPASS_HEAD_DIMS == (64,)
+    assert ONEPASS_HEAD_DIMS == (64, 128)
     monkeypatch.delenv("FLASHTILE_BWD_DQ", raising=False)
-    assert applies(64, deterministic=False)
-    assert not applies(64, deterministic=True)
-    assert not any(applies(d, deterministic=False) for d in (32, 128, 256))
+    assert applies(64, deterministic=False) and applies(128, deterministic=False)
+    assert not applies(64, deterministic=True) and not applies(128, deterministic=True)
+    assert not any(applies(d, deterministic=False) for d in (32, 96, 256))
     for value, expect in (("auto", True), ("", True), ("split", False), ("atomic", False)):
         monkeypatch.setenv("FLASHTILE_BWD_DQ", value)
         assert applies(64, deterministic=False) == expect, value
@@ -117,7 +117,9 @@ def test_one_pass_or_split_by_determinism(monkeypatch, triton_backend):
     monkeypatch.delenv("FLASHTILE_BWD_DQ", raising=False)
     assert chosen(64) == "one-pass"
     assert chosen(64, deterministic=True) == "split"
-    assert chosen(128) == "split"
+    assert chosen(128) == "one-pass"
+    assert chosen(128, deterministic=True) == "split"
+    assert chosen(256) == "split"
     torch.use_deterministic_algorithms(True)
     try:
         assert chosen(64) == "split"

@@ -227,9 +227,9 @@ def test_one_pass_backward_compiles_with_a_reducer_warp(tmp_path):
     """Issue 17's kernel (``ops.backward_sm90_onepass``, the default backward at d64 unless
     deterministic): dQ tiles go to a reducer warp that issues bulk TMA reductions (two per
     step, one per warpgroup's half: at least two in the PTX, 4 in triton 3.6's, the loop
-    peeled); d64 compiles without spills and fits, causal and not. d128 (an experiment, not
-    a default) fits, and its loop makes the fixed tiles' views anew each step: with them
-    hoisted, their wgmma descriptors spilled 1,292 B (312 B now)."""
+    peeled); d64 compiles without spills and fits, causal and not. d128 fits, and its loop
+    makes the fixed tiles' views anew each step: with them hoisted, their wgmma descriptors
+    spilled 1,292 B (312 B now)."""
     code = ("from flashtile.ops.sm90_check import compile_backward_onepass as f\n"
             "for d, causal in ((64, False), (64, True), (128, False)):\n"
             "    c = f('bf16', d, causal=causal); regs, spills = c.registers()\n"

@@ -125,9 +125,9 @@ def flash_attn_func(
             -slope * |i + seqlen_k - seqlen_q - j| to the scores after softcap.
         deterministic: gradients bitwise reproducible (so does
             ``torch.use_deterministic_algorithms(True)``): the backward takes no kernel
-            that sums dQ in a varying order. Without it, Hopper at head dim 64 takes the
-            one-pass Gluon backward (5 tile products per tile pair, dQ by float32
-            reductions: 3-9% faster on the H200, dQ's rounding varies between runs, dK and
+            that sums dQ in a varying order. Without it, Hopper at head dim 64 or 128 takes
+            the one-pass Gluon backward (5 tile products per tile pair, dQ by float32
+            reductions: 3-16% faster on the H200, dQ's rounding varies between runs, dK and
             dV do not); every other case is deterministic anyway, except the Triton
             kernels under ``FLASHTILE_BWD_DQ=atomic``. With it: the split kernels (7
             products, no reductions).

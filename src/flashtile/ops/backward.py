@@ -530,7 +530,7 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
     """Launch the backward kernels. Inputs are validated by ``flashtile.api``.
 
     On Hopper, plain and causal fp16/bf16 calls at head dim 64/128/256 take the
-    warp-specialized Gluon kernels: at head dim 64 with fixed lengths and not
+    warp-specialized Gluon kernels: at head dim 64 or 128 with fixed lengths and not
     ``deterministic``, the one-pass kernel of ``backward_sm90_onepass`` (dQ by float32
     reductions, whose order varies between runs); otherwise the split kernels of
     ``backward_sm90`` (bitwise reproducible). ``FLASHTILE_WS=0`` turns both off, as it

@@ -1,6 +1,6 @@
 """Hopper one-pass backward in Gluon (sm90, fp16/bf16, plain or causal): FA3's design, dQ
-by bulk TMA reductions into a float32 buffer. The default backward at head dim 64 unless
-the call asks for determinism (``ONEPASS_HEAD_DIMS``; ``backward.attention_backward``).
+by bulk TMA reductions into a float32 buffer. The default backward at head dims 64 and 128
+unless the call asks for determinism (``ONEPASS_HEAD_DIMS``; ``backward.attention_backward``).
 
 The same algebra as ``backward.py`` (read its docstring first) and the same scope as
 ``backward_sm90`` (read its docstring second), in one kernel with 5 tile products per tile
@@ -40,8 +40,7 @@ k-step) were hoisted out of the loop and spilled (1,292 B; ncu: 3.2 GB of local 
 call at S4096, 40% of the stall cycles on L1TEX), and it lost to the split kernels
 (0.90-0.99x). Its loop now makes those views anew each step from an index the compiler
 cannot fold (312 B of spills; 1.27 GB of local loads): 1.07-1.16x the split kernels and
-0.95-1.06x cuDNN, bf16, the kernels alone (H200 run 96). Not d128's default yet: its GPU
-tests have not run (docs/perf-notes.md, "Next device session").
+0.95-1.06x cuDNN, bf16, the kernels alone (H200 run 96), so d128 takes it too.
 
 Triton 3.6 turns constexprs passed through ``gl.warp_specialize`` into tensors, so the
 partitions read compile-time sizes from descriptor and shared-memory types (CAUSAL: the
@@ -69,7 +68,7 @@ from .forward_sm90 import tma_descriptor
 from .launch import Launcher
 from .tma_reduce import async_reduce_add_shared_to_global
 
-ONEPASS_HEAD_DIMS = (64,)  # where it is the default (faster than the split kernels: H200 run 86)
+ONEPASS_HEAD_DIMS = (64, 128)  # where it is the default (faster than the split kernels: H200 runs 86, 96)
 HEAD_DIMS = (64, 128)  # what it compiles for (d128: experiments)
 NUM_BUF = {64: 4, 128: 2}  # (Q, dO) ring slots
 DQ_BUF = 2  # float32 dQ slots (64 x D each: with 2 ring slots at d128, 224 of the 227 KB)
