@@ -5,6 +5,10 @@
 Issue 4's end-to-end target: at seqlen 8192 the forward + backward of this block must be
 faster with flashtile than with the fastest SDPA backend. Only the attention call differs
 between the runs; weights, inputs and the upstream gradient are the same.
+
+`--impls ... flashtile-deterministic no-attention` adds two context rows: flashtile's split
+backward, and the block with attention replaced by its query (what the other layers cost;
+each step's time minus it is that step's attention, forward + backward).
 """
 
 from __future__ import annotations
@@ -67,6 +71,9 @@ def main(argv=None) -> int:
     p.add_argument("--nheads-k", type=int, default=8)
     p.add_argument("--mlp", type=int, default=14336)
     p.add_argument("--out", default=None)
+    p.add_argument("--impls", nargs="+", default=["flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"],
+                   choices=["flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flashtile-deterministic",
+                            "no-attention"])
     args = p.parse_args(argv)
     torch.manual_seed(0)
     block = Block(args.hidden, args.nheads, args.nheads_k, args.mlp).cuda().to(torch.bfloat16)
@@ -74,7 +81,13 @@ def main(argv=None) -> int:
     g = torch.randn_like(x)
     impls = {"flashtile": lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=True),
              "sdpa-flash": sdpa("FLASH_ATTENTION"), "sdpa-cudnn": sdpa("CUDNN_ATTENTION"),
-             "sdpa-efficient": sdpa("EFFICIENT_ATTENTION")}
+             "sdpa-efficient": sdpa("EFFICIENT_ATTENTION"),
+             # Context rows, not peers: flashtile's split backward (the deterministic path), and
+             # the block with attention replaced by its query (what every other layer costs).
+             "flashtile-deterministic": lambda q, k, v: flashtile.flash_attn_func(q, k, v, causal=True,
+                                                                                  deterministic=True),
+             "no-attention": lambda q, k, v: q}
+    impls = {name: impls[name] for name in args.impls}
     rows = []
     for name, attention in impls.items():
         def step():
@@ -91,10 +104,15 @@ def main(argv=None) -> int:
                    mlp=args.mlp, ms=ms, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=__import__("triton").__version__)
         rows.append(row)
-        print(f"{name:15s} {ms:8.3f} ms")
-    best_sdpa = min((r["ms"] for r in rows if r["impl"] != "flashtile"), default=float("nan"))
+        print(f"{name:24s} {ms:8.3f} ms")
+    best_sdpa = min((r["ms"] for r in rows if r["impl"].startswith("sdpa-")), default=float("nan"))
     ours = next((r["ms"] for r in rows if r["impl"] == "flashtile"), float("nan"))
     print(f"flashtile / fastest SDPA time: {ours / best_sdpa:.3f} (< 1 means flashtile is faster)")
+    rest = next((r["ms"] for r in rows if r["impl"] == "no-attention"), None)
+    if rest is not None:  # how much of each step is attention (forward + backward)
+        for r in rows:
+            if r["impl"] != "no-attention":
+                print(f"{r['impl']:24s} attention {r['ms'] - rest:7.3f} ms of {r['ms']:.3f}")
     if args.out:
         with open(args.out, "a") as fh:
             for r in rows:
