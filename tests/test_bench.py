@@ -149,3 +149,32 @@ def test_decode_bench_plan_and_summary(capsys):
             for i, tb in (("flashtile", 3.0), ("sdpa-cudnn", 2.5), ("sdpa-flash", None))]
     table = bd.summary_markdown(rows, 4.0)
     assert "| B8 L4096 H32/8 d128 q1 | eager | 3.00 | 75% | 2.50 | - | 1.20 | - |" in table
+
+
+# ---------------------------------------------------------------- GQA
+def test_gqa_shapes_rows_and_bad_group(tmp_path: Path) -> None:
+    shape = bench.make_shape(4096, 128, causal=True, dtype="bf16", gqa=4)
+    assert (shape.nheads, shape.nheads_k) == (16, 4) and "H16/4" in shape.label()
+    with pytest.raises(ValueError, match="gqa"):
+        bench.make_shape(4096, 128, causal=True, dtype="bf16", gqa=3)
+    rows = _dry_run(tmp_path, "--no-plot", "--headdim", "128", "--seqlen", "1024", "--gqa", "4", "--memory")
+    assert rows and all((r["nheads"], r["nheads_k"]) == (16, 4) for r in rows)
+    grads = next(r for r in rows if r["pass"] == "fwd_bwd_mem")["out_lse_grads_mib"]
+    mha = bench.make_shape(1024, 128, causal=False, dtype="fp16", batch=1)
+    assert grads == pytest.approx(bench.output_lse_mib(mha) + 1.5 * bench._tensor_mib(mha))  # dq + 2 x dq / 4
+    with pytest.raises(SystemExit):
+        bench.main(["--dry-run", "--headdim", "64", "128", "--gqa", "3"])
+
+
+@pytest.mark.parametrize("impl", ["naive", "sdpa-flash", "flashtile"])
+def test_gqa_forward_matches_the_reference_slice(impl: str) -> None:
+    # Every impl's forward on a GQA shape (CPU: the torch twin for flashtile, SDPA's CPU math
+    # for sdpa-*): its last head (of the last kv head's group) against the fp32 slice.
+    torch = pytest.importorskip("torch")
+    shape = bench.Shape(batch=1, nheads=4, nheads_k=2, seqlen=64, headdim=32, causal=True, dtype="bf16")
+    torch.manual_seed(0)
+    bshd = [torch.randn(1, 64, h, 32) for h in (4, 2, 2)]
+    inputs = bshd if impl == "flashtile" else [t.transpose(1, 2).contiguous() for t in bshd]
+    out = bench._first(bench.build_forward(impl, shape, *inputs)())
+    got = out[-1, :, -1, :] if impl == "flashtile" else out[-1, -1]
+    torch.testing.assert_close(got, bench._reference_slice(shape, *bshd), atol=1e-5, rtol=1e-5)

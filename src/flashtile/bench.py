@@ -60,8 +60,8 @@ class Shape:
     dtype: str  # "fp16" | "bf16"
 
     def label(self) -> str:
-        return (f"d{self.headdim} S{self.seqlen} B{self.batch} H{self.nheads} "
-                f"{'causal' if self.causal else 'full'} {self.dtype}")
+        heads = f"H{self.nheads}" + (f"/{self.nheads_k}" if self.nheads_k != self.nheads else "")
+        return f"d{self.headdim} S{self.seqlen} B{self.batch} {heads} {'causal' if self.causal else 'full'} {self.dtype}"
 
     def row_fields(self) -> dict[str, Any]:
         return {"dtype": self.dtype, "batch": self.batch, "nheads": self.nheads,
@@ -77,11 +77,15 @@ class Shape:
         return self.batch * self.nheads * self.seqlen * self.seqlen * 4
 
 
-def make_shape(seqlen: int, headdim: int, causal: bool, dtype: str, batch: int | None = None) -> Shape:
-    """The sweep's shape: hidden 2048 (nheads = 2048 // headdim), 16384 tokens, MHA."""
+def make_shape(seqlen: int, headdim: int, causal: bool, dtype: str, batch: int | None = None,
+               gqa: int = 1) -> Shape:
+    """The sweep's shape: hidden 2048 (nheads = 2048 // headdim), 16384 tokens; MHA, or GQA
+    with ``gqa`` query heads per key/value head (nheads_k = nheads // gqa)."""
     nheads = HIDDEN // headdim
+    if gqa < 1 or nheads % gqa:
+        raise ValueError(f"gqa must divide nheads = {nheads} (headdim {headdim}), got {gqa}")
     return Shape(batch if batch is not None else max(1, TOKENS // seqlen),
-                 nheads, nheads, seqlen, headdim, causal, dtype)
+                 nheads, nheads // gqa, seqlen, headdim, causal, dtype)
 
 
 @dataclass(frozen=True)
@@ -173,6 +177,7 @@ def build_forward(impl: str, shape: Shape, q: Any, k: Any, v: Any) -> Callable[[
     (B, H, S, D) contiguous for every other impl; the output has the same layout."""
     import torch
     causal = shape.causal
+    gqa = shape.nheads_k != shape.nheads
     if impl == "flashtile":
         import flashtile
         return lambda: flashtile.flash_attn_func(q, k, v, causal=causal)
@@ -182,14 +187,14 @@ def build_forward(impl: str, shape: Shape, q: Any, k: Any, v: Any) -> Callable[[
 
         def sdpa() -> Any:
             with sdpa_kernel(backend):
-                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=gqa)
         return sdpa
     if impl == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
         flex = _compiled_flex()
         mask = (create_block_mask(lambda b, h, qi, kv: qi >= kv, None, None,
                                   shape.seqlen, shape.seqlen, device=q.device) if causal else None)
-        return lambda: flex(q, k, v, block_mask=mask)
+        return lambda: flex(q, k, v, block_mask=mask, enable_gqa=gqa)
     if impl == "naive":
         if shape.scores_bytes() > NAIVE_SCORES_LIMIT_BYTES:
             raise SkipMeasurement(f"naive: fp32 scores need {shape.scores_bytes() / 2**30:.0f} GiB "
@@ -198,11 +203,14 @@ def build_forward(impl: str, shape: Shape, q: Any, k: Any, v: Any) -> Callable[[
         above = (torch.ones(shape.seqlen, shape.seqlen, dtype=torch.bool, device=q.device).triu(1)
                  if causal else None)
 
+        group = shape.nheads // shape.nheads_k
+
         def naive() -> Any:
-            scores = (q @ k.transpose(-2, -1)) * scale
+            kk, vv = (t.repeat_interleave(group, dim=1) for t in (k, v)) if gqa else (k, v)
+            scores = (q @ kk.transpose(-2, -1)) * scale
             if above is not None:
                 scores = scores.masked_fill(above, float("-inf"))
-            return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+            return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ vv
         return naive
     raise ValueError(f"unknown impl {impl!r}")
 
@@ -313,12 +321,13 @@ def memory_rows(shape: Shape, impls: list[str], emit: Callable[[str, str, dict[s
     import torch
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[shape.dtype]
     for impl in impls:
-        dims = ((shape.batch, shape.seqlen, shape.nheads, shape.headdim) if impl == "flashtile"
-                else (shape.batch, shape.nheads, shape.seqlen, shape.headdim))
+        dims = [(shape.batch, shape.seqlen, h, shape.headdim) if impl == "flashtile"
+                else (shape.batch, h, shape.seqlen, shape.headdim)
+                for h in (shape.nheads, shape.nheads_k, shape.nheads_k)]
         for pass_ in ("fwd_mem", "fwd_bwd_mem"):
             train = pass_ == "fwd_bwd_mem"
             try:
-                q, k, v = (torch.randn(*dims, dtype=dt, device="cuda", requires_grad=train) for _ in range(3))
+                q, k, v = (torch.randn(*dim, dtype=dt, device="cuda", requires_grad=train) for dim in dims)
                 forward = build_forward(impl, shape, q, k, v)
                 dout = torch.randn_like(q) if train else None
 
@@ -335,7 +344,7 @@ def memory_rows(shape: Shape, impls: list[str], emit: Callable[[str, str, dict[s
                 torch.cuda.synchronize()
                 fields = {"extra_mib": (torch.cuda.max_memory_allocated() - base) / 2**20}
                 fields["out_lse_grads_mib" if train else "output_lse_mib"] = (
-                    output_lse_mib(shape) + (3 * _tensor_mib(shape) if train else 0.0))
+                    output_lse_mib(shape) + (_grads_mib(shape) if train else 0.0))
                 del result, forward, q, k, v, dout, step
             except Exception as err:
                 fields = {"skipped": _reason(err)}
@@ -346,6 +355,11 @@ def memory_rows(shape: Shape, impls: list[str], emit: Callable[[str, str, dict[s
 def _tensor_mib(shape: Shape) -> float:
     """One (B, S, H, D) 2-byte tensor (q, or a gradient of it), MiB."""
     return shape.batch * shape.seqlen * shape.nheads * shape.headdim * 2 / 2**20
+
+
+def _grads_mib(shape: Shape) -> float:
+    """dq, dk and dv (2-byte; dk and dv have nheads_k heads), MiB."""
+    return _tensor_mib(shape) * (shape.nheads + 2 * shape.nheads_k) / shape.nheads
 
 
 def output_lse_mib(shape: Shape) -> float:
@@ -471,6 +485,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "of one training step (pass fwd_bwd_mem)")
     p.add_argument("--cuda-graph", action="store_true",
                    help="time captured CUDA graphs (do_bench_cudagraph): the kernels without host cost")
+    p.add_argument("--gqa", type=int, default=1, metavar="G",
+                   help="query heads per key/value head (default 1: MHA); must divide 2048 // headdim")
     p.add_argument("--quick", action="store_true", help="seqlen 1024 4096 16384, headdim 64 128")
     p.add_argument("--dry-run", action="store_true", help="no CUDA: print the plan, write fake rows")
     p.add_argument("--no-plot", action="store_true")
@@ -511,9 +527,13 @@ def main(argv: list[str] | None = None) -> int:
     bad = [d for d in headdims if d <= 0 or HIDDEN % d] + [s for s in seqlens if s <= 0]
     if bad or args.warmup < 0 or args.rep <= 0:
         parser.error(f"headdim must divide {HIDDEN}, seqlen and rep must be positive (got {bad})")
+    if args.gqa < 1 or any((HIDDEN // d) % args.gqa for d in headdims):
+        parser.error(f"--gqa must divide the head count 2048 // headdim of every headdim (got {args.gqa})")
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    shapes = [make_shape(s, d, c, dt) for dt in args.dtype for d in headdims for s in seqlens for c in causals]
-    mem_shapes = ([make_shape(s, d, False, dt, batch=1) for dt in args.dtype for d in headdims for s in seqlens]
+    shapes = [make_shape(s, d, c, dt, gqa=args.gqa)
+              for dt in args.dtype for d in headdims for s in seqlens for c in causals]
+    mem_shapes = ([make_shape(s, d, False, dt, batch=1, gqa=args.gqa)
+                   for dt in args.dtype for d in headdims for s in seqlens]
                   if args.memory else [])
 
     info = run_info(args.dry_run)
@@ -587,7 +607,7 @@ def _dry_run_rows(shape: Shape, impls: list[str], passes: list[str],
         elif passes == ["fwd_mem"]:
             extra = shape.scores_bytes() * 2.5 / 2**20 if impl == "naive" else output_lse_mib(shape)
             emit(impl, "fwd_mem", {"extra_mib": extra, "output_lse_mib": output_lse_mib(shape)})
-            minimum = output_lse_mib(shape) + 3 * _tensor_mib(shape)
+            minimum = output_lse_mib(shape) + _grads_mib(shape)
             extra = shape.scores_bytes() * 4 / 2**20 if impl == "naive" else minimum
             emit(impl, "fwd_bwd_mem", {"extra_mib": extra, "out_lse_grads_mib": minimum})
         else:
