@@ -278,7 +278,7 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
 
 
 def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf: int | None = None,
-                             dq_buf: int | None = None) -> Compiled:
+                             dq_buf: int | None = None, keys_outer: bool = False) -> Compiled:
     """The one-pass Gluon backward (``backward_sm90_onepass``; its default rings unless
     given): its PTX should hold the bulk tensor reductions of dQ."""
     from . import backward_sm90_onepass as op
@@ -290,7 +290,8 @@ def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf
                        op._onepass_kernel, dtype, head_dim,
                        dict.fromkeys(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc"), op.BLOCK),
                        dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=op.CONSUMER_REGS,
-                            LOADER_REGS=op.LOADER_REGS, REDUCER_REGS=op.REDUCER_REGS),
+                            LOADER_REGS=op.LOADER_REGS, REDUCER_REGS=op.REDUCER_REGS,
+                            KEYS_OUTER=keys_outer),
                        dict(dq_desc=dq_desc))
 
 
