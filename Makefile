@@ -22,7 +22,7 @@ demo: $(VENV)/.stamp
 	$(VENV)/bin/flashtile demo
 
 test: $(VENV)/.stamp
-	TRITON_INTERPRET=1 $(PY) -m pytest -m "not gpu" -n 2 -q
+	TRITON_INTERPRET=1 $(PY) -m pytest -m "not gpu" -n 2 --maxschedchunk 1 -q
 
 # On a GPU machine with torch and triton already installed (no venv):
 test-gpu:

@@ -25,7 +25,16 @@ def pytest_configure(config):
         os.environ["FLASHTILE_LAUNCH_CHECK"] = "1"
 
 
+def _slow_seconds(item) -> float:
+    marker = item.get_closest_marker("slow")
+    return marker.kwargs.get("seconds", 20) if marker else 0
+
+
 def pytest_collection_modifyitems(config, items):
+    # Longest first: with `-n 2 --maxschedchunk 1` (make test) each worker takes the next
+    # test when it is free, so the long compile checks start early instead of ending the run
+    # on one worker. Stable: the rest keep their order.
+    items.sort(key=lambda item: -_slow_seconds(item))
     if _cuda_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run `-m gpu` on the device machine)")

@@ -7,7 +7,7 @@ import torch
 
 import flashtile
 
-pytestmark = pytest.mark.usefixtures("triton_backend", "poison_outputs")
+pytestmark = [pytest.mark.usefixtures("triton_backend", "poison_outputs"), pytest.mark.slow(seconds=20)]
 
 SK, D = 48, 64
 

@@ -132,6 +132,7 @@ def test_decode_append_attend(backend, sq, causal):
     _run_and_check(q, k, v, kc, vc, seqlens, causal=causal)
 
 
+@pytest.mark.slow(seconds=55)
 def test_long_prefill_chunk_and_ragged_lengths(backend):
     q, k, v, kc, vc, _, seqlens = _case(batch=2, sq=128, new=128, capacity=300, seqlens=(0, 171), d=16)
     _run_and_check(q, k, v, kc, vc, seqlens, causal=True)

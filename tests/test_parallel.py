@@ -132,6 +132,7 @@ def _spawn(tmp_path, world, backend="torch", configs=CONFIGS):
     return [json.load(open(tmp_path / f"rank{r}.json")) for r in range(world)]
 
 
+@pytest.mark.slow(seconds=30)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_ring_matches_one_process(tmp_path, world):
     for rank, results in enumerate(_spawn(tmp_path, world)):
@@ -150,10 +151,13 @@ def test_ring_matches_one_process(tmp_path, world):
                 assert errs[name] < (1e-4 if shifted else 2e-5), (rank, cfg, name, errs[name])
 
 
+@pytest.mark.slow(seconds=50)
 def test_ring_on_the_triton_kernels(tmp_path):
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("set TRITON_INTERPRET=1 (make test does) to run the Triton kernels on CPU")
-    configs = CONFIGS[:2] + CONFIGS[4:5]
+    # zigzag causal (blocks above, on and below the diagonal) and a window with softcap;
+    # every layout and option runs on the torch twin in test_ring_matches_one_process.
+    configs = [CONFIGS[0], CONFIGS[4]]
     for rank, results in enumerate(_spawn(tmp_path, 2, "triton", configs)):
         for cfg, errs in zip(configs, results[:len(configs)]):
             for name in ("out", "dq", "dk", "dv"):

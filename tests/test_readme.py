@@ -18,6 +18,7 @@ def test_the_readme_has_examples():
     assert len(BLOCKS) >= 5
 
 
+@pytest.mark.slow(seconds=40)
 @pytest.mark.parametrize("index", range(len(BLOCKS)))
 def test_readme_block_runs(index, monkeypatch):
     pytest.importorskip("torch")

@@ -39,6 +39,7 @@ def _report(out: str, names) -> list[tuple[str, dict[str, str]]]:
             for line in out.splitlines() if line.split(" ")[0] in names]
 
 
+@pytest.mark.slow(seconds=200)
 @pytest.mark.parametrize("head_dim", [64, 128, 256])  # one head dim per case: xdist spreads the compiles
 def test_sm90_table_compiles_and_fits(tmp_path, head_dim):
     out = _compile_run(tmp_path, "-m", "flashtile.ops.sm90_check", "--regs", "--headdim", str(head_dim))
@@ -53,6 +54,7 @@ def test_sm90_table_compiles_and_fits(tmp_path, head_dim):
     assert not spilling, "\n".join(spilling)
 
 
+@pytest.mark.slow(seconds=40)
 def test_gluon_forward_experiment_compiles_with_the_overlap(tmp_path):
     """benchmarks/experiments/gluon_fwd.py (H200 runs 16-18): both kernels compile for sm_90a
     without spills, the warp-specialized one redistributes registers, and the loop's PTX
@@ -73,6 +75,7 @@ def test_gluon_forward_experiment_compiles_with_the_overlap(tmp_path):
         assert "WAIT1" in sched and sched.index("WAIT1") < sched.index("EX2x", sched.index("WAIT1")), sched
 
 
+@pytest.mark.slow(seconds=120)
 def test_gluon_backward_compiles_with_the_overlap(tmp_path):
     """ops/backward_sm90.py: every kernel compiles for sm_90a within shared memory,
     redistributes registers, keeps the previous step's products in flight over the
@@ -116,6 +119,7 @@ def test_gluon_backward_compiles_with_the_overlap(tmp_path):
         assert int(fields["spill"]) <= limit, line
 
 
+@pytest.mark.slow(seconds=30)
 def test_gluon_forward_dynamic_schedule_compiles(tmp_path):
     """ops/forward_sm90._fwd_ws_dyn_kernel (the dynamic schedule): compiles
     for sm_90a within shared memory, redistributes registers, claims items with one
@@ -138,6 +142,7 @@ def test_gluon_forward_dynamic_schedule_compiles(tmp_path):
         assert int(fields["atom"]) == 3 and int(fields["exch"]) == 1 and int(fields["spill"]) <= 128, line
 
 
+@pytest.mark.slow(seconds=190)
 def test_varlen_kernels_compile(tmp_path):
     """The packed-sequence variants: the Gluon forward on a work list (d64/128/256) and the
     Gluon dK/dV and dQ kernels (d64/128), and the Triton forward and backward kernels with
@@ -169,6 +174,7 @@ def test_varlen_kernels_compile(tmp_path):
             assert int(fields["atom"]) == 3, line
 
 
+@pytest.mark.slow(seconds=55)
 def test_decode_kernels_compile_for_sm90(tmp_path):
     """ops/decode.py's check, append, decode and combine kernels build for sm_90a at head
     dims 64/128/256, row and paged caches, split and not, every option: the interpreter
@@ -223,6 +229,7 @@ def test_tma_reduce_rate_kernels_compile(tmp_path):
     assert got[("False", 1)][1] == 0 and got[("False", 1)][2] > 0, got
 
 
+@pytest.mark.slow(seconds=25)
 def test_one_pass_backward_compiles_with_a_reducer_warp(tmp_path):
     """Issue 17's kernel (``ops.backward_sm90_onepass``, the default backward at d64 unless
     deterministic): dQ tiles go to a reducer warp that issues bulk TMA reductions (two per

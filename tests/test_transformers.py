@@ -139,6 +139,7 @@ def test_refusals_name_the_feature():
         ft.attention_forward(module, q, q, q, torch.zeros(1, 1, 4, 4))
 
 
+@pytest.mark.slow(seconds=25)
 def test_the_example_runs_and_agrees_with_sdpa():
     # examples/transformers_llama.py, as a user runs it on CPU: its printed differences are
     # the claims of the README's transformers section.
