@@ -43,7 +43,7 @@ def _report(out: str, names) -> list[tuple[str, dict[str, str]]]:
 @pytest.mark.parametrize("head_dim", [64, 128, 256])  # one head dim per case: xdist spreads the compiles
 def test_sm90_table_compiles_and_fits(tmp_path, head_dim):
     out = _compile_run(tmp_path, "-m", "flashtile.ops.sm90_check", "--regs", "--headdim", str(head_dim))
-    assert out.count("ok  ") >= 12, out  # the checks really ran (12-17 per head dim)
+    assert out.count("ok  ") >= 12, out  # the checks really ran (13-15 per head dim)
     assert f" d{head_dim} " in out and not any(f" d{d} " in out for d in (64, 128, 256) if d != head_dim), out
     # The plain forward (no explicit mask) holds its tiles in registers without spilling;
     # the H200 speed of the table rests on it. (Masked forwards and the backward kernels
