@@ -6,7 +6,9 @@ The same algebra as ``backward.py`` (read its docstring first) and the same scop
 ``backward_sm90`` (read its docstring second), in one kernel with 5 tile products per tile
 pair instead of the split kernels' 7. One program owns a block of 2 x 64 keys of one
 (batch, kv head) and streams every query block that sees those keys, for every query head
-of the GQA group (so dK and dV are summed over the group in registers). Partitions:
+of the GQA group (so dK and dV are summed over the group in registers). Programs run
+pair-major (a (batch, kv head)'s key blocks side by side), or block-major for causal GQA
+(``keys_outer``). Partitions:
 
     loader   (1 warp)  K and V of the block once, then (Q_s, dO_s) tiles of 64 queries
                        through a NUM_BUF-slot ring by TMA
@@ -413,7 +415,7 @@ def dq_accumulator_layout(head_dim: int):
 
 def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int,
                                causal: bool, num_buf: int | None = None, dq_buf: int = DQ_BUF,
-                               order: bool | None = None) -> None:
+                               block_major: bool | None = None) -> None:
     """Launch the one-pass kernel and the dQ postprocess; the caller checked
     ``backward_sm90.ws_applies`` and TMA alignment (``backward._gluon_applies``).
 
@@ -425,7 +427,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
         causal: key j visible to query i iff j <= i + diag_offset.
         num_buf, dq_buf: (Q, dO) ring slots (default ``NUM_BUF[D]``) and float32 dQ slots
             (experiments: benchmarks/experiments/gluon_bwd_onepass.py).
-        order: the grid's order, block-major (True) or pair-major (False); default
+        block_major: the grid's order, block-major (True) or pair-major (False); default
             ``keys_outer(causal, H // Hk)``.
 
     Memory: a float32 dQ of B x H x Sq (rounded up to 64) x D, zeroed per call.
@@ -456,6 +458,6 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
              dq_desc, rows),
             dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=CONSUMER_REGS,
                  LOADER_REGS=LOADER_REGS, REDUCER_REGS=REDUCER_REGS,
-                 KEYS_OUTER=keys_outer(causal, nheads // nheads_k) if order is None else order), 4, 1)
+                 KEYS_OUTER=keys_outer(causal, nheads // nheads_k) if block_major is None else block_major), 4, 1)
     _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
                     (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]), dict(BLOCK_M=BLOCK, HEAD_D=head_dim), 4, 1)
