@@ -527,14 +527,15 @@ def main(argv: list[str] | None = None) -> int:
     bad = [d for d in headdims if d <= 0 or HIDDEN % d] + [s for s in seqlens if s <= 0]
     if bad or args.warmup < 0 or args.rep <= 0:
         parser.error(f"headdim must divide {HIDDEN}, seqlen and rep must be positive (got {bad})")
-    if args.gqa < 1 or any((HIDDEN // d) % args.gqa for d in headdims):
-        parser.error(f"--gqa must divide the head count 2048 // headdim of every headdim (got {args.gqa})")
     causals = {"both": [False, True], "yes": [True], "no": [False]}[args.causal]
-    shapes = [make_shape(s, d, c, dt, gqa=args.gqa)
-              for dt in args.dtype for d in headdims for s in seqlens for c in causals]
-    mem_shapes = ([make_shape(s, d, False, dt, batch=1, gqa=args.gqa)
-                   for dt in args.dtype for d in headdims for s in seqlens]
-                  if args.memory else [])
+    try:
+        shapes = [make_shape(s, d, c, dt, gqa=args.gqa)
+                  for dt in args.dtype for d in headdims for s in seqlens for c in causals]
+        mem_shapes = ([make_shape(s, d, False, dt, batch=1, gqa=args.gqa)
+                       for dt in args.dtype for d in headdims for s in seqlens]
+                      if args.memory else [])
+    except ValueError as err:  # --gqa that does not divide a head count
+        parser.error(f"--gqa: {err}")
 
     info = run_info(args.dry_run)
     tag = args.tag or f"bench-{datetime.datetime.now():%Y-%m-%d-%H%M}"

@@ -414,8 +414,7 @@ def dq_accumulator_layout(head_dim: int):
 
 
 def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int,
-                               causal: bool, num_buf: int | None = None, dq_buf: int = DQ_BUF,
-                               block_major: bool | None = None) -> None:
+                               causal: bool, num_buf: int | None = None, dq_buf: int = DQ_BUF) -> None:
     """Launch the one-pass kernel and the dQ postprocess; the caller checked
     ``backward_sm90.ws_applies`` and TMA alignment (``backward._gluon_applies``).
 
@@ -427,8 +426,6 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
         causal: key j visible to query i iff j <= i + diag_offset.
         num_buf, dq_buf: (Q, dO) ring slots (default ``NUM_BUF[D]``) and float32 dQ slots
             (experiments: benchmarks/experiments/gluon_bwd_onepass.py).
-        block_major: the grid's order, block-major (True) or pair-major (False); default
-            ``keys_outer(causal, H // Hk)``.
 
     Memory: a float32 dQ of B x H x Sq (rounded up to 64) x D, zeroed per call.
     """
@@ -458,6 +455,6 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
              dq_desc, rows),
             dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=CONSUMER_REGS,
                  LOADER_REGS=LOADER_REGS, REDUCER_REGS=REDUCER_REGS,
-                 KEYS_OUTER=keys_outer(causal, nheads // nheads_k) if block_major is None else block_major), 4, 1)
+                 KEYS_OUTER=keys_outer(causal, nheads // nheads_k)), 4, 1)
     _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
                     (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]), dict(BLOCK_M=BLOCK, HEAD_D=head_dim), 4, 1)
