@@ -449,3 +449,55 @@ def test_choose_splits():
     assert choose_splits(0, 1, 100, 64, cpu) == 1
     assert choose_splits(500, 1, 640, 64, cpu) == 10  # one per key tile at most
     assert choose_splits(3, 1000, 640, 64, cpu) == 3
+
+
+# --------------------------------------------------------------------------- issue 40's fuzz defects
+@pytest.mark.parametrize("window, sq, cache_len", [((-1, 2**31 - 1), 1, 4), ((2**31 - 1, -1), 7, 1),
+                                                   ((2**31 - 1, 2**31 - 1), 3, 5), ((2**31 - 2, 0), 2, 4)])
+def test_huge_window_sides_hide_nothing(backend, window, sq, cache_len):
+    """A window side at least the cache length is unbounded, as flash-attn trims it; on the
+    decode kernel such a side once overflowed int32 (t_last + diag + right + 1) and hid every
+    key: out 0, lse -inf instead of attention over the whole cache."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, sq, 2, 16, generator=g)
+    kc, vc = (torch.randn(1, 6, 1, 16, generator=g) for _ in range(2))
+    causal = window[1] == 0
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cache_len, window_size=window,
+                                                 return_softmax_lse=True)
+    want, want_lse = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cache_len, causal=causal,
+                                                       return_softmax_lse=True)
+    ref, ref_lse, _, _ = _reference(q, kc, vc, None, None, [cache_len], causal=causal)
+    assert torch.isfinite(lse).all()
+    assert_close("out", out, ref, None)
+    assert_close("lse", lse, ref_lse, None)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+
+
+def test_cache_with_more_rows_than_the_batch(backend):
+    """Without cache_batch_idx, sequence b uses cache row b (flash-attn: indices 0 ..
+    batch - 1): a cache allocated for a larger batch is used in its first rows, the others
+    stay bitwise untouched."""
+    q, k, v, kc, vc, _, seqlens = _case(batch=2, capacity=40, seqlens=(20, 33), sq=2, new=2)
+    g = torch.Generator().manual_seed(9)
+    spare_k, spare_v = torch.randn(2, 40, 2, 16, generator=g), torch.randn(2, 40, 2, 16, generator=g)
+    kc, vc = torch.cat([kc, spare_k]), torch.cat([vc, spare_v])  # 4 cache rows, 2 sequences
+    _run_and_check(q, k, v, kc, vc, seqlens, causal=True)
+    assert torch.equal(kc[2:], spare_k) and torch.equal(vc[2:], spare_v)
+
+
+def test_cache_with_fewer_rows_than_the_batch_is_refused():
+    q, k, v, kc, vc, _, seqlens = _case(batch=3)
+    with pytest.raises(ValueError, match="k_cache holds 2 sequences but q 3"):
+        flashtile.flash_attn_with_kvcache(q, kc[:2], vc[:2], k, v, cache_seqlens=seqlens)
+
+
+def test_empty_page_pool(backend):
+    """A paged cache with no pages at all, when no sequence needs one: every row sees no key
+    (out 0, lse -inf), where the twin's page gather once raised IndexError."""
+    pool = torch.randn(0, 4, 2, 8)
+    q = torch.randn(2, 3, 4, 8)
+    out, lse = flashtile.flash_attn_with_kvcache(q, pool, pool.clone(), cache_seqlens=0,
+                                                 block_table=torch.zeros(2, 1, dtype=torch.int32),
+                                                 return_softmax_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()

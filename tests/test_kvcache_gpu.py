@@ -134,3 +134,15 @@ def test_cuda_graph_decode_step():
         kc2, vc2 = kc.clone(), vc.clone()
         ref = flashtile.flash_attn_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=seqlens, causal=True)
         assert torch.equal(static, ref)
+
+
+@pytest.mark.parametrize("window, sq", [((-1, 2**31 - 1), 1), ((2**31 - 1, -1), 7), ((2**31 - 1, 2**31 - 1), 3)])
+@pytest.mark.parametrize("num_splits", [0, 1])
+def test_huge_window_sides_hide_nothing(window, sq, num_splits):
+    """Issue 40: a window side of 2**31 - 1 once overflowed the decode kernel's int32 bounds
+    and hid every key (out 0, lse -inf); it is unbounded, as flash-attn trims it."""
+    q, k, v, kc, vc, _, seqlens = _case(batch=3, sq=sq, new=sq, heads=(16, 4), d=128, capacity=700,
+                                         seqlens=(0, 5, 690), dtype=torch.bfloat16)
+    q, k, v, kc, vc, seqlens = _cuda(q, k, v, kc, vc, seqlens)
+    out = _run_and_check(q, k, v, kc, vc, seqlens, window=window, num_splits=num_splits)
+    assert torch.isfinite(out).all()

@@ -402,3 +402,29 @@ def test_inference_mode_metadata(backend):
         bad = torch.tensor([0, 4, 9], dtype=torch.int32)
         with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\]"):
             flashtile.flash_attn_varlen_func(q, k, v, bad, cu, 6, 6)
+
+
+# --------------------------------------------------------------------------- issue 40's fuzz defects
+def test_empty_page_pool(backend):
+    """A paged call on a pool of no pages, when no sequence has a key: out 0, lse -inf and
+    zero gradients (the page gather once raised IndexError on both paths)."""
+    I = torch.int32
+    pool = torch.randn(0, 4, 2, 8, requires_grad=True)
+    q = torch.randn(3, 2, 8, requires_grad=True)
+    out, lse, _ = flashtile.flash_attn_varlen_func(q, pool, pool, torch.tensor([0, 3], dtype=I),
+                                                   torch.tensor([0, 0], dtype=I), 3, 0,
+                                                   block_table=torch.zeros(1, 1, dtype=I), return_attn_probs=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+    out.sum().backward()
+    assert torch.equal(q.grad, torch.zeros_like(q))
+    assert pool.grad is None or pool.grad.shape == pool.shape  # the twin never reads the pool
+
+
+@pytest.mark.parametrize("value", ["no", 1, None])
+def test_deterministic_must_be_a_bool(backend, value):
+    """deterministic is validated as causal is (a string is not taken as True)."""
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flashtile.flash_attn_varlen_func(**_args(deterministic=value))
+    q = torch.randn(1, 4, 2, 16)
+    with pytest.raises(TypeError, match="deterministic must be a bool"):
+        flashtile.flash_attn_func(q, q, q, deterministic=value)

@@ -64,7 +64,8 @@ def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, al
     softcap = _check_softcap(softcap)
     alibi = _check_alibi(alibi_slopes, batch, nheads, q.device)
     left, right = effective_window(left, right, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
-    problem = _Problem(scale, seqlen_k - seqlen_q, left, right, softcap, dropout_p, bool(deterministic))
+    problem = _Problem(scale, seqlen_k - seqlen_q, left, right, softcap, dropout_p,
+                       _flag("deterministic", deterministic))
     return problem, _flag("return_attn_probs", return_attn_probs), alibi is not alibi_slopes
 
 

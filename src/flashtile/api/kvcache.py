@@ -158,7 +158,8 @@ def flash_attn_with_kvcache(
         cache_seqlens: int, or int32 (batch,): the cache's valid end before the append
             (None: the whole cache is valid).
         cache_batch_idx: None, or int32 (batch,): the cache row of each batch element (not
-            with block_table).
+            with block_table). None: sequence b uses row b, so a cache allocated for a larger
+            batch (batch_cache >= batch) serves fewer sequences; its other rows are untouched.
         cache_leftpad: None, or int32 (batch,): the cache row starts at that index (not
             with block_table).
         block_table: None, or int32 (batch, max_blocks): sequence b's cache is pages
@@ -219,8 +220,10 @@ def flash_attn_with_kvcache(
     else:
         num_blocks = page = 0
         batch_cache, capacity = k_cache.shape[0], k_cache.shape[1]
-        if cache_batch_idx is None and batch_cache != batch:
-            raise ValueError(f"k_cache holds {batch_cache} sequences but q {batch}: pass cache_batch_idx")
+        if cache_batch_idx is None and batch_cache < batch:
+            # flash-attn: without cache_batch_idx sequence b uses row b; rows past the batch stay untouched
+            raise ValueError(f"k_cache holds {batch_cache} sequences but q {batch}: pass cache_batch_idx, or a "
+                             f"cache with at least {batch} rows")
     new = 0
     if (k is None) != (v is None):
         raise ValueError("k and v must be given together")
@@ -259,6 +262,9 @@ def flash_attn_with_kvcache(
     causal = _flag("causal", causal)
     if causal:
         right = 0
+    # Sides that hide no key of any sequence (len_k <= capacity) become -1 (unbounded), for
+    # both paths: a raw 2**31 - 1 overflows the decode kernel's int32 bounds.
+    left, right = effective_window(left, right, seqlen_q, capacity, capacity - seqlen_q)
     softcap = _check_softcap(softcap)
     alibi = _check_alibi(alibi_slopes, batch, nheads, device)
     interleaved = _flag("rotary_interleaved", rotary_interleaved)
@@ -310,14 +316,13 @@ def flash_attn_with_kvcache(
             rows = batch_idx.long().clamp(0, batch_cache - 1)
             keys, values = k_cache[rows], v_cache[rows]
         else:
-            keys, values = k_cache, v_cache
+            keys, values = k_cache[:batch], v_cache[:batch]
         keys, values = (t.reshape(batch * capacity, nheads_k, head_dim) for t in (keys, values))
         cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen_q
         cu_k = (torch.arange(batch + 1, device=device) * capacity).to(torch.int32)
         cu_k[:-1] += pads.to(torch.int32)
         qp = _unit_last_stride(q).reshape(batch * seqlen_q, nheads, head_dim)
         keys, values = _unit_last_stride(keys), _unit_last_stride(values)
-        left, right = effective_window(left, right, seqlen_q, capacity, capacity - seqlen_q)
         problem = _Problem(scale, 0, left, right, softcap)
         meta = (cu_q, cu_k, None, lengths, seqlen_q, capacity)
         out4, lse = _attention(qp.unsqueeze(0).transpose(1, 2), keys.unsqueeze(0).transpose(1, 2),

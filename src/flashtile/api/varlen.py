@@ -24,7 +24,11 @@ def gather_pages(cache, block_table):
     """(batch, max_blocks * page_size, Hk, D): each sequence's pages of a paged cache
     (num_blocks, page_size, Hk, D), in block-table order. Entries past a sequence's pages
     are clamped to a valid block (their rows are never used). Differentiable, no host sync."""
-    return cache[block_table.long().clamp(0, max(cache.shape[0] - 1, 0))].flatten(1, 2)
+    if cache.shape[0] == 0:
+        # An empty pool (validation let it through: no sequence has a key): one zero page to
+        # point at, still in the cache's graph (its gradient is empty).
+        cache = torch.cat((cache, cache.new_zeros((1, *cache.shape[1:]))))
+    return cache[block_table.long().clamp(0, cache.shape[0] - 1)].flatten(1, 2)
 
 
 def _paged_keys(k, v, block_table, cu_seqlens_k, seqused_k):
@@ -102,7 +106,7 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
 
     # One window for every sequence: a side that hides no key of the longest ones hides none.
     left, right = effective_window(left, right, max_q, max_k, max_k - max_q)
-    problem = _Problem(scale, 0, left, right, softcap, dropout_p, bool(deterministic))
+    problem = _Problem(scale, 0, left, right, softcap, dropout_p, _flag("deterministic", deterministic))
     want_probs = _flag("return_attn_probs", return_attn_probs)
     meta = (cu_q, cu_k, used_q, used_k, max_q, max_k)
     # (total, H, D) in and out: the views to the kernels' (1, H, total, D) and back happen

@@ -37,7 +37,7 @@ import triton.language as tl
 from .configs import BwdConfig, cuda_capability, device_index
 from .launch import Launcher
 from .varlen import varlen_item
-from .window import effective_window
+from .window import launch_window
 from .forward import (HIDDEN2, HUGE_BIAS2, LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE, _add_float_mask, _dropout_keep,
                       _key_tiles, _tanh, _tma_ok)
 
@@ -552,8 +552,7 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
 
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
-    if varlen is None:
-        window_left, window_right = effective_window(window_left, window_right, seqlen_q, seqlen_k, diag_offset)
+    window_left, window_right = launch_window(window_left, window_right, seqlen_q, seqlen_k, diag_offset, varlen)
     if not lse.is_contiguous():
         raise ValueError("lse must be contiguous (the forward's own output)")
     block_d = max(16, triton.next_power_of_2(head_dim))

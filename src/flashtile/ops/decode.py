@@ -40,6 +40,7 @@ import triton.language as tl
 from .configs import device_index, sm_count
 from .forward import LOG2E, _tanh
 from .launch import Launcher
+from .window import effective_window
 
 # status codes (status[0]); status[1], status[2] say where, status[3] the value found
 OK, BAD_SEQLEN, BAD_LEFTPAD, BAD_BATCH_IDX, BAD_BLOCK, BAD_ROTARY = 0, 1, 2, 3, 4, 5
@@ -572,6 +573,9 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
     paged = table is not None
     page = k_cache.shape[1] if paged else 1
     capacity = table.shape[1] * page if paged else k_cache.shape[1]
+    # Every sequence has len_k <= capacity: a side that hides none of its keys is unbounded,
+    # and a huge one (2**31 - 1) would overflow the kernel's int32 bounds.
+    window_left, window_right = effective_window(window_left, window_right, seqlen_q, capacity, capacity - seqlen_q)
     block_m, block_n, block_d = block_sizes(head_dim, seqlen_q * group)
     num_m_blocks = triton.cdiv(seqlen_q * group, block_m)
     splits, split_size = split_plan(q, k_cache, table, num_splits)

@@ -34,7 +34,7 @@ import triton.language as tl
 from .configs import FwdConfig, cuda_capability, device_index
 from .launch import Launcher
 from .varlen import varlen_item
-from .window import effective_window
+from .window import launch_window
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -404,8 +404,8 @@ def attention_forward(q, k, v, out, lse, *, scale: float, diag_offset: int, wind
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     block_d = max(16, triton.next_power_of_2(head_dim))
+    window_left, window_right = launch_window(window_left, window_right, seqlen_q, seqlen_k, diag_offset, varlen)
     if varlen is None:
-        window_left, window_right = effective_window(window_left, window_right, seqlen_q, seqlen_k, diag_offset)
         num_m_blocks = triton.cdiv(seqlen_q, config.block_m)
         grid = (num_m_blocks * batch * nheads,)
         items, item_cap = q, 0

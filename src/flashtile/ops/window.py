@@ -16,3 +16,17 @@ def effective_window(left: int, right: int, seqlen_q: int, seqlen_k: int, diag_o
     if right >= 0 and right >= seqlen_k - 1 - diag_offset:
         right = -1
     return left, right
+
+
+def launch_window(left: int, right: int, seqlen_q: int, seqlen_k: int, diag_offset: int,
+                  varlen=None) -> tuple[int, int]:
+    """``effective_window`` as every launcher applies it before its kernel sees the sides:
+    against the tensors' lengths, or, for a packed call (``varlen``: its ``max_seqlen_q``
+    and ``max_seqlen_k``), against the longest sequences. Sequence b's diagonal is
+    len_k(b) - len_q(b): its left side hides nothing once left >= len_k(b) - 1 and its
+    right side once right >= len_q(b) - 1, so a side that hides nothing of the longest
+    sequences hides nothing of any. Idempotent: the API's own normalisation is kept."""
+    if varlen is not None:
+        seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
+        diag_offset = seqlen_k - seqlen_q
+    return effective_window(left, right, seqlen_q, seqlen_k, diag_offset)
