@@ -22,8 +22,8 @@ import sys
 import torch
 
 import flashtile
-from flashtile.ops.configs import FwdConfig, default_fwd_config
-from flashtile.ops.forward import attention_forward
+from flashtile.backends.configs import FwdConfig, default_fwd_config
+from flashtile.backends.triton.forward import attention_forward
 from host_overhead import host_us
 from sweep_common import canonical
 

@@ -4,7 +4,7 @@
 
 No GPU needed: builds Triton's own argument binder for the forward kernel (the code
 ``JITFunction.run`` calls on every launch) and times it against
-``flashtile.ops.launch.arg_key`` over the same 43 runtime arguments.
+``flashtile.runtime.launch.arg_key`` over the same 43 runtime arguments.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.runtime.jit import create_function_from_signature
 
-from flashtile.ops import launch
-from flashtile.ops.forward import _fwd_kernel
+from flashtile.runtime import launch
+from flashtile.backends.triton.forward import _fwd_kernel
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 
 Times ``attention_backward`` alone (preprocess + dk/dv + dq kernels, or the fused
 atomic-dQ pass) for each candidate ``BwdConfig``, next to the backward of torch SDPA's
-cuDNN and flash backends (``autograd.grad`` with a retained graph, as ``flashtile.bench``
+cuDNN and flash backends (``autograd.grad`` with a retained graph, as ``flashtile.tools.bench.prefill``
 does). Backward FLOPs = 2.5 x forward. Used to fill ``_SM90_BWD`` in
 src/flashtile/ops/configs.py; results go to docs/perf-notes.md.
 """
@@ -17,10 +17,10 @@ import sys
 import torch
 
 from flashtile import autograd
-from flashtile.bench import make_shape
-from flashtile.ops.backward import attention_backward
-from flashtile.ops.configs import BwdConfig, default_fwd_config
-from flashtile.ops.forward import attention_forward
+from flashtile.tools.bench.prefill import make_shape
+from flashtile.backends.triton.backward import attention_backward
+from flashtile.backends.configs import BwdConfig, default_fwd_config
+from flashtile.backends.triton.forward import attention_forward
 from sweep_common import Sweep, canonical, peer_ms
 
 # (block_m_kv, block_n_kv, block_m_q, block_n_q, warps, stages, fused_dq[, split_phases=1])

@@ -1,6 +1,6 @@
 """What the config sweeps (sweep_fwd.py, sweep_bwd.py) share.
 
-Peers are timed with ``flashtile.bench``'s own calls, so a sweep and the benchmark measure
+Peers are timed with ``flashtile.tools.bench.prefill``'s own calls, so a sweep and the benchmark measure
 SDPA the same way. Each candidate gets one untimed call (its compile) and then the
 do_bench median. ``Sweep`` prints a line per candidate, appends JSONL rows and reports
 the best candidate per (shape, variant) at the end.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Any, Callable, Optional
 
-from flashtile.bench import Shape
+from flashtile.tools.bench.prefill import Shape
 
 PEERS = ("sdpa-cudnn", "sdpa-flash")
 
@@ -24,7 +24,7 @@ def do_bench_ms(fn: Callable[[], Any]) -> float:
 
 def peer_ms(shape: Shape, pass_: str, q, k, v) -> dict[str, float]:
     """Median ms of each SDPA peer on (B, S, H, D) inputs; a peer that fails is printed and left out."""
-    from flashtile.bench import timed_call
+    from flashtile.tools.bench.prefill import timed_call
 
     bhsd = [t.transpose(1, 2).contiguous() for t in (q, k, v)]
     peers = {}

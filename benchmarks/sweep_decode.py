@@ -1,6 +1,6 @@
 """flashtile's decode kernel at fixed split counts (CUDA graphs: the kernels alone), per
-decode shape of ``flashtile.bench_decode``: which split count each shape wants, next to
-the one ``ops.decode.choose_splits`` picks (num_splits=0).
+decode shape of ``flashtile.tools.bench.decode``: which split count each shape wants, next to
+the one ``backends.triton.decode.choose_splits`` picks (num_splits=0).
 
     PYTHONPATH=src python3 benchmarks/sweep_decode.py [--only 0 1 2]
 """
@@ -10,11 +10,11 @@ import argparse
 import os
 
 # Launch plans replay what a key's first call launched, and the key does not hold
-# ops.decode.STAGES: with plans on, every --stages-paged value after the first would time
+# backends.triton.decode.STAGES: with plans on, every --stages-paged value after the first would time
 # the first one's kernel (H200 run 68 did). CUDA-graph timing has no host cost to save.
 os.environ["FLASHTILE_PLANS"] = "0"
 
-from flashtile.bench_decode import measure, read_ceiling, shapes
+from flashtile.tools.bench.decode import measure, read_ceiling, shapes
 
 SPLITS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
@@ -28,7 +28,7 @@ def main() -> None:
     p.add_argument("--page-slice", type=int, nargs="+",
                    help="decode.PAGE_SLICE_MAX values (each in turn; 0: the per-tile table read)")
     args = p.parse_args()
-    from flashtile.ops import decode
+    from flashtile.backends.triton import decode
 
     for page_slice in args.page_slice or [None]:
         if page_slice is not None:

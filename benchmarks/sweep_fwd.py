@@ -14,9 +14,9 @@ import sys
 
 import torch
 
-from flashtile.bench import make_shape
-from flashtile.ops.configs import FwdConfig
-from flashtile.ops.forward import attention_forward
+from flashtile.tools.bench.prefill import make_shape
+from flashtile.backends.configs import FwdConfig
+from flashtile.backends.triton.forward import attention_forward
 from sweep_common import Sweep, canonical, peer_ms
 
 

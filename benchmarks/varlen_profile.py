@@ -4,7 +4,7 @@
 
 The varlen backward of `flashtile bench --varlen` runs at 0.60-0.87x the fixed-length
 backward of the same documents (docs/perf-notes.md, "Varlen"). This runs both backwards
-(``flashtile`` and ``flashtile-fixed`` of `flashtile.bench_varlen.build`) under
+(``flashtile`` and ``flashtile-fixed`` of `flashtile.tools.bench.varlen.build`) under
 torch.profiler and prints each one's CUDA kernels: calls and total microseconds per
 kernel name, summed over ``--iters`` backwards, so the gap can be read kernel by kernel
 (the main dK/dV and dQ kernels, the Delta preprocess, the work-list builds, the gathers of
@@ -19,7 +19,7 @@ from collections import defaultdict
 
 import torch
 
-from flashtile.bench_varlen import build, lengths_for
+from flashtile.tools.bench.varlen import build, lengths_for
 
 
 def kernel_table(impl, lengths, heads, headdim, causal, iters):

@@ -28,7 +28,7 @@ import json
 import math
 from pathlib import Path
 
-from flashtile.bench_varlen import same_documents_rate
+from flashtile.tools.bench.varlen import same_documents_rate
 
 RESULTS = Path(__file__).resolve().parent / "results" / "h200"
 

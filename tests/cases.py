@@ -181,7 +181,7 @@ def spy_calls(monkeypatch, module, name: str, calls: list | None = None) -> list
     function's name under "fn"); returns the (live) list of records, ``calls`` if given (so
     two spies can share one). Launch plans are off while the spy is in place: a plan's
     replay calls the recorded kernels, not the Python function the spy wraps."""
-    from flashtile.ops import plan
+    from flashtile.runtime import replay as plan
 
     monkeypatch.setenv("FLASHTILE_PLANS", "0")
     plan.clear()

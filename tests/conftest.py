@@ -20,7 +20,7 @@ def _cuda_available() -> bool:
 
 def pytest_configure(config):
     # On a GPU, every direct kernel launch also runs Triton's own binary lookup and fails
-    # the test if the two differ (flashtile.ops.launch).
+    # the test if the two differ (flashtile.runtime.launch).
     if "FLASHTILE_LAUNCH_CHECK" not in os.environ and _cuda_available():
         os.environ["FLASHTILE_LAUNCH_CHECK"] = "1"
 
@@ -85,7 +85,7 @@ def plan_replays(monkeypatch):
     """Count launch-plan replays (``n``; ``raw``: those with C-launcher steps), from an
     empty plan cache; ``plans_off(fn)`` runs fn on the full path."""
     pytest.importorskip("torch")
-    from flashtile.ops import plan
+    from flashtile.runtime import replay as plan
 
     plan.clear()
     count = {"n": 0, "raw": 0}

@@ -1,6 +1,6 @@
 """A deliberately naive dense float64 attention oracle with flashtile's full mask semantics.
 
-Written independently of ``flashtile.ops.chunked`` and as plainly as possible: full
+Written independently of ``flashtile.backends.twin.attention`` and as plainly as possible: full
 (B, H, Sq, Sk) matrices, key/value heads explicitly repeated for every query head, explicit
 index grids i and j. Slow and memory-hungry on purpose; use it on small shapes in tests.
 """

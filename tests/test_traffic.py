@@ -12,16 +12,8 @@ import numpy as np
 import pytest
 
 from flashtile import traffic as tr
-from flashtile.traffic import (
-    H200,
-    H200_MEASURED,
-    attention_flops,
-    attention_roofline,
-    memory_work,
-    min_hbm_bytes,
-    print_traffic_table,
-    roofline_time,
-)
+from flashtile.traffic import (H200, H200_MEASURED, attention_flops, attention_roofline, memory_work, min_hbm_bytes,
+                               print_traffic_table, roofline_time)
 
 
 def _brute_tiles(n: int, m: int, br: int, bc: int, causal: bool):

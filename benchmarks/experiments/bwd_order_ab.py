@@ -10,8 +10,8 @@ side) or block (block-major: every pair's heaviest blocks first).
 import runpy
 import sys
 
-from flashtile import bench
-from flashtile.ops import backward_sm90_onepass as op
+from flashtile.tools.bench import prefill as bench
+from flashtile.backends.sm90 import backward_onepass as op
 
 if __name__ == "__main__":
     order, what, argv = sys.argv[1], sys.argv[2], sys.argv[3:]

@@ -23,7 +23,7 @@ def run(shapes, dtype_name: str = "bf16") -> None:
     from torch.nn.attention import SDPBackend, sdpa_kernel
     from triton.testing import do_bench
 
-    from flashtile.ops.forward_sm90 import attention_forward_ws
+    from flashtile.backends.sm90.forward import attention_forward_ws
 
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[dtype_name]
     for D, S, causal in shapes:

@@ -41,7 +41,7 @@ def ref_grads(q, k, v, dout, causal, diag):
 def library_launch(q, k, v, dout, lse, delta, dq, dk, dv, *, causal, diag, variant, kernels=("dkdv", "dq")):
     """The library's kernels with variant (dK/dV ring slots, dQ key tile, dQ ring slots;
     the ring slots of d256's dV and dK kernels are fixed, so variant[0] is ignored there)."""
-    from flashtile.ops.backward_sm90 import SPLIT_HEAD_DIMS, attention_backward_ws
+    from flashtile.backends.sm90.backward_split import SPLIT_HEAD_DIMS, attention_backward_ws
 
     dkdv_num_buf = None if q.shape[-1] in SPLIT_HEAD_DIMS else variant[0]
     block_q = variant[3] if len(variant) > 3 else 64

@@ -1,5 +1,5 @@
 """Experiment driver (issue 17) for the one-pass Gluon backward, now library code
-(``flashtile.ops.backward_sm90_onepass``: read its docstring): its ring sizes next to the
+(``flashtile.backends.sm90.backward_onepass``: read its docstring): its ring sizes next to the
 library's backward (which takes it at d64), the Triton backward and cuDNN; a compile
 report for sm_90a on the CPU; one shape for Nsight Compute.
 
@@ -29,7 +29,7 @@ from gluon_bwd import run  # noqa: E402  (the library experiment's checks and ti
 
 
 def onepass_launch(q, k, v, dout, lse, delta, dq, dk, dv, *, causal, diag, variant):
-    from flashtile.ops.backward_sm90_onepass import attention_backward_onepass
+    from flashtile.backends.sm90.backward_onepass import attention_backward_onepass
 
     num_buf, dq_buf = variant
     attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5, diag_offset=diag,
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
     shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")]
     if args.compile:
-        from flashtile.ops.sm90_check import compile_backward_onepass
+        from flashtile.tools.sm90_check import compile_backward_onepass
 
         for num_buf, dq_buf in variants:
             for d in sorted({sh[0] for sh in shapes}):

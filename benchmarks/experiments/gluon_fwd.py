@@ -176,10 +176,10 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seqlen, qk_scale,
 
 
 def library_ws(q4, k4, v4, causal: bool, block_n: int = 128, num_buf: int = 2, persistent: int = 1):
-    """flashtile.ops.forward_sm90 on (B, H, S, D) inputs with explicit tiles."""
+    """flashtile.backends.sm90.forward on (B, H, S, D) inputs with explicit tiles."""
     import torch
 
-    from flashtile.ops.forward_sm90 import attention_forward_ws
+    from flashtile.backends.sm90.forward import attention_forward_ws
 
     out4 = torch.empty_like(q4)
     lse = torch.empty(q4.shape[:3], device=q4.device, dtype=torch.float32)
@@ -216,10 +216,10 @@ def gluon_forward(q4, k4, v4, causal: bool, block_m: int = 128, block_n: int = 1
 
 
 def compile_only(block_m=128, block_n=128, head_d=128, num_warps=8, causal=False, ws=False):
-    """sm_90a compile on any machine (no GPU): a ``flashtile.ops.sm90_check.Compiled``.
+    """sm_90a compile on any machine (no GPU): a ``flashtile.tools.sm90_check.Compiled``.
 
     ws=True compiles the library's warp-specialized kernel (block_m is then 2 x 64 rows)."""
-    from flashtile.ops.sm90_check import compile_forward_ws, compile_gluon
+    from flashtile.tools.sm90_check import compile_forward_ws, compile_gluon
 
     if ws:
         return compile_forward_ws("bf16", head_d, causal=causal, block_n=block_n)
@@ -258,8 +258,8 @@ def check_and_time(shapes, configs=((128, 128, 8),)) -> None:
     import torch
     from triton.testing import do_bench
 
-    from flashtile.ops.configs import default_fwd_config
-    from flashtile.ops.forward import attention_forward
+    from flashtile.backends.configs import default_fwd_config
+    from flashtile.backends.triton.forward import attention_forward
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     for d, S, causal in shapes:

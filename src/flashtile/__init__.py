@@ -14,7 +14,7 @@ Where each layer lives:
 - ``flashtile.api`` (``api/``): the public GPU API, flash-attn- and SDPA-compatible:
   ``flash_attn_func`` and its packed variants, ``flash_attn_varlen_func`` (packed
   sequences) and its packed variants, ``scaled_dot_product_attention``,
-  ``unpad_input`` / ``pad_input``; one validation layer in ``api/_validate.py``.
+  ``unpad_input`` / ``pad_input``; one validation layer in ``problem/validate.py``.
 - ``flashtile.cli`` (``cli.py``): the ``flashtile demo | traffic | bench`` command.
 
 Importing this package needs numpy only: torch and triton are imported the first time a
@@ -27,7 +27,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from . import reference
+from flashtile import reference
 
 __version__ = "0.1.0"
 

@@ -7,7 +7,7 @@ The public functions in ``flashtile.api`` validate their arguments and then call
 run time, never at trace time.
 
 Canonical layout at this boundary: q, k, v are (B, H, S, D) views with unit stride along
-D (as ``flashtile.ops.forward`` describes). Outputs are plain tensors: out and the
+D (as ``flashtile.backends.triton.forward`` describes). Outputs are plain tensors: out and the
 gradients come back laid out (B, S, H, D) (flash-attn's layout; callers transpose the
 view), lse is (B, H, Sq) float32. ``attention``, what the API calls, also takes q, k, v in
 flash-attn's (B, S, H, D) or a packed call's (total, H, D) layout (``LAYOUTS``) and gives
@@ -26,13 +26,13 @@ import torch.autograd.forward_ad as fwad
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from .ops import plan
+from flashtile.runtime import replay as plan
 
 
 def _device_capability(t: Tensor) -> Optional[tuple[int, int]]:
     if t.device.type != "cuda":
         return None  # the Triton interpreter on CPU tensors
-    from .ops.configs import cuda_capability, device_index
+    from flashtile.backends.configs import cuda_capability, device_index
 
     return cuda_capability(device_index(t.device))
 
@@ -89,10 +89,10 @@ def _check_grid(num_programs: int) -> None:
 
 
 def _varlen(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k):
-    """The ``ops.varlen.Varlen`` of a packed call (None for a fixed-length one)."""
+    """The ``backends.worklist.Varlen`` of a packed call (None for a fixed-length one)."""
     if cu_seqlens_q is None:
         return None
-    from .ops.varlen import Varlen
+    from flashtile.backends.worklist import Varlen
 
     return Varlen(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
 
@@ -109,7 +109,7 @@ def _attn_fwd_impl(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: i
                    seqused_q: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
                    max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[Tensor, Tensor]:
     """Forward kernel: returns out (B, Sq, H, D) and lse (B, H, Sq) float32; a repeated
-    call replays its launch plan (``flashtile.ops.plan``), a new one runs ``_attn_fwd_run``.
+    call replays its launch plan (``flashtile.runtime.replay``), a new one runs ``_attn_fwd_run``.
 
     ``seed`` is a 1-element int64 tensor on q's device, the Philox key of the dropout mask.
     ``deterministic`` only matters to the backward (it forbids the atomic dQ variant).
@@ -181,8 +181,8 @@ def _attn_fwd_run(q, k, v, scale, diag_offset, window_left, window_right, softca
                   dropout_p, seed, deterministic, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
                   max_seqlen_k) -> tuple[Tensor, Tensor]:
     """The forward's ordinary path: config, buffers, launches (``_attn_fwd_impl``'s arguments)."""
-    from .ops import configs
-    from .ops.forward import attention_forward
+    from flashtile.backends import configs
+    from flashtile.backends.triton.forward import attention_forward
 
     if q.dtype == torch.bfloat16 and q.device.type != "cuda":
         raise TypeError("bfloat16 cannot run under TRITON_INTERPRET=1 (triton 3.6's interpreter has no bf16 arithmetic)")
@@ -266,8 +266,8 @@ def _attn_bwd_run(dout, q, k, v, out, lse, scale, diag_offset, window_left, wind
                   attn_mask, dropout_p, seed, deterministic, dlse, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
                   max_seqlen_q, max_seqlen_k) -> tuple[Tensor, Tensor, Tensor]:
     """The backward's ordinary path (``_attn_bwd_impl``'s arguments)."""
-    from .ops import configs
-    from .ops.backward import attention_backward
+    from flashtile.backends import configs
+    from flashtile.backends.triton.backward import attention_backward
 
     varlen = _varlen(cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
     dq4, dk4, dv4 = _bshd_view(q), _bshd_view(k), _bshd_view(v)
@@ -448,7 +448,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, w
     (B, H, S, D), "bshd" flash-attn's (B, S, H, D), "thd" a packed (total, H, D));
     returns out in the same layout and lse (B, H, Sq) float32. ``varlen``: empty, or its six
     varlen arguments (cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, max_seqlen_q,
-    max_seqlen_k). ``hint``: the plan entry (``flashtile.ops.plan``) of an API call whose
+    max_seqlen_k). ``hint``: the plan entry (``flashtile.runtime.replay``) of an API call whose
     key determines this call's arguments but their addresses; a training call then keeps
     its kernels' entry in ``hint.below`` instead of making their key."""
     tail = (scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
@@ -466,8 +466,8 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, w
 def _autotune(q, k, v, out4, lse, problem: dict, default):
     from triton.testing import do_bench
 
-    from .ops import configs
-    from .ops.forward import attention_forward
+    from flashtile.backends import configs
+    from flashtile.backends.triton.forward import attention_forward
     import triton
 
     key = "|".join(map(str, (
@@ -497,7 +497,7 @@ def _kvcache_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tenso
                   softcap: float, window_left: int, window_right: int, interleaved: bool, rotary_local: bool,
                   num_splits: int, device_check: bool, batch_cache: int, num_blocks: int,
                   rotary_len: int) -> tuple[Tensor, Tensor]:
-    """The kv-cache kernels (``flashtile.ops.decode``), through the launch plan of the key:
+    """The kv-cache kernels (``flashtile.backends.triton.decode``), through the launch plan of the key:
     out (batch, seqlen_q, H, D), lse (batch, H, seqlen_q) float32; k_cache/v_cache get k, v."""
     inputs = (q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi)
     scalars = (scale, softcap, window_left, window_right, interleaved, rotary_local, num_splits, device_check,
@@ -509,7 +509,7 @@ def _kvcache_impl(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tenso
 def _kvcache_run(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, scale, softcap,
                  window_left, window_right, interleaved, rotary_local, num_splits, device_check, batch_cache,
                  num_blocks, rotary_len):
-    from .ops import decode
+    from flashtile.backends.triton import decode
 
     if q.dtype == torch.bfloat16 and q.device.type != "cuda":
         raise TypeError("bfloat16 cannot run under TRITON_INTERPRET=1 (triton 3.6's interpreter has no bf16 arithmetic)")

@@ -3,7 +3,7 @@
     flashtile demo                         # the lesson's five checked demonstrations
     flashtile traffic --seq 1024 4096      # naive vs tiled HBM traffic per head
     flashtile traffic --plot traffic.png   # the same as a log-log plot (needs matplotlib)
-    flashtile bench --quick --pass fwd     # everything after `bench` goes to flashtile.bench
+    flashtile bench --quick --pass fwd     # everything after `bench` goes to flashtile.tools.bench.prefill
 
 Each subcommand imports what it needs when it runs, so ``flashtile demo`` and
 ``flashtile traffic`` work with numpy alone and only ``bench`` touches torch.
@@ -72,7 +72,7 @@ def build_parser() -> argparse.ArgumentParser:
     traffic.add_argument("--plot", metavar="FILE.png", help="also write a log-log plot (needs matplotlib)")
     measure = traffic.add_argument_group(
         "measured bytes (GPU)", "--measure runs naive and flashtile attention under Nsight Compute and prints the "
-        "DRAM bytes each pass moved beside the model's (flashtile.traffic_measure); without a GPU or ncu it says "
+        "DRAM bytes each pass moved beside the model's (flashtile.tools.traffic_measure); without a GPU or ncu it says "
         "so and exits 0. --seq and --d pick the shapes (default here: N 1024..16384, d 64 and 128)")
     measure.add_argument("--measure", action="store_true", help="read the DRAM byte counters (needs a GPU and ncu)")
     measure.add_argument("--heads", type=_positive_int, default=16, help="heads, batch 1 (default: %(default)s)")
@@ -85,7 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     explain = sub.add_parser(
         "explain",
         help="which kernels a call takes, and why (no GPU needed)",
-        description="The forward and backward kernels and configs of a described call (flashtile.explain).",
+        description="The forward and backward kernels and configs of a described call (flashtile.tools.explain).",
     )
     explain.add_argument("--seqlen-q", type=_positive_int, default=4096)
     explain.add_argument("--seqlen-k", type=_positive_int)
@@ -106,14 +106,14 @@ def build_parser() -> argparse.ArgumentParser:
         "check",
         help="does flashtile work here? every API against a float64 reference (GPU if any, else CPU)",
         description="A small matrix of every API family under the accuracy rule, with the machine, the versions "
-                    "and the kernels taken (flashtile.check); exit status 1 when a case fails.",
+                    "and the kernels taken (flashtile.tools.check); exit status 1 when a case fails.",
     )
     check.add_argument("--device", choices=("auto", "cuda", "cpu"), default="auto")
     check.add_argument("--dtype", choices=("fp16", "bf16", "fp32"), nargs="+",
                        help="default: fp16 and bf16 on a GPU, fp32 on CPU")
 
     # No options of its own and no -h: every argument after `bench`, -h included, is
-    # flashtile.bench's to parse.
+    # flashtile.tools.bench.prefill's to parse.
     sub.add_parser(
         "bench",
         add_help=False,
@@ -124,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _run_traffic(args: argparse.Namespace) -> int:
     if args.measure:
-        from flashtile.traffic_measure import measure
+        from flashtile.tools.traffic_measure import measure
 
         return measure(args.seq or list(MEASURE_SEQ_LENGTHS), args.d or list(MEASURE_HEAD_DIMS),
                        heads=args.heads, ncu=args.ncu, out_dir=args.out, plot_path=args.plot,
@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flashtile`` console script and ``python -m flashtile``.
 
     Returns the exit status: 0 on success, 1 if a demo check failed, 2 on a usage error
-    (including no subcommand), or whatever ``flashtile.bench.main`` returns.
+    (including no subcommand), or whatever ``flashtile.tools.bench.prefill.main`` returns.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(_missing("torch", "flashtile bench"), file=sys.stderr)
             return 2
-        from flashtile import bench
+        from flashtile.tools.bench import prefill as bench
 
         return int(bench.main(rest) or 0)
     if rest:
@@ -208,17 +208,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             print(_missing("torch", "flashtile check"), file=sys.stderr)
             return 2
-        from flashtile.check import run_check
+        from flashtile.tools.check import run_check
 
         dtypes = None if not args.dtype else [
             {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[d] for d in args.dtype]
         return run_check(args.device, dtypes)
     if args.command == "demo":
-        from flashtile.demo import run_demo
+        from flashtile.tools.demo import run_demo
 
         return run_demo()
     if args.command == "explain":
-        from flashtile.explain import explain
+        from flashtile.tools.explain import explain
 
         print(explain(args.seqlen_q, args.seqlen_k, args.head_dim, dtype=args.dtype, causal=args.causal,
                       window=tuple(args.window), softcap=args.softcap, alibi=args.alibi, dropout_p=args.dropout,

@@ -85,7 +85,7 @@ def plain_attention(q, k, v, *, scale: float, diag_offset: int = 0, window_left:
     mask (B, H, Sq, Sk) bool or float. Returns (out (B, H, Sq, D), lse (B, H, Sq)), empty
     rows 0 / -inf.
     """
-    from .ops.chunked import visible_mask
+    from flashtile.backends.twin.attention import visible_mask
 
     dtype = dtype or q.dtype
     group = q.shape[1] // k.shape[1]

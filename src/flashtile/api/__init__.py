@@ -1,6 +1,6 @@
 """flash-attn- and SDPA-compatible attention: validation, dispatch, the public functions.
 
-Every API reduces to one canonical problem (see ``flashtile.ops.forward``): q (B, H, Sq, D),
+Every API reduces to one canonical problem (see ``flashtile.backends.triton.forward``): q (B, H, Sq, D),
 k/v (B, Hk, Sk, D) as strided views, a diagonal offset (Sk - Sq for flash-attn's
 bottom-right causal alignment, 0 for SDPA's top-left), an inclusive window (left, right)
 around that diagonal (-1 = unbounded; causal = right 0), softcap, ALiBi slopes and an
@@ -27,13 +27,14 @@ to run the Triton kernels on CPU tensors under ``TRITON_INTERPRET=1``.
 
 from __future__ import annotations
 
-from ._validate import MAX_HEAD_DIM
-from .flash import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
-from .kvcache import flash_attn_combine, flash_attn_with_kvcache
-from .padding import pad_input, unpad_input
-from .sdpa import scaled_dot_product_attention
-from .varlen import flash_attn_varlen_func, flash_attn_varlen_kvpacked_func, flash_attn_varlen_qkvpacked_func
+from flashtile.problem.validate import MAX_HEAD_DIM
+from flashtile.api.flash import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
+from flashtile.api.kvcache import flash_attn_combine, flash_attn_with_kvcache
+from flashtile.api.padding import pad_input, unpad_input
+from flashtile.api.sdpa import scaled_dot_product_attention
+from flashtile.api.varlen import (flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,
+                                  flash_attn_varlen_qkvpacked_func)
 
-from .. import _API_NAMES  # the public names, listed once (flashtile/__init__.py)
+from flashtile import _API_NAMES  # the public names, listed once (flashtile/__init__.py)
 
 __all__ = ["MAX_HEAD_DIM", *_API_NAMES]

@@ -6,11 +6,12 @@ from typing import Optional
 
 import torch
 
-from ..ops import plan
-from ..ops.window import effective_window
-from ._dispatch import _Problem, attention_with_probs
-from ._validate import (_check_alibi, _check_dropout, _check_head_dim, _check_heads, _check_same, _check_scale,
-                        _check_softcap, _check_tensor, _check_window, _flag, _unit_last_stride)
+from flashtile.runtime import replay as plan
+from flashtile.problem.window import effective_window
+from flashtile.dispatch import _Problem, attention_with_probs
+from flashtile.problem.validate import (_check_alibi, _check_dropout, _check_head_dim, _check_heads, _check_same,
+                                        _check_scale, _check_softcap, _check_tensor, _check_window, _flag,
+                                        _unit_last_stride)
 
 
 _PLANS = plan.cache("flash_attn_func")
@@ -18,7 +19,7 @@ _PLANS = plan.cache("flash_attn_func")
 
 def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                 return_attn_probs, names=("q", "k", "v")):
-    """Validate (once per key: ``flashtile.ops.plan``), then run; a repeated call without
+    """Validate (once per key: ``flashtile.runtime.replay``), then run; a repeated call without
     grad replays its whole launch plan."""
     inputs = (q, k, v, alibi_slopes)
     scalars = plan.plain_scalars((names, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,

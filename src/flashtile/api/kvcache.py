@@ -4,7 +4,7 @@ A decode step appends each sequence's new keys/values to its KV cache in place (
 applied first, when given) and attends its new queries to the whole valid cache.
 
 On the Triton backend (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) the call
-runs ``flashtile.ops.decode``'s kernels through one op (``torch.ops.flashtile.kvcache``,
+runs ``flashtile.backends.triton.decode``'s kernels through one op (``torch.ops.flashtile.kvcache``,
 which declares its writes to the caches for torch.compile): the append (and the rotary of
 k), then the split-KV decode kernel (all query heads of a KV head in one program, keys
 read straight from the cache rows or pages) and its combine. Nothing is gathered or
@@ -29,12 +29,13 @@ from typing import Optional
 
 import torch
 
-from ..ops import plan
-from ._dispatch import _Problem, _attention, _backend_for
-from ._validate import (_check_alibi, _check_head_dim, _check_heads, _check_index_tensor, _check_same, _check_scale,
-                        _check_softcap, _check_tensor, _check_window, _flag, _integer, _unit_last_stride)
-from ..ops.window import effective_window
-from .varlen import gather_pages
+from flashtile.runtime import replay as plan
+from flashtile.dispatch import _Problem, _attention, _backend_for
+from flashtile.problem.validate import (_check_alibi, _check_head_dim, _check_heads, _check_index_tensor,
+                                        _check_same, _check_scale, _check_softcap, _check_tensor, _check_window,
+                                        _flag, _integer, _unit_last_stride)
+from flashtile.problem.window import effective_window
+from flashtile.api.varlen import gather_pages
 
 
 def _check_rotary(cos, sin, q, head_dim: int):
@@ -376,10 +377,10 @@ def _host_check(seqlens: torch.Tensor, mode: str) -> bool:
 def _kernels(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, *, scale, softcap,
              left, right, interleaved, local, num_splits, device_check, new, queries, capacity, batch_cache,
              num_blocks, page, rotary_len, causal_rotary, hint=None):
-    """The Triton path (``flashtile.ops.decode``): the device check when the host did not
+    """The Triton path (``flashtile.backends.triton.decode``): the device check when the host did not
     check, the append, the split-KV decode and its combine. ``hint``: this call's plan
     entry when its key determines everything the kernels' key holds but addresses."""
-    from .. import autograd
+    from flashtile import autograd
 
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
@@ -433,7 +434,7 @@ def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out
     if tuple(lse_partial.shape) != (s, b, h, n):
         raise ValueError(f"lse_partial must have shape {(s, b, h, n)}, got {tuple(lse_partial.shape)}")
     if _backend_for(out_partial.device) == "triton":
-        from ..ops import decode
+        from flashtile.backends.triton import decode
 
         if lse_partial.device != out_partial.device:
             raise ValueError(f"lse_partial must be on {out_partial.device}, got {lse_partial.device}")

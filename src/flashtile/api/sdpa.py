@@ -6,9 +6,9 @@ from typing import Optional
 
 import torch
 
-from ._dispatch import _Problem, _attention
-from ._validate import (_check_dropout, _check_head_dim, _check_heads, _check_mask, _check_same, _check_scale,
-                        _check_tensor, _flag, _unit_last_stride)
+from flashtile.dispatch import _Problem, _attention
+from flashtile.problem.validate import (_check_dropout, _check_head_dim, _check_heads, _check_mask, _check_same,
+                                        _check_scale, _check_tensor, _flag, _unit_last_stride)
 
 
 def scaled_dot_product_attention(

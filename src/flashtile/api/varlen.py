@@ -4,7 +4,7 @@
 axis (how trainers feed documents); sequence b owns query rows ``cu_seqlens_q[b] ..
 cu_seqlens_q[b + 1]`` and key rows ``cu_seqlens_k[b] .. cu_seqlens_k[b + 1]``, and attends
 only within itself. It runs on the same kernels as the fixed-length functions, with a
-work list of (sequence, block) items built on the device (``flashtile.ops.varlen``).
+work list of (sequence, block) items built on the device (``flashtile.backends.worklist``).
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from typing import Optional
 
 import torch
 
-from ..ops.window import effective_window
-from ._dispatch import _Problem, attention_with_probs
-from ._validate import (_check_alibi, _check_dropout, _check_head_dim, _check_heads, _check_index_tensor,
-                        _check_max_seqlen, _check_same, _check_scale, _check_softcap, _check_tensor,
-                        _check_varlen_values, _check_window, _flag, _unit_last_stride)
+from flashtile.problem.window import effective_window
+from flashtile.dispatch import _Problem, attention_with_probs
+from flashtile.problem.validate import (_check_alibi, _check_dropout, _check_head_dim, _check_heads,
+                                        _check_index_tensor, _check_max_seqlen, _check_same, _check_scale,
+                                        _check_softcap, _check_tensor, _check_varlen_values, _check_window, _flag,
+                                        _unit_last_stride)
 
 
 def gather_pages(cache, block_table):

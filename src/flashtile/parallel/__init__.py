@@ -11,9 +11,9 @@ imported only when a function runs.
 
 from __future__ import annotations
 
-from .ring import LAYOUTS, positions, ring_attention, shard_sequence, unshard_sequence
-from .allgather import varlen_allgather_attention
-from .ulysses import ulysses_attention
+from flashtile.parallel.ring import LAYOUTS, positions, ring_attention, shard_sequence, unshard_sequence
+from flashtile.parallel.allgather import varlen_allgather_attention
+from flashtile.parallel.ulysses import ulysses_attention
 
 __all__ = ["LAYOUTS", "ring_attention", "ulysses_attention", "varlen_allgather_attention", "shard_sequence",
            "unshard_sequence", "positions"]

@@ -69,7 +69,7 @@ def varlen_allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     """
     import flashtile
 
-    from .ring import _as_group, _check_same_across_ranks, _group_info
+    from flashtile.parallel.ring import _as_group, _check_same_across_ranks, _group_info
 
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor) or t.dim() != 3:

@@ -28,8 +28,8 @@ from typing import Optional
 
 import torch
 
-from ..api._dispatch import _Problem, _attention, _backend_for
-from ..ops.window import effective_window
+from flashtile.dispatch import _Problem, _attention, _backend_for
+from flashtile.problem.window import effective_window
 
 LAYOUTS = ("zigzag", "contiguous")
 
@@ -51,7 +51,7 @@ def _as_group(group):
 
 def _check_shapes(q, k, v):
     """Local tensors: shapes and dtypes as ``flash_attn_func`` wants them."""
-    from ..api._validate import _check_head_dim, _check_heads, _check_same, _check_tensor
+    from flashtile.problem.validate import _check_head_dim, _check_heads, _check_same, _check_tensor
 
     _check_tensor("q", q, 4)
     _check_tensor("k", k, 4)
@@ -166,7 +166,7 @@ def _pair_backward(dout4, q4, k4, v4, out4, lse, p):
     out and LSE: (dq, dk, dv) as (B, H, S, D) float32. The Triton backward where it runs,
     else the same formulas in torch."""
     if _backend_for(q4.device) == "triton":
-        from .. import autograd  # noqa: F401  (registers the ops)
+        from flashtile import autograd  # noqa: F401  (registers the ops)
 
         dq, dk, dv = torch.ops.flashtile.attn_bwd(
             dout4.transpose(1, 2), q4, k4, v4, out4.transpose(1, 2), lse.contiguous(), p.scale, p.diag_offset,
@@ -176,8 +176,8 @@ def _pair_backward(dout4, q4, k4, v4, out4, lse, p):
 
 
 def _pair_backward_torch(dout4, q4, k4, v4, out4, lse, p):
-    """The backward formulas of ops/backward.py in float32 torch (dense per pair)."""
-    from ..ops.chunked import visible_mask_rows
+    """The backward formulas of backends/triton/backward.py in float32 torch (dense per pair)."""
+    from flashtile.backends.twin.attention import visible_mask_rows
 
     group = q4.shape[1] // k4.shape[1]
     qf, kf, vf, do, o = (t.float() for t in (q4, k4, v4, dout4, out4))
@@ -334,7 +334,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         out (batch, local_seqlen, nheads, headdim), or (out, lse). Differentiable in q, k, v.
         With one rank it is the local kernel.
     """
-    from ..api._validate import _check_scale, _check_softcap, _check_window, _flag
+    from flashtile.problem.validate import _check_scale, _check_softcap, _check_window, _flag
 
     _check_shapes(q, k, v)
     _check_layout(layout)

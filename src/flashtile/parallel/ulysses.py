@@ -48,7 +48,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     divisible by the world size."""
     import flashtile
 
-    from .ring import _group_info, _check_shapes
+    from flashtile.parallel.ring import _group_info, _check_shapes
 
     _check_shapes(q, k, v)
     world, _ = _group_info(group)

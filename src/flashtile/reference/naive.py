@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from ._checks import check_qkv, check_scale, result_dtype
+from flashtile.reference._checks import check_qkv, check_scale, result_dtype
 
 
 def causal_visible(seqlen_q: int, seqlen_k: int) -> np.ndarray:

@@ -25,7 +25,7 @@ from typing import Optional
 
 import numpy as np
 
-from ._checks import check_block, check_qkv, check_scale, result_dtype
+from flashtile.reference._checks import check_block, check_qkv, check_scale, result_dtype
 
 
 def _tile_mask(r0: int, r1: int, c0: int, c1: int, offset: int) -> np.ndarray:

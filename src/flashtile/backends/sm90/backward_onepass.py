@@ -1,0 +1,460 @@
+"""Hopper one-pass backward in Gluon (sm90, fp16/bf16, plain or causal): FA3's design, dQ
+by bulk TMA reductions into a float32 buffer. The default backward at head dims 64 and 128
+unless the call asks for determinism (``ONEPASS_HEAD_DIMS``; ``backward.attention_backward``).
+
+The same algebra as ``backward.py`` (read its docstring first) and the same scope as
+``backward_sm90`` (read its docstring second), in one kernel with 5 tile products per tile
+pair instead of the split kernels' 7. One program owns a block of 2 x 64 keys of one
+(batch, kv head) and streams every query block that sees those keys, for every query head
+of the GQA group (so dK and dV are summed over the group in registers). Programs run
+pair-major (a (batch, kv head)'s key blocks side by side), or block-major for causal GQA
+(``keys_outer``). Partitions:
+
+    loader   (1 warp)  K and V of the block once, then (Q_s, dO_s) tiles of 64 queries
+                       through a NUM_BUF-slot ring by TMA
+    consumer (2 x 4 warps; warpgroup w owns keys w*64 .. w*64+63), per step s:
+        issue  S_s = Q_s K_w^T,  dP_s = dO_s V_w^T                   (async wgmma)
+        issue  dV_w += P_{s-1}^T dO_{s-1},  dK_w += dS_{s-1}^T Q_{s-1}   (async)
+        wait for S_s, dP_s only
+        P_s = exp2(S_s * c - lse),  dS_s = P_s (dP_s - Delta)   (under step s-1's products)
+        issue  dQ_{s-1}[:, half w] = dS_{s-1} K[:, half w]     (both warpgroups' dS)
+        wait; store dQ_{s-1}'s half (scaled) in a float32 shared-memory slot for the reducer
+    reducer  (1 warp) per step: once both halves are in the step's slot, two bulk TMA
+             reductions (``tma_reduce``: cp.reduce.async.bulk.tensor add) into the float32
+             dQ; it frees the slot when the next step's reductions are issued and the
+             slot's have been read (one step's reductions stay in flight)
+
+then a small Triton kernel (``_dq_convert``) casts the float32 dQ into dq. The two
+warpgroups split the dQ product by head-dim halves, each reading both warpgroups' dS;
+two mbarriers hand dS between them (``ds_full``: both halves stored; ``ds_empty``: both
+dQ products have read them). Neighbouring key blocks start their query loop at different
+query blocks (``_step_coords``), so their reductions do not all hit one dQ tile at once.
+
+The float32 sums of dQ arrive in an order that varies between runs, so dQ is not bitwise
+reproducible (dK and dV are: each program owns its keys). ``deterministic=True`` and
+``torch.use_deterministic_algorithms(True)`` take the split kernels of ``backward_sm90``.
+
+Speed (H200, session 16, docs/perf-notes.md "One-pass backward", runs 83-88): at d64, in
+``flashtile bench``, 1.03-1.09x the split kernels without causal and 0.99-1.04x with it
+(bf16, S512-16384), 0.81-0.87x cuDNN (bf16 and fp16, run 92). At d128 the wgmma
+descriptors of the fixed tiles (K, V, P, dS and the dQ halves of K: one per tile and
+k-step) were hoisted out of the loop and spilled (1,292 B; ncu: 3.2 GB of local loads per
+call at S4096, 40% of the stall cycles on L1TEX), and it lost to the split kernels
+(0.90-0.99x). Its loop now makes those views anew each step from an index the compiler
+cannot fold (312 B of spills; 1.27 GB of local loads): 1.07-1.16x the split kernels and
+0.95-1.06x cuDNN, bf16, the kernels alone (H200 run 96), so d128 takes it too.
+
+Triton 3.6 turns constexprs passed through ``gl.warp_specialize`` into tensors, so the
+partitions read compile-time sizes from descriptor and shared-memory types (CAUSAL: the
+kv_bar array has a third, unused entry).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+from flashtile.backends.sm90.backward_split import BLOCK, CONSUMER_REGS, LOADER_REGS, ROWS, _step_range
+from flashtile.backends.configs import bwd_dq_env
+from flashtile.backends.triton.forward import LOG2E
+from flashtile.backends.sm90.forward import tma_descriptor
+from flashtile.runtime.launch import Launcher
+from flashtile.backends.sm90.tma_reduce import async_reduce_add_shared_to_global
+
+ONEPASS_HEAD_DIMS = (64, 128)  # where it is the default (faster than the split kernels: H200 runs 86, 96)
+HEAD_DIMS = (64, 128)  # what it compiles for (d128: experiments)
+NUM_BUF = {64: 4, 128: 2}  # (Q, dO) ring slots
+DQ_BUF = 2  # float32 dQ slots (64 x D each: with 2 ring slots at d128, 224 of the 227 KB)
+REDUCER_REGS = 24
+
+
+def keys_outer(causal: bool, group_size: int) -> bool:
+    """The grid's order: block-major (every (batch, kv head) pair's key block 0 first, then
+    every pair's block 1, ...) for causal GQA, else pair-major (a pair's blocks side by side,
+    sharing its Q and dO in L2). A causal GQA program walks group_size x the query blocks
+    of an MHA one, so under pair-major the last pairs' heavy first blocks were a long tail;
+    block-major starts the heaviest first. H200 run 104 (bf16, causal, S2048-16384): GQA 4
+    d128 +6-10% at S <= 8192 (-2% at S16384), d64 -0..+6%; MHA lost 4-27% (L2 locality)."""
+    return causal and group_size > 1
+
+
+@gluon.jit
+def _step_coords(s, q_lo, nq, q_rot, kvh, group_size):
+    """Step s -> (query head, first query row). Within a head the query blocks run from
+    q_lo + q_rot, wrapping around."""
+    r = s % nq + q_rot
+    r = gl.where(r >= nq, r - nq, r)
+    return kvh * group_size + s // nq, (q_lo + r) * ROWS
+
+
+@gluon.jit
+def _step_tiles(s, q_lo, nq, q_rot, kvh, group_size, q_smem, do_smem, q_ready):
+    """Step s: the query head, the first query row, and the (Q, dO) tiles once they have
+    landed."""
+    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+    HEAD_D: gl.constexpr = q_smem.type.shape[4]
+    slot = s % NUM_BUF
+    mbarrier.wait(q_ready.index(slot), (s // NUM_BUF) & 1)
+    hq, m0 = _step_coords(s, q_lo, nq, q_rot, kvh, group_size)
+    return hq, m0, q_smem.index(slot).reshape([ROWS, HEAD_D]), do_smem.index(slot).reshape([ROWS, HEAD_D])
+
+
+@gluon.jit
+def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale,
+              CAUSAL: gl.constexpr, dtype: gl.constexpr, s_layout: gl.constexpr):
+    """P = exp2(S * c - lse) on a (queries x keys) tile (0 right of the diagonal when
+    causal) and dS = P (dP - Delta), in the input dtype for the products. Rows past
+    seqlen_q get lse = +inf, so their P is 0 (their Q and dO are zero-filled); rows that
+    see no key (lse -inf) only meet diagonal tiles, where the mask zeroes them."""
+    rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    row_off = (b * nheads + hq).to(gl.int64) * seqlen_q
+    lse2 = gl.load(Lse + row_off + rows, mask=rows < seqlen_q, other=float("inf")) * 1.4426950408889634
+    delta = gl.load(Delta + row_off + rows, mask=rows < seqlen_q, other=0.0)
+    p = gl.exp2(s * qk_scale - lse2[:, None])
+    if CAUSAL:
+        if nk + ROWS - 1 > m0 + diag_offset:  # a tile on (or past) the diagonal
+            keys = nk + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(keys[None, :] <= rows[:, None] + diag_offset, p, 0.0)
+    ds = p * (dp - delta[:, None])
+    return p.to(dtype), ds.to(dtype)
+
+
+@gluon.jit
+def _dq_issue(WG: gl.constexpr, t, k_smem, ds_smem, ds_full, z):
+    """Issue dQ of step t for this warpgroup's half of the head dim, from both warpgroups'
+    dS (async; the caller waits). ``z`` is 0 (see ``_consumer``'s loop)."""
+    HEAD_D: gl.constexpr = k_smem.type.shape[4]
+    HALF_D: gl.constexpr = HEAD_D // 2
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF_D, 16])
+    mbarrier.wait(ds_full.index(0), t & 1)
+    dq = warpgroup_mma(ds_smem.index(z), k_smem.index(z).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D, dim=1),
+                       gl.zeros([ROWS, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
+    return warpgroup_mma(ds_smem.index(1 + z), k_smem.index(1 + z).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D,
+                                                                                             dim=1),
+                         dq, is_async=True)
+
+
+@gluon.jit
+def _dq_finish(WG: gl.constexpr, dq, t, ds_empty, scale, dq_smem, dq_full, dq_empty):
+    """Once step t's dQ product is done: tell the other warpgroup its dS was read, then
+    hand this warpgroup's half to the reducer through slot t % DQ_BUF (wait until the
+    slot's last reductions have read it, store, fence, arrive)."""
+    DQ_BUF: gl.constexpr = dq_smem.type.shape[0] // 2
+    mbarrier.arrive(ds_empty.index(0), count=1)
+    slot = t % DQ_BUF
+    mbarrier.wait(dq_empty.index(slot), ((t // DQ_BUF) & 1) ^ 1)  # a fresh barrier passes phase 1
+    dq_smem.index(2 * slot + WG).store(dq * scale)
+    fence_async_shared()
+    mbarrier.arrive(dq_full.index(slot), count=1)
+
+
+@gluon.jit
+def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem,
+              k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot,
+              group_size, nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty,
+              dq_rows):
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+    CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
+    dtype: gl.constexpr = q_desc.dtype
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    nk = n0 + WG * ROWS  # first key of this warpgroup
+    k_tile = k_smem.index(WG).reshape([ROWS, HEAD_D])
+    v_tile = v_smem.index(WG).reshape([ROWS, HEAD_D])
+    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    n_steps = nq * group_size
+
+    # P and dS (queries x keys) of the previous step wait in shared memory for their
+    # products, which read them transposed (dV, dK) or as they are (dQ).
+    p_tile = p_smem.index(WG)
+    ds_tile = ds_smem.index(WG)
+    dk = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    dv = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    mbarrier.wait(kv_bar.index(0), 0)  # dQ reads both warpgroups' K
+    mbarrier.wait(kv_bar.index(1), 0)
+    if n_steps > 0:  # step 0: nothing to overlap with yet
+        hq, m0, q_t, do_t = _step_tiles(0, q_lo, nq, q_rot, kvh, group_size, q_smem, do_smem, q_ready)
+        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+        dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+                            use_acc=False, is_async=True)
+        st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+        pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale,
+                            CAUSAL, dtype, s_layout)
+        p_tile.store(pt)
+        ds_tile.store(dst)
+        fence_async_shared()
+        mbarrier.arrive(ds_full.index(0), count=1)
+    for s in range(1, n_steps):
+        prev = (s - 1) % NUM_BUF
+        # At d128, z = 0 (s < 2**30) but not to the compiler: the fixed tiles' views are
+        # then made anew each step instead of their wgmma descriptors (one per tile and
+        # k-step, ~40 words) being hoisted out of the loop and spilled (ptxas: 1,292 -> 312
+        # B of spills; H200 run 96: 7-16% faster). d64 does not spill: its code is as before.
+        if HEAD_D > 64:
+            z = s >> 30
+        else:
+            z = 0
+        k_tile = k_smem.index(WG + z).reshape([ROWS, HEAD_D])
+        v_tile = v_smem.index(WG + z).reshape([ROWS, HEAD_D])
+        p_tile = p_smem.index(WG + z)
+        ds_tile = ds_smem.index(WG + z)
+        hq, m0, q_t, do_t = _step_tiles(s, q_lo, nq, q_rot, kvh, group_size, q_smem, do_smem, q_ready)
+        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+                           use_acc=False, is_async=True)
+        dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+                            use_acc=False, is_async=True)
+        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(prev).reshape([ROWS, HEAD_D]), dv, is_async=True)
+        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(prev).reshape([ROWS, HEAD_D]), dk, is_async=True)
+        st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # step s-1's products stay in flight
+        pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale,
+                            CAUSAL, dtype, s_layout)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
+        p_tile.store(pt)  # P_{s-1} is read (only this warpgroup reads it)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(_dq_issue(WG, s - 1, k_smem, ds_smem, ds_full, z),))
+        _dq_finish(WG, dq, s - 1, ds_empty, scale, dq_smem, dq_full, dq_empty)
+        mbarrier.wait(ds_empty.index(0), (s - 1) & 1)  # the other warpgroup has read dS_{s-1} too
+        ds_tile.store(dst)
+        fence_async_shared()
+        mbarrier.arrive(ds_full.index(0), count=1)
+
+    if n_steps > 0:
+        last = (n_steps - 1) % NUM_BUF
+        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(last).reshape([ROWS, HEAD_D]), dv, is_async=True)
+        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(last).reshape([ROWS, HEAD_D]), dk, is_async=True)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        mbarrier.arrive(q_empty.index(last), count=1)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(_dq_issue(WG, n_steps - 1, k_smem, ds_smem, ds_full, 0),))
+        _dq_finish(WG, dq, n_steps - 1, ds_empty, scale, dq_smem, dq_full, dq_empty)
+        # The other warpgroup's last dQ product reads this warpgroup's K tile, which is
+        # about to stage dK.
+        mbarrier.wait(ds_empty.index(0), (n_steps - 1) & 1)
+
+    # K and V are no longer read: their tiles stage dK and dV for the TMA stores, which
+    # clip rows past seqlen_k.
+    k_smem.index(WG).reshape([ROWS, HEAD_D]).store((dk * scale).to(dtype))
+    v_smem.index(WG).reshape([ROWS, HEAD_D]).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, kvh, nk, 0], k_smem.index(WG))
+    tma.async_copy_shared_to_global(dv_desc, [b, kvh, nk, 0], v_smem.index(WG))
+    tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+               p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
+               seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows):
+    _consumer(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+              p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
+              seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows)
+
+
+@gluon.jit
+def _consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+               p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
+               seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows):
+    _consumer(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+              p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
+              seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows)
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+            p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
+            seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows):
+    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+    CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
+    for wg in gl.static_range(2):
+        mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), k_smem.index(wg))
+        tma.async_copy_global_to_shared(v_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), v_smem.index(wg))
+    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    for s in range(nq * group_size):
+        slot = s % NUM_BUF
+        hq, m0 = _step_coords(s, q_lo, nq, q_rot, kvh, group_size)
+        mbarrier.wait(q_empty.index(slot), ((s // NUM_BUF) & 1) ^ 1)  # fresh barriers pass phase 1
+        mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [b, hq, m0, 0], q_ready.index(slot), q_smem.index(slot))
+        tma.async_copy_global_to_shared(do_desc, [b, hq, m0, 0], q_ready.index(slot), do_smem.index(slot))
+
+
+@gluon.jit
+def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+             p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
+             seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows):
+    """For every step, once both warpgroups have stored their dQ halves in the step's slot:
+    add them into the float32 dQ (a (B * H * dq_rows, D) matrix) with two bulk TMA
+    reductions; then wait until the previous step's reductions have read their slot and
+    free it (so one step's reductions stay in flight; with one slot, wait for this step's).
+    Rows are int32: B * H * dq_rows < 2**31, as TMA coordinates are (the host checks)."""
+    DQ_BUF: gl.constexpr = dq_smem.type.shape[0] // 2
+    HALF_D: gl.constexpr = dq_smem.type.shape[2]
+    CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
+    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    for t in range(nq * group_size):
+        slot = t % DQ_BUF
+        mbarrier.wait(dq_full.index(slot), (t // DQ_BUF) & 1)
+        hq, m0 = _step_coords(t, q_lo, nq, q_rot, kvh, group_size)
+        row = (b * nheads + hq) * dq_rows + m0
+        for half in gl.static_range(2):
+            async_reduce_add_shared_to_global(dq_desc, [row, half * HALF_D], dq_smem.index(2 * slot + half))
+        if DQ_BUF > 1:
+            tma.store_wait(pendings=2)  # step t - 1's two reductions have read their slot
+            if t > 0:
+                mbarrier.arrive(dq_empty.index((t + DQ_BUF - 1) % DQ_BUF), count=1)
+        else:
+            tma.store_wait(pendings=0)
+            mbarrier.arrive(dq_empty.index(slot), count=1)
+    tma.store_wait(pendings=0)  # nothing may still read shared memory when the program ends
+
+
+@gluon.jit
+def _onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size,
+                    seqlen_q, num_n_blocks, diag_offset, qk_scale, scale, dq_desc, dq_rows,
+                    CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, DQ_BUF: gl.constexpr,
+                    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr,
+                    KEYS_OUTER: gl.constexpr):
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    dtype: gl.constexpr = q_desc.dtype
+    pid = gl.program_id(0)  # flat grid over (batch, kv head) pairs and blocks of 2 * ROWS keys
+    if KEYS_OUTER:  # block-major: every pair's block 0 first (causal: the blocks with the most queries)
+        num_pairs = gl.num_programs(0) // num_n_blocks
+        nb = pid // num_pairs
+        bk = pid % num_pairs
+    else:  # pair-major: a pair's blocks run side by side (its Q and dO shared in L2)
+        nb = pid % num_n_blocks
+        bk = pid // num_n_blocks
+    n0 = nb * (2 * ROWS)
+    b = bk // nheads_k
+    kvh = bk % nheads_k
+    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    q_rot = (nb * nq) // num_n_blocks
+
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], do_desc.layout)
+    k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], v_desc.layout)
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], pds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], pds_layout)
+    # DQ_BUF slots of both warpgroups' float32 dQ halves (64 x D/2 each; slot s's half h at 2 s + h)
+    HALF_D: gl.constexpr = HEAD_D // 2
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUF * 2, ROWS, HALF_D], dq_desc.layout)
+    kv_bar = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
+    ds_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUF, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUF, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(kv_bar.index(i), count=1)
+    for i in gl.static_range(NUM_BUF):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(q_empty.index(i), count=2)  # both consumers release a slot
+    mbarrier.init(ds_full.index(0), count=2)
+    mbarrier.init(ds_empty.index(0), count=2)
+    for i in gl.static_range(DQ_BUF):
+        mbarrier.init(dq_full.index(i), count=2)  # both warpgroups' halves
+        mbarrier.init(dq_empty.index(i), count=1)  # the reducer
+
+    args = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+            p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
+            seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows)
+    gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args), (_reducer, args)],
+                       [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, REDUCER_REGS])
+
+
+@triton.jit
+def _dq_convert(Acc, Dq, nheads, seqlen_q, acc_rows, stride_b, stride_h, stride_m,
+                BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
+    """The postprocess: rows of the float32 dQ (B, H, acc_rows, D), contiguous, cast into
+    dq (B, H, Sq, D) with unit last stride. Grid (cdiv(Sq, BLOCK_M), B * H)."""
+    bh = tl.program_id(1)
+    b = bh // nheads
+    h = bh % nheads
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, HEAD_D)
+    ok = (rows < seqlen_q)[:, None]
+    acc = tl.load(Acc + bh.to(tl.int64) * acc_rows * HEAD_D + rows[:, None] * HEAD_D + cols[None, :], mask=ok)
+    out = Dq + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + rows[:, None].to(tl.int64) * stride_m
+    tl.store(out + cols[None, :], acc.to(Dq.dtype.element_ty), mask=ok)
+
+
+_launch = Launcher(_onepass_kernel)
+_launch_convert = Launcher(_dq_convert)
+
+
+def applies(head_dim: int, deterministic: bool) -> bool:
+    """Whether a backward that the Gluon kernels take (``backward._gluon_applies``, fixed
+    lengths) runs here instead of the split kernels: not deterministic, a head dim of
+    ONEPASS_HEAD_DIMS, and FLASHTILE_BWD_DQ unset or ``auto`` (``configs.bwd_dq_env``)."""
+    if deterministic or head_dim not in ONEPASS_HEAD_DIMS:
+        return False
+    return bwd_dq_env() == "auto"
+
+
+def dq_accumulator_layout(head_dim: int):
+    """The shared-memory layout of a (BLOCK, D / 2) float32 dQ slot (and its TMA box)."""
+    return gl.NVMMASharedLayout.get_default_for([BLOCK, head_dim // 2], gl.float32)
+
+
+def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int,
+                               causal: bool, num_buf: int | None = None, dq_buf: int = DQ_BUF) -> None:
+    """Launch the one-pass kernel and the dQ postprocess; the caller checked
+    ``backward_sm90.ws_applies`` and TMA alignment (``backward._gluon_applies``).
+
+    Args:
+        q, dout, dq: (B, H, Sq, D); k, v, dk, dv: (B, Hk, Sk, D); 16-byte-aligned bases and
+            strides, unit stride along D, D in HEAD_DIMS, fp16 or bf16.
+        lse, delta: (B, H, Sq) float32 contiguous (natural log; delta = rowsum(dO * O),
+            minus the LSE's own upstream gradient if any).
+        causal: key j visible to query i iff j <= i + diag_offset.
+        num_buf, dq_buf: (Q, dO) ring slots (default ``NUM_BUF[D]``) and float32 dQ slots
+            (experiments: benchmarks/experiments/gluon_bwd_onepass.py).
+
+    Memory: a float32 dQ of B x H x Sq (rounded up to 64) x D, zeroed per call.
+    """
+    import torch
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    batch, nheads, seqlen_q, head_dim = q.shape
+    nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"the one-pass backward takes head dims {HEAD_DIMS}, got {head_dim}")
+    num_buf = num_buf or NUM_BUF[head_dim]
+    if num_buf < 2 or dq_buf < 1:
+        raise ValueError(f"need num_buf >= 2 and dq_buf >= 1, got {num_buf} and {dq_buf}")
+    rows = triton.cdiv(seqlen_q, BLOCK) * BLOCK  # padded: the last query block's reductions need no mask
+    if batch * nheads * rows >= 2 ** 31:
+        raise ValueError(f"batch x heads x padded seqlen_q = {batch * nheads * rows} exceeds the int32 rows "
+                         f"of a TMA coordinate")
+    acc = torch.zeros((batch, nheads, rows, head_dim), dtype=torch.float32, device=q.device)
+    flat = acc.view(-1, head_dim)
+    dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [BLOCK, head_dim // 2],
+                               dq_accumulator_layout(head_dim))
+    num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
+    _launch((num_n_blocks * batch * nheads_k,),
+            (tma_descriptor(q, BLOCK), tma_descriptor(k, BLOCK), tma_descriptor(v, BLOCK),
+             tma_descriptor(dout, BLOCK), tma_descriptor(dk, BLOCK), tma_descriptor(dv, BLOCK), lse, delta,
+             nheads, nheads_k, nheads // nheads_k, seqlen_q, num_n_blocks, diag_offset, scale * LOG2E, scale,
+             dq_desc, rows),
+            dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=CONSUMER_REGS,
+                 LOADER_REGS=LOADER_REGS, REDUCER_REGS=REDUCER_REGS,
+                 KEYS_OUTER=keys_outer(causal, nheads // nheads_k)), 4, 1)
+    _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
+                    (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]), dict(BLOCK_M=BLOCK, HEAD_D=head_dim), 4, 1)

@@ -1,0 +1,654 @@
+"""Triton FlashAttention backward: dq, dk, dv from q, k, v, out, dout and the saved LSE.
+
+Same canonical problem as ``forward.py`` (read its docstring first). The scores of a tile
+are recomputed from the LSE (P = exp(S - lse)), never stored. Three kernels:
+
+1. ``_bwd_preprocess``: Delta_i = rowsum(dO_i * O_i), the softmax-Jacobian term (taken
+   from a tile matmul, so it rounds like dP: see the kernel).
+2. ``_bwd_dkdv_kernel``: one program per (batch, key/value head, block of BLOCK_N keys).
+   It holds K_j, V_j and the fp32 accumulators dK_j, dV_j on chip and streams the query
+   tiles that see those keys, for every query head of the GQA group, so dK/dV come out
+   summed over the group without atomics::
+
+       S^T = K_j Q_i^T      P^T = exp2(S^T - lse_i)      dV_j += P^T dO_i
+       dP^T = V_j dO_i^T    dS^T = P^T * (dP^T - Delta_i)      dK_j += dS^T Q_i
+
+3. ``_bwd_dq_kernel``: one program per (batch, head, block of BLOCK_M queries), streaming
+   the key tiles that block sees: dQ_i += dS K_j. With ``BwdConfig.fused_dq`` the dk/dv
+   kernel instead adds dS K_j into a float32 dQ with atomics (FA2's single pass: 5 tile
+   matmuls, not 7, but the summation order varies between runs).
+
+Without ``fused_dq`` there are no atomics: every output element is written by exactly
+one program, in a fixed order, so gradients are bitwise reproducible. The price is
+recomputing S and dP in both kernels (7 tile matmuls instead of FA2's 5).
+
+Softcap: s = c * tanh(scale * q.k / c), so ds/d(q.k) = scale * (1 - tanh^2): the factor
+``dfac`` below. ALiBi and float masks are additive constants: they shift S but have no
+gradient with respect to q or k (mask gradients are not computed; see flashtile.api).
+"""
+
+from __future__ import annotations
+
+import os
+
+import triton
+import triton.language as tl
+
+from flashtile.backends.configs import BwdConfig, cuda_capability, device_index
+from flashtile.runtime.launch import Launcher
+from flashtile.backends.worklist import varlen_item
+from flashtile.problem.window import launch_window
+from flashtile.backends.triton.forward import (HIDDEN2, HUGE_BIAS2, LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE,
+                                               _add_float_mask, _dropout_keep, _key_tiles, _tanh, _tma_ok)
+
+
+@triton.jit
+def _bwd_preprocess(
+    Out, DO, Delta, Items,
+    stride_ob, stride_oh, stride_om,
+    stride_db, stride_dh, stride_dm,
+    nheads, seqlen_q, head_dim, num_m_blocks, item_cap,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, IEEE_DOT: tl.constexpr, VARLEN: tl.constexpr,
+):
+    # Delta_i = O_i . dO_i, taken from the diagonal of the tile matmul O dO^T rather than
+    # an elementwise sum: the same tl.dot (same operand roles, same reduction order over
+    # the head dim) as dP^T = V dO^T in the dk/dv kernel. Where a row's output is one
+    # value row (a single visible key: O_i == V_j bitwise), dP_ij - Delta_i is then exactly
+    # 0, as in plain PyTorch, instead of two fp32 sums of ~sqrt(d) that differ by rounding
+    # (seen on the H200: dk off by 1e-5..5e-5 at seqlen_k = 1). Cost: BLOCK_M^2 * D FLOPs
+    # per BLOCK_M rows, negligible next to the attention itself.
+    # Varlen: one program per (query block of a sequence, head), the blocks aligned to the
+    # sequence's start as in a fixed-length call, so a document's Delta (and gradients)
+    # do not depend on what it is packed with.
+    pid = tl.program_id(0)
+    if VARLEN:
+        item = pid // nheads
+        h = (pid % nheads).to(tl.int64)
+        if item >= tl.load(Items):
+            return
+        total = seqlen_q  # Delta is (1, H, total_q); the host passes total_q as seqlen_q
+        _, m_block, start_q, seqlen_q, _, _ = varlen_item(Items, item, item_cap)
+        b = (m_block * 0).to(tl.int64)
+        row = start_q.to(tl.int64)
+        bh = h
+    else:
+        bh = pid // num_m_blocks
+        m_block = pid % num_m_blocks
+        b = (bh // nheads).to(tl.int64)
+        h = (bh % nheads).to(tl.int64)
+        row = b * 0
+        total = seqlen_q
+    offs_m = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    ok = (offs_m[:, None] < seqlen_q) & (offs_d[None, :] < head_dim)
+    rows = row + offs_m[:, None].to(tl.int64)
+    o = tl.load(Out + b * stride_ob + h * stride_oh + rows * stride_om + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(DO + b * stride_db + h * stride_dh + rows * stride_dm + offs_d[None, :], mask=ok, other=0.0)
+    if IEEE_DOT:
+        gram = tl.dot(o, tl.trans(do), input_precision="ieee")
+    else:
+        gram = tl.dot(o, tl.trans(do))
+    diag = tl.arange(0, BLOCK_M)[:, None] == tl.arange(0, BLOCK_M)[None, :]
+    delta = tl.sum(tl.where(diag, gram, 0.0), 0)
+    tl.store(Delta + bh.to(tl.int64) * total + row + offs_m, delta, mask=offs_m < seqlen_q)
+
+
+@triton.jit
+def _row_lse2(lse, MASK_MODE: tl.constexpr):
+    """(lse2, tail) of rows whose saved LSE is ``lse`` (natural log): P = exp2(s - lse2 - tail).
+
+    lse2 is the LSE in base 2, +inf for rows that saw no key (and rows past the end, loaded
+    as +inf), so their P is 0. tail is 0, except under a float mask for a row that only
+    hidden keys reach (``forward.HIDDEN2``): there lse2 = HIDDEN2 and tail = log2 of the
+    number of keys, taken back from the LSE the forward encoded, so each gets P = 1/n."""
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+    tail = tl.zeros_like(lse2)
+    if MASK_MODE == 2:
+        hidden_row = lse2 < HUGE_BIAS2
+        tail = tl.where(hidden_row, tl.maximum((lse2 / HIDDEN2 - 1.0) * 32.0, 0.0), 0.0)
+        lse2 = tl.where(hidden_row, HIDDEN2, lse2)
+    return lse2, tail
+
+
+@triton.jit
+def _score_tile(
+    raw, i2, j2, mask_ptrs, seqlen_q, seqlen_k,
+    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
+    diag_offset, window_left, window_right,
+    BOUNDARY: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr,
+):
+    """Scores in base 2 (-inf where invisible) and d s / d(q.k) of a tile.
+
+    ``i2``/``j2`` are the query/key indices broadcast to the tile's orientation, so the
+    same code serves the (queries x keys) dq tiles and the (keys x queries) dk/dv tiles.
+    """
+    if SOFTCAP:
+        t = _tanh(raw * softcap_in)
+        s = softcap_out * t
+        dfac = sm_scale * (1.0 - t * t)
+    else:
+        s = raw * qk_scale
+        dfac = sm_scale
+    if HAS_ALIBI:
+        s = s - alibi_slope * tl.abs(i2 + diag_offset - j2).to(tl.float32)
+    if MASK_MODE == 1:
+        keep = tl.load(mask_ptrs, mask=(j2 < seqlen_k) & (i2 < seqlen_q), other=0)
+        s = tl.where(keep != 0, s, float("-inf"))
+    elif MASK_MODE == 2:
+        bias = tl.load(mask_ptrs, mask=(j2 < seqlen_k) & (i2 < seqlen_q), other=0.0)
+        s = _add_float_mask(s, bias)
+    if BOUNDARY:
+        visible = j2 < seqlen_k
+        if WINDOW_RIGHT:
+            visible = visible & (j2 <= i2 + diag_offset + window_right)
+        if WINDOW_LEFT:
+            visible = visible & (j2 >= i2 + diag_offset - window_left)
+        s = tl.where(visible, s, float("-inf"))
+    return s, dfac
+
+
+@triton.jit
+def _dq_tiles(
+    dq, q, do, lse2, tail, delta,
+    k_base, v_base, mask_base, n_start, n_end,
+    offs_m, offs_n0, offs_d,
+    stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
+    diag_offset, window_left, window_right, seed, bh, dropout_p,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
+    DROPOUT: tl.constexpr,
+):
+    if EVEN_D:
+        d_ok = offs_d < offs_d.shape[0]
+    else:
+        d_ok = offs_d < head_dim
+    for n0 in range(n_start, n_end, BLOCK_N):
+        offs_n = n0 + offs_n0
+        row = tl.cast(n0, tl.int64)
+        kv_ok = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
+        k = tl.load(k_base + row * stride_kn + offs_n0[:, None] * stride_kn + offs_d[None, :], mask=kv_ok, other=0.0)
+        v = tl.load(v_base + row * stride_vn + offs_n0[:, None] * stride_vn + offs_d[None, :], mask=kv_ok, other=0.0)
+        if IEEE_DOT:
+            raw = tl.dot(q, tl.trans(k), input_precision="ieee")
+            dp = tl.dot(do, tl.trans(v), input_precision="ieee")
+        else:
+            raw = tl.dot(q, tl.trans(k))
+            dp = tl.dot(do, tl.trans(v))
+        s, dfac = _score_tile(
+            raw, offs_m[:, None], offs_n[None, :], mask_base + offs_n0[None, :] * stride_mn, seqlen_q, seqlen_k,
+            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+            BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE)
+        if MASK_MODE == 2:
+            p = tl.exp2((s - lse2[:, None]) - tail[:, None])
+        else:
+            p = tl.exp2(s - lse2[:, None])
+        if DROPOUT:
+            # dO reaches P only through the kept, rescaled entries; Delta already holds them.
+            keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
+            dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * dfac
+        if IEEE_DOT:
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision="ieee")
+        else:
+            dq = tl.dot(ds.to(k.dtype), k, dq)
+        mask_base += BLOCK_N * stride_mn
+    return dq
+
+
+@triton.jit
+def _bwd_dq_kernel(
+    Q, K, V, DO, Lse, Delta, DQ, Mask, Alibi, Seed, Items,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dqb, stride_dqh, stride_dqm,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ab, stride_ah, stride_lb, stride_lh,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, num_m_blocks, item_cap,
+    qk_scale, sm_scale, softcap_in, softcap_out,
+    diag_offset, window_left, window_right, dropout_p,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
+    DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if VARLEN:
+        # As in the forward: (head, work item), pointers from the sequence's first rows.
+        count = tl.load(Items)
+        if pid >= count * nheads:
+            return
+        h = pid // count
+        item = pid % count
+        b, m_block, start_q, seqlen_q, start_k, seqlen_k = varlen_item(Items, item, item_cap)
+        diag_offset = seqlen_k - seqlen_q
+        bh = b * nheads + h
+        b_ptr = (b * 0).to(tl.int64)
+        q_row = start_q.to(tl.int64)
+        k_row = start_k.to(tl.int64)
+    else:
+        bh = pid // num_m_blocks
+        m_block = num_m_blocks - 1 - pid % num_m_blocks
+        b = bh // nheads
+        h = bh % nheads
+        b_ptr = b.to(tl.int64)
+        q_row = (b * 0).to(tl.int64)
+        k_row = q_row
+    b64, h64, kvh64 = b.to(tl.int64), h.to(tl.int64), (h // group_size).to(tl.int64)
+    m0 = m_block * BLOCK_M
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_m = m0 + offs_m0
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_ok = offs_m < seqlen_q
+    ok = m_ok[:, None] & (offs_d[None, :] < head_dim)
+    row0 = q_row + m0
+    q = tl.load(Q + b_ptr * stride_qb + h64 * stride_qh + row0 * stride_qm + offs_m0[:, None] * stride_qm
+                + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(DO + b_ptr * stride_dob + h64 * stride_doh + row0 * stride_dom + offs_m0[:, None] * stride_dom
+                 + offs_d[None, :], mask=ok, other=0.0)
+    lse_row = b_ptr * stride_lb + h64 * stride_lh + q_row
+    lse = tl.load(Lse + lse_row + offs_m, mask=m_ok, other=float("inf"))
+    lse2, tail = _row_lse2(lse, MASK_MODE)
+    delta = tl.load(Delta + lse_row + offs_m, mask=m_ok, other=0.0)
+    k_base = K + b_ptr * stride_kb + kvh64 * stride_kh + k_row * stride_kn
+    v_base = V + b_ptr * stride_vb + kvh64 * stride_vh + k_row * stride_vn
+    mask_base = Mask
+    if MASK_MODE != 0:
+        mask_base = Mask + b64 * stride_mb + h64 * stride_mh + row0 * stride_mm + offs_m0[:, None] * stride_mm
+    alibi_slope = 0.0
+    if HAS_ALIBI:
+        alibi_slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah) * 1.4426950408889634
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
+
+    # The same key range and interior split as the forward kernel.
+    lo_tile, inner_lo, inner_hi, hi = _key_tiles(
+        m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+        BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT)
+
+    dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if WINDOW_LEFT:
+        dq = _dq_tiles(dq, q, do, lse2, tail, delta, k_base, v_base, mask_base + tl.cast(lo_tile, tl.int64) * stride_mn, lo_tile, inner_lo,
+                       offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+                       qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
+                       diag_offset, window_left, window_right, seed, bh, dropout_p,
+                       BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
+    dq = _dq_tiles(dq, q, do, lse2, tail, delta, k_base, v_base, mask_base + tl.cast(inner_lo, tl.int64) * stride_mn, inner_lo, inner_hi,
+                   offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+                   qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
+                   diag_offset, window_left, window_right, seed, bh, dropout_p,
+                   BLOCK_N, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
+    dq = _dq_tiles(dq, q, do, lse2, tail, delta, k_base, v_base, mask_base + tl.cast(inner_hi, tl.int64) * stride_mn, inner_hi, hi,
+                   offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+                   qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
+                   diag_offset, window_left, window_right, seed, bh, dropout_p,
+                   BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
+    if not SOFTCAP:
+        dq = dq * sm_scale
+    tl.store(DQ + b_ptr * stride_dqb + h64 * stride_dqh + row0 * stride_dqm + offs_m0[:, None] * stride_dqm
+             + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _dkdv_tiles(
+    dk, dv, k, v,
+    q_base, do_base, lse_base, delta_base, mask_base, dq_base, m_start, m_end,
+    offs_n, offs_m0, offs_d,
+    stride_qm, stride_dom, stride_mm, stride_dqm, seqlen_q, seqlen_k, head_dim,
+    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
+    diag_offset, window_left, window_right, seed, bh, dropout_p,
+    BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
+    DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr,
+):
+    if EVEN_D:
+        d_ok = offs_d < offs_d.shape[0]
+    else:
+        d_ok = offs_d < head_dim
+    for m0 in range(m_start, m_end, BLOCK_M):
+        offs_m = m0 + offs_m0
+        row = tl.cast(m0, tl.int64)
+        m_ok = offs_m < seqlen_q
+        ok = m_ok[:, None] & d_ok[None, :]
+        q = tl.load(q_base + row * stride_qm + offs_m0[:, None] * stride_qm + offs_d[None, :], mask=ok, other=0.0)
+        do = tl.load(do_base + row * stride_dom + offs_m0[:, None] * stride_dom + offs_d[None, :], mask=ok, other=0.0)
+        lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
+        lse2, tail = _row_lse2(lse, MASK_MODE)
+        delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
+        if IEEE_DOT:
+            raw_t = tl.dot(k, tl.trans(q), input_precision="ieee")
+            dp_t = tl.dot(v, tl.trans(do), input_precision="ieee")
+        else:
+            raw_t = tl.dot(k, tl.trans(q))
+            dp_t = tl.dot(v, tl.trans(do))
+        s_t, dfac = _score_tile(
+            raw_t, offs_m[None, :], offs_n[:, None],
+            mask_base + row * stride_mm + offs_m0[None, :] * stride_mm, seqlen_q, seqlen_k,
+            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+            BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE)
+        if MASK_MODE == 2:
+            p_t = tl.exp2((s_t - lse2[None, :]) - tail[None, :])
+        else:
+            p_t = tl.exp2(s_t - lse2[None, :])
+        pv_t = p_t
+        if DROPOUT:
+            keep_t = _dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], dropout_p)
+            pv_t = tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0)
+            dp_t = tl.where(keep_t, dp_t / (1.0 - dropout_p), 0.0)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * dfac
+        if IEEE_DOT:
+            dv = tl.dot(pv_t.to(do.dtype), do, dv, input_precision="ieee")
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision="ieee")
+        else:
+            dv = tl.dot(pv_t.to(do.dtype), do, dv)
+            dk = tl.dot(ds_t.to(q.dtype), q, dk)
+        if FUSED_DQ:
+            # FA2's single-pass variant: this key block's share of dQ goes straight into a
+            # float32 accumulator. Faster (5 tile matmuls, not 7) but the order of the
+            # atomic adds varies from run to run, so it is never used when determinism
+            # is asked for.
+            if IEEE_DOT:
+                dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k, input_precision="ieee")
+            else:
+                dq_part = tl.dot(tl.trans(ds_t.to(k.dtype)), k)
+            if not SOFTCAP:
+                dq_part = dq_part * sm_scale
+            tl.atomic_add(dq_base + row * stride_dqm + offs_m0[:, None] * stride_dqm + offs_d[None, :], dq_part,
+                          mask=ok, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dkdv_kernel(
+    Q, K, V, DO, Lse, Delta, DK, DV, Mask, Alibi, Seed, DQacc, Items,
+    stride_qb, stride_qh, stride_qm,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_dom,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_ab, stride_ah,
+    stride_qab, stride_qah, stride_qam, stride_lb, stride_lh,
+    nheads, nheads_k, group_size, seqlen_q, seqlen_k, head_dim, num_n_blocks, item_cap,
+    qk_scale, sm_scale, softcap_in, softcap_out,
+    diag_offset, window_left, window_right, dropout_p,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
+    DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr, SPLIT_PHASES: tl.constexpr, VARLEN: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    if VARLEN:
+        # One program per (key/value head, work item over key blocks), heads outer.
+        count = tl.load(Items)
+        if pid >= count * nheads_k:
+            return
+        kvh = pid // count
+        item = pid % count
+        b, n_block, start_q, seqlen_q, start_k, seqlen_k = varlen_item(Items, item, item_cap)
+        diag_offset = seqlen_k - seqlen_q
+        b_ptr = (b * 0).to(tl.int64)
+        q_row = start_q.to(tl.int64)
+        k_row = start_k.to(tl.int64)
+    else:
+        bkv = pid // num_n_blocks
+        n_block = pid % num_n_blocks
+        b = bkv // nheads_k
+        kvh = bkv % nheads_k
+        b_ptr = b.to(tl.int64)
+        q_row = (b * 0).to(tl.int64)
+        k_row = q_row
+    b64, kvh64 = b.to(tl.int64), kvh.to(tl.int64)
+    n0 = n_block * BLOCK_N
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    n_ok = offs_n < seqlen_k
+    ok = n_ok[:, None] & (offs_d[None, :] < head_dim)
+    row0 = k_row + n0
+    k = tl.load(K + b_ptr * stride_kb + kvh64 * stride_kh + row0 * stride_kn
+                + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :], mask=ok, other=0.0)
+    v = tl.load(V + b_ptr * stride_vb + kvh64 * stride_vh + row0 * stride_vn
+                + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :], mask=ok, other=0.0)
+
+    # Query range that sees any key of [n0, n_last]; its interior sees all of them.
+    # Key j is visible to query i iff j - diag_offset - right <= i <= j - diag_offset + left.
+    n_last = tl.minimum(n0 + BLOCK_N, seqlen_k) - 1
+    lo = 0
+    hi = seqlen_q
+    full_lo = 0
+    full_hi = seqlen_q
+    if WINDOW_RIGHT:
+        lo = tl.maximum(n0 - diag_offset - window_right, 0)
+        full_lo = tl.maximum(n_last - diag_offset - window_right, 0)
+    if WINDOW_LEFT:
+        hi = tl.minimum(n_last - diag_offset + window_left + 1, seqlen_q)
+        full_hi = tl.minimum(n0 - diag_offset + window_left + 1, seqlen_q)
+    hi = tl.maximum(hi, 0)
+    full_hi = tl.maximum(full_hi, 0)
+    lo_tile = (lo // BLOCK_M) * BLOCK_M
+    inner_lo = tl.maximum(tl.cdiv(full_lo, BLOCK_M) * BLOCK_M, lo_tile)
+    inner_hi = tl.minimum((full_hi // BLOCK_M) * BLOCK_M, hi)
+    # A key block running past seqlen_k needs the bounds mask on every tile.
+    empty_inner = (inner_hi <= inner_lo) | (n0 + BLOCK_N > seqlen_k)
+    inner_lo = tl.where(empty_inner, lo_tile, inner_lo)
+    inner_hi = tl.where(empty_inner, lo_tile, inner_hi)
+
+    seed = 0
+    if DROPOUT:
+        seed = tl.load(Seed)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    for g in range(0, group_size):
+        h = kvh * group_size + g
+        h64 = h.to(tl.int64)
+        bh64 = b64 * nheads + h64
+        q_base = Q + b_ptr * stride_qb + h64 * stride_qh + q_row * stride_qm
+        do_base = DO + b_ptr * stride_dob + h64 * stride_doh + q_row * stride_dom
+        lse_base = Lse + b_ptr * stride_lb + h64 * stride_lh + q_row
+        delta_base = Delta + b_ptr * stride_lb + h64 * stride_lh + q_row
+        dq_base = DQacc + b_ptr * stride_qab + h64 * stride_qah + q_row * stride_qam
+        mask_base = Mask
+        if MASK_MODE != 0:
+            mask_base = Mask + b64 * stride_mb + h64 * stride_mh + offs_n[:, None].to(tl.int64) * stride_mn
+        alibi_slope = 0.0
+        if HAS_ALIBI:
+            alibi_slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah) * 1.4426950408889634
+        # Three phases (masked edge, unmasked interior, masked edge), or with SPLIT_PHASES
+        # off one loop that masks every tile: less code, far fewer live values (BwdConfig).
+        first_end = hi
+        if SPLIT_PHASES:
+            first_end = inner_lo
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, lo_tile, first_end,
+            offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
+            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+            seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+            IEEE_DOT, DROPOUT, FUSED_DQ)
+        if SPLIT_PHASES:
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, inner_lo, inner_hi,
+                offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
+                qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+                seed, bh64, dropout_p, BLOCK_M, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+                IEEE_DOT, DROPOUT, FUSED_DQ)
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, inner_hi, hi,
+                offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
+                qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
+                seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+                IEEE_DOT, DROPOUT, FUSED_DQ)
+    if not SOFTCAP:
+        dk = dk * sm_scale
+    local_n = tl.arange(0, BLOCK_N)
+    tl.store(DK + b_ptr * stride_dkb + kvh64 * stride_dkh + row0 * stride_dkn + local_n[:, None] * stride_dkn
+             + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=ok)
+    tl.store(DV + b_ptr * stride_dvb + kvh64 * stride_dvh + row0 * stride_dvn + local_n[:, None] * stride_dvn
+             + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=ok)
+
+
+def _gluon_applies(q, k, v, dout, dq, dk, dv, head_dim: int, scale: float, window_left: int, window_right: int,
+                   softcap: float, alibi_slopes, attn_mask, dropout_p: float, varlen) -> bool:
+    """Whether the Hopper Gluon kernels (``backward_sm90``) take this backward: CUDA sm90,
+    FLASHTILE_WS not 0, their scope, TMA-ready tensors; varlen only at d64/d128 and without
+    seqused (see forward.py: tiles past the used rows)."""
+    if not q.is_cuda or os.environ.get("FLASHTILE_WS", "1") == "0":
+        return False
+    if cuda_capability(device_index(q.device))[0] != 9:  # wgmma, setmaxnreg: Hopper only
+        return False
+    from flashtile.backends.sm90 import backward_split as backward_sm90
+
+    if varlen is not None and (head_dim in backward_sm90.SPLIT_HEAD_DIMS or varlen.seqused_q is not None
+                               or varlen.seqused_k is not None):
+        return False
+    return (backward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes,
+                                     attn_mask, dropout_p)
+            and _tma_ok(q, k, v, dout, dq, dk, dv))
+
+
+_launch_pre = Launcher(_bwd_preprocess)
+_launch_dkdv = Launcher(_bwd_dkdv_kernel)
+_launch_dq = Launcher(_bwd_dq_kernel)
+
+
+def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, diag_offset: int,
+                       window_left: int, window_right: int, softcap: float, alibi_slopes, attn_mask,
+                       config: BwdConfig, dropout_p: float = 0.0, seed=None, dlse=None, varlen=None,
+                       deterministic: bool = True) -> None:
+    """Launch the backward kernels. Inputs are validated by ``flashtile.api``.
+
+    On Hopper, plain and causal fp16/bf16 calls at head dim 64/128/256 take the
+    warp-specialized Gluon kernels: at head dim 64 or 128 with fixed lengths and not
+    ``deterministic``, the one-pass kernel of ``backward_sm90_onepass`` (dQ by float32
+    reductions, whose order varies between runs); otherwise the split kernels of
+    ``backward_sm90`` (bitwise reproducible). ``FLASHTILE_WS=0`` turns both off, as it
+    does the Gluon forward; ``FLASHTILE_BWD_DQ=split`` keeps the split kernels.
+
+    Args:
+        q, out, dout, dq: (B, H, Sq, D) views with unit stride along D.
+        k, v, dk, dv: (B, Hk, Sk, D) views with unit stride along D.
+        lse: (B, H, Sq) float32 contiguous, natural log, as the forward saved it.
+        alibi_slopes: None or float32 (B, H).  attn_mask: None or (B, H, Sq, Sk) view.
+        dropout_p, seed: as in the forward; the same seed redraws the same mask.
+        dlse: None or (B, H, Sq), the upstream gradient of the LSE (subtracted from Delta).
+        deterministic: gradients bitwise reproducible (no one-pass kernel, no atomics).
+        varlen: None, or a ``varlen.Varlen`` (packed sequences, B = 1, as in the forward).
+            Rows and keys outside every sequence's used part are not written: the caller
+            zeroes dq, dk, dv first when seqused is given.
+    """
+    import torch
+
+    batch, nheads, seqlen_q, head_dim = q.shape
+    nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    window_left, window_right = launch_window(window_left, window_right, seqlen_q, seqlen_k, diag_offset, varlen)
+    if not lse.is_contiguous():
+        raise ValueError("lse must be contiguous (the forward's own output)")
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    built = []
+    use_ws = _gluon_applies(q, k, v, dout, dq, dk, dv, head_dim, scale, window_left, window_right, softcap,
+                            alibi_slopes, attn_mask, dropout_p, varlen)
+    if varlen is None:
+        pre_blocks = triton.cdiv(seqlen_q, 64)
+        pre_grid, pre_items, pre_cap, pre_sizes = pre_blocks * batch * nheads, q, 0, (seqlen_q, pre_blocks)
+    else:
+        from flashtile.backends.worklist import build_work_items
+
+        # Work lists of the three kernels in one launch: key blocks (dK/dV), query blocks
+        # (dQ, unless fused), and the 64-row blocks of the Delta preprocess.
+        if use_ws:  # the Gluon kernels' blocks: 128 keys, 128 queries
+            tables = [(128, True), (128, False)]
+        else:
+            tables = [(config.block_n_kv, True)] + ([] if config.fused_dq else [(config.block_m_q, False)])
+        built = build_work_items(varlen, seqlen_q, seqlen_k, tables + [(64, False)], window_left, window_right)
+        pre_items, pre_cap = built.pop()
+        pre_grid, pre_sizes = pre_cap * nheads, (seqlen_q, 0)
+    _launch_pre((pre_grid,),
+                (out, dout, delta, pre_items, *out.stride()[:3], *dout.stride()[:3], nheads, pre_sizes[0], head_dim,
+                 pre_sizes[1], pre_cap),
+                dict(BLOCK_M=64, BLOCK_D=block_d, IEEE_DOT=q.dtype == torch.float32, VARLEN=varlen is not None),
+                4, 3)
+    if dlse is not None:
+        delta -= dlse.to(torch.float32)
+
+    if use_ws:
+        from flashtile.backends.sm90 import backward_split as backward_sm90, backward_onepass as backward_sm90_onepass
+
+        if varlen is None and backward_sm90_onepass.applies(head_dim, deterministic):
+            backward_sm90_onepass.attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, scale=scale,
+                                                             diag_offset=diag_offset, causal=window_right == 0)
+            return
+        backward_sm90.attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=scale,
+                                            diag_offset=diag_offset, causal=window_right == 0,
+                                            varlen=None if varlen is None else (varlen, *built))
+        return
+
+    # The Triton kernels' arguments.
+    softcap_on = softcap > 0.0
+    common = dict(
+        BLOCK_D=block_d, EVEN_D=block_d == head_dim,
+        WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
+        SOFTCAP=softcap_on, HAS_ALIBI=alibi_slopes is not None, IEEE_DOT=q.dtype == torch.float32,
+        DROPOUT=dropout_p > 0.0,
+    )
+    if attn_mask is None:
+        mask_mode, mask_arg, mstrides = MASK_NONE, q, (0, 0, 0, 0)
+    elif attn_mask.dtype == torch.bool:
+        mask_mode, mask_arg, mstrides = MASK_BOOL, attn_mask.view(torch.uint8), attn_mask.stride()
+    else:
+        mask_mode, mask_arg, mstrides = MASK_FLOAT, attn_mask, attn_mask.stride()
+    alibi_arg, astrides = (q, (0, 0)) if alibi_slopes is None else (alibi_slopes, alibi_slopes.stride())
+    scalars = (scale * LOG2E, scale,
+               scale / softcap if softcap_on else 0.0, softcap * LOG2E if softcap_on else 0.0,
+               diag_offset, window_left, window_right, float(dropout_p))
+    seed_arg = seed if dropout_p > 0.0 else q
+
+    fused = config.fused_dq
+    dq_acc = torch.zeros((batch, nheads, seqlen_q, head_dim), dtype=torch.float32, device=q.device) if fused else q
+    lstrides = (lse.stride(0), lse.stride(1))
+    if varlen is None:
+        num_n_blocks = triton.cdiv(seqlen_k, config.block_n_kv)
+        num_m_blocks = triton.cdiv(seqlen_q, config.block_m_q)
+        kv_grid, q_grid = num_n_blocks * batch * nheads_k, num_m_blocks * batch * nheads
+        kv_items, kv_cap, q_items, q_cap = q, 0, q, 0
+        sizes = (seqlen_q, seqlen_k)
+    else:
+        (kv_items, kv_cap), (q_items, q_cap) = built[0], built[-1]
+        num_n_blocks = num_m_blocks = 0
+        kv_grid, q_grid = kv_cap * nheads_k, q_cap * nheads
+        sizes = (0, 0)  # per sequence, from the work list
+        scalars = scalars[:4] + (0,) + scalars[5:]
+    _launch_dkdv(
+        (kv_grid,),
+        (q, k, v, dout, lse, delta, dk, dv, mask_arg, alibi_arg, seed_arg, dq_acc, kv_items,
+         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
+         *dk.stride()[:3], *dv.stride()[:3], *mstrides, *astrides, *dq_acc.stride()[:3], *lstrides,
+         nheads, nheads_k, nheads // nheads_k, *sizes, head_dim, num_n_blocks, kv_cap, *scalars),
+        dict(BLOCK_M=config.block_m_kv, BLOCK_N=config.block_n_kv, MASK_MODE=mask_mode, FUSED_DQ=fused,
+             SPLIT_PHASES=config.split_phases, VARLEN=varlen is not None, **common),
+        config.num_warps, config.num_stages)
+    if fused:
+        dq.copy_(dq_acc)
+        return
+
+    _launch_dq(
+        (q_grid,),
+        (q, k, v, dout, lse, delta, dq, mask_arg, alibi_arg, seed_arg, q_items,
+         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
+         *mstrides, *astrides, *lstrides,
+         nheads, nheads // nheads_k, *sizes, head_dim, num_m_blocks, q_cap, *scalars),
+        dict(BLOCK_M=config.block_m_q, BLOCK_N=config.block_n_q, MASK_MODE=mask_mode, VARLEN=varlen is not None,
+             **common),
+        config.num_warps, config.num_stages)

@@ -1,0 +1,639 @@
+"""Attention against a KV cache (``flash_attn_with_kvcache``): append, split-KV decode, combine.
+
+A decode step is bound by reading the cache, so the kernels here are built around that
+read:
+
+* **GQA packing.** One program serves all ``group = nheads // nheads_k`` query heads of one
+  KV head: its rows are (query token, head in the group) pairs, row r = t * group + g, so
+  each K/V tile is read from HBM once per step, not once per query head.
+* **Split-KV.** The cache length is cut into ``num_splits`` chunks of ``split_size`` keys
+  (a multiple of the key tile); each program takes one chunk and writes its normalised
+  output (float32) and LSE; ``_combine_kernel`` merges the chunks:
+  out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s. With one split the decode
+  kernel writes the final output itself. ``choose_splits`` fills the GPU when batch x
+  nheads_k alone would not.
+* **Addressing.** Keys are read where they are: cache row ``cache_batch_idx[b]`` (or b)
+  from ``cache_leftpad[b]``, or page ``block_table[b, p // page]`` at ``p % page``. When
+  the page size is a multiple of the key tile a tile lies in one page (one table read per
+  tile); any other page size gathers the page of every key.
+* **Append.** ``_append_kernel`` rotates the new keys (rotary, at their cache index) and
+  writes keys and values into the cache; the decode kernel rotates the queries as it
+  loads them.
+
+Sequence b has ``len_k = cache_seqlens[b] + seqlen_new - leftpad[b]`` keys; query token t
+sees key j (0-based from leftpad) iff ``j <= t + len_k - seqlen_q + window_right`` and
+``j >= t + len_k - seqlen_q - window_left`` (each bound only where that side is limited).
+Metadata values are clamped in the kernels (a start in [0, capacity - seqlen_new], a pad
+in [0, start], rows and blocks in range), so values no one checked cannot address memory
+outside the cache. The values are checked before any write: on the host when they are
+there, else by ``_check_kernel`` on the device; when it finds an error (``status[0] != 0``)
+the append writes nothing and the output and LSE are NaN (see ``flashtile.api.kvcache``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import triton
+import triton.language as tl
+
+from flashtile.backends.configs import device_index, sm_count
+from flashtile.backends.triton.forward import LOG2E, _tanh
+from flashtile.runtime.launch import Launcher
+from flashtile.problem.window import effective_window
+
+# status codes (status[0]); status[1], status[2] say where, status[3] the value found
+OK, BAD_SEQLEN, BAD_LEFTPAD, BAD_BATCH_IDX, BAD_BLOCK, BAD_ROTARY = 0, 1, 2, 3, 4, 5
+# the same codes as the kernels see them (a @triton.jit function reads only constexpr globals)
+_C_SEQLEN, _C_LEFTPAD, _C_BATCH_IDX, _C_BLOCK, _C_ROTARY = map(
+    tl.constexpr, (BAD_SEQLEN, BAD_LEFTPAD, BAD_BATCH_IDX, BAD_BLOCK, BAD_ROTARY))
+_C_LOG2E = tl.constexpr(LOG2E)
+MAX_SPLITS = 128
+# num_stages of the decode kernel. 3 double-buffers the K and V tiles of a row cache. When a
+# tile lies in one page ("tile") its block-table read is one more pipeline stage in front
+# of the tile, and Triton 3.6 gives K and V two buffers only from 5 stages on (one buffer
+# and a full wait per tile at 3 or 4: sm90_check's TTGIR); the H200 measured 4.24 TB/s at 5
+# vs 3.59 at 3 (batch 8 x 32768, page 256). A per-key gather ("gather", pages smaller than
+# the tile) measured best at 3 (3.77 vs 3.46 TB/s at batch 64 x 8192, page 16).
+# benchmarks/sweep_decode.py --stages-paged overrides "tile" and "gather".
+STAGES = {"rows": 3, "tile": 5, "gather": 3}
+# A per-key page gather whose split spans at most this many pages reads the split's table
+# entries once, before the loop, and takes each key's page from registers (tl.gather): its
+# K/V addresses then wait on no load inside the loop, which Triton pipelines like a row
+# cache. H200 (page 16, best split count): 3.01 -> 3.22 TB/s at batch 8 x 32768, 3.73 ->
+# 3.97 at batch 64 x 8192 (0 turns it off; benchmarks/sweep_decode.py --page-slice).
+PAGE_SLICE_MAX = 512
+
+
+@triton.jit
+def _rotary_tile(X, row_off, row_ok, offs_d, d_ok, pos, Cos, Sin, stride_cos, rotary_dim,
+                 ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """Rows ``X + row_off`` (BLOCK_R, BLOCK_D) in X's dtype, rotated at positions ``pos``
+    over their first ``rotary_dim`` features when ROTARY (computed in float32 and rounded
+    back, as ``api.kvcache.apply_rotary``): GPT-J pairs (2i, 2i + 1) when INTERLEAVED,
+    else GPT-NeoX halves (i, i + rotary_dim / 2)."""
+    ok = row_ok[:, None] & d_ok[None, :]
+    x = tl.load(X + row_off[:, None] + offs_d[None, :], mask=ok, other=0.0)
+    if ROTARY:
+        half = rotary_dim // 2
+        if INTERLEAVED:
+            partner = offs_d ^ 1
+            idx = offs_d // 2
+            first = offs_d % 2 == 0
+        else:
+            first = offs_d < half
+            partner = tl.where(first, offs_d + half, offs_d - half)
+            idx = tl.where(first, offs_d, offs_d - half)
+        rot = row_ok[:, None] & (offs_d < rotary_dim)[None, :]
+        xp = tl.load(X + row_off[:, None] + partner[None, :], mask=rot, other=0.0).to(tl.float32)
+        cs = pos.to(tl.int64)[:, None] * stride_cos + idx[None, :]
+        c = tl.load(Cos + cs, mask=rot, other=1.0).to(tl.float32)
+        s = tl.load(Sin + cs, mask=rot, other=0.0).to(tl.float32)
+        xf = x.to(tl.float32)
+        # first of a pair: a c - b s; second: b c + a s (xp is the partner)
+        y = tl.where(first[None, :], xf * c - xp * s, xf * c + xp * s)
+        x = tl.where(rot, y.to(x.dtype), x)
+    return x
+
+
+@triton.jit
+def _seq_bounds(SeqLens, LeftPad, b, new, capacity, HAS_LEFTPAD: tl.constexpr):
+    """(cache_seqlens[b] clamped to [0, capacity - new], leftpad clamped to [0, that])."""
+    n = tl.minimum(tl.maximum(tl.load(SeqLens + b), 0), capacity - new)
+    pad = n * 0
+    if HAS_LEFTPAD:
+        pad = tl.minimum(tl.maximum(tl.load(LeftPad + b), 0), n)
+    return n, pad
+
+
+@triton.jit
+def _check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache,
+                  num_blocks, page_size, max_blocks, stride_table, rotary_len,
+                  HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
+                  ROTARY: tl.constexpr, ROTARY_LOCAL: tl.constexpr, BLOCK: tl.constexpr):
+    """One program: the metadata checks of ``api.kvcache._check_values`` on the device.
+    Writes status = (code, sequence, index, value) of the first sequence with an error,
+    checked in the order seqlen, leftpad, batch_idx, rotary, block_table (code 0: none)."""
+    NONE: tl.constexpr = 1 << 30
+    code = 0
+    where_b = 0
+    where_j = 0
+    value = 0
+    for c0 in range(0, batch, BLOCK):
+        b = c0 + tl.arange(0, BLOCK)
+        ok = b < batch
+        n = tl.load(SeqLens + b, mask=ok, other=0)
+        err = tl.where(ok & ((n < 0) | (n + new > capacity)), _C_SEQLEN, 0)
+        val = n
+        idx = b * 0
+        if HAS_LEFTPAD:
+            pad = tl.load(LeftPad + b, mask=ok, other=0)
+            bad = ok & (err == 0) & ((pad < 0) | (pad > n))
+            err = tl.where(bad, _C_LEFTPAD, err)
+            val = tl.where(bad, pad, val)
+        if HAS_BATCH_IDX:
+            row = tl.load(BatchIdx + b, mask=ok, other=0)
+            bad = ok & (err == 0) & ((row < 0) | (row >= batch_cache))
+            err = tl.where(bad, _C_BATCH_IDX, err)
+            val = tl.where(bad, row, val)
+        if ROTARY:
+            if ROTARY_LOCAL:
+                need = n + tl.maximum(new, queries)
+            else:
+                need = n + tl.maximum(new, 1)
+            bad = ok & (err == 0) & (need > rotary_len)
+            err = tl.where(bad, _C_ROTARY, err)
+            val = tl.where(bad, need, val)
+        if PAGED:
+            # the pages a sequence addresses after the append; the first bad one
+            pages = (n + new + page_size - 1) // page_size
+            first = tl.full([BLOCK], NONE, tl.int32)
+            found = tl.zeros([BLOCK], tl.int32)
+            for j0 in range(0, max_blocks, BLOCK):
+                j = j0 + tl.arange(0, BLOCK)
+                want = (ok & (err == 0))[:, None] & (j[None, :] < pages[:, None]) & (j[None, :] < max_blocks)
+                blk = tl.load(Table + b.to(tl.int64)[:, None] * stride_table + j[None, :], mask=want, other=0)
+                bad_j = want & ((blk < 0) | (blk >= num_blocks))
+                jj = tl.min(tl.where(bad_j, j[None, :], NONE), 1)
+                hit = jj[:, None] == j[None, :]
+                new_hit = (first == NONE) & (jj < NONE)
+                found = tl.where(new_hit, tl.sum(tl.where(hit & bad_j, blk, 0), 1), found)
+                first = tl.where(new_hit, jj, first)
+            bad = first < NONE
+            err = tl.where(bad, _C_BLOCK, err)
+            val = tl.where(bad, found, val)
+            idx = tl.where(bad, first, idx)
+        bb = tl.min(tl.where(err != 0, b, NONE), 0)
+        pick = b == bb
+        take = (code == 0) & (bb < NONE)
+        where_b = tl.where(take, bb, where_b)
+        where_j = tl.where(take, tl.sum(tl.where(pick, idx, 0), 0), where_j)
+        value = tl.where(take, tl.sum(tl.where(pick, val, 0), 0), value)
+        code = tl.where(take, tl.sum(tl.where(pick, err, 0), 0), code)
+    tl.store(Status, code)
+    tl.store(Status + 1, where_b)
+    tl.store(Status + 2, where_j)
+    tl.store(Status + 3, value)
+
+
+@triton.jit
+def _append_kernel(
+    K, V, KCache, VCache, SeqLens, BatchIdx, Table, Cos, Sin, Status,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_cb, stride_cs, stride_ch, stride_db, stride_ds, stride_dh,
+    stride_table, stride_cos,
+    nheads_k, new, capacity, page_size, num_blocks, batch_cache, head_dim, rotary_dim, rotary_max,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, CHECKED: tl.constexpr,
+):
+    """Program (b * nheads_k + hk, token block): k, v rows t of sequence b, head hk, into
+    the cache at position cache_seqlens[b] + t (k rotated there first)."""
+    pid = tl.program_id(0)
+    b = pid // nheads_k
+    hk = pid % nheads_k
+    t = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_ok = t < new
+    if CHECKED:
+        t_ok = t_ok & (tl.load(Status) == 0)  # a failed check: write nothing
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    n = tl.minimum(tl.maximum(tl.load(SeqLens + b), 0), capacity - new)
+    pos = n + t
+    b64 = b.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+    t64 = t.to(tl.int64)
+    k = _rotary_tile(K + b64 * stride_kb + hk64 * stride_kh, t64 * stride_ks, t_ok, offs_d, d_ok,
+                     tl.minimum(pos, rotary_max), Cos, Sin, stride_cos, rotary_dim, ROTARY, INTERLEAVED)
+    v = tl.load(V + b64 * stride_vb + hk64 * stride_vh + t64[:, None] * stride_vs + offs_d[None, :],
+                mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    if PAGED:
+        blk = tl.load(Table + b64 * stride_table + pos // page_size, mask=t_ok, other=0)
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+        row_k = blk * stride_cb + (pos % page_size).to(tl.int64) * stride_cs
+        row_v = blk * stride_db + (pos % page_size).to(tl.int64) * stride_ds
+    else:
+        row = b64
+        if HAS_BATCH_IDX:
+            row = tl.minimum(tl.maximum(tl.load(BatchIdx + b), 0), batch_cache - 1).to(tl.int64)
+        row_k = row * stride_cb + pos.to(tl.int64) * stride_cs
+        row_v = row * stride_db + pos.to(tl.int64) * stride_ds
+    ok = t_ok[:, None] & d_ok[None, :]
+    tl.store(KCache + hk64 * stride_ch + row_k[:, None] + offs_d[None, :], k, mask=ok)
+    tl.store(VCache + hk64 * stride_dh + row_v[:, None] + offs_d[None, :], v, mask=ok)
+
+
+@triton.jit
+def _decode_kernel(
+    Q, K, V, Out, Lse, OutPart, LsePart, Status, SeqLens, LeftPad, BatchIdx, Table, Alibi, Cos, Sin,
+    stride_qb, stride_qs, stride_qh,
+    stride_kb, stride_ks, stride_kh,
+    stride_vb, stride_vs, stride_vh,
+    stride_ob, stride_os, stride_oh,
+    stride_pp, stride_pb, stride_ps, stride_ph,
+    stride_lp, stride_lpb, stride_lph,
+    stride_lb, stride_lh,
+    stride_table, stride_ab, stride_ah, stride_cos,
+    nheads_k, group, seqlen_q, head_dim, new, capacity, page_size, num_blocks, batch_cache,
+    num_splits, split_size, num_m_blocks, rotary_dim, rotary_max,
+    qk_scale, softcap_in, softcap_out, window_left, window_right,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_TILE: tl.constexpr, PAGE_SLICE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    HAS_LEFTPAD: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
+    ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, ROTARY_LOCAL: tl.constexpr,
+    SPLIT: tl.constexpr, CHECKED: tl.constexpr, IEEE_DOT: tl.constexpr,
+):
+    """Program (b, hk, block of rows, split): rows r = t * group + g of KV head hk against
+    keys [split * split_size, (split + 1) * split_size) of sequence b (module docstring)."""
+    pid = tl.program_id(0)
+    split = pid % num_splits
+    rest = pid // num_splits
+    m_block = rest % num_m_blocks
+    bhk = rest // num_m_blocks
+    b = bhk // nheads_k
+    hk = bhk % nheads_k
+    b64 = b.to(tl.int64)
+    hk64 = hk.to(tl.int64)
+
+    r = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    t = r // group
+    h = hk * group + r % group
+    row_ok = t < seqlen_q
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+
+    n, pad = _seq_bounds(SeqLens, LeftPad, b, new, capacity, HAS_LEFTPAD)
+    len_k = n + new - pad
+    diag = len_k - seqlen_q
+    if CHECKED:
+        bad = tl.load(Status) != 0
+
+    # query rows, rotated at their positions (cache indices) while loading
+    q_pos = n + t * 0
+    if ROTARY_LOCAL:
+        q_pos = n + t
+    q = _rotary_tile(Q + b64 * stride_qb, t.to(tl.int64) * stride_qs + h.to(tl.int64) * stride_qh, row_ok,
+                     offs_d, d_ok, tl.minimum(q_pos, rotary_max), Cos, Sin, stride_cos, rotary_dim,
+                     ROTARY, INTERLEAVED)
+
+    # the keys this block of rows may see, cut to this split
+    t_first = (m_block * BLOCK_M) // group
+    t_last = tl.minimum((m_block * BLOCK_M + BLOCK_M - 1) // group, seqlen_q - 1)
+    lo = 0
+    hi = len_k
+    if WINDOW_LEFT:
+        lo = tl.maximum(t_first + diag - window_left, 0)
+    if WINDOW_RIGHT:
+        hi = tl.minimum(t_last + diag + window_right + 1, len_k)
+    lo = tl.maximum(lo, split * split_size)
+    hi = tl.minimum(hi, split * split_size + split_size)
+    if CHECKED:
+        hi = tl.where(bad, lo, hi)
+    start = (lo // BLOCK_N) * BLOCK_N
+
+    if PAGED:
+        k_base = K + hk64 * stride_kh
+        v_base = V + hk64 * stride_vh
+        table_row = Table + b64 * stride_table
+        if PAGE_SLICE > 0:
+            # the table entries of this split's pages, read once: inside the loop a key's
+            # page comes from registers (tl.gather), so no K/V address waits on a load there
+            first_page = start // page_size
+            pg = first_page + tl.arange(0, PAGE_SLICE)
+            slice_ = tl.load(table_row + pg, mask=pg * page_size < hi, other=0)
+            slice_ = tl.minimum(tl.maximum(slice_, 0), num_blocks - 1)
+    else:
+        row = b64
+        if HAS_BATCH_IDX:
+            row = tl.minimum(tl.maximum(tl.load(BatchIdx + b), 0), batch_cache - 1).to(tl.int64)
+        k_base = K + row * stride_kb + hk64 * stride_kh + pad.to(tl.int64) * stride_ks
+        v_base = V + row * stride_vb + hk64 * stride_vh + pad.to(tl.int64) * stride_vs
+
+    slope = tl.zeros([BLOCK_M], dtype=tl.float32)
+    if HAS_ALIBI:
+        slope = tl.load(Alibi + b64 * stride_ab + h.to(tl.int64) * stride_ah, mask=row_ok, other=0.0) * _C_LOG2E
+
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for n0 in range(start, hi, BLOCK_N):
+        j = n0 + offs_n0
+        j_ok = (j >= lo) & (j < hi)
+        if PAGED:
+            if PAGE_TILE:
+                blk = tl.load(table_row + n0 // page_size)
+                blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+                off = (n0 % page_size).to(tl.int64)
+                k_rows = blk * stride_kb + (off + offs_n0) * stride_ks
+                v_rows = blk * stride_vb + (off + offs_n0) * stride_vs
+            elif PAGE_SLICE > 0:
+                at = tl.minimum(tl.maximum(j // page_size - first_page, 0), PAGE_SLICE - 1)
+                blk = tl.gather(slice_, at, 0).to(tl.int64)
+                k_rows = blk * stride_kb + (j % page_size).to(tl.int64) * stride_ks
+                v_rows = blk * stride_vb + (j % page_size).to(tl.int64) * stride_vs
+            else:
+                blk = tl.load(table_row + j // page_size, mask=j_ok, other=0)
+                blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+                k_rows = blk * stride_kb + (j % page_size).to(tl.int64) * stride_ks
+                v_rows = blk * stride_vb + (j % page_size).to(tl.int64) * stride_vs
+        else:
+            k_rows = j.to(tl.int64) * stride_ks
+            v_rows = j.to(tl.int64) * stride_vs
+        kt = tl.load(k_base + k_rows[None, :] + offs_d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)
+        if IEEE_DOT:
+            s = tl.dot(q, kt, input_precision="ieee")
+        else:
+            s = tl.dot(q, kt)
+        if SOFTCAP:
+            s = softcap_out * _tanh(s * softcap_in)
+        else:
+            s = s * qk_scale
+        if HAS_ALIBI:
+            s = s - slope[:, None] * tl.abs(t[:, None] + diag - j[None, :]).to(tl.float32)
+        visible = j_ok[None, :] & row_ok[:, None]
+        if WINDOW_RIGHT:
+            visible = visible & (j[None, :] <= t[:, None] + diag + window_right)
+        if WINDOW_LEFT:
+            visible = visible & (j[None, :] >= t[:, None] + diag - window_left)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.exp2(s - m_use[:, None])
+        alpha = tl.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+        if IEEE_DOT:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+
+    seen = l_i != 0.0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    if CHECKED:
+        out = tl.where(bad, float("nan"), out)
+        lse = tl.where(bad, float("nan"), lse)
+    ok = row_ok[:, None] & d_ok[None, :]
+    t64 = t.to(tl.int64)
+    h64 = h.to(tl.int64)
+    if SPLIT:
+        s64 = split.to(tl.int64)
+        tl.store(OutPart + s64 * stride_pp + b64 * stride_pb + t64[:, None] * stride_ps + h64[:, None] * stride_ph
+                 + offs_d[None, :], out, mask=ok)
+        tl.store(LsePart + s64 * stride_lp + b64 * stride_lpb + h64 * stride_lph + t, lse, mask=row_ok)
+    else:
+        tl.store(Out + b64 * stride_ob + t64[:, None] * stride_os + h64[:, None] * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=ok)
+        tl.store(Lse + b64 * stride_lb + h64 * stride_lh + t, lse, mask=row_ok)
+
+
+@triton.jit
+def _combine_kernel(
+    OutPart, LsePart, Out, Lse,
+    stride_pp, stride_pb, stride_ps, stride_ph,
+    stride_lp, stride_lpb, stride_lph,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    seqlen, nheads, num_splits, head_dim,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """Program (b, t, h): out = sum_s w_s out_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s);
+    lse = max + log(sum w). A row no split saw (every lse -inf): 0 and -inf."""
+    pid = tl.program_id(0)
+    h = pid % nheads
+    bt = pid // nheads
+    t = (bt % seqlen).to(tl.int64)
+    h = h.to(tl.int64)
+    b = (bt // seqlen).to(tl.int64)
+    s = tl.arange(0, BLOCK_S)
+    s_ok = s < num_splits
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    lse_s = tl.load(LsePart + s.to(tl.int64) * stride_lp + b * stride_lpb + h * stride_lph + t, mask=s_ok,
+                    other=float("-inf"))
+    top = tl.max(lse_s, 0)
+    top = tl.where(top == float("-inf"), 0.0, top)
+    w = tl.exp(lse_s - top)
+    total = tl.sum(w, 0)
+    live = s_ok & (lse_s != float("-inf"))
+    parts = tl.load(OutPart + s.to(tl.int64)[:, None] * stride_pp + b * stride_pb + t * stride_ps + h * stride_ph
+                    + offs_d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
+    out = tl.sum(w[:, None] * parts.to(tl.float32), 0) / tl.where(total == 0.0, 1.0, total)
+    lse = tl.where(total == 0.0, float("-inf"), top + tl.log(tl.where(total == 0.0, 1.0, total)))
+    nan = tl.sum((s_ok & (lse_s != lse_s)).to(tl.int32), 0) > 0  # a NaN LSE (a failed check) stays NaN
+    out = tl.where(nan, float("nan"), out)
+    lse = tl.where(nan, float("nan"), lse)
+    tl.store(Out + b * stride_ob + t * stride_os + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
+    tl.store(Lse + b * stride_lb + h * stride_lh + t, lse)
+
+
+_launch_check = Launcher(_check_kernel)
+_launch_append = Launcher(_append_kernel)
+_launch_decode = Launcher(_decode_kernel)
+_launch_combine = Launcher(_combine_kernel)
+
+
+def _device_ctx(t):
+    import torch
+
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
+def block_sizes(head_dim: int, rows: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D) of the decode kernel: rows = seqlen_q * group packed
+    rows, at least 16 (the smallest tl.dot), at most 64 per program."""
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_m = min(64, max(16, triton.next_power_of_2(rows)))
+    block_n = 64 if block_d <= 128 else 32
+    return block_m, block_n, block_d
+
+
+def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, device, *,
+                  gather: bool = False) -> int:
+    """Splits of the cache length: ``num_splits`` when given (at most one per key tile),
+    else from ``programs`` (batch x nheads_k x row blocks) and the SM count. Fewer than two
+    programs per SM: split until there are about two per SM, one wave (on the H200, 2-4x
+    the unsplit speed at batch 1-8). More: enough splits for about 12 programs per SM, so
+    that the last, partial wave is short (batch 64 x 8192: 4.38 vs 3.85 TB/s unsplit).
+    ``gather`` (a page size that is not a multiple of the key tile, whose table reads
+    sit in front of every key load): always the many-wave count, more programs to hide
+    the latency. At most one split per 4 key tiles."""
+    tiles = max(1, triton.cdiv(capacity, block_n))
+    if num_splits > 0:
+        return max(1, min(num_splits, tiles, MAX_SPLITS))
+    sms = sm_count(device_index(device)) if device.type == "cuda" else 16
+    most = max(1, min(triton.cdiv(tiles, 4), MAX_SPLITS))
+    if programs < 2 * sms and not gather:
+        return max(1, min(2 * sms // programs, most))
+    return max(1, min(triton.cdiv(12 * sms, programs), most))
+
+
+def check_metadata(status, seqlens, leftpad, batch_idx, table, *, new: int, queries: int, capacity: int,
+                   batch_cache: int, num_blocks: int, page: int, rotary_len: int, rotary_local: bool) -> None:
+    """Launch ``_check_kernel``: status (int32 (4,)) = (code, sequence, index, value)."""
+    batch = seqlens.numel()
+    with _device_ctx(status):
+        _launch_check(
+            (1,),
+            (status, seqlens, seqlens if leftpad is None else leftpad, seqlens if batch_idx is None else batch_idx,
+             seqlens if table is None else table, batch, new, queries, capacity, batch_cache, num_blocks,
+             max(page, 1), table.shape[1] if table is not None else 0, table.stride(0) if table is not None else 0,
+             rotary_len),
+            dict(HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None, PAGED=table is not None,
+                 ROTARY=rotary_len >= 0, ROTARY_LOCAL=rotary_local,
+                 BLOCK=min(128, max(16, triton.next_power_of_2(batch)))),
+            4, 1)
+
+
+def append(k_cache, v_cache, k, v, seqlens, batch_idx, table, cos, sin, *, interleaved: bool, status=None) -> None:
+    """Write k, v (batch, new, Hk, D) into the caches at cache_seqlens[b] + t, k rotated
+    there first when cos/sin are given (``_append_kernel``)."""
+    batch, new, nheads_k, head_dim = k.shape
+    paged = table is not None
+    capacity = table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_t = min(64, max(16, triton.next_power_of_2(new)))
+    rotary = cos is not None
+    with _device_ctx(k):
+        _launch_append(
+            (batch * nheads_k, triton.cdiv(new, block_t)),
+            (k, v, k_cache, v_cache, seqlens, seqlens if batch_idx is None else batch_idx,
+             table if paged else seqlens, cos if rotary else k, sin if rotary else k,
+             seqlens if status is None else status,
+             k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+             table.stride(0) if paged else 0, cos.stride(0) if rotary else 0,
+             nheads_k, new, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0], k_cache.shape[0],
+             head_dim, 2 * cos.shape[1] if rotary else 0, cos.shape[0] - 1 if rotary else 0),
+            dict(BLOCK_T=block_t, BLOCK_D=block_d, PAGED=paged, HAS_BATCH_IDX=batch_idx is not None,
+                 ROTARY=rotary, INTERLEAVED=interleaved, CHECKED=status is not None),
+            4, 1)
+
+
+def layout(paged: bool, page: int, block_n: int) -> str:
+    """How the decode kernel addresses keys: "rows" (a row cache), "tile" (pages that hold
+    whole key tiles: one table read per tile) or "gather" (a table read per key); the
+    key of ``STAGES``."""
+    return "rows" if not paged else "tile" if page % block_n == 0 else "gather"
+
+
+def split_plan(q, k_cache, table, num_splits: int) -> tuple[int, int]:
+    """(splits, split_size) of a decode call: ``choose_splits``, then split_size a multiple
+    of the key tile and no split without keys."""
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_k = k_cache.shape[2]
+    paged = table is not None
+    page = k_cache.shape[1] if paged else 1
+    capacity = table.shape[1] * page if paged else k_cache.shape[1]
+    block_m, block_n, _ = block_sizes(head_dim, seqlen_q * (nheads // nheads_k))
+    programs = batch * nheads_k * triton.cdiv(seqlen_q * (nheads // nheads_k), block_m)
+    splits = choose_splits(num_splits, programs, capacity, block_n, q.device,
+                           gather=layout(paged, page, block_n) == "gather")
+    split_size = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
+    return triton.cdiv(capacity, split_size), split_size
+
+
+def scratch(q, k_cache, table, num_splits: int, checked: bool):
+    """(status, parts) of a decode call in one float32 allocation (a call's host time is a
+    few allocations and launches): status int32 (4,) when ``checked`` else None; parts
+    (out_part (S, B, Sq, H, D), lse_part (S, B, H, Sq)) when it splits, else None."""
+    import torch
+
+    splits, _ = split_plan(q, k_cache, table, num_splits)
+    batch, seqlen_q, nheads, head_dim = q.shape
+    n_out = splits * batch * seqlen_q * nheads * head_dim if splits > 1 else 0
+    n_lse = splits * batch * nheads * seqlen_q if splits > 1 else 0
+    head = 4 if checked else 0  # 16 bytes: the partials stay 16-byte aligned
+    if head + n_out + n_lse == 0:
+        return None, None
+    buf = torch.empty(head + n_out + n_lse, dtype=torch.float32, device=q.device)
+    status = buf[:4].view(torch.int32) if checked else None
+    parts = None
+    if splits > 1:
+        parts = (buf[head:head + n_out].view(splits, batch, seqlen_q, nheads, head_dim),
+                 buf[head + n_out:].view(splits, batch, nheads, seqlen_q))
+    return status, parts
+
+
+def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, alibi, cos, sin, *,
+           new: int, scale: float, softcap: float, window_left: int, window_right: int, interleaved: bool,
+           rotary_local: bool, num_splits: int, status=None, parts=None) -> None:
+    """Attention of q (batch, seqlen_q, H, D) against the caches (after the append):
+    out (batch, seqlen_q, H, D), lse (batch, H, seqlen_q) float32 (unit last stride).
+    ``num_splits``: 0 chooses (``choose_splits``); with more than one split the partial
+    results go to float32 buffers (``parts``: ``scratch``'s, made here when not given) and
+    ``_combine_kernel`` writes out and lse."""
+    import torch
+
+    batch, seqlen_q, nheads, head_dim = q.shape
+    nheads_k = k_cache.shape[2]
+    group = nheads // nheads_k
+    paged = table is not None
+    page = k_cache.shape[1] if paged else 1
+    capacity = table.shape[1] * page if paged else k_cache.shape[1]
+    # Every sequence has len_k <= capacity: a side that hides none of its keys is unbounded,
+    # and a huge one (2**31 - 1) would overflow the kernel's int32 bounds.
+    window_left, window_right = effective_window(window_left, window_right, seqlen_q, capacity, capacity - seqlen_q)
+    block_m, block_n, block_d = block_sizes(head_dim, seqlen_q * group)
+    num_m_blocks = triton.cdiv(seqlen_q * group, block_m)
+    splits, split_size = split_plan(q, k_cache, table, num_splits)
+    kind = layout(paged, page, block_n)
+    rotary = cos is not None
+    softcap_on = softcap > 0.0
+    page_slice = 0
+    if kind == "gather" and PAGE_SLICE_MAX:
+        spanned = triton.cdiv(split_size, page) + 1  # a split's first tile may start inside a page
+        if spanned <= PAGE_SLICE_MAX:
+            page_slice = max(16, triton.next_power_of_2(spanned))
+    if splits > 1:
+        out_part, lse_part = parts if parts is not None else scratch(q, k_cache, table, num_splits, False)[1]
+    else:
+        out_part, lse_part = out, lse
+    with _device_ctx(q):
+        _launch_decode(
+            (batch * nheads_k * num_m_blocks * splits,),
+            (q, k_cache, v_cache, out, lse, out_part, lse_part, seqlens if status is None else status, seqlens,
+             seqlens if leftpad is None else leftpad, seqlens if batch_idx is None else batch_idx,
+             table if paged else seqlens, q if alibi is None else alibi, cos if rotary else q, sin if rotary else q,
+             q.stride(0), q.stride(1), q.stride(2),
+             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+             out.stride(0), out.stride(1), out.stride(2),
+             out_part.stride(0), out_part.stride(1), out_part.stride(2), out_part.stride(3) if splits > 1 else 0,
+             lse_part.stride(0), lse_part.stride(1), lse_part.stride(2) if splits > 1 else 0,
+             lse.stride(0), lse.stride(1),
+             table.stride(0) if paged else 0, *(alibi.stride() if alibi is not None else (0, 0)),
+             cos.stride(0) if rotary else 0,
+             nheads_k, group, seqlen_q, head_dim, new, capacity, page, k_cache.shape[0], k_cache.shape[0],
+             splits, split_size, num_m_blocks, 2 * cos.shape[1] if rotary else 0, cos.shape[0] - 1 if rotary else 0,
+             scale * LOG2E, scale / softcap if softcap_on else 0.0, softcap * LOG2E if softcap_on else 0.0,
+             window_left, window_right),
+            dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PAGED=paged,
+                 PAGE_TILE=kind == "tile", PAGE_SLICE=page_slice, HAS_BATCH_IDX=batch_idx is not None,
+                 HAS_LEFTPAD=leftpad is not None, WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
+                 SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, ROTARY=rotary, INTERLEAVED=interleaved,
+                 ROTARY_LOCAL=rotary_local, SPLIT=splits > 1, CHECKED=status is not None,
+                 IEEE_DOT=q.dtype == torch.float32),
+            4, STAGES[kind])
+        if splits > 1:
+            combine(out_part, lse_part, out, lse)
+
+
+def combine(out_part, lse_part, out, lse) -> None:
+    """``_combine_kernel``: out_part (S, B, Sq, H, D), lse_part (S, B, H, Sq) float32 ->
+    out (B, Sq, H, D), lse (B, H, Sq) (unit last strides)."""
+    splits, batch, seqlen, nheads, head_dim = out_part.shape
+    if batch * seqlen * nheads == 0:
+        return
+    with _device_ctx(out):
+        _launch_combine(
+            (batch * seqlen * nheads,),
+            (out_part, lse_part, out, lse,
+             out_part.stride(0), out_part.stride(1), out_part.stride(2), out_part.stride(3),
+             lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+             out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+             seqlen, nheads, splits, head_dim),
+            dict(BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=max(16, triton.next_power_of_2(head_dim))),
+            4, 1)

@@ -1,1 +1,0 @@
-"""Attention kernels (Triton on GPU) and their torch twins for CPU tensors."""

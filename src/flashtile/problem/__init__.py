@@ -1,0 +1,1 @@
+"""flashtile.problem"""

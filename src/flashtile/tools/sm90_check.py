@@ -1,0 +1,452 @@
+"""Compile the kernels for Hopper (sm90) on a machine without a GPU.
+
+Triton compiles ahead of time for a named target with the ptxas it ships, so CI can
+check what otherwise only shows on the device: that every launch configuration in the
+tables compiles, fits in the 227 KB of shared memory a block may use on an H100/H200, and
+reaches the Hopper tensor-core instructions (wgmma). Run it in a process without
+TRITON_INTERPRET (under the interpreter ``@triton.jit`` builds no compilable function)::
+
+    python -m flashtile.tools.sm90_check            # smem and wgmma of every table config
+    python -m flashtile.tools.sm90_check --regs     # plus registers and spills (ptxas -v)
+    python -m flashtile.tools.sm90_check --headdim 128   # one head dim of the table
+    python -m flashtile.tools.sm90_check --decode   # the KV-cache kernels (backends/triton/decode.py)
+
+Registers per thread and spill bytes come from running Triton's bundled ptxas with
+``-v`` on the generated PTX: a kernel at the 255-register cap that spills to local
+memory runs slower than its tile sizes suggest (the backward kernels do, see
+docs/perf-notes.md).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+
+SM90_SHARED_LIMIT = 232448  # bytes a block may opt into on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+
+
+@dataclass(frozen=True)
+class Compiled:
+    name: str
+    shared: int
+    wgmma: bool
+    tma: bool
+    ptx: str = ""
+    ptxas_log: str = ""  # what the compile's own ``ptxas -v`` printed ("" on a cache hit)
+    cubin: bytes = b""  # the compile's sm_90a binary
+
+    def registers(self) -> tuple[int, int]:
+        """(registers per thread, spill store + load bytes) from ptxas -v for sm_90a: the
+        compile's own log, or ptxas run again on the PTX when the compile was cached."""
+        log = self.ptxas_log
+        if "Used " not in log:
+            import triton
+
+            ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+            with tempfile.TemporaryDirectory() as tmp:
+                path = os.path.join(tmp, "kernel.ptx")
+                with open(path, "w") as fh:
+                    fh.write(self.ptx)
+                log = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", path, "-o", os.devnull],
+                                     capture_output=True, text=True, check=True).stderr
+        regs = re.search(r"Used (\d+) registers", log)
+        spills = [int(x) for x in re.findall(r"(\d+) bytes spill (?:stores|loads)", log)]
+        return (int(regs.group(1)) if regs else -1), sum(spills)
+
+    def sass(self) -> str:
+        """The sm_90a machine code (ptxas, then nvdisasm): ptxas schedules within a basic
+        block and may move a ``wgmma.wait_group`` above independent work, so an overlap
+        written in the PTX is only real if it survives here."""
+        import triton
+
+        bindir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+        with tempfile.TemporaryDirectory() as tmp:
+            ptx, cubin = os.path.join(tmp, "kernel.ptx"), os.path.join(tmp, "kernel.cubin")
+            if self.cubin:
+                with open(cubin, "wb") as fh:
+                    fh.write(self.cubin)
+            else:
+                with open(ptx, "w") as fh:
+                    fh.write(self.ptx)
+                subprocess.run([os.path.join(bindir, "ptxas"), "--gpu-name", "sm_90a", ptx, "-o", cubin],
+                               capture_output=True, text=True, check=True)
+            return subprocess.run([os.path.join(bindir, "nvdisasm"), "-c", cubin],
+                                  capture_output=True, text=True, check=True).stdout
+
+
+def ex2_under_wait(sass: str, in_flight: int) -> list[int]:
+    """For each ``WARPGROUP.DEPBAR.LE gsb0, in_flight`` (products still in flight) in
+    ``sass``: how many MUFU.EX2 run before the next full wait (``DEPBAR.LE gsb0, 0x0``),
+    i.e. the exp2 work that overlaps those products."""
+    counts, open_ = [], False
+    for line in sass.splitlines():
+        if f"WARPGROUP.DEPBAR.LE gsb0, {in_flight:#x} " in line:
+            counts.append(0)
+            open_ = True
+        elif "WARPGROUP.DEPBAR.LE gsb0, 0x0 " in line:
+            open_ = False
+        elif open_ and "MUFU.EX2" in line:
+            counts[-1] += 1
+    return counts
+
+
+def _signature(fn, pointers: dict, constexprs: dict) -> dict:
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        elif name in pointers:
+            sig[name] = pointers[name]
+        elif name.startswith(("qk_scale", "softcap", "sm_scale", "dropout_p")) or name == "scale":
+            sig[name] = "fp32"
+        else:
+            sig[name] = "i32"
+    return sig
+
+
+def _divisibility(fn, sig: dict) -> dict:
+    """The specialization a launch at the benchmark shapes gets: Triton marks every pointer
+    that is 16-byte aligned and every int that is a multiple of 16 (strides of contiguous
+    (B, S, H, D) tensors, seqlens 512..16k, head dims 64/128/256) as divisible by 16, and
+    the kernels' address arithmetic vectorises only with that fact. Without it the
+    register and spill counts describe a kernel that never runs."""
+    attrs = {}
+    # Not modelled: ints equal to 1 become constants at run time (the key stride of a
+    # contiguous mask, a (H,)-broadcast ALiBi stride, group size 1); they stay plain here.
+    unit = ("stride_mn", "stride_ah")
+    for i, name in enumerate(fn.arg_names):
+        kind = sig[name]
+        if (kind.startswith("*") or (name.startswith("stride_") and name not in unit)
+                or name in ("seqlen_q", "seqlen_k", "head_dim")):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    return attrs
+
+
+def _build(name: str, src, **options) -> Compiled:
+    """Compile a kernel source (Triton's ASTSource or Gluon's) for sm_90a."""
+    import contextlib
+    import io
+
+    import triton
+    from triton import knobs
+    from triton.backends.compiler import GPUTarget
+
+    # Triton runs ptxas -v itself; with this knob it prints that log (to stdout), which
+    # spares ``registers()`` a second ptxas run (~15% of a compile check).
+    log, dump = io.StringIO(), knobs.nvidia.dump_ptxas_log
+    knobs.nvidia.dump_ptxas_log = True
+    try:
+        with contextlib.redirect_stdout(log):
+            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    finally:
+        knobs.nvidia.dump_ptxas_log = dump
+    ptx = kernel.asm["ptx"]
+    return Compiled(name, kernel.metadata.shared, "wgmma.mma_async" in ptx, "cp.async.bulk.tensor" in ptx, ptx,
+                    log.getvalue(), kernel.asm.get("cubin", b""))
+
+
+def _compile(name, fn, pointers, constexprs, num_warps, num_stages) -> Compiled:
+    from triton.compiler import ASTSource
+
+    sig = _signature(fn, pointers, constexprs)
+    src = ASTSource(fn, sig, constexprs=constexprs, attrs=_divisibility(fn, sig))
+    return _build(name, src, num_warps=num_warps, num_stages=num_stages)
+
+
+def compile_gluon(name: str, fn, sig: dict, constexprs: dict, attrs: dict, num_warps: int) -> Compiled:
+    """A Gluon kernel for sm_90a. ``sig``: the type string of every runtime argument
+    (constexprs are added); ``attrs``: {(arg index,): [["tt.divisibility", 16]]} facts."""
+    from triton.experimental.gluon._runtime import GluonASTSource
+
+    sig = dict(sig, **{n: "constexpr" for n in constexprs})
+    return _build(name, GluonASTSource(fn, sig, constexprs=constexprs, attrs=attrs), num_warps=num_warps)
+
+
+def compile_tma_reduce_probe(rows: int = 64, cols: int = 128) -> Compiled:
+    """``backends.sm90.tma_reduce._reduce_probe_kernel`` for sm_90a: an fp32 (rows, cols) tile added
+    from shared memory into a tensor descriptor's block by one bulk TMA reduction
+    (``cp.reduce.async.bulk.tensor...add``, the instruction FA3's dQ accumulation uses)."""
+    from triton.experimental.gluon import language as gl
+
+    from flashtile.backends.sm90.tma_reduce import _reduce_probe_kernel
+
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float32)
+    sig = {"desc": f"tensordesc<fp32[{rows}, {cols}],{layout}>", "X": "*fp32", "stride_x": "i32"}
+    return compile_gluon(f"tma-reduce-probe fp32 {rows}x{cols}", _reduce_probe_kernel, sig,
+                         dict(ROWS=rows, COLS=cols), {(1,): [["tt.divisibility", 16]]}, num_warps=4)
+
+
+def compile_tma_reduce_rate(use_tma: bool, num_buf: int = 2, rows: int = 64, cols: int = 128) -> Compiled:
+    """``backends.sm90.tma_reduce._reduce_rate_kernel`` (benchmarks/tma_reduce_rate.py) for sm_90a."""
+    from triton.experimental.gluon import language as gl
+
+    from flashtile.backends.sm90.tma_reduce import _reduce_rate_kernel
+
+    layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float32)
+    sig = {"desc": f"tensordesc<fp32[{rows}, {cols}],{layout}>", "DQ": "*fp32", "stride_dq": "i32",
+           "n_q_blocks": "i32", "n_k_blocks": "i32"}
+    return compile_gluon(f"tma-reduce-rate use_tma={use_tma} num_buf={num_buf}", _reduce_rate_kernel, sig,
+                         dict(ROWS=rows, COLS=cols, USE_TMA=use_tma, NUM_BUF=num_buf),
+                         {(1,): [["tt.divisibility", 16]]}, num_warps=4)
+
+
+def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: int = 0, extras: bool = False,
+                    varlen: bool = False) -> Compiled:
+    """The forward kernel with ``cfg`` (a FwdConfig); ``extras`` turns on every option;
+    ``varlen``: the packed-sequence variant (work list from backends/worklist.py)."""
+    from flashtile.backends.triton.forward import _fwd_kernel
+
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    c = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
+             WINDOW_LEFT=extras, WINDOW_RIGHT=causal or extras, SOFTCAP=extras, HAS_ALIBI=extras,
+             MASK_MODE=mask_mode, IEEE_DOT=dtype == "fp32", REVERSE_M=causal, USE_TMA=cfg.use_tma, DROPOUT=extras,
+             VARLEN=varlen)
+    ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "Out", "desc_q", "desc_k", "desc_v", "desc_o")}
+    ptrs.update(Lse="*fp32", Mask="*u8" if mask_mode == 1 else f"*{dtype}", Alibi="*fp32", Seed="*i64",
+                Items="*i32")
+    if cfg.use_tma:
+        for n, rows in (("desc_q", cfg.block_m), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n), ("desc_o", cfg.block_m)):
+            ptrs[n] = f"tensordesc<{dtype}[1,1,{rows},{block_d}]>"
+    name = f"fwd {dtype} d{head_dim} causal={causal} mask={mask_mode} extras={extras} varlen={varlen} {cfg}"
+    return _compile(name, _fwd_kernel, ptrs, c, cfg.num_warps, cfg.num_stages)
+
+
+def _compile_ws(name: str, fn, dtype: str, head_dim: int, rows: dict, constexprs: dict,
+                extra_pointers: dict | None = None) -> Compiled:
+    """A warp-specialized Gluon kernel of ``forward_sm90``/``backward_sm90``: ``rows`` gives
+    the box rows of each tensor-descriptor argument; Lse and Delta are float32 pointers
+    (16-byte aligned at run time), Counter an int32 pointer, the other runtime arguments typed
+    as ``_signature`` does."""
+    from flashtile.backends.sm90.forward import _smem_layout
+
+    torch_name = {"bf16": "bfloat16", "fp16": "float16"}[dtype]
+    pointers = {n: f"tensordesc<{dtype}[1, 1, {r}, {head_dim}],{_smem_layout(r, head_dim, torch_name)}>"
+                for n, r in rows.items()}
+    pointers.update(Lse="*fp32", Delta="*fp32", Counter="*i32", Items="*fp32", Out="*fp32",
+                    **{n: f"*{dtype}" for n in ("Dq", "Dk", "Dv")})
+    pointers.update(extra_pointers or {})
+    sig = _signature(fn, pointers, constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if sig[n].startswith("*")}
+    return compile_gluon(name, fn, sig, constexprs, attrs, num_warps=4)
+
+
+def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int | None = None,
+                       num_buf: int | None = None, dynamic: bool = False, varlen: bool = False) -> Compiled:
+    """The warp-specialized Gluon forward (``forward_sm90``; its default tiles unless given;
+    ``dynamic``: the kernel of the dynamic schedule; ``varlen``: that kernel on a work list
+    (Items an int32 pointer), as packed sequences run it)."""
+    from flashtile.backends.sm90 import forward as forward_sm90
+    from flashtile.backends.sm90.forward import HALF_M, LOADER_REGS, _fwd_ws_dyn_kernel, _fwd_ws_kernel
+
+    block_n = block_n or forward_sm90.default_block_n(head_dim)
+    num_buf = num_buf or forward_sm90.NUM_BUF
+    dynamic = dynamic or varlen
+    name = "fwd-ws-varlen" if varlen else "fwd-ws-dyn" if dynamic else "fwd-ws"
+    return _compile_ws(f"{name} {dtype} d{head_dim} causal={causal} block_n={block_n} num_buf={num_buf}",
+                       _fwd_ws_dyn_kernel if dynamic else _fwd_ws_kernel, dtype, head_dim,
+                       dict(q_desc=HALF_M, k_desc=block_n, v_desc=block_n, o_desc=HALF_M),
+                       dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS),
+                       dict(Items="*i32", Out=f"*{dtype}") if varlen else None)
+
+
+def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf: int | None = None,
+                        dq_block_n: int | None = None, dq_num_buf: int | None = None,
+                        dkdv_block_q: int | None = None, varlen: bool = False) -> list[Compiled]:
+    """The warp-specialized Gluon backward (``backward_sm90``): the dK/dV kernel (at d256 the
+    dV and the dK kernel, whose rings are fixed: dkdv_num_buf and dkdv_block_q are refused
+    there, as ``attention_backward_ws`` refuses them) and the dQ kernel; ``varlen``: their
+    work-list variants (d64/d128)."""
+    from flashtile.backends.sm90 import backward_split as bw
+
+    split = head_dim in bw.SPLIT_HEAD_DIMS
+    if split and varlen:
+        raise ValueError("the split kernels of head dim 256 have no varlen variant")
+    items = dict(Items="*i32") if varlen else None
+    if split and (dkdv_num_buf or dkdv_block_q):
+        raise ValueError(f"dkdv_num_buf and dkdv_block_q do not apply at head dim {head_dim} (split kernels)")
+    dkdv_num_buf = dkdv_num_buf or bw.DKDV_NUM_BUF
+    dq_block_n = dq_block_n or bw.default_dq_block_n(head_dim)
+    dq_num_buf = dq_num_buf or bw.DQ_NUM_BUF
+    regs = dict(CONSUMER_REGS=bw.CONSUMER_REGS, LOADER_REGS=bw.LOADER_REGS)
+    if split:  # fixed rings (DV_RING, DK_RING)
+        tag = f"{dtype} d{head_dim} causal={causal}"
+        out = [_compile_ws(f"bwd-ws-dv {tag} rings={bw.DV_RING}", bw._dv_kernel, dtype, head_dim,
+                           dict.fromkeys(("q_desc", "k_desc", "do_desc", "dv_desc"), bw.BLOCK),
+                           dict(CAUSAL=causal, NUM_Q=bw.DV_RING[0], NUM_DO=bw.DV_RING[1], **regs)),
+               _compile_ws(f"bwd-ws-dk {tag} rings={bw.DK_RING}", bw._dk_kernel, dtype, head_dim,
+                           dict.fromkeys(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc"), bw.BLOCK),
+                           dict(CAUSAL=causal, NUM_Q=bw.DK_RING[0], NUM_DO=bw.DK_RING[1],
+                                LOADER_REGS=bw.LOADER_REGS))]
+    else:
+        block_q = dkdv_block_q or bw.BLOCK
+        tag = f"{dtype} d{head_dim} causal={causal} num_buf={dkdv_num_buf}"
+        tag += f" block_q={block_q}" if dkdv_block_q else ""
+        tag += " varlen" if varlen else ""
+        out = [_compile_ws(f"bwd-ws-dkdv {tag}", bw._dkdv_kernel, dtype, head_dim,
+                           dict(q_desc=block_q, k_desc=bw.BLOCK, v_desc=bw.BLOCK, do_desc=block_q, dk_desc=bw.BLOCK,
+                                dv_desc=bw.BLOCK),
+                           dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), items)]
+    out.append(_compile_ws(f"bwd-ws-dq {dtype} d{head_dim} causal={causal} block_n={dq_block_n} num_buf={dq_num_buf}"
+                           + (" varlen" if varlen else ""),
+                           bw._dq_kernel, dtype, head_dim,
+                           dict(q_desc=bw.BLOCK, k_desc=dq_block_n, v_desc=dq_block_n, do_desc=bw.BLOCK,
+                                dq_desc=bw.BLOCK),
+                           dict(CAUSAL=causal, NUM_BUF=dq_num_buf, **regs), items))
+    return out
+
+
+def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf: int | None = None,
+                             dq_buf: int | None = None, keys_outer: bool = False) -> Compiled:
+    """The one-pass Gluon backward (``backward_sm90_onepass``; its default rings unless
+    given): its PTX should hold the bulk tensor reductions of dQ."""
+    from flashtile.backends.sm90 import backward_onepass as op
+
+    num_buf = num_buf or op.NUM_BUF[head_dim]
+    dq_buf = dq_buf or op.DQ_BUF
+    dq_desc = f"tensordesc<fp32[{op.BLOCK}, {head_dim // 2}],{op.dq_accumulator_layout(head_dim)}>"
+    return _compile_ws(f"bwd-onepass {dtype} d{head_dim} causal={causal} num_buf={num_buf} dq_buf={dq_buf}",
+                       op._onepass_kernel, dtype, head_dim,
+                       dict.fromkeys(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc"), op.BLOCK),
+                       dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=op.CONSUMER_REGS,
+                            LOADER_REGS=op.LOADER_REGS, REDUCER_REGS=op.REDUCER_REGS,
+                            KEYS_OUTER=keys_outer),
+                       dict(dq_desc=dq_desc))
+
+
+def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extras: bool = False,
+                     varlen: bool = False) -> list[Compiled]:
+    """The dq and dk/dv kernels with ``cfg`` (a BwdConfig); ``varlen``: packed sequences."""
+    from flashtile.backends.triton.backward import _bwd_dkdv_kernel, _bwd_dq_kernel
+
+    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    common = dict(BLOCK_D=block_d, EVEN_D=block_d == head_dim, WINDOW_LEFT=extras, WINDOW_RIGHT=True,
+                  SOFTCAP=extras, HAS_ALIBI=extras, MASK_MODE=mask_mode, IEEE_DOT=dtype == "fp32", DROPOUT=extras,
+                  VARLEN=varlen)
+    ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "DO", "DQ", "DK", "DV")}
+    ptrs.update(Lse="*fp32", Delta="*fp32", Mask="*u8" if mask_mode == 1 else f"*{dtype}", Alibi="*fp32",
+                Seed="*i64", DQacc="*fp32", Items="*i32")
+    out = []
+    kernels = [("dkdv", _bwd_dkdv_kernel, cfg.block_m_kv, cfg.block_n_kv,
+                dict(FUSED_DQ=cfg.fused_dq, SPLIT_PHASES=cfg.split_phases))]
+    if not cfg.fused_dq:
+        kernels.append(("dq", _bwd_dq_kernel, cfg.block_m_q, cfg.block_n_q, {}))
+    for kname, fn, bm, bn, extra in kernels:
+        c = dict(common, BLOCK_M=bm, BLOCK_N=bn, **extra)
+        name = f"bwd-{kname} {dtype} d{head_dim} mask={mask_mode} extras={extras} varlen={varlen} {cfg}"
+        out.append(_compile(name, fn, ptrs, c, cfg.num_warps, cfg.num_stages))
+    return out
+
+
+def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, extras: bool = False,
+                   split: bool = True, page_slice: int = 0) -> list[Compiled]:
+    """The KV-cache kernels of ``backends/triton/decode.py`` as a decode step launches them: the check,
+    the append and the decode kernel (``rows`` packed query rows, seqlen_q x group; ``paged``:
+    the page size, 0 for a row cache, a multiple of the key tile reads one table entry per
+    tile), then the combine kernel when ``split``. ``extras`` turns on every option
+    (leftpad, batch index, windows, softcap, ALiBi, rotary); ``page_slice``: the page
+    gather's table slice in registers (``decode.PAGE_SLICE_MAX``)."""
+    from flashtile.backends.triton import decode
+
+    block_m, block_n, block_d = decode.block_sizes(head_dim, rows)
+    tag = f"{dtype} d{head_dim} rows={rows} paged={paged} extras={extras}" + (f" slice={page_slice}" if page_slice else "")
+    ints = ("SeqLens", "LeftPad", "BatchIdx", "Table", "Status")
+    ptrs = {n: "*i32" for n in ints}
+    ptrs.update({n: f"*{dtype}" for n in ("Q", "K", "V", "KCache", "VCache", "Out")})
+    ptrs.update(Lse="*fp32", OutPart="*fp32", LsePart="*fp32", Alibi="*fp32", Cos="*fp32", Sin="*fp32")
+    kind = decode.layout(paged > 0, paged, block_n)
+    out = [_compile(f"decode-check {tag}", decode._check_kernel, ptrs,
+                    dict(HAS_LEFTPAD=extras, HAS_BATCH_IDX=extras and not paged, PAGED=paged > 0, ROTARY=extras,
+                         ROTARY_LOCAL=False, BLOCK=16), 4, 1),
+           _compile(f"decode-append {tag}", decode._append_kernel, ptrs,
+                    dict(BLOCK_T=16, BLOCK_D=block_d, PAGED=paged > 0, HAS_BATCH_IDX=extras and not paged,
+                         ROTARY=extras, INTERLEAVED=False, CHECKED=True), 4, 1),
+           _compile(f"decode {tag} split={split}", decode._decode_kernel, ptrs,
+                    dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PAGED=paged > 0,
+                         PAGE_TILE=kind == "tile", PAGE_SLICE=page_slice,
+                         HAS_BATCH_IDX=extras and not paged,
+                         HAS_LEFTPAD=extras, WINDOW_LEFT=extras, WINDOW_RIGHT=extras, SOFTCAP=extras,
+                         HAS_ALIBI=extras, ROTARY=extras, INTERLEAVED=False, ROTARY_LOCAL=extras, SPLIT=split,
+                         CHECKED=True, IEEE_DOT=dtype == "fp32"), 4, decode.STAGES[kind])]
+    if split:
+        out.append(_compile(f"decode-combine {tag}", decode._combine_kernel, ptrs,
+                            dict(BLOCK_S=16, BLOCK_D=block_d), 4, 1))
+    return out
+
+
+def decode_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
+    """The decode kernels at each head dim: row cache (GQA group 4, one query) split and
+    unsplit, pages of 16 and 256 keys, pages of 16 with the table slice in registers
+    (``decode.PAGE_SLICE_MAX``), and every option at 4 x 4 rows."""
+    for head_dim in head_dims:
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=4)
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=4, split=False)
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=16)
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=256)
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=16, page_slice=128)
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=16, extras=True)
+
+
+def table_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
+    """Every distinct sm90 table entry a call can reach, plain and with an explicit mask and
+    every option. An explicit mask comes only from SDPA, which refuses it with is_causal,
+    so masked kernels are compiled without causal."""
+    from flashtile.backends import configs
+
+    for head_dim in head_dims:
+        seen = set()
+        for causal in (False, True):
+            for seqlen in (1024, 8192):
+                for mask_mode, extras in (((0, False),) if causal else ((0, False), (1, False), (2, True))):
+                    cfg = configs.default_fwd_config((9, 0), head_dim, "bfloat16", causal, seqlen, mask_mode != 0)
+                    key = (cfg, causal, mask_mode, extras)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    yield lambda cfg=cfg, causal=causal, m=mask_mode, e=extras: [
+                        compile_forward(cfg, dtype, head_dim, causal=causal, mask_mode=m, extras=e)]
+                    if cfg.use_ws and mask_mode == 0 and not extras and (head_dim, causal) not in seen:
+                        seen.add((head_dim, causal))
+                        yield lambda causal=causal: [compile_forward_ws(dtype, head_dim, causal=causal)]
+        bwd = configs.default_bwd_config((9, 0), head_dim, "bfloat16")
+        yield lambda bwd=bwd, head_dim=head_dim: compile_backward(bwd, dtype, head_dim)
+        yield lambda bwd=bwd, head_dim=head_dim: compile_backward(bwd, dtype, head_dim, mask_mode=2, extras=True)
+        fused = configs.default_bwd_config((9, 0), head_dim, "bfloat16", dq_mode="atomic")
+        yield lambda fused=fused, head_dim=head_dim: compile_backward(fused, dtype, head_dim)
+        plain = configs.default_bwd_config((9, 0), head_dim, "bfloat16", tile_masks=False)
+        if plain != bwd:  # the one-loop variant, for calls without causal/window/mask
+            yield lambda plain=plain, head_dim=head_dim: compile_backward(plain, dtype, head_dim)
+
+
+def main(argv=None) -> int:
+    """``python -m flashtile.tools.sm90_check [--regs] [--headdim N ...]``: compile the table
+    (every head dim, or those given) and print one line per kernel."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m flashtile.tools.sm90_check")
+    p.add_argument("--regs", action="store_true", help="also report registers and spills")
+    p.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--decode", action="store_true", help="the KV-cache decode kernels instead of the table")
+    args = p.parse_args(sys.argv[1:] if argv is None else argv)
+    regs = args.regs
+    failures = 0
+    checks = (decode_checks if args.decode else table_checks)(head_dims=tuple(args.headdim))
+    for check in checks:
+        for result in check():
+            # the decode kernels' products are small (16-64 rows): Triton may pick mma.sync there
+            ok = result.shared <= SM90_SHARED_LIMIT and (result.wgmma or args.decode)
+            failures += not ok
+            extra = ""
+            if regs:
+                n_regs, spill = result.registers()
+                extra = f" regs={n_regs:3d} spill={spill:5d}B"
+            print(f"{'ok  ' if ok else 'FAIL'} smem={result.shared:6d} wgmma={result.wgmma} tma={result.tma}{extra}  "
+                  f"{result.name}", flush=True)
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

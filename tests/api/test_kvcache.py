@@ -1,0 +1,504 @@
+"""flash_attn_with_kvcache on CPU (the torch twin, and the Triton kernels under
+TRITON_INTERPRET=1) against a float64 reference written from the definition: rotate,
+append, attend. Also the cache after the call, bad calls that must leave it untouched,
+and flash_attn_combine."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+import flashtile
+from flashtile.testing import assert_close, plain_attention
+
+
+pytestmark = pytest.mark.usefixtures("poison_outputs")
+
+
+def _rotate(x, cos, sin, positions, interleaved):
+    """Rotary embedding in float64, written from its definition (pairs rotate by angle)."""
+    x = x.double().clone()
+    half = cos.shape[1]
+    for b in range(x.shape[0]):
+        for s in range(x.shape[1]):
+            c, sn = cos[positions[b][s]].double(), sin[positions[b][s]].double()
+            for j in range(half):
+                i1, i2 = (2 * j, 2 * j + 1) if interleaved else (j, j + half)
+                a, bb = x[b, s, :, i1].clone(), x[b, s, :, i2].clone()
+                x[b, s, :, i1] = a * c[j] - bb * sn[j]
+                x[b, s, :, i2] = a * sn[j] + bb * c[j]
+    return x
+
+
+def _reference(q, k_cache, v_cache, k, v, seqlens, *, rotary=None, interleaved=True, batch_idx=None,
+               leftpad=None, table=None, causal=False, window=(-1, -1), softcap=0.0, alibi=None, dtype=torch.float64):
+    """(out (batch, Sq, H, D), lse (batch, H, Sq), the caches afterwards as float64)."""
+    batch, sq, nheads, d = q.shape
+    kc, vc = k_cache.double().clone(), v_cache.double().clone()
+    new = 0 if k is None else k.shape[1]
+    pads = [0] * batch if leftpad is None else leftpad.tolist()
+    local = causal or window != (-1, -1)
+    # rotary positions are cache indices (leftpad included), as flash-attn's kernel uses them
+    q_pos = [[n + (i if local else 0) for i in range(sq)] for n in seqlens]
+    k_pos = [[n + i for i in range(new)] for n in seqlens]
+    qd = q.double()
+    if rotary is not None:
+        qd = _rotate(q, *rotary, q_pos, interleaved)
+        if k is not None:
+            k = _rotate(k, *rotary, k_pos, interleaved)
+    outs, lses = [], []
+    left, right = window
+    if causal:
+        right = 0
+    for b in range(batch):
+        n = seqlens[b]
+        if table is not None:
+            page = k_cache.shape[1]
+            slots = [(int(table[b, t // page]), t % page) for t in range(n + new)]
+        else:
+            row = b if batch_idx is None else int(batch_idx[b])
+            slots = [(row, t) for t in range(n + new)]
+        for i in range(new):
+            kc[slots[n + i]] = k[b, i].double().to(k_cache.dtype).double()
+            vc[slots[n + i]] = v[b, i].double().to(v_cache.dtype).double()
+        keys = torch.stack([kc[s] for s in slots[pads[b]:]]) if n + new > pads[b] else kc.new_zeros(0, *kc.shape[2:])
+        vals = torch.stack([vc[s] for s in slots[pads[b]:]]) if n + new > pads[b] else vc.new_zeros(0, *vc.shape[2:])
+        lk = keys.shape[0]
+        qb = qd[b].to(q.dtype if dtype != torch.float64 else torch.float64)
+        o, lse = plain_attention(qb.transpose(0, 1)[None], keys.transpose(0, 1)[None].to(qb.dtype),
+                                 vals.transpose(0, 1)[None].to(qb.dtype), scale=1 / math.sqrt(d),
+                                 diag_offset=lk - sq, window_left=left, window_right=right, softcap=softcap,
+                                 alibi_slopes=None if alibi is None else alibi[b:b + 1], dtype=dtype)
+        outs.append(o[0].transpose(0, 1))
+        lses.append(lse[0])
+    return torch.stack(outs), torch.stack(lses), kc, vc
+
+
+def _case(batch=3, sq=1, new=1, heads=(4, 2), d=16, capacity=40, seqlens=(0, 17, 30), dtype=torch.float32, seed=0,
+          page=0, extra_blocks=3):
+    g = torch.Generator().manual_seed(seed)
+    h, hk = heads
+    q = torch.randn(batch, sq, h, d, generator=g).to(dtype)
+    k = torch.randn(batch, new, hk, d, generator=g).to(dtype) if new else None
+    v = torch.randn(batch, new, hk, d, generator=g).to(dtype) if new else None
+    table = None
+    if page:
+        blocks = -(-capacity // page)
+        num = batch * blocks + extra_blocks
+        k_cache = torch.randn(num, page, hk, d, generator=g).to(dtype)
+        v_cache = torch.randn(num, page, hk, d, generator=g).to(dtype)
+        table = torch.randperm(num, generator=g)[:batch * blocks].reshape(batch, blocks).to(torch.int32)
+    else:
+        k_cache = torch.randn(batch, capacity, hk, d, generator=g).to(dtype)
+        v_cache = torch.randn(batch, capacity, hk, d, generator=g).to(dtype)
+    return q, k, v, k_cache, v_cache, table, torch.tensor(seqlens, dtype=torch.int32)
+
+
+def _run_and_check(q, k, v, k_cache, v_cache, seqlens, **kw):
+    ref_kw = {n: kw[n] for n in ("batch_idx", "leftpad", "table", "causal", "window", "softcap", "alibi",
+                                 "interleaved") if n in kw}
+    rotary = kw.get("rotary")
+    want, want_lse, kc, vc = _reference(q, k_cache, v_cache, k, v, seqlens.tolist(), rotary=rotary, **ref_kw)
+    # the low-precision reference rounds the rotated q and k to q's dtype, as the kernels do:
+    # its LSE error sets the LSE's tolerance (at fp32 inputs it is ~1e-7)
+    base, base_lse, _, _ = _reference(q, k_cache, v_cache, k, v, seqlens.tolist(), rotary=rotary, dtype=q.dtype,
+                                      **ref_kw)
+    before_k, before_v = k_cache.clone(), v_cache.clone()
+    out, lse = flashtile.flash_attn_with_kvcache(
+        q, k_cache, v_cache, k, v, rotary_cos=None if rotary is None else rotary[0],
+        rotary_sin=None if rotary is None else rotary[1], cache_seqlens=seqlens,
+        cache_batch_idx=kw.get("batch_idx"), cache_leftpad=kw.get("leftpad"), block_table=kw.get("table"),
+        causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)), softcap=kw.get("softcap", 0.0),
+        rotary_interleaved=kw.get("interleaved", True), alibi_slopes=kw.get("alibi"),
+        num_splits=kw.get("num_splits", 0), return_softmax_lse=True)
+    assert_close("out", out, want, base)
+    assert_close("lse", lse, want_lse, base_lse)
+    # the appended rows hold the (rotated) new keys; nothing else changed, bit for bit
+    changed = (k_cache != before_k).flatten(2).any(-1)
+    torch.testing.assert_close(k_cache.double(), kc, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(v_cache.double(), vc, atol=0, rtol=0)
+    untouched = ~((kc != before_k.double()).flatten(2).any(-1))
+    assert not (changed & untouched).any()
+    return out
+
+
+@pytest.mark.parametrize("sq", [1, 2, 7])
+@pytest.mark.parametrize("causal", [False, True])
+def test_decode_append_attend(backend, sq, causal):
+    q, k, v, kc, vc, _, seqlens = _case(sq=sq, new=sq)
+    _run_and_check(q, k, v, kc, vc, seqlens, causal=causal)
+
+
+@pytest.mark.slow(seconds=55)
+def test_long_prefill_chunk_and_ragged_lengths(backend):
+    q, k, v, kc, vc, _, seqlens = _case(batch=2, sq=128, new=128, capacity=300, seqlens=(0, 171), d=16)
+    _run_and_check(q, k, v, kc, vc, seqlens, causal=True)
+
+
+def test_no_append_whole_cache(backend):
+    q, _, _, kc, vc, _, _ = _case(new=0, seqlens=(40, 40, 40))
+    want, _, _, _ = _reference(q, kc, vc, None, None, [40, 40, 40])
+    out = flashtile.flash_attn_with_kvcache(q, kc, vc)  # cache_seqlens None: the whole cache
+    assert_close("out", out, want, None)
+
+
+@pytest.mark.parametrize("page", [1, 16, 64, 256])
+def test_paged_cache(backend, page):
+    capacity = 300 if page == 256 else 70
+    q, k, v, kc, vc, table, seqlens = _case(page=page, capacity=capacity, sq=2, new=2,
+                                             seqlens=(0, capacity - 40, capacity - 2))
+    _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True)
+
+
+def test_cache_batch_idx_and_leftpad(backend):
+    q, k, v, kc, vc, _, seqlens = _case(batch=2, capacity=40, seqlens=(20, 33))
+    kc, vc = torch.cat([kc, kc.flip(0)]), torch.cat([vc, vc.flip(0)])  # 4 cache rows for 2 sequences
+    _run_and_check(q, k, v, kc, vc, seqlens, batch_idx=torch.tensor([3, 0], dtype=torch.int32))
+    q, k, v, kc, vc, _, seqlens = _case(batch=2, capacity=40, seqlens=(20, 33), sq=3, new=3)
+    _run_and_check(q, k, v, kc, vc, seqlens, leftpad=torch.tensor([5, 33], dtype=torch.int32), causal=True)
+
+
+@pytest.mark.parametrize("interleaved", [True, False], ids=["gptj", "neox"])
+@pytest.mark.parametrize("causal", [False, True])
+def test_rotary(backend, interleaved, causal):
+    q, k, v, kc, vc, _, seqlens = _case(sq=3, new=3, d=16, seqlens=(0, 10, 30))
+    pos = torch.arange(64, dtype=torch.float64)[:, None] * 10000 ** (-torch.arange(3) / 3)[None, :]
+    rotary = (torch.cos(pos).float(), torch.sin(pos).float())  # rotary_dim 6 < headdim 16
+    _run_and_check(q, k, v, kc, vc, seqlens, rotary=rotary, interleaved=interleaved, causal=causal,
+                   leftpad=torch.tensor([0, 4, 0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("heads", [(8, 2), (8, 1)], ids=["gqa", "mqa"])
+def test_gqa_windows_softcap_alibi(backend, heads):
+    q, k, v, kc, vc, _, seqlens = _case(sq=4, new=4, heads=heads, seqlens=(3, 20, 36))
+    _run_and_check(q, k, v, kc, vc, seqlens, window=(6, 0), softcap=3.0,
+                   alibi=torch.rand(3, heads[0], generator=torch.Generator().manual_seed(2)) * 0.3)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+def test_num_splits_accepted(backend, num_splits):
+    q, k, v, kc, vc, _, seqlens = _case()
+    _run_and_check(q, k, v, kc, vc, seqlens, causal=True, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("bad, error, match", [
+    (dict(cache_seqlens=torch.tensor([0, 17, 40], dtype=torch.int32)), ValueError, r"cache_seqlens\[2\] \+ seqlen_new"),
+    (dict(cache_seqlens=torch.tensor([0, -1, 3], dtype=torch.int32)), ValueError, r"cache_seqlens\[1\] = -1"),
+    (dict(cache_seqlens=torch.tensor([0, 17, 30])), TypeError, "cache_seqlens must be int32"),
+    (dict(cache_batch_idx=torch.tensor([0, 1, 3], dtype=torch.int32)), ValueError, r"cache_batch_idx\[2\] = 3"),
+    (dict(cache_leftpad=torch.tensor([1, 0, 0], dtype=torch.int32)), ValueError, r"cache_leftpad\[0\] = 1"),
+    (dict(k=None), ValueError, "k and v must be given together"),
+    (dict(rotary_cos=torch.ones(30, 4), rotary_sin=torch.zeros(30, 4)), ValueError, "rotary_cos/rotary_sin hold 30"),
+    (dict(rotary_cos=torch.ones(64, 9), rotary_sin=torch.zeros(64, 9)), ValueError, "rotary_dim"),
+    (dict(num_splits=-1), ValueError, "num_splits must be >= 0"),
+    (dict(v=torch.zeros(3, 1, 2, 16, dtype=torch.float16)), TypeError, "q and v must have the same dtype"),
+])
+def test_bad_calls_leave_the_cache_untouched(bad, error, match):
+    q, k, v, kc, vc, _, seqlens = _case()
+    args = dict(k=k, v=v, cache_seqlens=seqlens)
+    args.update(bad)
+    before = kc.clone(), vc.clone()
+    with pytest.raises(error, match=match):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, **args)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+def test_bad_paged_calls_leave_the_cache_untouched():
+    q, k, v, kc, vc, table, seqlens = _case(page=16, capacity=40)
+    before = kc.clone(), vc.clone()
+    bad = table.clone()
+    bad[2, 1] = kc.shape[0]
+    with pytest.raises(ValueError, match=r"block_table\[2, 1\]"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=bad)
+    with pytest.raises(ValueError, match="cannot be combined with a paged cache"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table,
+                                          cache_batch_idx=torch.zeros(3, dtype=torch.int32))
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+
+
+def test_combine_equals_the_whole(backend):
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 5, 4, 16, generator=g) for _ in range(3))
+    k, v = (torch.randn(2, 60, 4, 16, generator=g) for _ in range(2))
+    out, lse, _ = flashtile.flash_attn_func(q, k, v, return_attn_probs=True)
+    parts = [flashtile.flash_attn_func(q, k[:, a:b], v[:, a:b], return_attn_probs=True) for a, b in
+             ((0, 7), (7, 7 + 40), (47, 60))]
+    got, got_lse = flashtile.flash_attn_combine(torch.stack([p[0] for p in parts]).float(),
+                                                torch.stack([p[1] for p in parts]))
+    torch.testing.assert_close(got, out, atol=2e-6, rtol=1e-5)
+    torch.testing.assert_close(got_lse, lse, atol=2e-6, rtol=1e-6)
+    # a row no split saw: 0 and -inf, never NaN
+    none_seen, none_lse = flashtile.flash_attn_combine(torch.zeros(2, 1, 1, 1, 4),
+                                                       torch.full((2, 1, 1, 1), float("-inf")))
+    assert torch.equal(none_seen, torch.zeros_like(none_seen)) and torch.isneginf(none_lse).all()
+
+
+def _spy_launches(monkeypatch):
+    """Count the kv-cache kernels' launches (name -> number); plans off (a replay skips the Python launchers)."""
+    from flashtile.backends.triton import decode
+    from flashtile.runtime import replay as plan
+
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    plan.clear()
+    counts = {}
+    for name in ("_launch_check", "_launch_append", "_launch_decode", "_launch_combine"):
+        launcher = getattr(decode, name)
+
+        def spy(*args, _name=name, _orig=launcher._launch, **kw):
+            counts[_name] = counts.get(_name, 0) + 1
+            return _orig(*args, **kw)
+
+        monkeypatch.setattr(launcher, "_launch", spy)
+    return counts
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize("page", [0, 16, 64], ids=["rows", "page16", "page64"])
+@pytest.mark.parametrize("sq", [1, 3])
+def test_split_kv(triton_backend, monkeypatch, num_splits, page, sq):
+    """The split-KV kernel and its combine: ragged lengths over several key tiles, GQA,
+    contiguous rows and pages (64: one page per key tile; 16: a page per key)."""
+    counts = _spy_launches(monkeypatch)
+    q, k, v, kc, vc, table, seqlens = _case(batch=4, sq=sq, new=sq, heads=(8, 2), d=32, capacity=320,
+                                             seqlens=(0, 5, 129, 320 - sq), page=page)
+    _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True, num_splits=num_splits)
+    assert counts["_launch_decode"] == 1 and counts["_launch_append"] == 1
+    assert counts.get("_launch_combine", 0) == (num_splits != 1)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize("page", [1, 16, 48])
+@pytest.mark.parametrize("slice_max", [512, 0])
+def test_paged_table_slice(triton_backend, monkeypatch, page, num_splits, slice_max):
+    """decode.PAGE_SLICE_MAX (512 by default): the per-key page gather with each split's table
+    entries read once into registers, and (0) the per-key table read that a split spanning
+    more pages than that takes; 48-key pages do not divide the 64-key tiles, so a split's
+    first tile starts inside a page."""
+    from flashtile.backends.triton import decode
+
+    monkeypatch.setattr(decode, "PAGE_SLICE_MAX", slice_max)
+    slices = []
+    orig = decode._launch_decode._launch
+
+    def spy(grid, args, constexprs, *rest):
+        slices.append(constexprs["PAGE_SLICE"])
+        return orig(grid, args, constexprs, *rest)
+
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    monkeypatch.setattr(decode._launch_decode, "_launch", spy)
+    q, k, v, kc, vc, table, seqlens = _case(batch=4, sq=3, new=3, heads=(8, 2), d=32, capacity=320,
+                                             seqlens=(0, 5, 129, 317), page=page)
+    _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True, num_splits=num_splits)
+    assert len(slices) == 1 and (slices[0] >= 16 if slice_max else slices[0] == 0)
+
+
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_split_kv_windows_softcap_alibi_rotary(triton_backend, monkeypatch, num_splits):
+    counts = _spy_launches(monkeypatch)
+    q, k, v, kc, vc, _, seqlens = _case(batch=3, sq=5, new=5, heads=(8, 1), d=32, capacity=300,
+                                         seqlens=(40, 170, 295))
+    pos = torch.arange(300, dtype=torch.float64)[:, None] * 10000 ** (-torch.arange(8) / 8)[None, :]
+    _run_and_check(q, k, v, kc, vc, seqlens, window=(70, 3), softcap=2.0, num_splits=num_splits,
+                   rotary=(torch.cos(pos).float(), torch.sin(pos).float()), interleaved=False,
+                   alibi=torch.rand(3, 8, generator=torch.Generator().manual_seed(3)) * 0.2,
+                   leftpad=torch.tensor([0, 9, 100], dtype=torch.int32))
+    assert counts.get("_launch_combine", 0) == (num_splits > 1)
+
+
+@pytest.mark.parametrize("bad, status", [
+    (dict(cache_seqlens=torch.tensor([0, 17, 40], dtype=torch.int32)), (1, 2, 0, 40)),
+    (dict(cache_seqlens=torch.tensor([0, -1, 3], dtype=torch.int32)), (1, 1, 0, -1)),
+    (dict(cache_leftpad=torch.tensor([0, 18, 0], dtype=torch.int32)), (2, 1, 0, 18)),
+    (dict(cache_batch_idx=torch.tensor([0, 1, 3], dtype=torch.int32)), (3, 2, 0, 3)),
+    (dict(rotary_cos=torch.ones(30, 4), rotary_sin=torch.zeros(30, 4)), (5, 2, 0, 31)),
+])
+def test_device_check(triton_backend, monkeypatch, bad, status):
+    """FLASHTILE_KVCACHE_CHECK=device (what CUDA metadata gets): a bad value found by the
+    check kernel leaves the cache bitwise unchanged and makes out and lse NaN; a good call
+    is the same as with the host's check."""
+    from flashtile.backends.triton import decode
+
+    found = []
+    orig = decode.check_metadata
+
+    def keep(st, *a, **kw):
+        orig(st, *a, **kw)
+        found.append(st)
+
+    monkeypatch.setattr(decode, "check_metadata", keep)
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")  # a replay does not call check_metadata
+    q, k, v, kc, vc, _, seqlens = _case()
+    args = dict(k=k, v=v, cache_seqlens=seqlens)
+    good = flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **args)
+    assert tuple(found[-1].tolist()) == (0, 0, 0, 0)
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "host")
+    assert torch.equal(good, flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **args))
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    args.update(bad)
+    before = kc.clone(), vc.clone()
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, **args, return_softmax_lse=True)
+    assert tuple(found[-1].tolist()) == status
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    assert out.isnan().all() and lse.isnan().all()
+    # the same through a launch plan: recorded on a good call, replayed on the bad one
+    monkeypatch.delenv("FLASHTILE_PLANS")
+    good_args = dict(k=k, v=v, cache_seqlens=seqlens)
+    for t in ("cache_leftpad", "cache_batch_idx", "rotary_cos", "rotary_sin"):
+        if t in bad:
+            good_args[t] = {"cache_leftpad": torch.zeros(3, dtype=torch.int32),
+                            "cache_batch_idx": torch.arange(3, dtype=torch.int32),
+                            "rotary_cos": torch.ones(64, 4), "rotary_sin": torch.zeros(64, 4)}[t]
+    for _ in range(2):
+        flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **good_args)
+    if "rotary_cos" in bad:
+        return  # a shorter table is another key
+    out = flashtile.flash_attn_with_kvcache(q, kc, vc, **args)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]) and out.isnan().all()
+
+
+def test_device_check_with_splits(triton_backend, monkeypatch):
+    """The device check with split-KV: status and the partial results share one scratch
+    allocation (``decode.scratch``); recorded on good calls and replayed on a bad one, the
+    cache stays unchanged and out and lse are NaN through the combine."""
+    from flashtile.backends.triton import decode
+
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    q, k, v, kc, vc, _, seqlens = _case(capacity=300, seqlens=(0, 170, 290))
+    assert decode.split_plan(q, kc, None, 3)[0] == 3
+    args = dict(cache_seqlens=seqlens, num_splits=3, return_softmax_lse=True)
+    got = [flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **args) for _ in range(3)]
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "host")
+    want = flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **args)
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    for out, lse in got:
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    bad = seqlens.clone()
+    bad[2] = 300  # no room for the new key
+    before = kc.clone(), vc.clone()
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, **{**args, "cache_seqlens": bad})
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    assert out.isnan().all() and lse.isnan().all()
+
+
+def test_device_check_paged(triton_backend, monkeypatch):
+    from flashtile.backends.triton import decode
+
+    found = []
+    orig = decode.check_metadata
+    monkeypatch.setattr(decode, "check_metadata", lambda st, *a, **kw: (orig(st, *a, **kw), found.append(st)))
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    q, k, v, kc, vc, table, seqlens = _case(page=16, capacity=40)
+    bad = table.clone()
+    bad[2, 1] = kc.shape[0]
+    bad[2, 2] = -1
+    bad[0, 2] = -5  # past sequence 0's pages (it holds 1 key): never read, not an error
+    before = kc.clone(), vc.clone()
+    out = flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=bad)
+    assert tuple(found[-1].tolist()) == (4, 2, 1, kc.shape[0])
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]) and out.isnan().all()
+
+
+def test_repeated_calls_skip_validation(triton_backend, monkeypatch):
+    """Metadata checked on the device: a repeated call with one key goes straight to the
+    kernels (validated once) and to their plan (one key made per call: the kernels' entry
+    is kept under the API's), bitwise the same as the full path; a changed shape or flag
+    is another key and is validated (bad ones still raise)."""
+    from flashtile.api import kvcache as api
+    from flashtile.runtime import replay as plan
+
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    calls, keys = [], []
+    full, make_key = api._check_window, plan.make_key
+    monkeypatch.setattr(api, "_check_window", lambda w: (calls.append(w), full(w))[1])
+    monkeypatch.setattr(plan, "make_key", lambda *a: (keys.append(1), make_key(*a))[1])
+    q, k, v, kc, vc, table, seqlens = _case(page=16, capacity=40, heads=(4, 2))
+    alibi = torch.rand(4)
+    args = dict(cache_seqlens=seqlens, block_table=table, causal=True, alibi_slopes=alibi, return_softmax_lse=True)
+    outs = [flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **args) for _ in range(3)]
+    assert len(calls) == 1
+    assert len(keys) == 2 + 1 + 1  # the first call: the API's key and the kernels'; then the API's alone
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    kc2 = kc.clone()
+    want = flashtile.flash_attn_with_kvcache(q, kc2, vc.clone(), k, v, **args)
+    monkeypatch.delenv("FLASHTILE_PLANS")
+    for out, lse in outs:
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    with pytest.raises(ValueError, match="window_size"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, **{**args, "window_size": (-3, 0)})
+    with pytest.raises(TypeError, match="v must be float16"):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, k, v.double(), **args)
+
+
+def test_choose_splits():
+    """The split heuristic (backends.triton.decode.choose_splits; a CPU device counts 16 SMs): about two
+    programs per SM in one wave when few, about 12 per SM when more, at most one split per
+    4 key tiles, a page gather always the many-wave count, an explicit count capped by tiles."""
+    from flashtile.backends.triton.decode import choose_splits
+
+    cpu = torch.device("cpu")
+    assert choose_splits(0, 8, 131072, 64, cpu) == 4  # 32 // 8
+    assert choose_splits(0, 3, 131072, 64, cpu) == 10  # 32 // 3, rounded down: one wave
+    assert choose_splits(0, 64, 4096, 64, cpu) == 3  # >= 32 programs: cdiv(192, 64)
+    assert choose_splits(0, 400, 4096, 64, cpu) == 1
+    assert choose_splits(0, 8, 131072, 64, cpu, gather=True) == 24  # cdiv(192, 8)
+    assert choose_splits(0, 1, 64 * 12, 64, cpu) == 3  # 12 tiles: splits of at least 4
+    assert choose_splits(0, 1, 100, 64, cpu) == 1
+    assert choose_splits(500, 1, 640, 64, cpu) == 10  # one per key tile at most
+    assert choose_splits(3, 1000, 640, 64, cpu) == 3
+
+
+# --------------------------------------------------------------------------- issue 40's fuzz defects
+@pytest.mark.parametrize("window, sq, cache_len", [((-1, 2**31 - 1), 1, 4), ((2**31 - 1, -1), 7, 1),
+                                                   ((2**31 - 1, 2**31 - 1), 3, 5), ((2**31 - 2, 0), 2, 4)])
+def test_huge_window_sides_hide_nothing(backend, window, sq, cache_len):
+    """A window side at least the cache length is unbounded, as flash-attn trims it; on the
+    decode kernel such a side once overflowed int32 (t_last + diag + right + 1) and hid every
+    key: out 0, lse -inf instead of attention over the whole cache."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, sq, 2, 16, generator=g)
+    kc, vc = (torch.randn(1, 6, 1, 16, generator=g) for _ in range(2))
+    causal = window[1] == 0
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cache_len, window_size=window,
+                                                 return_softmax_lse=True)
+    want, want_lse = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=cache_len, causal=causal,
+                                                       return_softmax_lse=True)
+    ref, ref_lse, _, _ = _reference(q, kc, vc, None, None, [cache_len], causal=causal)
+    assert torch.isfinite(lse).all()
+    assert_close("out", out, ref, None)
+    assert_close("lse", lse, ref_lse, None)
+    torch.testing.assert_close(out, want, atol=0, rtol=0)
+    torch.testing.assert_close(lse, want_lse, atol=0, rtol=0)
+
+
+def test_cache_with_more_rows_than_the_batch(backend):
+    """Without cache_batch_idx, sequence b uses cache row b (flash-attn: indices 0 ..
+    batch - 1): a cache allocated for a larger batch is used in its first rows, the others
+    stay bitwise untouched."""
+    q, k, v, kc, vc, _, seqlens = _case(batch=2, capacity=40, seqlens=(20, 33), sq=2, new=2)
+    g = torch.Generator().manual_seed(9)
+    spare_k, spare_v = torch.randn(2, 40, 2, 16, generator=g), torch.randn(2, 40, 2, 16, generator=g)
+    kc, vc = torch.cat([kc, spare_k]), torch.cat([vc, spare_v])  # 4 cache rows, 2 sequences
+    _run_and_check(q, k, v, kc, vc, seqlens, causal=True)
+    assert torch.equal(kc[2:], spare_k) and torch.equal(vc[2:], spare_v)
+
+
+def test_cache_with_fewer_rows_than_the_batch_is_refused():
+    q, k, v, kc, vc, _, seqlens = _case(batch=3)
+    with pytest.raises(ValueError, match="k_cache holds 2 sequences but q 3"):
+        flashtile.flash_attn_with_kvcache(q, kc[:2], vc[:2], k, v, cache_seqlens=seqlens)
+
+
+def test_empty_page_pool(backend):
+    """A paged cache with no pages at all, when no sequence needs one: every row sees no key
+    (out 0, lse -inf), where the twin's page gather once raised IndexError."""
+    pool = torch.randn(0, 4, 2, 8)
+    q = torch.randn(2, 3, 4, 8)
+    out, lse = flashtile.flash_attn_with_kvcache(q, pool, pool.clone(), cache_seqlens=0,
+                                                 block_table=torch.zeros(2, 1, dtype=torch.int32),
+                                                 return_softmax_lse=True)
+    assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()

@@ -1,0 +1,148 @@
+"""flash_attn_with_kvcache on the GPU (``pytest -m gpu``): the CPU matrix's reference at
+fp16/bf16 under the accuracy rule, a decode loop against the prefill of the whole
+sequence, and a decode step captured in a CUDA graph with changing cache_seqlens."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashtile
+from test_kvcache import _case, _run_and_check
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
+
+
+def _cuda(*tensors):
+    return [None if t is None else t.cuda() for t in tensors]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("page", [0, 16, 256])
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("num_splits", [0, 1])
+def test_matrix(dtype, page, sq, num_splits):
+    q, k, v, kc, vc, table, seqlens = _case(batch=4, sq=sq, new=sq, heads=(32, 8), d=128, capacity=600,
+                                             seqlens=(0, 1, 333, 590), dtype=dtype, page=page)
+    q, k, v, kc, vc, table, seqlens = _cuda(q, k, v, kc, vc, table, seqlens)
+    _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("page", [16, 48])
+@pytest.mark.parametrize("num_splits", [0, 1])
+@pytest.mark.parametrize("slice_max", [512, 0])
+def test_paged_table_slice(monkeypatch, page, num_splits, slice_max):
+    """decode.PAGE_SLICE_MAX (512 by default): the page gather with the split's table entries
+    in registers, and (0) the per-key table read of splits that span more pages."""
+    from flashtile.backends.triton import decode
+
+    monkeypatch.setattr(decode, "PAGE_SLICE_MAX", slice_max)
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    q, k, v, kc, vc, table, seqlens = _case(batch=4, sq=4, new=4, heads=(32, 8), d=128, capacity=2000,
+                                             seqlens=(0, 1, 1333, 1990), dtype=torch.bfloat16, page=page)
+    q, k, v, kc, vc, table, seqlens = _cuda(q, k, v, kc, vc, table, seqlens)
+    _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True, num_splits=num_splits)
+
+
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("sq", [1, 7])
+def test_head_dims_rotary_windows(d, sq):
+    q, k, v, kc, vc, _, seqlens = _case(batch=3, sq=sq, new=sq, heads=(16, 4), d=d, capacity=1000,
+                                         seqlens=(10, 500, 990), dtype=torch.bfloat16)
+    pos = torch.arange(1000, dtype=torch.float64)[:, None] * 10000 ** (-torch.arange(d // 4) / (d // 4))[None, :]
+    rotary = [t.float().cuda() for t in (torch.cos(pos), torch.sin(pos))]
+    q, k, v, kc, vc, seqlens = _cuda(q, k, v, kc, vc, seqlens)
+    _run_and_check(q, k, v, kc, vc, seqlens, rotary=rotary, window=(300, 0), softcap=5.0,
+                   leftpad=torch.tensor([0, 100, 7], dtype=torch.int32, device="cuda"))
+
+
+def test_bad_device_metadata_writes_nothing():
+    """CUDA metadata is checked on the device (no synchronisation): a bad value leaves the
+    cache bitwise unchanged and makes the output NaN."""
+    q, k, v, kc, vc, table, seqlens = _cuda(*_case(page=16, capacity=40, dtype=torch.float16))
+    before = kc.clone(), vc.clone()
+    bad = seqlens.clone()
+    bad[1] = table.shape[1] * kc.shape[1]  # 3 pages of 16: 48 keys, no room for the new one
+    out = flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=bad, block_table=table)
+    assert out.isnan().all() and torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    out = flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table)
+    assert not out.isnan().any() and not torch.equal(kc, before[0])
+
+
+def test_compiled_decode_step():
+    B, S, H, Hk, D = 2, 256, 8, 2, 64
+    kc = torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, 1, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor([3, 200], dtype=torch.int32, device="cuda")
+
+    def step(q, kc, vc, k, v, seqlens):
+        return flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True) * 2
+
+    kc2, vc2 = kc.clone(), vc.clone()
+    want = step(q, kc2, vc2, k, v, seqlens)
+    got = torch.compile(step, fullgraph=True)(q, kc, vc, k, v, seqlens)
+    assert torch.equal(got, want) and torch.equal(kc, kc2) and torch.equal(vc, vc2)
+
+
+def test_decode_loop_matches_prefill():
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, S, H, Hk, D, steps = 2, 200, 8, 2, 128, 64
+    q, k, v = (torch.randn(B, S, h, D, device="cuda", dtype=torch.bfloat16, generator=g) for h in (H, Hk, Hk))
+    full = flashtile.flash_attn_func(q, k, v, causal=True)
+    prefill = S - steps
+    kc = torch.zeros(B, S, Hk, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.zeros_like(kc)
+    seqlens = torch.zeros(B, dtype=torch.int32, device="cuda")
+    out = flashtile.flash_attn_with_kvcache(q[:, :prefill], kc, vc, k[:, :prefill], v[:, :prefill],
+                                            cache_seqlens=seqlens, causal=True)
+    outs = [out]
+    seqlens += prefill
+    for t in range(prefill, S):
+        outs.append(flashtile.flash_attn_with_kvcache(q[:, t:t + 1], kc, vc, k[:, t:t + 1], v[:, t:t + 1],
+                                                      cache_seqlens=seqlens, causal=True))
+        seqlens += 1
+    torch.testing.assert_close(torch.cat(outs, 1), full, atol=2e-2, rtol=2e-2)
+    assert torch.equal(kc, k) and torch.equal(vc, v)
+
+
+def test_cuda_graph_decode_step():
+    B, S, H, Hk, D = 4, 512, 16, 4, 128
+    kc = torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16)
+    vc = torch.randn_like(kc)
+    q = torch.randn(B, 1, H, D, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(B, 1, Hk, D, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+    seqlens = torch.tensor([0, 100, 300, 500], dtype=torch.int32, device="cuda")
+
+    def step():
+        return flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static = step()
+    for _ in range(3):
+        seqlens += 1
+        graph.replay()
+        torch.cuda.synchronize()
+        kc2, vc2 = kc.clone(), vc.clone()
+        ref = flashtile.flash_attn_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=seqlens, causal=True)
+        assert torch.equal(static, ref)
+
+
+@pytest.mark.parametrize("window, sq", [((-1, 2**31 - 1), 1), ((2**31 - 1, -1), 7), ((2**31 - 1, 2**31 - 1), 3)])
+@pytest.mark.parametrize("num_splits", [0, 1])
+def test_huge_window_sides_hide_nothing(window, sq, num_splits):
+    """Issue 40: a window side of 2**31 - 1 once overflowed the decode kernel's int32 bounds
+    and hid every key (out 0, lse -inf); it is unbounded, as flash-attn trims it."""
+    q, k, v, kc, vc, _, seqlens = _case(batch=3, sq=sq, new=sq, heads=(16, 4), d=128, capacity=700,
+                                         seqlens=(0, 5, 690), dtype=torch.bfloat16)
+    q, k, v, kc, vc, seqlens = _cuda(q, k, v, kc, vc, seqlens)
+    out = _run_and_check(q, k, v, kc, vc, seqlens, window=window, num_splits=num_splits)
+    assert torch.isfinite(out).all()

@@ -1,0 +1,167 @@
+"""GPU tests of the warp-specialized Gluon backward (``backends/sm90/backward_split.py``, and at d64
+and d128 ``backends/sm90/backward_onepass.py`` unless deterministic; Hopper only).
+
+Every case asserts that the Gluon kernels really ran (a spy counts their launches), so the
+matrix cannot pass on the Triton backward alone; gradient buffers are NaN-poisoned first
+(an element the kernels never write fails) and checked with the accuracy rule
+(QUALITY.md: at most GRAD_FACTOR x PyTorch's own error) against float64. The edge
+cases are the kernels' own: sequence ends inside a tile (TMA zero-fill, clipped stores,
+the masked last key tile of the dQ kernel), causal rows with no key (seqlen_q >
+seqlen_k), key blocks that no query sees (SDPA's top-left causal with seqlen_q <
+seqlen_k: their dK/dV are zeros), GQA/MQA (dK/dV summed over the query heads of a group),
+the (B, S, H, D) layout and packed views read in place, and a loss on the returned LSE
+(folded into Delta).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashtile
+from cases import Case, _grads, check_flash_grads, make_inputs, reference, rotating_cases, spy_calls
+from flashtile.backends.sm90.backward_onepass import ONEPASS_HEAD_DIMS
+from flashtile.testing import GRAD_FACTOR, assert_close
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
+
+
+@pytest.fixture
+def bwd_ws_calls(monkeypatch):
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the Gluon backward is for sm90 (Hopper)")
+    from flashtile.backends.sm90 import backward_split as backward_sm90, backward_onepass as backward_sm90_onepass
+
+    calls = spy_calls(monkeypatch, backward_sm90, "attention_backward_ws")
+    return spy_calls(monkeypatch, backward_sm90_onepass, "attention_backward_onepass", calls)
+
+
+SEQ_PAIRS = [(1, 1), (17, 17), (64, 64), (127, 129), (129, 127), (200, 1000), (1000, 200), (1000, 1000)]
+
+
+@pytest.mark.parametrize("case", rotating_cases((64, 128, 256), SEQ_PAIRS, ((6, 6), (6, 2), (6, 1))),
+                         ids=lambda c: c.id)
+def test_ws_grad_matrix(case, bwd_ws_calls):
+    check_flash_grads(case, device="cuda")
+    assert len(bwd_ws_calls) == 1 and bwd_ws_calls[0]["causal"] == (case.causal and case.seqlen_q > 1), bwd_ws_calls
+    one_pass = case.head_dim in ONEPASS_HEAD_DIMS  # the default there (not deterministic)
+    assert bwd_ws_calls[0]["fn"] == ("attention_backward_onepass" if one_pass else "attention_backward_ws")
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_long_causal_gqa(head_dim, bwd_ws_calls):
+    """Many query blocks per key block and many key tiles per query block (ring phases
+    wrap many times in every kernel)."""
+    check_flash_grads(Case(2100, 2100, head_dim, dtype=torch.bfloat16, causal=True, batch=1, nheads=4, nheads_k=2),
+                      device="cuda")
+    assert len(bwd_ws_calls) == 1
+
+
+def test_out_of_scope_and_switch_use_the_triton_backward(bwd_ws_calls, monkeypatch):
+    check_flash_grads(Case(200, 200, 128, dtype=torch.bfloat16, softcap=20.0), device="cuda")
+    check_flash_grads(Case(200, 200, 128, dtype=torch.bfloat16, window=(64, 0)), device="cuda")
+    check_flash_grads(Case(200, 200, 96, dtype=torch.bfloat16), device="cuda")
+    check_flash_grads(Case(200, 200, 256, dtype=torch.bfloat16, window=(64, 0)), device="cuda")
+    assert bwd_ws_calls == []
+    monkeypatch.setenv("FLASHTILE_WS", "0")
+    check_flash_grads(Case(200, 200, 128, dtype=torch.bfloat16), device="cuda")
+    assert bwd_ws_calls == []
+    monkeypatch.setenv("FLASHTILE_WS", "1")
+    check_flash_grads(Case(200, 200, 128, dtype=torch.bfloat16), device="cuda")
+    assert len(bwd_ws_calls) == 1
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_bitwise_reproducible(head_dim, bwd_ws_calls):
+    """deterministic=True: the split kernels (no atomics, no reductions: every gradient
+    element is written by one program in a fixed order), at d64 too."""
+    g = torch.Generator(device="cuda").manual_seed(7)
+    q, k, v = (torch.randn(2, 1537, n, head_dim, device="cuda", dtype=torch.bfloat16,
+                           generator=g).requires_grad_(True) for n in (8, 2, 2))
+    dout = torch.randn(2, 1537, 8, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+    out = flashtile.flash_attn_func(q, k, v, causal=True, deterministic=True)
+    first = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+    for _ in range(10):
+        again = torch.autograd.grad(out, (q, k, v), dout, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(again, first))
+    assert len(bwd_ws_calls) == 11 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_ws"}
+
+
+@pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_pass_race_hunt(causal, head_dim, bwd_ws_calls):
+    """The one-pass kernel at batch 60 (many programs add into each dQ tile at once, GQA):
+    dK and dV bitwise equal over reruns (each program owns its keys), dQ within the
+    accuracy rule every time (its float32 sums arrive in a varying order)."""
+    case = Case(333, 333, head_dim, dtype=torch.bfloat16, causal=causal, batch=60, nheads=4, nheads_k=2)
+    q, k, v, _ = make_inputs(case, "cuda", 0)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    dout = torch.randn(q.shape, device="cuda", dtype=case.dtype, generator=g)
+    ref = _grads(lambda *a: reference(case, *a, None, torch.float64)[0], (q, k, v), dout.double())[1:]
+    base = _grads(lambda *a: reference(case, *a, None, case.dtype)[0], (q, k, v), dout)[1:]
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out = flashtile.flash_attn_func(*leaves, causal=causal)
+    first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    for name, a, r, b in zip(("dq", "dk", "dv"), first, ref, base):
+        assert_close(f"one-pass {name}", a, r, b, factor=GRAD_FACTOR)
+    for _ in range(5):
+        dq, dk, dv = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        assert torch.equal(dk, first[1]) and torch.equal(dv, first[2])
+        assert_close("one-pass dq again", dq, ref[0], base[0], factor=GRAD_FACTOR)
+    assert len(bwd_ws_calls) == 6 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
+
+
+def test_one_pass_switch(bwd_ws_calls, monkeypatch):
+    """FLASHTILE_BWD_DQ=split keeps d64 on the split kernels; unset, it takes the one-pass one."""
+    case = Case(517, 300, 64, dtype=torch.float16, causal=True, nheads=6, nheads_k=2)
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "split")
+    check_flash_grads(case, device="cuda")
+    monkeypatch.delenv("FLASHTILE_BWD_DQ")
+    check_flash_grads(case, device="cuda")
+    assert [c["fn"] for c in bwd_ws_calls] == ["attention_backward_ws", "attention_backward_onepass"]
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+@pytest.mark.parametrize("seqs", [(100, 1000), (1000, 100), (333, 333)], ids=lambda s: f"L{s[0]}-S{s[1]}")
+def test_sdpa_top_left_causal(seqs, head_dim, bwd_ws_calls):
+    """diag_offset 0 with L < S: key blocks past the last query have no step at all."""
+    L, S = seqs
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q, k, v = (torch.randn(2, 4, n, head_dim, device="cuda", dtype=torch.bfloat16, generator=g) for n in (L, S, S))
+    dout = torch.randn(2, 4, L, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+
+    def grads(fn, dtype):
+        leaves = [t.detach().to(dtype).requires_grad_(True) for t in (q, k, v)]
+        return torch.autograd.grad(fn(*leaves), leaves, dout.to(dtype))
+
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    got = grads(lambda *a: flashtile.scaled_dot_product_attention(*a, is_causal=True), torch.bfloat16)
+    ref = grads(lambda *a: sdpa(*a, is_causal=True), torch.float64)
+    base = grads(lambda *a: sdpa(*a, is_causal=True), torch.bfloat16)
+    for name, a, r, b in zip(("dq", "dk", "dv"), got, ref, base):
+        assert_close(f"sdpa causal {name}", a, r, b, factor=GRAD_FACTOR)
+    if L < S:
+        assert torch.equal(got[1][:, :, L:], torch.zeros_like(got[1][:, :, L:]))
+    assert len(bwd_ws_calls) == 1
+
+
+def test_lse_gradient(bwd_ws_calls):
+    """A loss on softmax_lse (a z-loss, say) reaches the kernels through Delta."""
+    case = Case(300, 517, 128, dtype=torch.bfloat16, causal=True, nheads=4, nheads_k=2)
+    q, k, v, _ = make_inputs(case, "cuda", 0)
+    g = torch.Generator(device="cuda").manual_seed(1)
+    dout = torch.randn(q.shape, device="cuda", generator=g)
+    w = torch.randn(case.batch, case.nheads, case.seqlen_q, device="cuda", generator=g)
+
+    def grads(fn):
+        leaves = [t.detach().clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse = fn(*leaves)
+        loss = (out.double() * dout.double()).sum() + (lse.double() * w.double()).sum()
+        return torch.autograd.grad(loss, leaves)
+
+    got = grads(lambda *a: flashtile.flash_attn_func(*a, causal=True, return_attn_probs=True)[:2])
+    ref = grads(lambda *a: reference(case, *a, None, torch.float64))
+    base = grads(lambda *a: reference(case, *a, None, case.dtype))
+    for name, a, r, b in zip(("dq", "dk", "dv"), got, ref, base):
+        assert_close(f"lse loss {name}", a, r, b, factor=GRAD_FACTOR)
+    assert len(bwd_ws_calls) == 1

@@ -1,0 +1,162 @@
+"""transformers models with attn_implementation="tiled_attention" (flashtile.integrations.
+transformers) against "eager" and "sdpa" on CPU, random weights from small configs:
+padded batches (left and right), packed documents, sliding windows, softcap, an encoder,
+a training step and greedy generation."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from flashtile.integrations import transformers as ft  # noqa: E402  (registers the name)
+
+TOL = 2e-5  # float32 on CPU: the torch twin vs transformers' eager attention
+
+
+def _pair(config, cls, impls=("eager", ft.NAME)):
+    models = {}
+    for impl in impls:
+        torch.manual_seed(0)
+        c = copy.deepcopy(config)
+        c._attn_implementation = impl
+        models[impl] = cls(c).eval()
+    return models
+
+
+def _llama():
+    return transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _qwen2():
+    return transformers.Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                    use_sliding_window=True, sliding_window=6, max_window_layers=1,
+                                    layer_types=["sliding_attention", "full_attention"])
+
+
+def _gemma2():
+    return transformers.Gemma2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                     max_position_embeddings=256, sliding_window=5, attn_logit_softcapping=3.0,
+                                     final_logit_softcapping=None, query_pre_attn_scalar=16)
+
+
+CAUSAL_LMS = {"llama": (_llama, transformers.LlamaForCausalLM), "qwen2-sliding": (_qwen2, transformers.Qwen2ForCausalLM),
+              "gemma2-softcap": (_gemma2, transformers.Gemma2ForCausalLM)}
+
+
+def _inputs(batch=3, seqlen=20):
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 97, (batch, seqlen), generator=g)
+    right = torch.ones(batch, seqlen, dtype=torch.long)
+    right[1, 14:] = 0
+    right[2, 9:] = 0
+    left = right.flip(1)
+    return ids, right, left
+
+
+@pytest.mark.parametrize("name", list(CAUSAL_LMS))
+def test_padded_batches_match_eager(name):
+    make, cls = CAUSAL_LMS[name]
+    models = _pair(make(), cls)
+    ids, right, left = _inputs()
+    with torch.no_grad():
+        for mask in (None, right, left):
+            ref = models["eager"](ids, attention_mask=mask).logits
+            got = models[ft.NAME](ids, attention_mask=mask).logits
+            keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+            assert (ref - got)[keep].abs().max() < TOL, name
+
+
+@pytest.mark.parametrize("name", list(CAUSAL_LMS))
+def test_packed_documents_match_each_document_alone(name):
+    make, cls = CAUSAL_LMS[name]
+    models = _pair(make(), cls)
+    ids, _, _ = _inputs()
+    docs = [ids[0, :7], ids[1, :11], ids[2, :4]]
+    packed = torch.cat(docs)[None]
+    position_ids = torch.cat([torch.arange(len(d)) for d in docs])[None]
+    with torch.no_grad():
+        got = models[ft.NAME](packed, position_ids=position_ids).logits[0]
+        ref = torch.cat([models["eager"](d[None]).logits[0] for d in docs])
+    assert (got - ref).abs().max() < TOL
+
+
+def test_training_step_gradients_match_eager():
+    models = _pair(_llama(), transformers.LlamaForCausalLM)
+    ids, right, _ = _inputs()
+    grads = {}
+    for impl, model in models.items():
+        model.train()
+        model.config.attention_dropout = 0.0
+        loss = model(ids, attention_mask=right, labels=ids.masked_fill(right == 0, -100)).loss
+        loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["eager"].keys() == grads[ft.NAME].keys() and grads["eager"]
+    for n, g in grads["eager"].items():
+        assert (g - grads[ft.NAME][n]).abs().max() <= 1e-4 * max(1.0, g.abs().max().item()), n
+
+
+@pytest.mark.parametrize("name, peer", [("llama", "sdpa"), ("gemma2-softcap", "eager")])  # Gemma2: no sdpa
+def test_greedy_generation_matches(name, peer):
+    make, cls = CAUSAL_LMS[name]
+    models = _pair(make(), cls, impls=(peer, ft.NAME))
+    ids, _, left = _inputs(seqlen=12)
+    with torch.no_grad():
+        a = models[peer].generate(ids[:1], max_new_tokens=32, do_sample=False)
+        b = models[ft.NAME].generate(ids[:1], max_new_tokens=32, do_sample=False)
+        assert torch.equal(a, b)
+        a = models[peer].generate(ids, attention_mask=left, max_new_tokens=16, do_sample=False)
+        b = models[ft.NAME].generate(ids, attention_mask=left, max_new_tokens=16, do_sample=False)
+        assert torch.equal(a, b)
+
+
+def test_encoder_with_padding_mask():
+    config = transformers.BertConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, max_position_embeddings=64)
+    models = _pair(config, transformers.BertModel)
+    ids, right, _ = _inputs()
+    with torch.no_grad():
+        ref = models["eager"](ids, attention_mask=right).last_hidden_state
+        got = models[ft.NAME](ids, attention_mask=right).last_hidden_state
+    assert (ref - got)[right.bool()].abs().max() < TOL
+
+
+def test_refusals_name_the_feature():
+    q = torch.randn(1, 2, 4, 16)
+    module = torch.nn.Module()
+    with pytest.raises(NotImplementedError, match="attention sinks"):
+        ft.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
+    with pytest.raises(NotImplementedError, match="output_attentions"):
+        ft.attention_forward(module, q, q, q, None, output_attentions=True)
+    with pytest.raises(NotImplementedError, match="4-D float attention mask"):
+        ft.attention_forward(module, q, q, q, torch.zeros(1, 1, 4, 4))
+
+
+@pytest.mark.slow(seconds=25)
+def test_the_example_runs_and_agrees_with_sdpa():
+    # examples/transformers_llama.py, as a user runs it on CPU: its printed differences are
+    # the claims of the README's transformers section.
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(root / "src"))
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(root / "examples" / "transformers_llama.py")], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = proc.stdout
+    diffs = [float(x) for x in re.findall(r"max \|(?:logits )?diff\|[^0-9]*([0-9.e+-]+)", out)]
+    assert len(diffs) == 2 and max(diffs) < 1e-4, out
+    losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
+    assert len(losses) == 2 and abs(losses[0] - losses[1]) < 1e-4, out
+    assert "identical True" in out, out

@@ -1,0 +1,298 @@
+"""Launch plans (flashtile.runtime.replay): a replayed call must give bitwise what the full path
+gives, miss the cache whenever anything it depends on changes, and never skip a check.
+
+Under TRITON_INTERPRET=1 replays go through ``kernel[grid]`` on views of the recorded
+sources (the generic mode); ``plan.stub_launches`` exercises the raw mode (the argument
+lists handed to Triton's C launcher) without a GPU."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+import flashtile  # noqa: E402
+from flashtile.runtime import replay as plan  # noqa: E402
+
+pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="set TRITON_INTERPRET=1 (make test does) to run the Triton kernels on CPU")
+
+
+@pytest.fixture
+def replays(plan_replays, triton_backend):
+    return plan_replays
+
+
+def _same(a, b):
+    if isinstance(a, torch.Tensor):
+        return a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, (tuple, list)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _qkv(b, sq, sk, h, hk, d, dtype=torch.float32, layout="bshd", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    if layout == "bshd":
+        q = torch.randn(b, sq, h, d, generator=g, dtype=dtype)
+        k = torch.randn(b, sk, hk, d, generator=g, dtype=dtype)
+        v = torch.randn(b, sk, hk, d, generator=g, dtype=dtype)
+    else:  # (b, h, s, d) storage seen as (b, s, h, d): other strides, same values
+        q = torch.randn(b, h, sq, d, generator=g, dtype=dtype).transpose(1, 2)
+        k = torch.randn(b, hk, sk, d, generator=g, dtype=dtype).transpose(1, 2)
+        v = torch.randn(b, hk, sk, d, generator=g, dtype=dtype).transpose(1, 2)
+    return q, k, v
+
+
+FWD_CASES = [
+    dict(shape=(2, 33, 47, 2, 2, 16)),
+    dict(shape=(1, 64, 64, 4, 2, 32), causal=True),
+    dict(shape=(1, 50, 20, 2, 1, 16), causal=True, layout="bhsd"),
+    dict(shape=(2, 17, 40, 2, 2, 16), window_size=(7, 3)),
+    dict(shape=(1, 40, 40, 2, 2, 16), softcap=5.0, dtype=torch.float16),
+    dict(shape=(2, 24, 31, 4, 2, 16), alibi=True, causal=True),
+]
+
+
+@pytest.mark.parametrize("case", FWD_CASES, ids=lambda c: "-".join(f"{k}{v}" for k, v in c.items()))
+def test_replayed_forward_is_bitwise_the_full_path(case, replays, plans_off):
+    b, sq, sk, h, hk, d = case["shape"]
+    kwargs = {k: case[k] for k in ("causal", "window_size", "softcap") if k in case}
+    dtype = case.get("dtype", torch.float32)
+    first = _qkv(b, sq, sk, h, hk, d, dtype, case.get("layout", "bshd"), seed=1)
+    if case.get("alibi"):
+        kwargs["alibi_slopes"] = torch.rand(h)
+    flashtile.flash_attn_func(*first, **kwargs)  # records
+    assert replays["n"] == 0
+    again = _qkv(b, sq, sk, h, hk, d, dtype, case.get("layout", "bshd"), seed=2)
+    got = flashtile.flash_attn_func(*again, return_attn_probs=True, **kwargs)
+    got = flashtile.flash_attn_func(*again, return_attn_probs=True, **kwargs)  # the first records this key
+    assert replays["n"] == 1
+    want = plans_off(lambda: flashtile.flash_attn_func(*again, return_attn_probs=True, **kwargs))
+    assert _same(got, want)
+
+
+def test_replayed_training_step_is_bitwise_the_full_path(replays, plans_off):
+    def step(seed):
+        leaves = [t.requires_grad_() for t in _qkv(2, 40, 56, 4, 2, 16, seed=seed)]
+        out = flashtile.flash_attn_func(*leaves, causal=True)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        return (out.detach(), *grads)
+
+    step(1)
+    assert replays["n"] == 0
+    got = step(2)
+    assert replays["n"] == 2  # the forward's plan and the backward's
+    assert _same(got, plans_off(lambda: step(2)))
+
+
+def test_backward_plan_follows_dout_layout_and_the_lse_gradient(replays, plans_off):
+    """A training call finds its backward's entry from the forward's by dout, dlse and the
+    switches alone (``autograd._attn_bwd_planned``): each of these must get its own plan."""
+    def step(seed, transposed_dout, lse_loss):
+        leaves = [t.requires_grad_() for t in _qkv(1, 24, 30, 2, 1, 16, seed=seed)]
+        out, lse, _ = flashtile.flash_attn_func(*leaves, causal=True, return_attn_probs=True)
+        g = torch.Generator().manual_seed(seed + 100)
+        dout = (torch.randn(1, 2, 24, 16, generator=g).transpose(1, 2) if transposed_dout
+                else torch.randn(1, 24, 2, 16, generator=g))
+        outputs, grads = ((out, lse), (dout, torch.randn(lse.shape, generator=g))) if lse_loss else ((out,), (dout,))
+        return (out.detach(), *torch.autograd.grad(outputs, leaves, grads))
+
+    combos = [(False, False), (True, False), (False, True), (True, True)]
+    for combo in combos:
+        step(1, *combo)
+    n = replays["n"]
+    for combo in combos:
+        assert _same(step(2, *combo), plans_off(lambda: step(2, *combo))), combo
+    # every forward and the two backwards without an LSE gradient replayed (with one, the
+    # backward subtracts dlse from Delta with a torch op, which a plan does not record)
+    assert replays["n"] == n + len(combos) + 2
+
+
+def test_packed_and_aliased_inputs_get_their_own_plans(replays, plans_off):
+    qkv = torch.randn(2, 30, 3, 2, 16)
+    flashtile.flash_attn_qkvpacked_func(qkv, causal=True)
+    got = flashtile.flash_attn_qkvpacked_func(qkv * 2, causal=True)
+    assert replays["n"] == 1
+    assert _same(got, plans_off(lambda: flashtile.flash_attn_qkvpacked_func(qkv * 2, causal=True)))
+    # The same tensor as q, k and v, then three tensors: one key, two overlap signatures.
+    x = torch.randn(1, 20, 2, 16)
+    a = flashtile.flash_attn_func(x, x, x)
+    b = flashtile.flash_attn_func(x, x.clone(), x.clone())
+    c = flashtile.flash_attn_func(x, x, x)
+    assert replays["n"] == 2  # the second call recorded its own signature
+    assert _same(a, b) and _same(a, c)
+    y = torch.randn(1, 20, 2, 16)
+    flashtile.flash_attn_func(y, x, x)  # a third signature: k is v, q apart
+    z = torch.randn(1, 20, 2, 16)
+    assert _same(flashtile.flash_attn_func(z, y, y), plans_off(lambda: flashtile.flash_attn_func(z, y, y)))
+    assert replays["n"] == 3
+
+
+def test_varlen_and_kvcache_replay(replays, plans_off):
+    cu = torch.tensor([0, 5, 5, 19, 30], dtype=torch.int32)
+    q = torch.randn(30, 2, 16)
+    k, v = torch.randn(30, 1, 16), torch.randn(30, 1, 16)
+    run = lambda s: flashtile.flash_attn_varlen_func(q * s, k, v, cu, cu, 14, 14, causal=True)  # noqa: E731
+    run(1.0)
+    n = replays["n"]
+    got = run(2.0)
+    assert replays["n"] > n
+    assert _same(got, plans_off(lambda: run(2.0)))
+    k_cache, v_cache = torch.randn(3, 24, 1, 16), torch.randn(3, 24, 1, 16)
+    lens = torch.tensor([3, 10, 17], dtype=torch.int32)
+    decode = lambda s: flashtile.flash_attn_with_kvcache(  # noqa: E731
+        torch.randn(3, 1, 2, 16, generator=torch.Generator().manual_seed(s)), k_cache, v_cache,
+        cache_seqlens=lens, causal=True)
+    decode(1)
+    n = replays["n"]
+    got = decode(2)
+    assert replays["n"] > n
+    assert _same(got, plans_off(lambda: decode(2)))
+
+
+def test_a_changed_argument_misses(replays):
+    q, k, v = _qkv(1, 24, 24, 2, 2, 16)
+    variants = [
+        lambda: flashtile.flash_attn_func(q, k, v),
+        lambda: flashtile.flash_attn_func(q, k, v, causal=True),
+        lambda: flashtile.flash_attn_func(q, k, v, softmax_scale=0.5),
+        lambda: flashtile.flash_attn_func(q, k, v, window_size=(3, 3)),
+        lambda: flashtile.flash_attn_func(q, k, v, window_size=[3, 3]),
+        lambda: flashtile.flash_attn_func(q.half(), k.half(), v.half()),
+        lambda: flashtile.flash_attn_func(q.transpose(1, 2).contiguous().transpose(1, 2), k, v),
+        lambda: flashtile.flash_attn_func(q[:, :20], k, v),
+        lambda: flashtile.flash_attn_func(q, k, v, return_attn_probs=True),
+    ]
+    outs = [f() for f in variants]
+    assert replays["n"] == 0  # nine keys
+    for f, want in zip(variants, outs):
+        assert _same(f(), want)
+    assert replays["n"] == len(variants)
+
+
+def test_bad_input_raises_on_a_warm_cache(replays):
+    q, k, v = _qkv(1, 24, 24, 2, 2, 16)
+    for _ in range(2):
+        flashtile.flash_attn_func(q, k, v, causal=True)
+    assert replays["n"] == 1
+    with pytest.raises(TypeError, match="causal"):
+        flashtile.flash_attn_func(q, k, v, causal=1)
+    with pytest.raises(ValueError, match="head dim"):
+        flashtile.flash_attn_func(q, k[..., :8], v[..., :8], causal=True)
+    with pytest.raises(ValueError, match="dropout_p"):
+        flashtile.flash_attn_func(q, k, v, causal=True, dropout_p=1.5)
+    with pytest.raises(TypeError, match="alibi_slopes"):
+        flashtile.flash_attn_func(q, k, v, causal=True, alibi_slopes=[0.5, 0.25])
+    assert replays["n"] == 1
+
+
+def test_unplannable_calls_stay_correct(replays, plans_off):
+    q, k, v = _qkv(1, 24, 24, 2, 2, 16)
+    # Dropout draws a Philox key per call (an RNG op): the call is not planned as a whole
+    # (only the kernels' op, which takes the key as an input), and stays reproducible.
+    from flashtile.api import flash
+
+    torch.manual_seed(3)
+    a = [flashtile.flash_attn_func(q, k, v, dropout_p=0.3) for _ in range(4)]
+    torch.manual_seed(3)
+    b = [plans_off(lambda: flashtile.flash_attn_func(q, k, v, dropout_p=0.3)) for _ in range(4)]
+    assert all(_same(x, y) for x, y in zip(a, b)) and not _same(a[0], a[1])
+    [entry] = flash._PLANS.entries.values()
+    assert list(entry.plans.values()) == [plan._UNPLANNABLE]
+    n = replays["n"]
+    # A tensor window_size is not a key: the ordinary path every time.
+    w = torch.tensor([2, 2])
+    assert _same(flashtile.flash_attn_func(q, k, v, window_size=w), flashtile.flash_attn_func(q, k, v, window_size=w))
+    assert len(flash._PLANS.entries) == 1 and replays["n"] == n + 1  # the kernels' op replayed, not the call
+
+
+def test_threads_with_different_shapes(replays, monkeypatch, plans_off):
+    """Lookups, recordings and replays run concurrently; the kernels themselves one at a
+    time (Triton's interpreter patches builtins while it runs a kernel)."""
+    import threading
+
+    from flashtile.runtime import launch
+
+    lock = threading.RLock()
+    for cls, name in ((launch.Launcher, "_launch"), (plan._GenericLaunch, "__call__")):
+        original = getattr(cls, name)
+
+        def locked(*args, _original=original, **kwargs):
+            with lock:
+                return _original(*args, **kwargs)
+
+        monkeypatch.setattr(cls, name, locked)
+    shapes = [(1, 16 + 8 * i, 24, 2, 2, 16) for i in range(4)]
+    inputs = [_qkv(*s, seed=i) for i, s in enumerate(shapes)]
+    want = [plans_off(lambda x=x: flashtile.flash_attn_func(*x, causal=True)) for x in inputs]
+
+    def work(i):
+        return [flashtile.flash_attn_func(*inputs[i], causal=True) for _ in range(3)]
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(work, [0, 1, 2, 3, 3, 2, 1, 0]))
+    for i, outs in zip([0, 1, 2, 3, 3, 2, 1, 0], results):
+        assert all(_same(o, want[i]) for o in outs)
+    assert replays["n"] > 0
+
+
+def _roles(args, tensors):
+    """A raw launch's arguments with each address replaced by what it points into."""
+    out, fresh = [], {}
+    for a in args:
+        if type(a) is int and a > 2**20:
+            for name, t in tensors.items():
+                if t.data_ptr() <= a < t.data_ptr() + max(1, t.untyped_storage().nbytes()):
+                    out.append((name, a - t.data_ptr()))
+                    break
+            else:
+                out.append(("new", fresh.setdefault(a, len(fresh))))
+        else:
+            out.append(a)
+    return out
+
+
+def test_raw_replay_hands_the_c_launcher_the_full_paths_arguments(triton_backend, plans_off):
+    """With launches stubbed: the argument list a replay passes to the C launcher is the
+    ordinary path's, with this call's addresses in it."""
+    q, k, v = _qkv(2, 40, 56, 4, 2, 16)
+    log: list = []
+    with plan.stub_launches(log):
+        flashtile.flash_attn_func(q, k, v, causal=True)  # records (stubbed ordinary launch)
+        q2, k2, v2 = (t.clone() for t in (q, k, v))
+        log.clear()
+        flashtile.flash_attn_func(q2, k2, v2, causal=True)
+        replayed = list(log)
+        log.clear()
+        plans_off(lambda: flashtile.flash_attn_func(q2, k2, v2, causal=True))
+        ordinary = list(log)
+    assert len(replayed) == len(ordinary) == 1
+    names = dict(q=q2, k=k2, v=v2)
+    assert _roles(replayed[0], names) == _roles(ordinary[0], names)
+    assert any(isinstance(r, tuple) and r and r[0] == "k" for r in _roles(replayed[0], names))
+
+
+def test_stream_counter_on_cpu_is_a_fresh_zero():
+    c = plan.stream_counter(torch.device("cpu"))
+    assert c.dtype == torch.int32 and c.tolist() == [0]
+
+
+def test_a_counter_made_during_a_recording_is_not_one_of_its_steps():
+    """The stream's work counter is made on a process's first call, which may be a call
+    being recorded: its allocation and fill must not become steps of that plan (a fresh
+    zeroed buffer every replay, that no launch reads: H200 run 90)."""
+    rec = plan.Recorder([])
+    plan._local.recorder = rec
+    try:
+        with rec:
+            counter = plan._new_counter(torch.device("cpu"), rec)
+            torch.zeros(2)  # the recorder itself still notes the call's own buffers
+    finally:
+        plan._local.recorder = None
+    assert counter.tolist() == [0] and counter.dtype == torch.int32
+    assert len(rec.slots) == 1 and rec.slots[0].shape == (2,) and rec.paused == 0

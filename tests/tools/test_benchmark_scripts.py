@@ -1,0 +1,130 @@
+"""The GPU benchmark scripts at least import and parse their arguments on CPU."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parents[2] / "benchmarks"
+
+
+@pytest.mark.parametrize("name", ["sweep_fwd", "sweep_bwd", "train_block", "host_overhead", "host_profile",
+                                  "context_parallel", "varlen_profile", "tma_reduce_rate",
+                                  "varlen_same_documents", "experiments/gluon_fwd"])
+def test_script_imports_and_shows_help(name, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))  # as when run as a script: benchmarks/ holds sweep_common
+    spec = importlib.util.spec_from_file_location(f"bench_{name.replace('/', '_')}", ROOT / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    with pytest.raises(SystemExit) as exc:
+        module.main(["--help"])
+    assert exc.value.code == 0
+    assert "usage" in capsys.readouterr().out
+
+
+
+def test_varlen_same_documents(tmp_path, capsys, monkeypatch):
+    # Each document at the fixed-length rate of its own length, beside the varlen rows.
+    monkeypatch.syspath_prepend(str(ROOT))
+    import json
+
+    import varlen_same_documents as vsd
+
+    fixed = [dict(impl="flashtile", seqlen_q=n, seqlen_k=n, headdim=64, causal=False, tflops=t, **{"pass": "fwd"})
+             for n, t in ((512, 100.0), (2048, 300.0))]
+    fixed.append(dict(fixed[0], impl="sdpa-cudnn", tflops=1.0))  # other impls are not the reference
+    varlen = [dict(impl=i, dist="mix", headdim=64, causal=False, lengths=[512, 2048], tflops=t, **{"pass": "fwd"})
+              for i, t in (("flashtile", 250.0), ("flashtile-fixed", 400.0))]
+    for name, rows in (("fixed", fixed), ("varlen", varlen)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert vsd.main(["--fixed", str(tmp_path / "fixed.jsonl"), "--varlen", str(tmp_path / "varlen.jsonl")]) == 0
+    same = (512 ** 2 + 2048 ** 2) / (512 ** 2 / 100 + 2048 ** 2 / 300)  # FLOP-weighted harmonic mean: 260.7
+    assert f"| mix | fwd | 64 | no | 250 | {same:.0f} | {250 / same:.2f}x | 400 | 0.62x |" in capsys.readouterr().out
+    rates = {("fwd", 64, False, 512): 100.0, ("fwd", 64, False, 2048): 300.0}
+    assert vsd.rate_at(rates, ("fwd", 64, False), 1024) == pytest.approx(200.0)  # log-linear between lengths
+    assert vsd.rate_at(rates, ("fwd", 64, False), 64) == 100.0 and vsd.rate_at(rates, ("fwd", 64, False), 9999) == 300.0
+
+
+def test_sweep_records_rows_and_the_best_candidate(tmp_path, capsys, monkeypatch):
+    monkeypatch.syspath_prepend(str(ROOT))
+    import json
+
+    from flashtile.tools.bench.prefill import make_shape
+    from sweep_common import Sweep
+
+    shape = make_shape(4096, 128, True, "bf16")
+    sweep = Sweep("bwd", str(tmp_path / "rows.jsonl"))
+    peers = {"sdpa-cudnn": 2.0}
+    sweep.record(shape, "slow", [1], 4.0, peers, variant="split")
+    sweep.record(shape, "fast", [2], 1.0, peers, variant="split")
+    sweep.record(shape, "atomic", [3], 3.0, peers, variant="atomic")
+    rows = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [r["cfg"] for r in rows] == [[1], [2], [3]]
+    assert rows[1]["tflops"] == pytest.approx(shape.flops("bwd") / 1.0 * 1e-9)
+    best = {key[-1]: value[0] for key, value in sweep.best.items()}
+    assert best == {"split": "fast", "atomic": "atomic"}
+    sweep.report()
+    assert "xsdpa-cudnn=2.000" in capsys.readouterr().out
+
+
+def test_launch_key_cost_runs_on_cpu(tmp_path):
+    # A subprocess: under TRITON_INTERPRET=1 the kernels are interpreter functions, with
+    # no binder to time.
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT.parent / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    proc = subprocess.run([sys.executable, str(ROOT / "launch_key_cost.py")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "triton_binder" in proc.stdout and "flashtile_key" in proc.stdout
+
+
+def test_transformers_step_tiny_run(tmp_path, monkeypatch):
+    """benchmarks/transformers_step.py --tiny on CPU: every workload gives a row. Packing
+    the documents into one row changes no loss with flashtile (no document attends to
+    another, and the same next-token targets count)."""
+    pytest.importorskip("transformers")
+    import json
+
+    monkeypatch.delenv("FLASHTILE_BACKEND", raising=False)
+    spec = importlib.util.spec_from_file_location("bench_transformers_step", ROOT / "transformers_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "rows.jsonl"
+    assert module.main(["--tiny", "--steps", "2", "--warmup", "0", "--impl", "tiled_attention", "sdpa",
+                        "--out", str(out)]) == 0
+    rows = {(r["impl"], r["workload"]): r for r in map(json.loads, out.read_text().splitlines())}
+    assert len(rows) == 6 and all(r["tokens_per_s"] > 0 for r in rows.values())
+    ft = {w: rows[("tiled_attention", w)]["losses"] for w in ("train-padded", "train-packed")}
+    assert ft["train-padded"] == pytest.approx(ft["train-packed"], rel=1e-5)
+    assert ft["train-padded"] == pytest.approx(rows[("sdpa", "train-padded")]["losses"], rel=1e-4)
+
+
+def test_context_parallel_benchmark_runs_on_gloo(tmp_path):
+    # The multi-GPU benchmark's whole path (timing, the no-communication and comm-only
+    # breakdown, the one-process reference) on 2 CPU ranks: every implementation gives a row
+    # whose output matches one-process attention.
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = str(ROOT.parent / "src") + os.pathsep + env.get("PYTHONPATH", "")
+    out = tmp_path / "rows.jsonl"
+    proc = subprocess.run([sys.executable, str(ROOT / "context_parallel.py"), "--cpu-smoke", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert sorted(r["impl"] for r in rows) == ["ring-contiguous", "ring-zigzag", "ulysses"]
+    for r in rows:
+        assert r["world"] == 2 and r["step_s"] > 0 and r["single_s"] > 0
+        assert r["err"] < 1e-5, r
+    assert all(0.0 <= r["comm_hidden"] <= 1.0 for r in rows if r["impl"] != "ulysses")

@@ -1,0 +1,64 @@
+"""flashtile explain: the kernels of calls whose path is known (the sm90 table, the Gluon
+scope, varlen routing), and its command line."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("triton")
+
+from flashtile.cli import main  # noqa: E402
+from flashtile.tools.explain import explain  # noqa: E402
+
+
+@pytest.mark.parametrize("kwargs, forward, backward, reason", [
+    (dict(seqlen_q=4096, head_dim=128), "Gluon", "Gluon one-pass", None),
+    (dict(seqlen_q=4096, head_dim=128, deterministic=True), "Gluon", "Gluon dK/dV", None),
+    (dict(seqlen_q=1024, head_dim=64, causal=True), "Triton", "Gluon one-pass", "short causal d64"),
+    (dict(seqlen_q=1024, head_dim=64, causal=True, deterministic=True), "Triton", "Gluon dK/dV", "short causal d64"),
+    (dict(seqlen_q=4096, head_dim=64, varlen=True), "Gluon", "Gluon dK/dV + dQ kernels", None),
+    (dict(seqlen_q=4096, head_dim=256, causal=True), "Gluon", "Gluon dV, dK and dQ", None),
+    (dict(seqlen_q=4096, head_dim=128, softcap=5.0), "Triton", "Triton", "outside the Gluon kernels' scope"),
+    (dict(seqlen_q=4096, head_dim=96), "Triton", "Triton", "outside the Gluon kernels' scope"),
+    (dict(seqlen_q=4096, head_dim=128, dtype="fp32"), "Triton", "Triton", "outside the Gluon kernels' scope"),
+    (dict(seqlen_q=4096, head_dim=128, capability=(8, 0)), "Triton", "Triton", "need Hopper"),
+    (dict(seqlen_q=4096, head_dim=128, varlen=True), "Gluon", "Gluon dK/dV + dQ kernels (backends/sm90/backward_split.py, work",
+     None),
+    (dict(seqlen_q=4096, head_dim=128, varlen=True, seqused=True), "Triton", "Triton", "seqused"),
+    (dict(seqlen_q=4096, head_dim=256, varlen=True), "Gluon", "Triton", "no varlen Gluon backward"),
+    (dict(seqlen_q=1, seqlen_k=500, head_dim=128, causal=True), "Gluon", "Gluon", "run as non-causal"),
+    (dict(seqlen_q=4096, device="cpu"), "chunked torch twin", "torch autograd", "torch twin"),
+    (dict(seqlen_q=4096, ws_env=False), "Triton", "Triton", "FLASHTILE_WS=0"),
+])
+def test_known_paths(kwargs, forward, backward, reason):
+    plan = explain(**kwargs)
+    assert plan.forward.startswith(forward), plan
+    assert plan.backward.startswith(backward), plan
+    if reason is None:
+        assert not plan.reasons, plan
+    else:
+        assert any(reason in r for r in plan.reasons), plan
+
+
+def test_bwd_dq_split_keeps_the_split_kernels(monkeypatch):
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "split")
+    assert explain(4096, head_dim=64).backward.startswith("Gluon dK/dV")
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "auto")
+    assert explain(4096, head_dim=64).backward.startswith("Gluon one-pass")
+
+
+def test_command_line(capsys):
+    assert main(["explain", "--head-dim", "64", "--causal", "--seqlen-q", "1024"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("forward:  Triton forward") and "short causal d64" in out
+
+
+def test_command_line_deterministic(capsys, monkeypatch):
+    monkeypatch.delenv("FLASHTILE_BWD_DQ", raising=False)
+    assert main(["explain", "--head-dim", "64"]) == 0
+    assert "Gluon one-pass" in capsys.readouterr().out
+    assert main(["explain", "--head-dim", "64", "--deterministic"]) == 0
+    out = capsys.readouterr().out
+    assert "Gluon one-pass" not in out and "Gluon dK/dV" in out
+
