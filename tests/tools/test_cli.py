@@ -122,9 +122,9 @@ def test_bench_forwards_its_arguments(monkeypatch: pytest.MonkeyPatch) -> None:
     fake = types.ModuleType("flashtile.tools.bench.prefill")
     fake.main = lambda argv: seen.append(list(argv)) or 7  # type: ignore[attr-defined]
     monkeypatch.setitem(sys.modules, "flashtile.tools.bench.prefill", fake)
-    import flashtile
+    import flashtile.tools.bench
 
-    monkeypatch.setattr(flashtile, "bench", fake, raising=False)
+    monkeypatch.setattr(flashtile.tools.bench, "prefill", fake, raising=False)
     assert cli.main(["bench", "--quick", "--pass", "fwd", "bwd", "--seqlen", "1024", "-h"]) == 7
     assert cli.main(["bench"]) == 7
     assert seen == [["--quick", "--pass", "fwd", "bwd", "--seqlen", "1024", "-h"], []]
