@@ -1,7 +1,8 @@
 # Two commands for a fresh machine (no GPU needed):
 #   make demo   sets up .venv and runs `flashtile demo`
 #   make test   sets up .venv and runs the CPU test suite (NumPy reference, torch path,
-#               Triton kernels under TRITON_INTERPRET=1)
+#               Triton kernels under TRITON_INTERPRET=1, sm90 compile checks)
+#   make test-quick   the same without the slow tests
 PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
@@ -10,7 +11,7 @@ PY     := $(VENV)/bin/python
 # interpreter needs numpy < 2.4.
 CPU_GPU_STACK := torch==2.13.0 triton==3.6.0 "numpy>=1.23,<2.4"
 
-.PHONY: demo test test-gpu clean
+.PHONY: demo test test-quick test-gpu clean
 
 $(VENV)/.stamp: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +24,11 @@ demo: $(VENV)/.stamp
 
 test: $(VENV)/.stamp
 	TRITON_INTERPRET=1 $(PY) -m pytest -m "not gpu" -n 2 --maxschedchunk 1 -q
+
+# The inner loop: the same without the tests marked slow (the sm90 compile checks and the
+# largest interpreter cases; tests/conftest.py), in a few minutes.
+test-quick: $(VENV)/.stamp
+	TRITON_INTERPRET=1 $(PY) -m pytest -m "not gpu and not slow" -n 2 -q
 
 # On a GPU machine with torch and triton already installed (no venv):
 test-gpu:

@@ -21,10 +21,10 @@ fi
 if [[ $what == bench || $what == all ]]; then
   timeout 60 python3 benchmarks/host_overhead.py > "$OUT/host-overhead.log" 2>&1
   echo "host overhead rc=$?"; grep -v Warn "$OUT/host-overhead.log"
-  timeout 200 python3 -m flashtile.tools.bench.prefill --dtype bf16 --pass fwd bwd --impl flashtile sdpa-flash sdpa-cudnn \
+  timeout 200 python3 -m flashtile.tools.bench --dtype bf16 --pass fwd bwd --impl flashtile sdpa-flash sdpa-cudnn \
     --out /tmp/bench --tag h200-bf16 > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"
-  FLASHTILE_BWD_DQ=atomic timeout 90 python3 -m flashtile.tools.bench.prefill --dtype bf16 --pass bwd --impl flashtile \
+  FLASHTILE_BWD_DQ=atomic timeout 90 python3 -m flashtile.tools.bench --dtype bf16 --pass bwd --impl flashtile \
     --headdim 64 128 --out /tmp/bench --tag h200-bf16-atomic-dq > "$OUT/bench-atomic.log" 2>&1
   echo "bench atomic-dq rc=$?"
   timeout 60 python3 benchmarks/train_block.py --seqlen 8192 --out /tmp/bench/train-block.jsonl > "$OUT/train-block.log" 2>&1
@@ -37,7 +37,7 @@ if [[ $what == varlen ]]; then
   timeout 240 python3 -m pytest -m gpu tests/test_varlen_gpu.py -q -n 8 --maxfail=20 -p no:warnings \
     -p no:cacheprovider > "$OUT/gpu-tests-varlen.log" 2>&1
   echo "varlen gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-varlen.log" | cut -c1-300 | tail -25
-  timeout 330 python3 -m flashtile.tools.bench.prefill --varlen --warmup 5 --rep 25 --out /tmp/bench --tag h200-varlen \
+  timeout 330 python3 -m flashtile.tools.bench --varlen --warmup 5 --rep 25 --out /tmp/bench --tag h200-varlen \
     ${VARLEN_BENCH_ARGS:-} > "$OUT/bench-varlen.log" 2>&1
   echo "varlen bench rc=$?"; grep -v Warning "$OUT/bench-varlen.log" | grep "^|" | tail -30
   cp /tmp/bench/h200-varlen* "$OUT/" 2>/dev/null
@@ -51,7 +51,7 @@ if [[ $what == decode ]]; then
     timeout ${DECODE_SWEEP_TIMEOUT:-150} python3 benchmarks/sweep_decode.py $DECODE_SWEEP > "$OUT/sweep-decode.log" 2>&1
     echo "decode sweep rc=$?"; grep -v Warn "$OUT/sweep-decode.log" | tail -60
   fi
-  timeout ${DECODE_BENCH_TIMEOUT:-200} python3 -m flashtile.tools.bench.prefill --decode --out /tmp/bench --tag h200-decode \
+  timeout ${DECODE_BENCH_TIMEOUT:-200} python3 -m flashtile.tools.bench --decode --out /tmp/bench --tag h200-decode \
     ${DECODE_BENCH_ARGS:-} > "$OUT/bench-decode.log" 2>&1
   echo "decode bench rc=$?"; grep -v Warn "$OUT/bench-decode.log" | tail -45
   cp /tmp/bench/h200-decode* "$OUT/" 2>/dev/null

@@ -14,7 +14,7 @@ call takes the full path: validation, config, Triton's launcher).
 
     TRITON_INTERPRET=1 PYTHONPATH=src python3 benchmarks/host_overhead.py --cpu-stub
 
-needs no GPU: every kernel launch is stubbed (``flashtile.runtime.replay.stub_launches``: plans
+needs no GPU: every kernel launch is stubbed (``flashtile.runtime.stubs.stub_launches``: plans
 are recorded and replayed as on a GPU, the launch itself does nothing) and the flashtile
 rows time the Python host path alone on small CPU tensors: a benchmark CI can run to
 catch a host-cost regression, not a timed test.
@@ -111,10 +111,10 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
 
 def cpu_stub(n: int = 2000) -> None:
     """Host microseconds per call of flashtile's API with every kernel launch stubbed."""
-    from flashtile.runtime import replay as plan
+    from flashtile.runtime.stubs import stub_launches
 
     os.environ.setdefault("FLASHTILE_BACKEND", "triton")
-    with plan.stub_launches():
+    with stub_launches():
         rows = workloads("cpu", torch.float16, 64, 128, peers=False)
         for name, impls in rows.items():
             fn = impls["flashtile"]

@@ -23,7 +23,7 @@ import torch
 
 import flashtile
 from flashtile.backends.configs import FwdConfig, default_fwd_config
-from flashtile.backends.triton.forward import attention_forward
+from flashtile.backends.run import launch_forward
 from host_overhead import host_us
 from sweep_common import canonical
 
@@ -82,8 +82,8 @@ def main(argv=None) -> int:
     out = flashtile.flash_attn_func(*leaves, causal=True)
     dout = torch.randn_like(out)
     cases = {
-        f"launcher {cfg}": lambda: attention_forward(q4, k4, v4, out4, lse, config=cfg, **problem),
-        f"launcher {ptr}": lambda: attention_forward(q4, k4, v4, out4, lse, config=ptr, **problem),
+        f"launcher {cfg}": lambda: launch_forward(q4, k4, v4, out4, lse, problem, cfg),
+        f"launcher {ptr}": lambda: launch_forward(q4, k4, v4, out4, lse, problem, ptr),
         "flash_attn_func, no grad": lambda: flashtile.flash_attn_func(q, k, v, causal=True),
         "flash_attn_func, grad": lambda: flashtile.flash_attn_func(*leaves, causal=True),
         "backward (autograd.grad)": lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),

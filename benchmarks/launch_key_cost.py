@@ -16,11 +16,11 @@ from triton.backends.nvidia.compiler import CUDABackend
 from triton.runtime.jit import create_function_from_signature
 
 from flashtile.runtime import launch
-from flashtile.backends.triton.forward import _fwd_kernel
+from flashtile.backends.triton.forward import fwd_kernel
 
 
 def main() -> None:
-    fn = _fwd_kernel
+    fn = fwd_kernel
     binder = create_function_from_signature(fn.signature, fn.params, CUDABackend)
     q = torch.zeros(2, 4, 64, 64, dtype=torch.bfloat16)
     n_runtime = sum(not p.is_constexpr for p in fn.params)

@@ -6,7 +6,7 @@ Times ``attention_backward`` alone (preprocess + dk/dv + dq kernels, or the fuse
 atomic-dQ pass) for each candidate ``BwdConfig``, next to the backward of torch SDPA's
 cuDNN and flash backends (``autograd.grad`` with a retained graph, as ``flashtile.tools.bench.prefill``
 does). Backward FLOPs = 2.5 x forward. Used to fill ``_SM90_BWD`` in
-src/flashtile/ops/configs.py; results go to docs/perf-notes.md.
+src/flashtile/backends/configs.py; results go to docs/perf-notes.md.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import sys
 
 import torch
 
-from flashtile import autograd
-from flashtile.tools.bench.prefill import make_shape
-from flashtile.backends.triton.backward import attention_backward
+from flashtile.backends import layout
 from flashtile.backends.configs import BwdConfig, default_fwd_config
-from flashtile.backends.triton.forward import attention_forward
+from flashtile.backends.run import launch_backward, launch_forward
+from flashtile.tools.bench.prefill import make_shape
 from sweep_common import Sweep, canonical, peer_ms
 
 # (block_m_kv, block_n_kv, block_m_q, block_n_q, warps, stages, fused_dq[, split_phases=1])
@@ -63,15 +62,15 @@ def main(argv=None) -> int:
                 peers = peer_ms(shape, "bwd", q, k, v)
                 q4, k4, v4, out4, lse, problem = canonical(q, k, v, causal)
                 fcfg = default_fwd_config((9, 0), d, str(dtype).split(".")[-1], causal, S)
-                attention_forward(q4, k4, v4, out4, lse, config=fcfg, **problem)
-                dq, dk, dv = (autograd._bshd_view(t) for t in (q4, k4, v4))
+                launch_forward(q4, k4, v4, out4, lse, problem, fcfg)
+                dq, dk, dv = (layout.bshd_view(t) for t in (q4, k4, v4))
                 for c in grid or DEFAULT_GRID[d if d in DEFAULT_GRID else 128]:
                     split_phases = bool(c[7]) if len(c) > 7 else True
                     cfg = BwdConfig(*c[:6], fused_dq=bool(c[6]), split_phases=split_phases)
                     sweep.time(shape, str(c), list(c), peers=peers,
                                variant=f"fused={int(cfg.fused_dq)} split_phases={int(split_phases)}",
-                               fn=lambda cfg=cfg: attention_backward(q4, k4, v4, out4, lse, do4, dq, dk, dv,
-                                                                     config=cfg, **problem))
+                               fn=lambda cfg=cfg: launch_backward(q4, k4, v4, out4, lse, do4, dq, dk, dv,
+                                                                  problem, cfg))
                 sweep.peer_lines(shape, peers)
     sweep.report()
     return 0

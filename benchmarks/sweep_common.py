@@ -36,15 +36,15 @@ def peer_ms(shape: Shape, pass_: str, q, k, v) -> dict[str, float]:
     return peers
 
 
-def canonical(q, k, v, causal: bool) -> tuple[Any, Any, Any, Any, Any, dict[str, Any]]:
-    """(B, H, S, D) views of (B, S, H, D) inputs, fresh out/LSE buffers and the launcher's
-    problem arguments (plain attention, causal top-left)."""
-    from flashtile import autograd
+def canonical(q, k, v, causal: bool) -> tuple[Any, Any, Any, Any, Any, Any]:
+    """(B, H, S, D) views of (B, S, H, D) inputs, fresh out/LSE buffers and the problem
+    (``flashtile.problem.spec.Problem``: plain attention, causal top-left)."""
+    from flashtile.backends import layout
+    from flashtile.problem.spec import Problem
 
     q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))
-    problem = {"scale": q.shape[-1] ** -0.5, "diag_offset": 0, "window_left": -1,
-               "window_right": 0 if causal else -1, "softcap": 0.0, "alibi_slopes": None, "attn_mask": None}
-    return q4, k4, v4, autograd._bshd_view(q4), autograd._new_lse(q4), problem
+    problem = Problem(q.shape[-1] ** -0.5, 0, -1, 0 if causal else -1)
+    return q4, k4, v4, layout.bshd_view(q4), layout.new_lse(q4), problem
 
 
 class Sweep:

@@ -4,7 +4,7 @@
 
 Prints one line per (shape, config) with TFLOP/s and the ratio to sdpa-cudnn and
 sdpa-flash, then the best config per (head dim, causal). Used to fill the table in
-src/flashtile/ops/configs.py; results go to docs/perf-notes.md.
+src/flashtile/backends/configs.py; results go to docs/perf-notes.md.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 from flashtile.tools.bench.prefill import make_shape
 from flashtile.backends.configs import FwdConfig
-from flashtile.backends.triton.forward import attention_forward
+from flashtile.backends.run import launch_forward
 from sweep_common import Sweep, canonical, peer_ms
 
 
@@ -51,7 +51,7 @@ def main(argv=None) -> int:
                 for cfg in cands:
                     label = f"m{cfg.block_m} n{cfg.block_n} w{cfg.num_warps} s{cfg.num_stages} tma{int(cfg.use_tma)}"
                     sweep.time(shape, label, cfg.__dict__, peers=peers,
-                               fn=lambda cfg=cfg: attention_forward(q4, k4, v4, out4, lse, config=cfg, **problem))
+                               fn=lambda cfg=cfg: launch_forward(q4, k4, v4, out4, lse, problem, cfg))
                 sweep.peer_lines(shape, peers)
     sweep.report()
     return 0

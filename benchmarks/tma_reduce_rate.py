@@ -5,7 +5,7 @@
 A one-pass backward (FA2/FA3: key blocks outer) adds one fp32 (64 x D) dQ tile per
 (key block, query block) pair. Runs 30-34 measured that volume capping flashtile's one-pass
 kernel at 290-375 TF/s when it went through per-thread atomics (`red.global.add`), about
-1.1 TB/s of fp32 reductions at the L2. This times `backends.sm90.tma_reduce._reduce_rate_kernel` (the
+1.1 TB/s of fp32 reductions at the L2. This times `backends.sm90.tma_reduce.reduce_rate_kernel` (the
 same reduction volume, no products) with bulk TMA reductions from 1, 2 or 3 shared-memory
 slots and with `gl.atomic_add`, and prints the reduced bytes per second and the backward
 TF/s that rate alone would allow: a (64 query x 64 key) tile pair's 5 products are
@@ -31,7 +31,7 @@ def main(argv=None) -> int:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from flashtile.backends.sm90.tma_reduce import _reduce_rate_kernel
+    from flashtile.backends.sm90.tma_reduce import reduce_rate_kernel
 
     rows, d = 64, args.headdim
     n_q = n_k = args.seqlen // rows
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     variants = [("atomic_add", False, 1)] + [(f"tma reduce, {n} slot{'s' if n > 1 else ''}", True, n) for n in (1, 2, 3)]
     for name, use_tma, num_buf in variants:
         def run():
-            _reduce_rate_kernel[grid](desc, dq, dq.stride(0), n_q, n_k, ROWS=rows, COLS=d, USE_TMA=use_tma,
+            reduce_rate_kernel[grid](desc, dq, dq.stride(0), n_q, n_k, ROWS=rows, COLS=d, USE_TMA=use_tma,
                                       NUM_BUF=num_buf)
         dq.zero_()
         run()

@@ -47,15 +47,15 @@ def pytest_collection_modifyitems(config, items):
 def poison_outputs(monkeypatch):
     """Make every output and gradient buffer start as NaN, so unwritten elements fail."""
     pytest.importorskip("torch")
-    from flashtile import autograd
+    from flashtile.backends import layout
 
-    for name in ("_bshd_view", "_new_lse"):
-        original = getattr(autograd, name)
+    for name in ("bshd_view", "new_lse"):
+        original = getattr(layout, name)
 
         def poisoned(t, _original=original):
             return _original(t).fill_(float("nan"))
 
-        monkeypatch.setattr(autograd, name, poisoned)
+        monkeypatch.setattr(layout, name, poisoned)
     yield
 
 

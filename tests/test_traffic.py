@@ -92,13 +92,25 @@ class TestFlash:
     @pytest.mark.parametrize("br", [48, 64, 128])
     def test_forward_kv_rereads_are_ceil_n_over_br_passes(self, n, br):
         d, b = 64, 4
-        w = memory_work(n, d, dtype_bytes=b, Br=br, Bc=64).flash
+        w = memory_work(n, d, dtype_bytes=b, Br=br, Bc=64, sram_kv_reuse="hbm").flash
         passes = math.ceil(n / br)
         k, k_re = w.line("K"), w.line(f"K re-reads {tr.REREAD_TAG}")
         assert k.reads_bytes == n * d * b
         assert k_re.reads_bytes == (passes - 1) * n * d * b
         assert w.line(f"V re-reads {tr.REREAD_TAG}").reads_bytes == k_re.reads_bytes
         assert w.hbm_bytes == w.compulsory_bytes + 2 * k_re.reads_bytes
+
+    def test_default_hbm_bytes_grow_linearly_as_the_lesson_says(self):
+        """The seed lesson's model: FlashAttention's HBM bytes linear in N (the L2 absorbs
+        the K/V re-reads, as the H200's DRAM counters measured); the every-re-read bound
+        stays the option sram_kv_reuse="hbm" (quadratic)."""
+        d = 64
+        small, big = memory_work(1024, d), memory_work(4096, d)
+        assert big.flash.hbm_bytes == 4 * small.flash.hbm_bytes
+        assert big.flash.hbm_bytes == big.flash.compulsory_bytes
+        bound = memory_work(4096, d, sram_kv_reuse="hbm").flash.hbm_bytes
+        assert bound > 10 * memory_work(1024, d, sram_kv_reuse="hbm").flash.hbm_bytes / 4
+        assert big.naive.hbm_bytes / big.flash.hbm_bytes > 4 * small.naive.hbm_bytes / small.flash.hbm_bytes * 0.9
 
     def test_compulsory_bytes_exactly_linear(self):
         d, b = 64, 4
@@ -167,7 +179,7 @@ class TestFlash:
         bwd = memory_work(n, d, dtype_bytes=b, backward=True, sram_kv_reuse="l2")
         # What is left above the floor: D (fp32 write + first read), fp32 dQ zero-fill + convert.
         assert bwd.flash.hbm_bytes == bwd.flash.compulsory_bytes + 2 * n * 4 + 2 * n * d * 4
-        hbm = memory_work(n, d, dtype_bytes=b, backward=True)
+        hbm = memory_work(n, d, dtype_bytes=b, backward=True, sram_kv_reuse="hbm")
         assert hbm.flash.hbm_bytes == sum(x.total_bytes for x in hbm.flash.ledger)
         assert hbm.flash.hbm_bytes - bwd.flash.hbm_bytes == hbm.flash.reread_bytes > 0
 
@@ -207,7 +219,7 @@ def test_print_traffic_table_prints_and_returns_rows():
     assert [r["N"] for r in rows] == [128, 256, 1000]
     assert "   1000 |" in text and "d=64" in text
     for r in rows:
-        w = memory_work(r["N"], 64)
+        w = memory_work(r["N"], 64, sram_kv_reuse="hbm")  # the table's flash+reread column
         assert r["naive_nxn_elements"] == 4 * r["N"] ** 2
         assert r["naive_hbm_bytes"] == w.naive.hbm_bytes
         assert r["flash_compulsory_bytes"] == w.flash.compulsory_bytes

@@ -1,4 +1,4 @@
-"""Experiment: the warp-specialized Gluon backward (flashtile/ops/backward_sm90.py) in its
+"""Experiment: the warp-specialized Gluon backward (flashtile/backends/sm90/backward_split.py) in its
 variants, checked against fp32 autograd and timed next to the Triton backward and cuDNN.
 
     PYTHONPATH=src python3 benchmarks/experiments/gluon_bwd.py

@@ -5,7 +5,7 @@ report for sm_90a on the CPU; one shape for Nsight Compute.
 
     PYTHONPATH=src python3 benchmarks/experiments/gluon_bwd_onepass.py               # GPU: check, time
     PYTHONPATH=src python3 benchmarks/experiments/gluon_bwd_onepass.py --compile     # CPU: sm_90a report
-    ncu -k regex:_onepass_kernel --launch-skip 1 --launch-count 1 \\
+    ncu -k regex:onepass_kernel --launch-skip 1 --launch-count 1 \\
         python3 benchmarks/experiments/gluon_bwd_onepass.py --profile 128,4096,0     # one shape
 
 Variants are (num_buf, dq_buf): (Q, dO) ring slots and float32 dQ slots. History (docs/

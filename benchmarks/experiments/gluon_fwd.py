@@ -172,7 +172,7 @@ def _gluon_fwd_kernel(q_desc, k_desc, v_desc, o_desc, Lse, seqlen, qk_scale,
 
 
 # The warp-specialized variant (run 18) became the library's sm90 forward:
-# flashtile/ops/forward_sm90.py. ``ws`` configs below time that kernel.
+# flashtile/backends/sm90/forward.py. ``ws`` configs below time that kernel.
 
 
 def library_ws(q4, k4, v4, causal: bool, block_n: int = 128, num_buf: int = 2, persistent: int = 1):
@@ -260,6 +260,7 @@ def check_and_time(shapes, configs=((128, 128, 8),)) -> None:
 
     from flashtile.backends.configs import default_fwd_config
     from flashtile.backends.triton.forward import attention_forward
+    from flashtile.problem.spec import Problem
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     for d, S, causal in shapes:
@@ -273,8 +274,7 @@ def check_and_time(shapes, configs=((128, 128, 8),)) -> None:
         # The Triton kernel: the table's config with the Gluon path off.
         cfg = dataclasses.replace(default_fwd_config(torch.cuda.get_device_capability(), d, "bfloat16", causal, S),
                                   use_ws=False)
-        problem = dict(scale=d ** -0.5, diag_offset=0, window_left=-1, window_right=0 if causal else -1,
-                       softcap=0.0, alibi_slopes=None, attn_mask=None)
+        problem = Problem(d ** -0.5, 0, -1, 0 if causal else -1)
         times, errs = {}, []
         for c in configs:
             if c[0] == "ws":  # ("ws", block_n, num_buf, persistent)
@@ -292,7 +292,7 @@ def check_and_time(shapes, configs=((128, 128, 8),)) -> None:
             errs.append(f"{name} out {(out.float() - ref).abs().max().item():.1e} "
                         f"lse {(lse - ref_lse).abs().max().item():.1e}")
             times[name] = do_bench(fn, warmup=25, rep=100)
-        times |= {"triton": do_bench(lambda: attention_forward(q4, k4, v4, out_t, lse_t, config=cfg, **problem),
+        times |= {"triton": do_bench(lambda: attention_forward(q4, k4, v4, out_t, lse_t, problem, config=cfg),
                                     warmup=25, rep=100)}
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             times["cudnn"] = do_bench(lambda: torch.nn.functional.scaled_dot_product_attention(

@@ -3,7 +3,7 @@
     flashtile demo                         # the lesson's five checked demonstrations
     flashtile traffic --seq 1024 4096      # naive vs tiled HBM traffic per head
     flashtile traffic --plot traffic.png   # the same as a log-log plot (needs matplotlib)
-    flashtile bench --quick --pass fwd     # everything after `bench` goes to flashtile.tools.bench.prefill
+    flashtile bench --quick --pass fwd     # everything after `bench` goes to flashtile.tools.bench
 
 Each subcommand imports what it needs when it runs, so ``flashtile demo`` and
 ``flashtile traffic`` work with numpy alone and only ``bench`` touches torch.
@@ -16,6 +16,8 @@ import inspect
 import sys
 import types
 from typing import Sequence
+
+from flashtile.public import missing_dependency
 
 DEFAULT_SEQ_LENGTHS = (128, 256, 512, 1024, 2048, 4096, 8192, 16384)
 MEASURE_SEQ_LENGTHS = (1024, 2048, 4096, 8192, 16384)  # `traffic --measure`: large enough to pass the L2
@@ -113,7 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default: fp16 and bf16 on a GPU, fp32 on CPU")
 
     # No options of its own and no -h: every argument after `bench`, -h included, is
-    # flashtile.tools.bench.prefill's to parse.
+    # flashtile.tools.bench's to parse.
     sub.add_parser(
         "bench",
         add_help=False,
@@ -168,7 +170,8 @@ def _print_backward_table(traffic: types.ModuleType, seq_lengths: Sequence[int],
     print(f"{'N':>7} | {'naive NxN elems':>15} | {'naive MB':>10} | {'flash min MB':>12} | "
           f"{'flash+reread MB':>15} | {'naive/flash':>11}")
     for n in seq_lengths:
-        work = traffic.memory_work(n, d, dtype_bytes=dtype_bytes, Br=Br, Bc=Bc, causal=causal, backward=True)
+        work = traffic.memory_work(n, d, dtype_bytes=dtype_bytes, Br=Br, Bc=Bc, causal=causal, backward=True,
+                                   sram_kv_reuse="hbm")  # the "flash+reread" column: every re-read from HBM
         print(f"{n:>7} | {work.naive.nxn_touches:>15,} | {work.naive.hbm_bytes / mb:>10.2f} | "
               f"{work.flash.compulsory_bytes / mb:>12.3f} | {work.flash.hbm_bytes / mb:>15.3f} | "
               f"{work.ratio:>10.1f}x")
@@ -178,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``flashtile`` console script and ``python -m flashtile``.
 
     Returns the exit status: 0 on success, 1 if a demo check failed, 2 on a usage error
-    (including no subcommand), or whatever ``flashtile.tools.bench.prefill.main`` returns.
+    (including no subcommand), or whatever ``flashtile.tools.bench.main`` returns.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
@@ -191,11 +194,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             import torch  # noqa: F401
         except ModuleNotFoundError:
-            from flashtile import _missing
-
-            print(_missing("torch", "flashtile bench"), file=sys.stderr)
+            print(missing_dependency("torch", "flashtile bench"), file=sys.stderr)
             return 2
-        from flashtile.tools.bench import prefill as bench
+        from flashtile.tools import bench
 
         return int(bench.main(rest) or 0)
     if rest:
@@ -204,9 +205,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             import torch
         except ModuleNotFoundError:
-            from flashtile import _missing
-
-            print(_missing("torch", "flashtile check"), file=sys.stderr)
+            print(missing_dependency("torch", "flashtile check"), file=sys.stderr)
             return 2
         from flashtile.tools.check import run_check
 

@@ -408,13 +408,13 @@ def test_repeated_calls_skip_validation(triton_backend, monkeypatch):
     kernels (validated once) and to their plan (one key made per call: the kernels' entry
     is kept under the API's), bitwise the same as the full path; a changed shape or flag
     is another key and is validated (bad ones still raise)."""
-    from flashtile.api import kvcache as api
+    from flashtile.problem import validate
     from flashtile.runtime import replay as plan
 
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
     calls, keys = [], []
-    full, make_key = api._check_window, plan.make_key
-    monkeypatch.setattr(api, "_check_window", lambda w: (calls.append(w), full(w))[1])
+    full, make_key = validate.window, plan.make_key
+    monkeypatch.setattr(validate, "window", lambda w: (calls.append(w), full(w))[1])
     monkeypatch.setattr(plan, "make_key", lambda *a: (keys.append(1), make_key(*a))[1])
     q, k, v, kc, vc, table, seqlens = _case(page=16, capacity=40, heads=(4, 2))
     alibi = torch.rand(4)
@@ -502,3 +502,19 @@ def test_empty_page_pool(backend):
                                                  block_table=torch.zeros(2, 1, dtype=torch.int32),
                                                  return_softmax_lse=True)
     assert torch.equal(out, torch.zeros_like(out)) and torch.isneginf(lse).all()
+
+
+def test_paged_cache_overflow_names_block_table(backend):
+    """A paged cache whose cache_seqlens plus new keys overflow block_table's capacity: an
+    error that names block_table, a ValueError (as every argument error here) and a
+    RuntimeError (what flash-attn raises: its regression test for #2709); the cache stays
+    untouched."""
+    from flashtile.problem.validate import BlockTableCapacityError
+
+    q, k, v, kc, vc, table, _ = _case(page=16, capacity=40, sq=2, new=2)
+    seqlens = torch.tensor([0, 17, 47], dtype=torch.int32)  # 47 + 2 > 3 pages of 16
+    before = kc.clone(), vc.clone()
+    for error in (ValueError, RuntimeError, BlockTableCapacityError):
+        with pytest.raises(error, match=r"block_table holds \(3 blocks of 16\)"):
+            flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])

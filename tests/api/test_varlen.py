@@ -246,11 +246,44 @@ def test_fixed_length_s_dmask(monkeypatch):
     assert flashtile.flash_attn_func(q, k, v, return_attn_probs=True)[2] is None
 
 
-def test_s_dmask_refused_on_the_twin(monkeypatch):
+def test_the_twin_reports_its_dropout_mask(monkeypatch):
+    """The twin draws the kernels' Philox mask (backends/twin/philox.py): S_dmask on CPU
+    tensors is the mask the twin's output used, and for one seed the twin and the Triton
+    kernels (under the interpreter) drop the same weights (flash-attn's drop-in gap:
+    return_attn_probs with dropout on CPU tensors)."""
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(2, 19, 2, 16, generator=g) for _ in range(3))
     monkeypatch.setenv("FLASHTILE_BACKEND", "torch")
-    q = torch.randn(1, 4, 2, 16)
-    with pytest.raises(NotImplementedError, match="Philox"):
-        flashtile.flash_attn_func(q, q, q, dropout_p=0.1, return_attn_probs=True)
+    torch.manual_seed(5)
+    out, lse, s_dmask = flashtile.flash_attn_func(q, k, v, dropout_p=0.3, causal=True, return_attn_probs=True)
+    s = q.transpose(1, 2).double() @ k.transpose(1, 2).double().transpose(-1, -2) / 4
+    s = s.masked_fill(torch.ones(19, 19, dtype=torch.bool).triu(1), float("-inf"))
+    probs = torch.softmax(s, -1)
+    ref = torch.where(s_dmask >= 0, probs, 0.0) / 0.7 @ v.transpose(1, 2).double()
+    torch.testing.assert_close(out.transpose(1, 2).double(), ref, atol=1e-5, rtol=1e-5)
+    rowmax = s.amax(-1, keepdim=True)
+    got = s_dmask.double().abs() * torch.exp(rowmax - lse[..., None].double())
+    torch.testing.assert_close(got, probs, atol=1e-5, rtol=1e-5)
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        monkeypatch.setenv("FLASHTILE_BACKEND", "triton")
+        torch.manual_seed(5)
+        kernels = flashtile.flash_attn_func(q, k, v, dropout_p=0.3, causal=True, return_attn_probs=True)
+        assert torch.equal(kernels[2] >= 0, s_dmask >= 0)
+        torch.testing.assert_close(kernels[0], out, atol=1e-5, rtol=1e-5)
+
+
+def test_philox_twin_draws_the_kernels_bits():
+    """backends/twin/philox.py against the Triton keep-mask kernel (interpreter), seeds with
+    the high word set and probabilities at the edges."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs TRITON_INTERPRET=1")
+    from flashtile.backends.triton.scores import dropout_keep_mask
+    from flashtile.backends.twin.philox import keep_mask
+
+    for seed, p in ((0, 0.5), (2**62 - 1, 0.1), (123456789012345, 0.9), (7, 1e-7)):
+        want = dropout_keep_mask(torch.tensor([seed]), 3, 33, 70, p)
+        got = keep_mask(seed, torch.arange(3)[:, None, None], torch.arange(33)[:, None], torch.arange(70), p)
+        assert torch.equal(got, want), (seed, p)
 
 
 def test_dropout_gradients_match_the_reported_mask(monkeypatch):
@@ -429,3 +462,12 @@ def test_deterministic_must_be_a_bool(backend, value):
     q = torch.randn(1, 4, 2, 16)
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         flashtile.flash_attn_func(q, q, q, deterministic=value)
+
+
+def test_paged_overflow_is_a_value_and_a_runtime_error():
+    """Keys past what block_table holds: the error names block_table and is both a
+    ValueError and a RuntimeError (flash-attn raises the latter)."""
+    table = torch.tensor([[0], [2]], dtype=torch.int32)
+    for error in (ValueError, RuntimeError):
+        with pytest.raises(error, match="more than block_table holds"):
+            flashtile.flash_attn_varlen_func(**_paged_args(table))

@@ -152,9 +152,10 @@ def test_race_hunt_batch_60(deterministic):
 def _one_pass(head_dim: int) -> bool:
     """Whether a default backward at this head dim takes the one-pass kernel here (its dQ
     rounding varies between runs)."""
-    from flashtile.backends.sm90.backward_onepass import applies
+    from flashtile.backends import registry
 
-    return torch.cuda.get_device_capability()[0] == 9 and applies(head_dim, deterministic=False)
+    call = registry.Call(tuple(torch.cuda.get_device_capability()), "bfloat16", head_dim, 4096, scale=0.1)
+    return registry.backward(call).kernel == "sm90.backward_onepass"
 
 
 def test_torch_compile_fullgraph():

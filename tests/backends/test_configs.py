@@ -55,10 +55,15 @@ def test_autotune_picks_fastest_skips_failures_and_caches(tmp_path, monkeypatch)
 
 
 def test_autotune_switch(monkeypatch):
+    from flashtile.runtime import settings
+
     monkeypatch.delenv("FLASHTILE_AUTOTUNE", raising=False)
-    assert not configs.autotune_enabled(None)
-    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "1")
-    assert configs.autotune_enabled(None) and not configs.autotune_enabled(False)
+    assert not settings.autotune()
+    for value in ("1", "true", "YES"):
+        monkeypatch.setenv("FLASHTILE_AUTOTUNE", value)
+        assert settings.autotune()
+    monkeypatch.setenv("FLASHTILE_AUTOTUNE", "0")
+    assert not settings.autotune()
 
 
 def test_bwd_dq_mode_override():

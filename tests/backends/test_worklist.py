@@ -15,7 +15,8 @@ pytestmark = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
 
 
 def _build(lens_q, lens_k, tables, window=(-1, -1), used_q=None, used_k=None, max_q=None, max_k=None, cu=None):
-    from flashtile.backends.worklist import Varlen, build_work_items
+    from flashtile.backends.worklist import build_work_items
+    from flashtile.problem.spec import Varlen
 
     def offsets(lens):
         return torch.tensor([0, *torch.tensor(lens, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int32)

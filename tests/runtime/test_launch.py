@@ -126,13 +126,13 @@ def test_full_args_follow_the_kernel_signature(monkeypatch):
     if not isinstance(k, JITFunction):  # TRITON_INTERPRET=1 at import gives an InterpretedFunction
         k = JITFunction(k.fn)
     lz = launch.Launcher(k)
-    assert lz._full_args((1, 2, 5), {"BLOCK": 64}) == [1, 2, 5, 64, 3]
-    assert lz._full_args((1, 2, 5), {"FLAG": 1, "BLOCK": 64}) == [1, 2, 5, 64, 1]
+    assert lz.full_args((1, 2, 5), {"BLOCK": 64}) == [1, 2, 5, 64, 3]
+    assert lz.full_args((1, 2, 5), {"FLAG": 1, "BLOCK": 64}) == [1, 2, 5, 64, 1]
 
 
 def test_no_launch_hooks_by_default_and_an_added_one_is_seen():
     """Direct launches pass no hooks, so they must only run while none is installed."""
-    assert not launch._hooks_installed()
+    assert not launch.hooks_installed()
     hooks = triton.knobs.runtime.launch_enter_hook
 
     def hook(metadata):
@@ -140,18 +140,18 @@ def test_no_launch_hooks_by_default_and_an_added_one_is_seen():
 
     hooks.add(hook)
     try:
-        assert launch._hooks_installed()
+        assert launch.hooks_installed()
     finally:
         hooks.remove(hook)
-    assert not launch._hooks_installed()
+    assert not launch.hooks_installed()
 
 
 def test_the_interpreter_takes_tritons_path(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert not launch._fast_ok()
+    assert not launch.fast_ok()
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     monkeypatch.setenv("FLASHTILE_FAST_LAUNCH", "0")
-    assert not launch._fast_ok()
+    assert not launch.fast_ok()
 
 
 @pytest.mark.gpu
@@ -227,7 +227,7 @@ def fake_launcher(monkeypatch):
             return 1234
 
     monkeypatch.setattr(launch, "driver", type("D", (), {"active": Active})())
-    monkeypatch.setattr(launch, "_fast_ok", lambda: True)
+    monkeypatch.setattr(launch, "fast_ok", lambda: True)
     monkeypatch.delenv("FLASHTILE_LAUNCH_CHECK", raising=False)
     fn = _FakeKernel()
     return fn, launch.Launcher(fn)

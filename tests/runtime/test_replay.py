@@ -2,7 +2,7 @@
 gives, miss the cache whenever anything it depends on changes, and never skip a check.
 
 Under TRITON_INTERPRET=1 replays go through ``kernel[grid]`` on views of the recorded
-sources (the generic mode); ``plan.stub_launches`` exercises the raw mode (the argument
+sources (the generic mode); ``runtime.stubs.stub_launches`` exercises the raw mode (the argument
 lists handed to Triton's C launcher) without a GPU."""
 
 from __future__ import annotations
@@ -262,7 +262,9 @@ def test_raw_replay_hands_the_c_launcher_the_full_paths_arguments(triton_backend
     ordinary path's, with this call's addresses in it."""
     q, k, v = _qkv(2, 40, 56, 4, 2, 16)
     log: list = []
-    with plan.stub_launches(log):
+    from flashtile.runtime.stubs import stub_launches
+
+    with stub_launches(log):
         flashtile.flash_attn_func(q, k, v, causal=True)  # records (stubbed ordinary launch)
         q2, k2, v2 = (t.clone() for t in (q, k, v))
         log.clear()

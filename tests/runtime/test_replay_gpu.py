@@ -11,7 +11,7 @@ pytest.importorskip("triton")
 
 import flashtile  # noqa: E402
 from flashtile.runtime import replay as plan  # noqa: E402
-from flashtile.backends.sm90.backward_onepass import ONEPASS_HEAD_DIMS  # noqa: E402
+from flashtile.backends.sm90.scope import ONEPASS_HEAD_DIMS  # noqa: E402
 
 pytestmark = pytest.mark.gpu
 
@@ -130,14 +130,14 @@ def test_the_counter_made_by_a_recorded_call_is_not_in_its_plan(replays):
     """The first call of a process makes the stream's counter while its plan is being
     recorded; the plan must not allocate and zero a buffer of its own on every replay
     (H200 run 90: a training forward paid an allocation and a fill kernel per call)."""
-    from flashtile import autograd
+    from flashtile.backends import run
 
     plan.clear()  # no counter yet
     leaves = [_rand(4, 512, 16, 128, seed=i).requires_grad_() for i in range(3)]
     for _ in range(3):
         flashtile.flash_attn_func(*leaves, causal=True)
     assert plan._COUNTERS  # the dynamic schedule ran
-    plans = [p for e in autograd._FWD_PLANS.entries.values() for p in e.plans.values() if type(p) is plan.Plan]
+    plans = [p for e in run.FWD_PLANS.entries.values() for p in e.plans.values() if type(p) is plan.Plan]
     assert plans and replays["raw"] >= 1
     for p in plans:
         assert len(p.slots) == 2 and all(kind != "fill" for kind, *_ in p.steps)  # out and LSE only

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 pytest.importorskip("torch")  # bench stamps rows with torch's version, even in a dry run
+from flashtile.tools.bench import main as bench_main  # noqa: E402
 from flashtile.tools.bench import prefill as bench  # noqa: E402
 from flashtile.traffic import attention_flops  # noqa: E402
 
@@ -117,7 +118,7 @@ def test_varlen_bench_plan_summary_and_plots(tmp_path, capsys):
     assert bv.lengths_for("uniform") == bv.lengths_for("uniform")  # seeded
     assert bv.visible_pairs([3, 1], causal=True) == 6 + 1 and bv.visible_pairs([3], causal=False) == 9
     assert bv.flops([4], 2, 8, False, "bwd") == 2.5 * 4 * 2 * 8 * 16
-    assert bench.main(["--varlen", "--dry-run"]) == 0
+    assert bench_main(["--varlen", "--dry-run"]) == 0
     assert "longtail" in capsys.readouterr().out
     rows = []
     for impl, tf in (("flashtile", 300.0), ("flashtile-fixed", 400.0), ("flex", 200.0), ("sdpa-cudnn", 150.0)):
@@ -140,7 +141,7 @@ def test_varlen_bench_plan_summary_and_plots(tmp_path, capsys):
 def test_decode_bench_plan_and_summary(capsys):
     from flashtile.tools.bench import prefill as bench, decode as bd
 
-    assert bench.main(["--decode", "--dry-run"]) == 0
+    assert bench_main(["--decode", "--dry-run"]) == 0
     text = capsys.readouterr().out
     assert "B8 L32768 H32/8 d128 q1 page 16" in text and "1024.1 MiB" in text
     s = bd.DecodeShape(8, 4096)

@@ -14,24 +14,25 @@ from flashtile.tools.explain import explain  # noqa: E402
 
 @pytest.mark.parametrize("kwargs, forward, backward, reason", [
     (dict(seqlen_q=4096, head_dim=128), "Gluon", "Gluon one-pass", None),
-    (dict(seqlen_q=4096, head_dim=128, deterministic=True), "Gluon", "Gluon dK/dV", None),
+    (dict(seqlen_q=4096, head_dim=128, deterministic=True), "Gluon", "Gluon dK/dV", "deterministic"),
     (dict(seqlen_q=1024, head_dim=64, causal=True), "Triton", "Gluon one-pass", "short causal d64"),
     (dict(seqlen_q=1024, head_dim=64, causal=True, deterministic=True), "Triton", "Gluon dK/dV", "short causal d64"),
-    (dict(seqlen_q=4096, head_dim=64, varlen=True), "Gluon", "Gluon dK/dV + dQ kernels", None),
-    (dict(seqlen_q=4096, head_dim=256, causal=True), "Gluon", "Gluon dV, dK and dQ", None),
-    (dict(seqlen_q=4096, head_dim=128, softcap=5.0), "Triton", "Triton", "outside the Gluon kernels' scope"),
-    (dict(seqlen_q=4096, head_dim=96), "Triton", "Triton", "outside the Gluon kernels' scope"),
-    (dict(seqlen_q=4096, head_dim=128, dtype="fp32"), "Triton", "Triton", "outside the Gluon kernels' scope"),
+    (dict(seqlen_q=4096, head_dim=64, varlen=True), "Gluon", "Gluon dK/dV + dQ kernels", "packed calls"),
+    (dict(seqlen_q=4096, head_dim=256, causal=True), "Gluon", "Gluon dV, dK and dQ", "d256 takes the split"),
+    (dict(seqlen_q=4096, head_dim=128, softcap=5.0), "Triton", "Triton", "plain or causal attention only, not softcap"),
+    (dict(seqlen_q=4096, head_dim=96), "Triton", "Triton", "head dims (64, 128, 256), not 96"),
+    (dict(seqlen_q=4096, head_dim=128, dtype="fp32"), "Triton", "Triton", "fp16/bf16, not float32"),
     (dict(seqlen_q=4096, head_dim=128, capability=(8, 0)), "Triton", "Triton", "need Hopper"),
-    (dict(seqlen_q=4096, head_dim=128, varlen=True), "Gluon", "Gluon dK/dV + dQ kernels (backends/sm90/backward_split.py, work",
-     None),
+    (dict(seqlen_q=4096, head_dim=128, varlen=True), "Gluon",
+     "Gluon dK/dV + dQ kernels (backends/sm90/backward_split.py), work", "packed calls"),
     (dict(seqlen_q=4096, head_dim=128, varlen=True, seqused=True), "Triton", "Triton", "seqused"),
-    (dict(seqlen_q=4096, head_dim=256, varlen=True), "Gluon", "Triton", "no varlen Gluon backward"),
+    (dict(seqlen_q=4096, head_dim=256, varlen=True), "Gluon", "Triton", "no packed-call Gluon backward"),
     (dict(seqlen_q=1, seqlen_k=500, head_dim=128, causal=True), "Gluon", "Gluon", "run as non-causal"),
     (dict(seqlen_q=4096, device="cpu"), "chunked torch twin", "torch autograd", "torch twin"),
     (dict(seqlen_q=4096, ws_env=False), "Triton", "Triton", "FLASHTILE_WS=0"),
 ])
 def test_known_paths(kwargs, forward, backward, reason):
+    """The registry's answers, as explain prints them."""
     plan = explain(**kwargs)
     assert plan.forward.startswith(forward), plan
     assert plan.backward.startswith(backward), plan

@@ -58,7 +58,8 @@ def test_summarize_and_the_l2_share():
     assert model["compulsory"] == traffic.min_hbm_bytes(1, 16, 16, 4096, 4096, 128, 2, "fwd")
     assert model["compulsory_read"] == 16 * 3 * 4096 * 128 * 2  # q, k, v
     assert model["compulsory_read"] + model["compulsory_write"] == model["compulsory"]
-    assert model["no_cache"] == 16 * traffic.memory_work(4096, 128, dtype_bytes=2, Br=128, Bc=128).flash.hbm_bytes
+    assert model["no_cache"] == 16 * traffic.memory_work(4096, 128, dtype_bytes=2, Br=128, Bc=128,
+                                                           sram_kv_reuse="hbm").flash.hbm_bytes
     assert model["kernel_floor_read"] == model["compulsory_read"]
     # Reads half-way between the floor and every re-read from HBM: the L2 took half; the
     # writes (short of the output when it stays in the L2) do not enter the share.
@@ -71,7 +72,8 @@ def test_summarize_and_the_l2_share():
     assert row["ncu_time_us"] == pytest.approx(2000)
     naive = tm.summarize(tm.Case("naive", "bwd", 1024, 64, 2), [])
     assert naive["l2_absorbed"] is None and naive["measured_bytes"] == 0
-    assert naive["no_cache_bytes"] == 2 * traffic.memory_work(1024, 64, dtype_bytes=2, backward=True).naive.hbm_bytes
+    assert naive["no_cache_bytes"] == 2 * traffic.memory_work(1024, 64, dtype_bytes=2, backward=True,
+                                                              sram_kv_reuse="hbm").naive.hbm_bytes
     # The split backward's floor: both main kernels read Q, K, V, dO (and LSE, D), the
     # preprocess O and dO: twice the compulsory reads and a bit.
     bwd = tm.model_bytes(tm.Case("flashtile", "bwd", 4096, 128, 1))

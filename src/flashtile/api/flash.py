@@ -6,77 +6,39 @@ from typing import Optional
 
 import torch
 
-from flashtile.runtime import replay as plan
-from flashtile.problem.window import effective_window
-from flashtile.dispatch import _Problem, attention_with_probs
-from flashtile.problem.validate import (_check_alibi, _check_dropout, _check_head_dim, _check_heads, _check_same,
-                                        _check_scale, _check_softcap, _check_tensor, _check_window, _flag,
-                                        _unit_last_stride)
+from flashtile import dispatch
+from flashtile.problem import validate
+from flashtile.runtime import replay
 
-
-_PLANS = plan.cache("flash_attn_func")
+_PLANS = replay.cache("flash_attn_func")
 
 
 def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
                 return_attn_probs, names=("q", "k", "v")):
-    """Validate (once per key: ``flashtile.runtime.replay``), then run; a repeated call without
-    grad replays its whole launch plan."""
+    """Validate (once per key: ``runtime.replay``), then run; a repeated call without grad
+    replays its whole launch plan."""
+    args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
     inputs = (q, k, v, alibi_slopes)
-    scalars = plan.plain_scalars((names, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
-                                  return_attn_probs))
-    key = None if scalars is None else plan.make_key(inputs, scalars)
+    scalars = replay.plain_scalars((names, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
+                                    return_attn_probs))
+    key = None if scalars is None else replay.make_key(inputs, scalars)
     if key is None:
-        return _run(q, k, v, alibi_slopes, _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size,
-                                                    softcap, alibi_slopes, deterministic, return_attn_probs, names))
+        return _run(q, k, v, alibi_slopes, validate.flash_call(q, k, v, *args, names))
     entry = _PLANS.entry(key, inputs)
-    prepared = entry.prepared
-    if prepared is None:
-        prepared = entry.prepared = _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
-                                             alibi_slopes, deterministic, return_attn_probs, names)
+    call = entry.prepared
+    if call is None:
+        call = entry.prepared = validate.flash_call(q, k, v, *args, names)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _run(q, k, v, alibi_slopes, prepared, entry)  # autograd's Function replays the kernels' plans
-    return plan.run(entry, inputs, lambda: _run(q, k, v, alibi_slopes, prepared))
+        return _run(q, k, v, alibi_slopes, call, entry)  # autograd's Function replays the kernels' plans
+    return replay.run(entry, inputs, lambda: _run(q, k, v, alibi_slopes, call))
 
 
-def _prepare(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-             return_attn_probs, names):
-    """Every check of a call; returns what its run needs besides the tensors."""
-    qn, kn, vn = names
-    _check_tensor(qn, q, 4)
-    _check_tensor(kn, k, 4)
-    _check_tensor(vn, v, 4)
-    _check_same(q, k, v, names)
-    batch, seqlen_q, nheads, head_dim = q.shape
-    if k.shape[0] != batch or v.shape[0] != batch:
-        raise ValueError(f"batch of {qn}, {kn}, {vn} must match, got {q.shape[0]}, {k.shape[0]}, {v.shape[0]}")
-    if k.shape != v.shape:
-        raise ValueError(f"{kn} and {vn} must have the same shape (batch, seqlen_k, nheads_k, headdim), "
-                         f"got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[-1] != head_dim:
-        raise ValueError(f"head dim of {kn} ({k.shape[-1]}) must equal head dim of {qn} ({head_dim})")
-    _check_head_dim(qn, head_dim)
-    seqlen_k, nheads_k = k.shape[1], k.shape[2]
-    _check_heads(nheads, nheads_k, qn, kn)
-    dropout_p = _check_dropout(dropout_p)
-    scale = _check_scale("softmax_scale", softmax_scale, head_dim)
-    left, right = _check_window(window_size)
-    if _flag("causal", causal):
-        right = 0
-    softcap = _check_softcap(softcap)
-    alibi = _check_alibi(alibi_slopes, batch, nheads, q.device)
-    left, right = effective_window(left, right, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
-    problem = _Problem(scale, seqlen_k - seqlen_q, left, right, softcap, dropout_p,
-                       _flag("deterministic", deterministic))
-    return problem, _flag("return_attn_probs", return_attn_probs), alibi is not alibi_slopes
-
-
-def _run(q, k, v, alibi, prepared, hint=None):
-    problem, want_probs, expand_alibi = prepared
-    if expand_alibi:  # (nheads,) slopes, as _check_alibi expands them
+def _run(q, k, v, alibi, call: validate.FlashCall, hint=None):
+    if call.expand_alibi:  # (nheads,) slopes, as validate.alibi expands them
         alibi = alibi.unsqueeze(0).expand(q.shape[0], alibi.shape[0])
-    q, k, v = (_unit_last_stride(t) for t in (q, k, v))
-    out, lse, probs = attention_with_probs(q, k, v, problem, alibi, want_probs=want_probs, hint=hint, layout="bshd")
-    return (out, lse, probs) if want_probs else out
+    out, lse, probs = dispatch.attention_with_probs(q, k, v, call.problem, alibi, want_probs=call.want_probs,
+                                                    hint=hint, qkv_layout="bshd")
+    return (out, lse, probs) if call.want_probs else out
 
 
 def flash_attn_func(
@@ -165,7 +127,7 @@ def flash_attn_qkvpacked_func(
     return_attn_probs: bool = False,
 ):
     """:func:`flash_attn_func` on qkv (batch, seqlen, 3, nheads, headdim); q, k, v are views (no copy)."""
-    _check_tensor("qkv", qkv, 5)
+    validate.tensor("qkv", qkv, 5)
     if qkv.shape[2] != 3:
         raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
     return _flash_attn(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
@@ -186,7 +148,7 @@ def flash_attn_kvpacked_func(
     return_attn_probs: bool = False,
 ):
     """:func:`flash_attn_func` with kv (batch, seqlen_k, 2, nheads_k, headdim); k, v are views (no copy)."""
-    _check_tensor("kv", kv, 5)
+    validate.tensor("kv", kv, 5)
     if kv.shape[2] != 2:
         raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
     return _flash_attn(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,

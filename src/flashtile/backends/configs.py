@@ -8,13 +8,14 @@ a table lookup (measured choices live in docs/perf-notes.md). Optional autotunin
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import threading
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Sequence
+
+from flashtile.runtime import settings
 
 
 @dataclass(frozen=True)
@@ -29,31 +30,6 @@ class FwdConfig:
     # The warp-specialized Gluon kernel (backends/sm90/forward.py: its own 128 x 128 tiles) for
     # the problems in its scope; the Triton kernel with the fields above for the rest.
     use_ws: bool = False
-
-
-def device_index(device) -> int:
-    """The index of a CUDA ``torch.device`` (a bare "cuda" means the current device)."""
-    if device.index is not None:
-        return device.index
-    import torch
-
-    return torch.cuda.current_device()
-
-
-@functools.lru_cache(maxsize=None)
-def cuda_capability(device_index: int) -> tuple[int, int]:
-    """(major, minor) of a CUDA device, asked of the driver once per device."""
-    import torch
-
-    return torch.cuda.get_device_capability(device_index)
-
-
-@functools.lru_cache(maxsize=None)
-def sm_count(device_index: int) -> int:
-    """Streaming multiprocessors of a CUDA device, asked of the driver once per device."""
-    import torch
-
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 def head_dim_bucket(head_dim: int) -> int:
@@ -145,19 +121,11 @@ def fwd_candidates(head_dim: int) -> list[FwdConfig]:
 
 
 def _cache_path() -> Path:
-    root = os.environ.get("FLASHTILE_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "flashtile")
-    return Path(root) / "autotune-fwd.json"
+    return Path(settings.cache_dir()) / "autotune-fwd.json"
 
 
 _lock = threading.Lock()
 _memory_cache: dict[str, FwdConfig] = {}
-
-
-def autotune_enabled(flag: bool | None) -> bool:
-    """The call's ``autotune`` argument wins; else ``FLASHTILE_AUTOTUNE`` in {1, true, yes}."""
-    if flag is not None:
-        return bool(flag)
-    return os.environ.get("FLASHTILE_AUTOTUNE", "").strip().lower() in ("1", "true", "yes")
 
 
 def autotuned_fwd_config(key: str, candidates: Sequence[FwdConfig], time_ms: Callable[[FwdConfig], float]) -> FwdConfig:
@@ -242,26 +210,17 @@ _SM90_BWD_ONE_LOOP = (16, 32, 64, 256)
 INTERPRETER_BWD = BwdConfig(16, 16, 16, 16, 4, 1)
 
 
-def bwd_dq_env() -> str:
-    """FLASHTILE_BWD_DQ, checked: ``auto`` (unset or empty), ``split`` or ``atomic``
-    (``bwd_dq_mode`` and ``backward_sm90_onepass.applies`` read it through here)."""
-    mode = os.environ.get("FLASHTILE_BWD_DQ", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "split", "atomic"):
-        raise ValueError(f"FLASHTILE_BWD_DQ must be 'auto', 'split' or 'atomic', got {mode!r}")
-    return mode
-
-
 def bwd_dq_mode(deterministic: bool) -> str:
     """The Triton backward's dQ: "split" (dq kernel, deterministic) or "atomic" (fused,
     FA2's single pass).
 
     ``FLASHTILE_BWD_DQ``: ``auto`` (default) and ``split`` give split here (``auto`` lets
     the Hopper one-pass Gluon kernel take the head dims where it is faster:
-    ``backward_sm90_onepass.applies``; ``split`` keeps the split kernels everywhere);
+    ``sm90.scope.onepass_scope``; ``split`` keeps the split kernels everywhere);
     ``atomic`` opts in to the fused variant. Determinism (the call's flag or
     ``torch.use_deterministic_algorithms``) always wins over it.
     """
-    mode = bwd_dq_env()
+    mode = settings.bwd_dq()
     if deterministic:
         return "split"
     return "atomic" if mode == "atomic" else "split"

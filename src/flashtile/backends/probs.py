@@ -2,17 +2,16 @@
 
 flash-attn's ``return_attn_probs=True`` hands back the (seqlen_q, seqlen_k) matrix the
 kernel never stores. Here it is recomputed densely (O(N^2) memory) from the same scores
-and the same Philox stream as the kernels: ``exp(s - rowmax(s))`` for a kept entry, its
-negation for a dropped one, 0 where the mask hides the key. So ``S_dmask.abs() *
-exp(rowmax - lse)`` are the probabilities and ``S_dmask >= 0`` the keep mask.
+and the same Philox stream as the kernels and the twin: ``exp(s - rowmax(s))`` for a kept
+entry, its negation for a dropped one, 0 where the mask hides the key. So ``S_dmask.abs()
+* exp(rowmax - lse)`` are the probabilities and ``S_dmask >= 0`` the keep mask.
 """
 
 from __future__ import annotations
 
 import torch
 
-from flashtile.backends.twin.attention import visible_mask_rows
-from flashtile.backends.triton.forward import dropout_keep_mask
+from flashtile.backends.twin.attention import host_spans, visible_mask_rows
 
 
 def _tile(q, k, problem, slopes, diag: int) -> torch.Tensor:
@@ -32,17 +31,30 @@ def _tile(q, k, problem, slopes, diag: int) -> torch.Tensor:
     return torch.exp(s - m)
 
 
-@torch.no_grad()
-def dropout_probs(q4, k4, problem, alibi, seed, meta=()) -> torch.Tensor:
-    """S_dmask of a canonical call: q4 (B, H, Sq, D), k4 (B, Hk, Sk, D) -> (B, H, Sq, Sk);
-    varlen (``meta`` = cu_seqlens_q/k, seqused_q/k, max_seqlen_q/k; B = 1) ->
-    (batch, H, max_seqlen_q, max_seqlen_k), each sequence in its top-left corner."""
-    heads = q4.shape[1]
-    if meta:
-        from flashtile.dispatch import host_spans
+def _keep(seed, batch_heads: int, rows: int, cols: int, dropout_p: float, kernels: bool) -> torch.Tensor:
+    """(batch_heads, rows, cols) bool: the Philox keep mask of every (bh, i, j), drawn by the
+    Triton kernel (kernels) or by its torch twin (the same bits)."""
+    if kernels:
+        from flashtile.backends.triton.scores import dropout_keep_mask
 
-        spans = [(0, *span) for span in host_spans(meta)]
-        batch, rows, cols = len(spans), meta[4], meta[5]
+        return dropout_keep_mask(seed, batch_heads, rows, cols, dropout_p)
+    from flashtile.backends.twin.philox import keep_mask
+
+    bh = torch.arange(batch_heads, device=seed.device)[:, None, None]
+    return keep_mask(int(seed.item()), bh, torch.arange(rows, device=seed.device)[:, None],
+                     torch.arange(cols, device=seed.device), dropout_p)
+
+
+@torch.no_grad()
+def dropout_probs(q4, k4, problem, alibi, seed, varlen=None, kernels: bool = True) -> torch.Tensor:
+    """S_dmask of a canonical call: q4 (B, H, Sq, D), k4 (B, Hk, Sk, D) -> (B, H, Sq, Sk);
+    packed (``varlen``: a ``problem.spec.Varlen``; B = 1) -> (batch, H, max_seqlen_q,
+    max_seqlen_k), each sequence in its top-left corner. ``kernels``: the mask as the Triton
+    kernels draw it (else the twin's torch Philox: the same bits)."""
+    heads = q4.shape[1]
+    if varlen is not None:
+        spans = [(0, *span) for span in host_spans(varlen)]
+        batch, rows, cols = len(spans), varlen.max_seqlen_q, varlen.max_seqlen_k
     else:
         batch, rows, cols = q4.shape[0], q4.shape[2], k4.shape[2]
         spans = [(b, 0, rows, 0, cols) for b in range(batch)]
@@ -52,5 +64,5 @@ def dropout_probs(q4, k4, problem, alibi, seed, meta=()) -> torch.Tensor:
             continue  # nothing visible: zeros
         slopes = None if alibi is None else alibi[b]
         out[b, :, :lq, :lk] = _tile(q4[row, :, q0:q0 + lq], k4[row, :, k0:k0 + lk], problem, slopes, lk - lq)
-    keep = dropout_keep_mask(seed, batch * heads, rows, cols, problem.dropout_p).view(batch, heads, rows, cols)
+    keep = _keep(seed, batch * heads, rows, cols, problem.dropout_p, kernels).view(batch, heads, rows, cols)
     return torch.where(keep, out, -out)

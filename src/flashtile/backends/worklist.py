@@ -2,7 +2,7 @@
 
 A varlen call packs ``batch`` sequences into one token axis: sequence b owns query rows
 ``cu_seqlens_q[b] .. cu_seqlens_q[b + 1]`` and key rows ``cu_seqlens_k[b] ..
-cu_seqlens_k[b + 1]`` (or, paged, keys through its row of ``block_table``). The kernels
+cu_seqlens_k[b + 1]`` (paged keys are gathered into such rows first). The kernels
 see it as the canonical problem with one batch row, q (1, H, total_q, D), and a work list
 that says which (sequence, block of rows) each program takes. The list is built here, on
 the device, by one small kernel (``_build_items_kernel``), so a varlen call never copies
@@ -23,17 +23,18 @@ clamped to the tensors (a start in [0, total], an end in [start, total], seqused
 [0, length]) so that even values the host never checked (inside a CUDA graph capture)
 cannot address memory outside q, k or v.
 
-Kernels read an item with ``varlen_item`` (Triton) and the Gluon twin in forward_sm90.
+Kernels read an item with ``varlen_item`` and ``program_item`` (Triton) and the Gluon twins
+in ``backends/sm90/common.py``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import triton
 import triton.language as tl
 
+from flashtile.runtime.device import device_context
 from flashtile.runtime.launch import Launcher
 
 HEADER = 16  # int32 words before the items: the count, then padding (16-byte alignment)
@@ -50,6 +51,44 @@ def varlen_item(Items, item, item_cap):
     blk = tl.load(Items + 16 + item_cap + item)
     seq = Items + 16 + 2 * item_cap + 4 * b
     return b, blk, tl.load(seq), tl.load(seq + 1), tl.load(seq + 2), tl.load(seq + 3)
+
+
+@triton.jit
+def program_item(pid, Items, item_cap, count, heads, num_blocks, seqlen_q, seqlen_k, diag_offset,
+                 REVERSE: tl.constexpr, VARLEN: tl.constexpr):
+    """What program ``pid`` of a flat 1-D grid works on: (b, head, block, bh, b_ptr, q_row,
+    k_row, seqlen_q, seqlen_k, diag_offset).
+
+    Fixed lengths: programs of one (b, head) are adjacent, ``num_blocks`` per pair (their
+    K/V tiles are shared through L2), blocks last-first when ``REVERSE`` (causal: the last
+    query blocks see the most keys); b_ptr = b addresses the batch row, q_row = k_row = 0.
+    Packed (``VARLEN``): one program per (head, work item), heads outer, ``count`` items
+    (the caller has returned for pid >= count * heads); the items of one head come longest
+    first, so the programs running at once share a few heads' K/V through L2 (heads inner
+    measured 0.71x at causal d128 on the H200, run 56). Pointers then address batch row 0
+    from the sequence's first rows, and the lengths and diagonal are the sequence's. ``bh``
+    = b * heads + head (the dropout stream); ``head`` counts ``heads`` (query heads, or
+    key/value heads in the dk/dv kernel)."""
+    if VARLEN:
+        head = pid // count
+        item = pid % count
+        b, block, start_q, seqlen_q, start_k, seqlen_k = varlen_item(Items, item, item_cap)
+        diag_offset = seqlen_k - seqlen_q
+        bh = b * heads + head
+        b_ptr = (b * 0).to(tl.int64)
+        q_row = start_q.to(tl.int64)
+        k_row = start_k.to(tl.int64)
+    else:
+        bh = pid // num_blocks
+        block = pid % num_blocks
+        if REVERSE:
+            block = num_blocks - 1 - block
+        b = bh // heads
+        head = bh % heads
+        b_ptr = b.to(tl.int64)
+        q_row = (b * 0).to(tl.int64)
+        k_row = q_row
+    return b, head, block, bh, b_ptr, q_row, k_row, seqlen_q, seqlen_k, diag_offset
 
 
 @triton.jit
@@ -176,42 +215,20 @@ _launch_build = Launcher(_build_items_kernel)
 
 def item_capacity(batch: int, total: Optional[int], max_seqlen: int, block: int) -> int:
     """How many blocks of ``block`` rows the sequences can hold at most: the bound the
-    host knows without reading cu_seqlens (``total`` None: paged keys, no total)."""
+    host knows without reading cu_seqlens (``total`` None: no bound from the rows)."""
     bound = batch * triton.cdiv(max_seqlen, block)
     if total is not None:
         bound = min(bound, (total + batch * (block - 1)) // block)
     return max(bound, 0)
 
 
-@dataclass(frozen=True)
-class Varlen:
-    """What the kernels need to know about a validated varlen call (device tensors are
-    int32 and contiguous; ``max_seqlen_*`` are the host's bounds)."""
-
-    cu_seqlens_q: object
-    cu_seqlens_k: object
-    seqused_q: object = None
-    seqused_k: object = None
-    max_seqlen_q: int = 0
-    max_seqlen_k: int = 0
-    block_table: object = None  # (batch, max_blocks) int32: k and v are (num_blocks, Hk, page_size, D)
-
-    @property
-    def batch(self) -> int:
-        return self.cu_seqlens_q.shape[0] - 1
-
-    @property
-    def paged(self) -> bool:
-        return self.block_table is not None
-
-
-def build_work_items(varlen: Varlen, total_q: int, total_k: int, tables, window_left: int,
+def build_work_items(varlen, total_q: int, total_k: int, tables, window_left: int,
                      window_right: int) -> list[tuple[object, int]]:
     """One device buffer holding a work list per entry of ``tables`` (at most three pairs
     ``(block, over_keys)``: blocks of ``block`` query rows, or key rows with over_keys);
     returns ``(table view, capacity)`` per entry for the kernels' ``Items``/``item_cap``
-    arguments. One kernel launch, no host synchronisation. ``total_k`` is the key rows
-    a sequence may address (paged: ``max_blocks * page_size``, the same for every one)."""
+    arguments. One kernel launch, no host synchronisation. ``varlen``: a
+    ``problem.spec.Varlen``; ``total_q``/``total_k``: the rows of q and of k."""
     import torch
 
     if not 1 <= len(tables) <= 3:
@@ -219,7 +236,7 @@ def build_work_items(varlen: Varlen, total_q: int, total_k: int, tables, window_
     batch = varlen.batch
     caps, offs, size = [], [], 0
     for block, over_keys in tables:
-        total = None if (over_keys and varlen.paged) else (total_k if over_keys else total_q)
+        total = total_k if over_keys else total_q
         cap = max(item_capacity(batch, total, varlen.max_seqlen_k if over_keys else varlen.max_seqlen_q, block), 1)
         caps.append(cap)
         offs.append(size)
@@ -236,7 +253,7 @@ def build_work_items(varlen: Varlen, total_q: int, total_k: int, tables, window_
     used_q = varlen.seqused_q if varlen.seqused_q is not None else varlen.cu_seqlens_q
     used_k = varlen.seqused_k if varlen.seqused_k is not None else varlen.cu_seqlens_k
     num_warps = 16 if sort_p2 >= 4096 else 4
-    with torch.cuda.device(device) if device.type == "cuda" else _null():
+    with device_context(varlen.cu_seqlens_q):
         _launch_build(
             (len(pairs),),
             (varlen.cu_seqlens_q, varlen.cu_seqlens_k, used_q, used_k, buf,
@@ -247,11 +264,3 @@ def build_work_items(varlen: Varlen, total_q: int, total_k: int, tables, window_
                  CHUNK=_CHUNK, SORT_P2=sort_p2, SEARCH_STEPS=max(1, batch.bit_length() + 1)),
             num_warps, 1)
     return [(buf[o:], c) for o, c in zip(offs, caps)]
-
-
-class _null:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False

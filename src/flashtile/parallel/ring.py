@@ -23,60 +23,17 @@ bringing them home.
 
 from __future__ import annotations
 
-import math
 from typing import Optional
 
 import torch
 
-from flashtile.dispatch import _Problem, _attention, _backend_for
+from flashtile import dispatch
+from flashtile.parallel.group import as_group, check_same_across_ranks, group_info
+from flashtile.problem import validate
+from flashtile.problem.spec import Problem
 from flashtile.problem.window import effective_window
 
 LAYOUTS = ("zigzag", "contiguous")
-
-
-def _group_info(group):
-    """(world size, rank) of a ProcessGroup, or of a 1-D DeviceMesh's group; None: the world."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_initialized():
-        raise RuntimeError("context parallelism needs an initialised torch.distributed process group")
-    return dist.get_world_size(_as_group(group)), dist.get_rank(_as_group(group))
-
-
-def _as_group(group):
-    if group is not None and hasattr(group, "get_group"):  # a DeviceMesh (1-D, or pass mesh["cp"])
-        return group.get_group()
-    return group
-
-
-def _check_shapes(q, k, v):
-    """Local tensors: shapes and dtypes as ``flash_attn_func`` wants them."""
-    from flashtile.problem.validate import _check_head_dim, _check_heads, _check_same, _check_tensor
-
-    _check_tensor("q", q, 4)
-    _check_tensor("k", k, 4)
-    _check_tensor("v", v, 4)
-    _check_same(q, k, v)
-    if k.shape != v.shape or k.shape[:2] != q.shape[:2] or k.shape[-1] != q.shape[-1]:
-        raise ValueError(f"k and v must have shape (batch, local_seqlen, nheads_k, headdim) matching q "
-                         f"{tuple(q.shape)}, got {tuple(k.shape)} and {tuple(v.shape)}")
-    _check_head_dim("q", q.shape[-1])
-    _check_heads(q.shape[2], k.shape[2])
-
-
-def _check_same_across_ranks(q, k, group, world):
-    """Every rank must pass the same shapes (a mismatch would hang or garble the ring): one
-    small all-gather of the shapes."""
-    import torch.distributed as dist
-
-    mine = torch.tensor([*q.shape, *k.shape], dtype=torch.int64,
-                        device=q.device if dist.get_backend(group) == "nccl" else "cpu")
-    every = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(every, mine, group=group)
-    for r, shape in enumerate(every):
-        if not torch.equal(shape, mine):
-            raise ValueError(f"ranks pass different shapes: this rank q, k = {tuple(q.shape)}, {tuple(k.shape)}; "
-                             f"rank {r}: {tuple(shape[:4].tolist())}, {tuple(shape[4:].tolist())}")
 
 
 def chunk_starts(rank: int, world: int, local_seqlen: int, layout: str) -> list[tuple[int, int, int]]:
@@ -91,7 +48,7 @@ def shard_sequence(x: torch.Tensor, group=None, layout: str = "zigzag", seq_dim:
                    rank: Optional[int] = None, world: Optional[int] = None) -> torch.Tensor:
     """This rank's shard of a full sequence ``x`` (split along ``seq_dim``) in ``layout``."""
     if world is None or rank is None:
-        world, rank = _group_info(group)
+        world, rank = group_info(group)
     _check_layout(layout)
     total = x.shape[seq_dim]
     parts = 2 * world if layout == "zigzag" else world
@@ -107,9 +64,9 @@ def unshard_sequence(x: torch.Tensor, group=None, layout: str = "zigzag", seq_di
     ``shard_sequence``). Not differentiable."""
     import torch.distributed as dist
 
-    world, _ = _group_info(group)
+    world, _ = group_info(group)
     shards = [torch.empty_like(x) for _ in range(world)]
-    dist.all_gather(shards, x.contiguous(), group=_as_group(group))
+    dist.all_gather(shards, x.contiguous(), group=as_group(group))
     local = x.shape[seq_dim]
     total = local * world
     out = x.new_empty((*x.shape[:seq_dim], total, *x.shape[seq_dim + 1:]))
@@ -121,7 +78,7 @@ def unshard_sequence(x: torch.Tensor, group=None, layout: str = "zigzag", seq_di
 
 def positions(local_seqlen: int, group=None, layout: str = "zigzag", device=None) -> torch.Tensor:
     """Global positions (local_seqlen,) of this rank's tokens (for rotary embeddings)."""
-    world, rank = _group_info(group)
+    world, rank = group_info(group)
     return torch.cat([torch.arange(start, start + n, device=device)
                       for _, start, n in chunk_starts(rank, world, local_seqlen, layout)])
 
@@ -153,7 +110,7 @@ def _pair_problem(q_start: int, k_start: int, seqlen_q: int, seqlen_k: int, prob
     the pair sees any key (a causal pair above the diagonal, or out of the window): such
     pairs are skipped, forward and backward."""
     left, right = effective_window(problem.window_left, problem.window_right, seqlen_q, seqlen_k, q_start - k_start)
-    p = _Problem(problem.scale, q_start - k_start, left, right, problem.softcap)
+    p = Problem(problem.scale, q_start - k_start, left, right, problem.softcap)
     if p.window_right >= 0 and (seqlen_q - 1) + p.diag_offset + p.window_right < 0:
         return None
     if p.window_left >= 0 and p.diag_offset - p.window_left > seqlen_k - 1:
@@ -165,7 +122,7 @@ def _pair_backward(dout4, q4, k4, v4, out4, lse, p):
     """Gradients of one chunk pair (problem ``p`` from ``_pair_problem``) against the global
     out and LSE: (dq, dk, dv) as (B, H, S, D) float32. The Triton backward where it runs,
     else the same formulas in torch."""
-    if _backend_for(q4.device) == "triton":
+    if dispatch.runs_kernels(q4.device):
         from flashtile import autograd  # noqa: F401  (registers the ops)
 
         dq, dk, dv = torch.ops.flashtile.attn_bwd(
@@ -250,7 +207,7 @@ def _forward(q4, k4, v4, problem, group, world, rank, layout):
             for row_k, start_k, n_k in theirs:
                 p = _pair_problem(start_q, start_k, n_q, n_k, problem)
                 if p is not None:
-                    o, l = _attention(q4[:, :, row_q:row_q + n_q], kv[0][:, :, row_k:row_k + n_k],
+                    o, l = dispatch.attention(q4[:, :, row_q:row_q + n_q], kv[0][:, :, row_k:row_k + n_k],
                                       kv[1][:, :, row_k:row_k + n_k], p, None, None)
                     out[c], lse[c] = _merge(out[c], lse[c], o, l)
         if step + 1 < world:
@@ -334,26 +291,17 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         out (batch, local_seqlen, nheads, headdim), or (out, lse). Differentiable in q, k, v.
         With one rank it is the local kernel.
     """
-    from flashtile.problem.validate import _check_scale, _check_softcap, _check_window, _flag
-
-    _check_shapes(q, k, v)
+    problem = validate.parallel_call(q, k, v, causal, window_size, softcap, softmax_scale)
     _check_layout(layout)
-    causal = _flag("causal", causal)
-    left, right = _check_window(window_size)
-    if causal:
-        right = 0
-    softcap = _check_softcap(softcap)
-    scale = _check_scale("softmax_scale", softmax_scale, q.shape[-1])
-    world, rank = _group_info(group)
-    group = _as_group(group)
+    world, rank = group_info(group)
+    group = as_group(group)
     if layout == "zigzag" and q.shape[1] % 2:
         raise ValueError(f"layout 'zigzag' needs an even local_seqlen, got {q.shape[1]}")
     if world > 1:
-        _check_same_across_ranks(q, k, group, world)
-    problem = _Problem(scale, 0, left, right, softcap)
+        check_same_across_ranks(q, k, group, world)
     if world == 1:
         layout = "contiguous"
     out, lse = _RingAttention.apply(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), problem, group, world,
                                     rank, layout)
     out = out.transpose(1, 2)
-    return (out, lse.detach()) if _flag("return_lse", return_lse) else out
+    return (out, lse.detach()) if validate.flag("return_lse", return_lse) else out

@@ -48,10 +48,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
     divisible by the world size."""
     import flashtile
 
-    from flashtile.parallel.ring import _group_info, _check_shapes
+    from flashtile.parallel.group import group_info
+    from flashtile.problem import validate
 
-    _check_shapes(q, k, v)
-    world, _ = _group_info(group)
+    validate.parallel_call(q, k, v, causal, window_size, softcap, softmax_scale)
+    world, _ = group_info(group)
     if world == 1:
         return flashtile.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size, softcap=softcap)

@@ -1,5 +1,16 @@
-"""The one validation layer of the public functions: every check runs before any launch
-and raises ValueError or TypeError naming the argument and the value received."""
+"""Every argument check of every entry point, and the problem each call reduces to.
+
+The public functions (``flashtile.api``, ``flashtile.parallel``) call one builder each
+(``flash_call``, ``varlen_call``, ``kvcache_call``, ``sdpa_call``, ``parallel_call``),
+which checks every argument before anything runs and returns the canonical problem
+(``problem.spec``): an error is a ValueError or TypeError that names the argument and the
+value received, raised before any kernel launch and before a cache is written. The checks
+of metadata *values* (cu_seqlens, cache_seqlens, block tables) read them on the host once
+per set of tensors; values held by CUDA tensors of a kv-cache call are checked on the
+device instead (``flashtile.api.kvcache``).
+
+Shapes of q, k, v are checked by one function (``qkv_shapes``) for every layout.
+"""
 
 from __future__ import annotations
 
@@ -7,40 +18,32 @@ import math
 import numbers
 import operator
 from collections.abc import Sequence
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import numpy as np
 import torch
 
+from flashtile.problem.spec import CacheSpec, Problem, Varlen
+from flashtile.problem.window import effective_window
+
 MAX_HEAD_DIM = 256
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-def _check_tensor(name: str, x, ndim: int) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dim() != ndim:
-        raise ValueError(f"{name} must have {ndim} dimensions, got {x.dim()} (shape {tuple(x.shape)})")
-    if x.dtype not in _DTYPES:
-        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+class BlockTableCapacityError(ValueError, RuntimeError):
+    """A paged call addresses more keys than ``block_table`` holds. A ValueError like every
+    argument error here, and a RuntimeError where flash-attn raises one (its #2709)."""
 
 
-def _check_same(q, k, v, names=("q", "k", "v")) -> None:
-    for name, t in zip(names[1:], (k, v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{names[0]} and {name} must have the same dtype, got {q.dtype} and {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{names[0]} and {name} must be on the same device, got {q.device} and {t.device}")
-
-
-def _real(name: str, value, what: str = "a float") -> float:
+# --------------------------------------------------------------------------- scalars
+def real(name: str, value, what: str = "a float") -> float:
     """A Python or NumPy real number (not a bool) as a float."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be {what}, got {type(value).__name__}")
     return float(value)
 
 
-def _integer(name: str, value) -> int:
+def integer(name: str, value) -> int:
     """A Python or NumPy integer, or a one-element integer tensor (not a bool), as an int."""
     if isinstance(value, torch.Tensor):
         if value.numel() != 1 or value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
@@ -54,49 +57,38 @@ def _integer(name: str, value) -> int:
         raise TypeError(f"{name} must be an int, got {value!r}") from None
 
 
-def _flag(name: str, value) -> bool:
+def flag(name: str, value) -> bool:
     """A Python or NumPy bool."""
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{name} must be a bool, got {type(value).__name__}")
     return bool(value)
 
 
-def _check_scale(name: str, scale, head_dim: int) -> float:
+def softmax_scale(name: str, scale, head_dim: int) -> float:
+    """The softmax scale (None: 1 / sqrt(head_dim)); finite."""
     if scale is None:
         return 1.0 / math.sqrt(head_dim)
-    scale = _real(name, scale, "a float or None")
+    scale = real(name, scale, "a float or None")
     if not math.isfinite(scale):
         raise ValueError(f"{name} must be finite, got {scale}")
     return scale
 
 
-def _check_dropout(dropout_p) -> float:
-    dropout_p = _real("dropout_p", dropout_p)
+def dropout(dropout_p) -> float:
+    dropout_p = real("dropout_p", dropout_p)
     if not (0.0 <= dropout_p < 1.0):
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     return dropout_p
 
 
-def _check_heads(nheads: int, nheads_k: int, qname: str = "q", kname: str = "k") -> None:
-    if nheads_k < 1 or nheads % nheads_k != 0:
-        raise ValueError(
-            f"number of query heads ({nheads}) must be divisible by the number of "
-            f"key/value heads ({nheads_k}) of {kname}"
-        )
+def softcap(value) -> float:
+    value = real("softcap", value)
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {value}")
+    return value
 
 
-def _check_head_dim(name: str, head_dim: int) -> None:
-    if not (1 <= head_dim <= MAX_HEAD_DIM):
-        raise ValueError(f"head dim of {name} must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
-
-
-def _unit_last_stride(x: torch.Tensor) -> torch.Tensor:
-    # The kernels need unit stride along the head dim; any other layout is copied once
-    # (documented in the public docstrings), as flash-attn does.
-    return x if x.stride(-1) == 1 or x.shape[-1] == 1 else x.contiguous()
-
-
-def _check_window(window_size) -> tuple[int, int]:
+def window(window_size) -> tuple[int, int]:
     """(left, right) from a tuple, list or 2-element integer tensor of ints (NumPy ints too)."""
     if isinstance(window_size, torch.Tensor):
         if window_size.shape != (2,) or window_size.dtype.is_floating_point or window_size.dtype == torch.bool:
@@ -109,21 +101,116 @@ def _check_window(window_size) -> tuple[int, int]:
         raise TypeError(f"window_size must be a pair (left, right), got {window_size!r}")
     sides = []
     for side, value in zip(("left", "right"), window_size):
-        value = _integer(f"window_size {side}", value)
+        value = integer(f"window_size {side}", value)
         if value < -1:
             raise ValueError(f"window_size {side} must be >= -1 (-1 = unbounded), got {value}")
         sides.append(value)
     return sides[0], sides[1]
 
 
-def _check_softcap(softcap) -> float:
-    softcap = _real("softcap", softcap)
-    if not math.isfinite(softcap) or softcap < 0:
-        raise ValueError(f"softcap must be finite and >= 0 (0 = off), got {softcap}")
-    return softcap
+def causal_window(causal, window_size, name: str = "causal") -> tuple[int, int]:
+    """The window of a flash-attn-style call: ``window_size``, its right side 0 when causal
+    (not yet normalised against the lengths: ``problem.window.effective_window``)."""
+    left, right = window(window_size)
+    if flag(name, causal):
+        right = 0
+    return left, right
 
 
-def _check_alibi(alibi_slopes, batch: int, nheads: int, device) -> Optional[torch.Tensor]:
+def max_seqlen(name: str, value) -> int:
+    value = integer(name, value)
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return value
+
+
+# --------------------------------------------------------------------------- tensors
+def tensor(name: str, x, ndim: int) -> None:
+    """A float16/bfloat16/float32 torch.Tensor of ``ndim`` dimensions."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got {x.dim()} (shape {tuple(x.shape)})")
+    if x.dtype not in DTYPES:
+        raise TypeError(f"{name} must be float16, bfloat16 or float32, got {x.dtype}")
+
+
+def same_dtype_and_device(q, k, v, names=("q", "k", "v")) -> None:
+    for name, t in zip(names[1:], (k, v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{names[0]} and {name} must have the same dtype, got {q.dtype} and {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{names[0]} and {name} must be on the same device, got {q.device} and {t.device}")
+
+
+def heads(nheads: int, nheads_k: int, qname: str = "q", kname: str = "k") -> None:
+    if nheads_k < 1 or nheads % nheads_k != 0:
+        raise ValueError(
+            f"number of query heads ({nheads}) must be divisible by the number of "
+            f"key/value heads ({nheads_k}) of {kname}"
+        )
+
+
+def head_dim(name: str, value: int) -> None:
+    if not (1 <= value <= MAX_HEAD_DIM):
+        raise ValueError(f"head dim of {name} must be in [1, {MAX_HEAD_DIM}], got {value}")
+
+
+class Shapes(NamedTuple):
+    """What ``qkv_shapes`` read off q, k, v."""
+
+    batch: int
+    seqlen_q: int
+    seqlen_k: int
+    nheads: int
+    nheads_k: int
+    head_dim: int
+
+
+# Where the batch, sequence and head axes are in each layout (None: no such axis).
+_AXES = {"bshd": (0, 1, 2), "bhsd": (0, 2, 1), "thd": (None, 0, 1), "cache": (0, 1, 2), "paged": (0, 1, 2)}
+_KV_DOCS = {"bshd": " (batch, seqlen_k, nheads_k, headdim)", "bhsd": " (batch, nheads_k, seqlen_k, headdim)",
+            "thd": " (total_k, nheads_k, headdim)", "paged": " (num_blocks, page_block_size, nheads_k, headdim)",
+            "cache": " (batch_cache, seqlen_cache, nheads_k, headdim), or paged (num_blocks, page_block_size, nheads_k, "
+                     "headdim)"}
+
+
+def qkv_shapes(q, k, v, names=("q", "k", "v"), layout: str = "bshd", kv_layout: Optional[str] = None) -> Shapes:
+    """The one check of q, k, v for every entry point: tensors of the layout's rank, one
+    dtype and device, k and v of one shape, one batch, one head dim in [1, MAX_HEAD_DIM],
+    query heads a multiple of key/value heads.
+
+    ``layout``: "bshd" (flash-attn), "bhsd" (SDPA) or "thd" (packed); ``kv_layout``: k and
+    v's, when it differs: "paged" (num_blocks, page, Hk, D) or "cache" (a kv cache: rows
+    or pages).
+    """
+    qn, kn, vn = names
+    kv_layout = kv_layout or layout
+    kv_ndim = 3 if kv_layout == "thd" else 4
+    tensor(qn, q, 3 if layout == "thd" else 4)
+    tensor(kn, k, kv_ndim)
+    tensor(vn, v, kv_ndim)
+    same_dtype_and_device(q, k, v, names)
+    qb, qs, qh = _AXES[layout]
+    kb, ks, kh = _AXES[kv_layout]
+    if qb is not None and layout == kv_layout:
+        if k.shape[kb] != q.shape[qb] or v.shape[kb] != q.shape[qb]:
+            raise ValueError(f"batch of {qn}, {kn}, {vn} must match, got {q.shape[qb]}, {k.shape[kb]}, "
+                             f"{v.shape[kb]}")
+    if k.shape != v.shape:
+        raise ValueError(f"{kn} and {vn} must have the same shape{_KV_DOCS[kv_layout]}, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    dim = q.shape[-1]
+    if k.shape[-1] != dim:
+        raise ValueError(f"head dim of {kn} ({k.shape[-1]}) must equal head dim of {qn} ({dim})")
+    head_dim(qn, dim)
+    nheads, nheads_k = q.shape[qh], k.shape[kh]
+    heads(nheads, nheads_k, qn, kn)
+    return Shapes(1 if qb is None else q.shape[qb], q.shape[qs], k.shape[ks], nheads, nheads_k, dim)
+
+
+def alibi(alibi_slopes, batch: int, nheads: int, device) -> Optional[torch.Tensor]:
+    """(batch, nheads) float32 slopes from (nheads,) or (batch, nheads) ones (None: no ALiBi)."""
     if alibi_slopes is None:
         return None
     if not isinstance(alibi_slopes, torch.Tensor):
@@ -139,25 +226,25 @@ def _check_alibi(alibi_slopes, batch: int, nheads: int, device) -> Optional[torc
     raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {tuple(alibi_slopes.shape)}")
 
 
-def _check_mask(attn_mask, query: torch.Tensor, shape: tuple[int, ...]) -> Optional[torch.Tensor]:
-    if attn_mask is None:
+def attn_mask(mask, query: torch.Tensor, shape: tuple[int, ...]) -> Optional[torch.Tensor]:
+    """A bool or float mask broadcast (as a view) to ``shape``."""
+    if mask is None:
         return None
-    if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(attn_mask).__name__}")
-    if attn_mask.dtype != torch.bool and attn_mask.dtype not in (query.dtype, torch.float32):
-        raise TypeError(f"attn_mask must be bool, {query.dtype} or float32, got {attn_mask.dtype}")
-    if attn_mask.device != query.device:
-        raise ValueError(f"attn_mask must be on {query.device}, got {attn_mask.device}")
-    if attn_mask.dim() > len(shape):
-        raise ValueError(f"attn_mask must have at most {len(shape)} dimensions, got shape {tuple(attn_mask.shape)}")
+    if not isinstance(mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be a torch.Tensor or None, got {type(mask).__name__}")
+    if mask.dtype != torch.bool and mask.dtype not in (query.dtype, torch.float32):
+        raise TypeError(f"attn_mask must be bool, {query.dtype} or float32, got {mask.dtype}")
+    if mask.device != query.device:
+        raise ValueError(f"attn_mask must be on {query.device}, got {mask.device}")
+    if mask.dim() > len(shape):
+        raise ValueError(f"attn_mask must have at most {len(shape)} dimensions, got shape {tuple(mask.shape)}")
     try:
-        return attn_mask.expand(shape)
+        return mask.expand(shape)
     except RuntimeError:
-        raise ValueError(f"attn_mask of shape {tuple(attn_mask.shape)} does not broadcast to {shape}") from None
+        raise ValueError(f"attn_mask of shape {tuple(mask.shape)} does not broadcast to {shape}") from None
 
 
-# --------------------------------------------------------------------------- varlen
-def _check_index_tensor(name: str, t, ndim: int, device) -> torch.Tensor:
+def index_tensor(name: str, t, ndim: int, device) -> torch.Tensor:
     """An int32 tensor of ``ndim`` dimensions on ``device`` (made contiguous)."""
     if not isinstance(t, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -170,11 +257,97 @@ def _check_index_tensor(name: str, t, ndim: int, device) -> torch.Tensor:
     return t.contiguous()
 
 
-def _check_max_seqlen(name: str, value) -> int:
-    value = _integer(name, value)
-    if value < 0:
-        raise ValueError(f"{name} must be >= 0, got {value}")
-    return value
+def per_sequence(name: str, t, batch: int, device) -> Optional[torch.Tensor]:
+    """None, or an int32 (batch,) tensor: one entry per sequence."""
+    if t is None:
+        return None
+    t = index_tensor(name, t, 1, device)
+    if t.numel() != batch:
+        raise ValueError(f"{name} must have shape ({batch},) (one entry per sequence), got {tuple(t.shape)}")
+    return t
+
+
+def _block_table(block_table, batch: int, device) -> torch.Tensor:
+    table = index_tensor("block_table", block_table, 2, device)
+    if table.shape[0] != batch:
+        raise ValueError(f"block_table must have shape ({batch}, max_blocks), got {tuple(table.shape)}")
+    return table
+
+
+# --------------------------------------------------------------------------- flash_attn_func
+class FlashCall(NamedTuple):
+    """A validated ``flash_attn_func`` call, all but its tensors (``entry.prepared``)."""
+
+    problem: Problem
+    want_probs: bool
+    expand_alibi: bool  # (nheads,) slopes, expanded to (batch, nheads) per call
+
+
+def flash_call(q, k, v, dropout_p, softmax_scale_, causal, window_size, softcap_, alibi_slopes, deterministic,
+               return_attn_probs, names=("q", "k", "v")) -> FlashCall:
+    """Every check of a ``flash_attn_func`` call (q, k, v (batch, seqlen, heads, dim))."""
+    shapes = qkv_shapes(q, k, v, names, "bshd")
+    p = dropout(dropout_p)
+    scale = softmax_scale("softmax_scale", softmax_scale_, shapes.head_dim)
+    left, right = causal_window(causal, window_size)
+    cap = softcap(softcap_)
+    slopes = alibi(alibi_slopes, shapes.batch, shapes.nheads, q.device)
+    diag = shapes.seqlen_k - shapes.seqlen_q
+    left, right = effective_window(left, right, shapes.seqlen_q, shapes.seqlen_k, diag)
+    problem = Problem(scale, diag, left, right, cap, p, flag("deterministic", deterministic))
+    return FlashCall(problem, flag("return_attn_probs", return_attn_probs), slopes is not alibi_slopes)
+
+
+# --------------------------------------------------------------------------- flash_attn_varlen_func
+class VarlenCall(NamedTuple):
+    """A validated ``flash_attn_varlen_func`` call."""
+
+    problem: Problem
+    varlen: Varlen
+    block_table: Optional[torch.Tensor]  # int32 (batch, max_blocks): k, v are paged
+    alibi: Optional[torch.Tensor]
+    want_probs: bool
+
+
+def varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale_,
+                causal, window_size, softcap_, alibi_slopes, deterministic, return_attn_probs, block_table,
+                seqused_q, seqused_k, names=("q", "k", "v")) -> VarlenCall:
+    """Every check of a packed call, metadata values included (one host copy per set of
+    tensors: ``varlen_values``). The window is normalised against the longest sequences:
+    a side that hides no key of them hides none of any."""
+    paged = block_table is not None
+    shapes = qkv_shapes(q, k, v, names, "thd", "paged" if paged else "thd")
+    device = q.device
+    cu_q = index_tensor("cu_seqlens_q", cu_seqlens_q, 1, device)
+    cu_k = index_tensor("cu_seqlens_k", cu_seqlens_k, 1, device)
+    if cu_q.numel() < 1 or cu_k.numel() < 1:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must hold batch + 1 >= 1 entries")
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q and cu_seqlens_k must describe the same batch, got {cu_q.numel() - 1} "
+                         f"and {cu_k.numel() - 1} sequences")
+    batch = cu_q.numel() - 1
+    max_q = max_seqlen("max_seqlen_q", max_seqlen_q)
+    max_k = max_seqlen("max_seqlen_k", max_seqlen_k)
+    used_q = per_sequence("seqused_q", seqused_q, batch, device)
+    used_k = per_sequence("seqused_k", seqused_k, batch, device)
+    table, page_size, num_blocks = None, 0, 0
+    if paged:
+        table = _block_table(block_table, batch, device)
+        num_blocks, page_size = k.shape[0], k.shape[1]
+        if page_size < 1:
+            raise ValueError(f"page_block_size of {names[1]} must be >= 1, got shape {tuple(k.shape)}")
+    p = dropout(dropout_p)
+    scale = softmax_scale("softmax_scale", softmax_scale_, shapes.head_dim)
+    left, right = causal_window(causal, window_size)
+    cap = softcap(softcap_)
+    slopes = alibi(alibi_slopes, batch, shapes.nheads, device)
+    det = flag("deterministic", deterministic)
+    want_probs = flag("return_attn_probs", return_attn_probs)
+    varlen_values(cu_q, cu_k, used_q, used_k, max_q, max_k, shapes.seqlen_q, None if paged else k.shape[0], table,
+                  page_size, num_blocks)
+    left, right = effective_window(left, right, max_q, max_k, max_k - max_q)
+    problem = Problem(scale, 0, left, right, cap, p, det)
+    return VarlenCall(problem, Varlen(cu_q, cu_k, used_q, used_k, max_q, max_k), table, slopes, want_probs)
 
 
 # Validated varlen metadata: one host copy per distinct set of tensors (a training step
@@ -188,9 +361,28 @@ def _values_key(tensors, scalars) -> tuple:
     return tuple((id(t), t.data_ptr(), t._version) if t is not None else None for t in tensors) + tuple(scalars)
 
 
-def _check_varlen_values(cu_q, cu_k, used_q, used_k, max_q: int, max_k: int, total_q: int, total_k: Optional[int],
-                         block_table=None, page_size: int = 0, num_blocks: int = 0) -> None:
-    """The checks that need the values of the metadata tensors: one device-to-host copy,
+def _host_values(tensors) -> list:
+    """The values of ``tensors`` (None entries stay None) in one device-to-host copy."""
+    parts = [t.reshape(-1).long() for t in tensors if t is not None]
+    host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().tolist() if parts else []
+    out, pos = [], 0
+    for t in tensors:
+        if t is None:
+            out.append(None)
+            continue
+        out.append(host[pos:pos + t.numel()])
+        pos += t.numel()
+    return out
+
+
+def _tracing_or_capturing(t) -> bool:
+    """Values cannot be read now: torch.compile traces, or a CUDA graph is being captured."""
+    return torch.compiler.is_compiling() or (t.is_cuda and torch.cuda.is_current_stream_capturing())
+
+
+def varlen_values(cu_q, cu_k, used_q, used_k, max_q: int, max_k: int, total_q: int, total_k: Optional[int],
+                  block_table=None, page_size: int = 0, num_blocks: int = 0) -> None:
+    """The checks that need the values of a packed call's metadata: one device-to-host copy,
     remembered per set of tensors; skipped while a CUDA graph is being captured or
     torch.compile traces (the kernels clamp every index, so unchecked values stay
     memory-safe, though their results are then unspecified).
@@ -198,27 +390,14 @@ def _check_varlen_values(cu_q, cu_k, used_q, used_k, max_q: int, max_k: int, tot
     ``total_k`` is None for paged keys (lengths are bounded by the block table instead).
     """
     tensors = (cu_q, cu_k, used_q, used_k, block_table)
-    if torch.compiler.is_compiling() or (cu_q.is_cuda and torch.cuda.is_current_stream_capturing()):
+    if _tracing_or_capturing(cu_q):
         return
     # Inference tensors have no version counter: checked on every call, never cached.
     cacheable = not any(t is not None and t.is_inference() for t in tensors)
     key = _values_key(tensors, (max_q, max_k, total_q, total_k, page_size, num_blocks)) if cacheable else None
     if key is not None and key in _CHECKED:
         return
-    parts = [t.reshape(-1).to(torch.int64) for t in tensors if t is not None]
-    host = torch.cat(parts).cpu().tolist() if parts else []
-    pos = 0
-
-    def take(t):
-        nonlocal pos
-        if t is None:
-            return None
-        n = t.numel()
-        values = host[pos:pos + n]
-        pos += n
-        return values
-
-    cq, ck, uq, uk, bt = (take(t) for t in tensors)
+    cq, ck, uq, uk, bt = _host_values(tensors)
     for name, cu, total in (("cu_seqlens_q", cq, total_q), ("cu_seqlens_k", ck, total_k)):
         if cu[0] != 0:
             raise ValueError(f"{name} must start at 0, got {cu[0]}")
@@ -240,8 +419,8 @@ def _check_varlen_values(cu_q, cu_k, used_q, used_k, max_q: int, max_k: int, tot
         pages_per_seq = block_table.shape[1]
         for b, n in enumerate(lengths["k"]):
             if n > pages_per_seq * page_size:
-                raise ValueError(f"sequence {b} has {n} keys, more than block_table holds "
-                                 f"({pages_per_seq} blocks of {page_size})")
+                raise BlockTableCapacityError(f"sequence {b} has {n} keys, more than block_table holds "
+                                              f"({pages_per_seq} blocks of {page_size})")
             row = bt[b * pages_per_seq:(b + 1) * pages_per_seq]
             for j in range(-(-n // page_size)):
                 if not 0 <= row[j] < num_blocks:
@@ -256,3 +435,222 @@ def _check_varlen_values(cu_q, cu_k, used_q, used_k, max_q: int, max_k: int, tot
     if len(_CHECKED) >= _CHECKED_MAX:
         _CHECKED.clear()
     _CHECKED[key] = tuple(t for t in tensors if t is not None)  # kept alive: ids stay unique
+
+
+# --------------------------------------------------------------------------- scaled_dot_product_attention
+class SdpaCall(NamedTuple):
+    """A validated SDPA call: q, k, v as (batch, heads, seqlen, dim) (3-D inputs get a head
+    axis), the mask broadcast to (batch, heads, L, S), and whether to drop the head axis."""
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    mask: Optional[torch.Tensor]
+    problem: Problem
+    squeeze: bool
+
+
+def sdpa_call(query, key, value, attn_mask_, dropout_p, is_causal, scale, enable_gqa) -> SdpaCall:
+    """Every check of a ``scaled_dot_product_attention`` call (torch's semantics: top-left
+    causal, heads must match unless ``enable_gqa``, no mask together with is_causal)."""
+    squeeze = isinstance(query, torch.Tensor) and query.dim() == 3
+    names = ("query", "key", "value")
+    if squeeze:
+        for name, t in zip(names, (query, key, value)):
+            tensor(name, t, 3)
+        query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
+    shapes = qkv_shapes(query, key, value, names, "bhsd")
+    if shapes.nheads_k != shapes.nheads and not flag("enable_gqa", enable_gqa):
+        raise ValueError(f"query has {shapes.nheads} heads and key {shapes.nheads_k}: pass enable_gqa=True for "
+                         f"grouped-query attention")
+    p = dropout(dropout_p)
+    scale = softmax_scale("scale", scale, shapes.head_dim)
+    causal = flag("is_causal", is_causal)
+    if causal and attn_mask_ is not None:
+        raise ValueError("attn_mask and is_causal=True cannot be given together (as in torch)")
+    shape = (shapes.batch, shapes.nheads, shapes.seqlen_q, shapes.seqlen_k)
+    if squeeze and attn_mask_ is not None:
+        # 3-D inputs: torch broadcasts the mask against (batch, L, S); the head axis is ours.
+        attn_mask_ = attn_mask(attn_mask_, query, (shapes.batch, shapes.seqlen_q, shapes.seqlen_k)).unsqueeze(1)
+    mask = attn_mask(attn_mask_, query, shape)
+    left, right = effective_window(-1, 0 if causal else -1, shapes.seqlen_q, shapes.seqlen_k, 0)
+    return SdpaCall(query, key, value, mask, Problem(scale, 0, left, right, 0.0, p), squeeze)
+
+
+# --------------------------------------------------------------------------- flash_attn_with_kvcache
+def rotary_tables(cos, sin, q, dim: int) -> int:
+    """rotary_dim of the tables (0: no rotary)."""
+    if cos is None and sin is None:
+        return 0
+    if cos is None or sin is None:
+        raise ValueError("rotary_cos and rotary_sin must be given together")
+    for name, t in (("rotary_cos", cos), ("rotary_sin", sin)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 2:
+            raise ValueError(f"{name} must be 2-D (seqlen_ro, rotary_dim / 2), got shape {tuple(t.shape)}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be floating point, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on {q.device}, got {t.device}")
+    if cos.shape != sin.shape:
+        raise ValueError(f"rotary_cos and rotary_sin must have the same shape, got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    rotary_dim = 2 * cos.shape[1]
+    if not 0 < rotary_dim <= dim:
+        raise ValueError(f"rotary_dim (2 * rotary_cos.shape[1] = {rotary_dim}) must be in (0, headdim = {dim}]")
+    return rotary_dim
+
+
+class CacheCall(NamedTuple):
+    """A validated ``flash_attn_with_kvcache`` call: the metadata as int32 tensors on q's
+    device (cache_seqlens made one from an int), the spec, and what the call returns."""
+
+    seqlens: torch.Tensor
+    leftpad: Optional[torch.Tensor]
+    batch_idx: Optional[torch.Tensor]
+    block_table: Optional[torch.Tensor]
+    alibi: Optional[torch.Tensor]
+    rotary: bool
+    spec: CacheSpec
+    want_lse: bool
+
+
+def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
+                 block_table, softmax_scale_, causal, window_size, softcap_, rotary_interleaved, alibi_slopes,
+                 num_splits, return_softmax_lse) -> CacheCall:
+    """Every check of a kv-cache call but those of the metadata values (``cache_values``)."""
+    qkv_shapes(q, k_cache, v_cache, ("q", "k_cache", "v_cache"), "bshd", "cache")
+    batch, seqlen_q, nheads, dim = q.shape
+    nheads_k = k_cache.shape[2]
+    device = q.device
+    paged = block_table is not None
+    table = None
+    if paged:
+        table = _block_table(block_table, batch, device)
+        if cache_batch_idx is not None or cache_leftpad is not None:
+            raise ValueError("cache_batch_idx and cache_leftpad cannot be combined with a paged cache (block_table)")
+        num_blocks, page = k_cache.shape[0], k_cache.shape[1]
+        capacity = table.shape[1] * page
+        batch_cache = batch
+    else:
+        num_blocks = page = 0
+        batch_cache, capacity = k_cache.shape[0], k_cache.shape[1]
+        if cache_batch_idx is None and batch_cache < batch:
+            # flash-attn: without cache_batch_idx sequence b uses row b; rows past the batch stay untouched
+            raise ValueError(f"k_cache holds {batch_cache} sequences but q {batch}: pass cache_batch_idx, or a "
+                             f"cache with at least {batch} rows")
+    new = 0
+    if (k is None) != (v is None):
+        raise ValueError("k and v must be given together")
+    if k is not None:
+        tensor("k", k, 4)
+        tensor("v", v, 4)
+        same_dtype_and_device(q, k, v, ("q", "k", "v"))
+        if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
+            raise ValueError(f"k and v must have shape ({batch}, seqlen_new, {nheads_k}, {dim}), got "
+                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        new = k.shape[1]
+    if cache_seqlens is None:
+        if k is not None:
+            raise ValueError("cache_seqlens is required when k and v are appended")
+        cache_seqlens = capacity
+    if isinstance(cache_seqlens, torch.Tensor):
+        seqlens = index_tensor("cache_seqlens", cache_seqlens, 1, device)
+        if seqlens.numel() != batch:
+            raise ValueError(f"cache_seqlens must have shape ({batch},), got {tuple(seqlens.shape)}")
+    else:
+        seqlens = torch.full((batch,), integer("cache_seqlens", cache_seqlens), dtype=torch.int32, device=device)
+    batch_idx = leftpad = None
+    if cache_batch_idx is not None:
+        batch_idx = index_tensor("cache_batch_idx", cache_batch_idx, 1, device)
+        if batch_idx.numel() != batch:
+            raise ValueError(f"cache_batch_idx must have shape ({batch},), got {tuple(batch_idx.shape)}")
+    if cache_leftpad is not None:
+        leftpad = index_tensor("cache_leftpad", cache_leftpad, 1, device)
+        if leftpad.numel() != batch:
+            raise ValueError(f"cache_leftpad must have shape ({batch},), got {tuple(leftpad.shape)}")
+    rotary_dim = rotary_tables(rotary_cos, rotary_sin, q, dim)
+    if rotary_dim and k is None:
+        raise ValueError("rotary_cos/rotary_sin apply only when k and v are appended (as in flash-attn)")
+    scale = softmax_scale("softmax_scale", softmax_scale_, dim)
+    left, right = causal_window(causal, window_size)
+    # q is rotated at its own positions when some side bounds the keys, as flash-attn
+    # decides it: after trimming sides of at least the cache length to -1.
+    local = any(0 <= side < capacity for side in (left, right))
+    # Sides that hide no key of any sequence (len_k <= capacity) become -1 (unbounded), for
+    # both paths: a raw 2**31 - 1 would overflow the decode kernel's int32 bounds.
+    left, right = effective_window(left, right, seqlen_q, capacity, capacity - seqlen_q)
+    cap = softcap(softcap_)
+    slopes = alibi(alibi_slopes, batch, nheads, device)
+    interleaved = flag("rotary_interleaved", rotary_interleaved)
+    splits = integer("num_splits", num_splits)
+    if splits < 0:
+        raise ValueError(f"num_splits must be >= 0 (0 = choose), got {splits}")
+    want_lse = flag("return_softmax_lse", return_softmax_lse)
+    spec = CacheSpec(scale, cap, left, right, interleaved, local, splits, new, seqlen_q, capacity, batch_cache,
+                     num_blocks, page, rotary_cos.shape[0] if rotary_dim else -1)
+    return CacheCall(seqlens, leftpad, batch_idx, table, slopes, bool(rotary_dim), spec, want_lse)
+
+
+def cache_strides(k_cache, v_cache) -> None:
+    """The kernels write the caches in place: unit stride along the head dim (the torch twin
+    writes any layout)."""
+    for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride along headdim (it is written in place), got strides "
+                             f"{t.stride()}")
+
+
+def cache_values(call: CacheCall) -> None:
+    """The checks that need a kv-cache call's metadata values (one host copy; skipped while
+    a CUDA graph is captured or torch.compile traces, where the writes are clamped instead)."""
+    spec = call.spec
+    seqlens = call.seqlens
+    if _tracing_or_capturing(seqlens):
+        return
+    lens, pads, rows, table = _host_values((seqlens, call.leftpad, call.batch_idx, call.block_table))
+    batch = len(lens)
+    pads = pads or [0] * batch
+    new = spec.new
+    if rows is not None:
+        for b, r in enumerate(rows):
+            if not 0 <= r < spec.batch_cache:
+                raise ValueError(f"cache_batch_idx[{b}] = {r} must be in [0, {spec.batch_cache}) (the cache's batch)")
+    paged = call.block_table is not None
+    for b, n in enumerate(lens):
+        if n < 0:
+            raise ValueError(f"cache_seqlens[{b}] = {n} must be >= 0")
+        if n + new > spec.capacity:
+            where = (f"the {spec.capacity} keys block_table holds ({call.block_table.shape[1]} blocks of "
+                     f"{spec.page})" if paged else f"the cache length {spec.capacity}")
+            error = BlockTableCapacityError if paged else ValueError
+            raise error(f"cache_seqlens[{b}] + seqlen_new = {n} + {new} exceeds {where}")
+        if not 0 <= pads[b] <= n:
+            raise ValueError(f"cache_leftpad[{b}] = {pads[b]} must be in [0, cache_seqlens[{b}] = {n}]")
+        if spec.rotary_len >= 0:
+            # k at positions n + i, i < new (cache indices); q there too when causal/windowed
+            need = n + max(new, spec.queries if spec.rotary_local else 1)
+            if need > spec.rotary_len:
+                raise ValueError(f"rotary_cos/rotary_sin hold {spec.rotary_len} positions, sequence {b} needs {need}")
+    if paged:
+        width = call.block_table.shape[1]
+        for b, n in enumerate(lens):
+            row = table[b * width:(b + 1) * width]
+            for j in range(-(-(n + new) // spec.page)):
+                if not 0 <= row[j] < spec.num_blocks:
+                    raise ValueError(f"block_table[{b}, {j}] = {row[j]} must be in [0, {spec.num_blocks}) "
+                                     f"(the number of blocks of k_cache)")
+
+
+# --------------------------------------------------------------------------- flashtile.parallel
+def parallel_call(q, k, v, causal, window_size, softcap_, softmax_scale_) -> Problem:
+    """The local shards of a context-parallel call: q, k, v (batch, local_seqlen, heads,
+    dim) of one length, and the flash-attn scalars. The diagonal is per pair of shards."""
+    shapes = qkv_shapes(q, k, v)
+    if shapes.seqlen_k != shapes.seqlen_q:
+        raise ValueError(f"k and v must have shape (batch, local_seqlen, nheads_k, headdim) matching q "
+                         f"{tuple(q.shape)}, got {tuple(k.shape)} and {tuple(v.shape)}")
+    left, right = causal_window(causal, window_size)
+    return Problem(softmax_scale("softmax_scale", softmax_scale_, shapes.head_dim), 0, left, right,
+                   softcap(softcap_))

@@ -23,23 +23,33 @@ launch is also reported to its recorder (the compiled kernel and the full argume
 
 from __future__ import annotations
 
-import os
 from typing import Any, Sequence
 
 import triton
 from triton.runtime import driver
 
-from flashtile.runtime import replay as plan
+from flashtile.runtime import settings
+from flashtile.runtime.replay import active_recorder, hooks_installed
 
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 _I64_MIN, _I64_MAX, _U64_MAX = -(2**63), 2**63 - 1, 2**64 - 1
 _UNKNOWN = object()  # an argument type without a rule here: take Triton's own path
-_TESTED_VERSION = triton.__version__.startswith("3.6.")
+TESTED_VERSION = triton.__version__.startswith("3.6.")
+# ``runtime.stubs``: a function that stands in for every launch (no GPU needed), or None.
+_stub = None
 
 
-def _fast_ok() -> bool:
-    return (_TESTED_VERSION and os.environ.get("FLASHTILE_FAST_LAUNCH", "1") != "0"
-            and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
+def fast_ok() -> bool:
+    """Whether launches take the direct path (module docstring)."""
+    return _stub is not None or (TESTED_VERSION and settings.fast_launch())
+
+
+def set_stub(fn) -> None:
+    """Make ``fn(launcher, grid, args, constexprs, num_warps, num_stages)`` stand in for
+    every launch (returning what Triton would: a compiled kernel), or None to launch for
+    real again. For ``runtime.stubs``: host-cost probes and tests without a GPU."""
+    global _stub
+    _stub = fn
 
 
 def arg_key(a: Any) -> Any:
@@ -91,7 +101,7 @@ class Launcher:
         self.cache: dict[tuple, Any] = {}
         self._tail: dict[int, tuple[str, ...]] = {}
 
-    def _full_args(self, args: Sequence[Any], constexprs: dict[str, Any]) -> list[Any]:
+    def full_args(self, args: Sequence[Any], constexprs: dict[str, Any]) -> list[Any]:
         """Every kernel parameter in signature order (what Triton's binder returns)."""
         names = self._tail.get(len(args))
         if names is None:
@@ -106,7 +116,7 @@ class Launcher:
 
     def __call__(self, grid: tuple[int, ...], args: Sequence[Any], constexprs: dict[str, Any],
                  num_warps: int, num_stages: int) -> None:
-        rec = plan.active_recorder()
+        rec = active_recorder()
         if rec is None:
             self._launch(grid, args, constexprs, num_warps, num_stages)
             return
@@ -115,15 +125,17 @@ class Launcher:
             compiled = self._launch(grid, args, constexprs, num_warps, num_stages)
         finally:
             rec.paused -= 1
-        if not (_fast_ok() and not self.fn.pre_run_hooks and not _hooks_installed()
+        if not (fast_ok() and not self.fn.pre_run_hooks and not hooks_installed()
                 and hasattr(compiled, "packed_metadata")):
             compiled = None  # the interpreter, hooks, FLASHTILE_FAST_LAUNCH=0: replays go through kernel[grid]
         rec.launch(self, compiled, grid, args, constexprs, num_warps, num_stages)
 
     def _launch(self, grid, args, constexprs, num_warps, num_stages):
         """Launch; returns the compiled kernel (what Triton returned under the interpreter)."""
+        if _stub is not None:
+            return _stub(self, grid, args, constexprs, num_warps, num_stages)
         key = None
-        if _fast_ok() and not self.fn.pre_run_hooks and not _hooks_installed():
+        if fast_ok() and not self.fn.pre_run_hooks and not hooks_installed():
             arg_keys = tuple(map(arg_key, args))
             if _UNKNOWN not in arg_keys:
                 device = driver.active.get_current_device()
@@ -145,12 +157,12 @@ class Launcher:
         for (name, _), (val, globals_dict) in self.fn.used_global_vals.items():
             if globals_dict.get(name, _UNKNOWN) != val:
                 raise RuntimeError(f"Global variable {name} has changed since {self.fn.__name__} was compiled")
-        if os.environ.get("FLASHTILE_LAUNCH_CHECK", "0") == "1":
+        if settings.launch_check():
             self._check(device, modes, compiled, args, constexprs, num_warps, num_stages)
         stream = driver.active.get_current_stream(device)
         grid = tuple(grid) + (1, 1)
         compiled.run(grid[0], grid[1], grid[2], stream, compiled.function, compiled.packed_metadata,
-                     None, None, None, *self._full_args(args, constexprs))
+                     None, None, None, *self.full_args(args, constexprs))
 
     def _check(self, device, modes, compiled, args, constexprs, num_warps, num_stages) -> None:
         from triton.runtime.jit import compute_cache_key
@@ -162,16 +174,10 @@ class Launcher:
         if theirs is not compiled:
             raise AssertionError(f"flashtile.runtime.launch: the direct launch of {self.fn.__name__} picked another "
                                  f"binary than Triton would (key {spec})")
-        mine = self._full_args(args, constexprs)
+        mine = self.full_args(args, constexprs)
         if len(mine) != len(bound) or not all(_same(a, b) for a, b in zip(bound.values(), mine)):
             raise AssertionError(f"flashtile.runtime.launch: argument order differs from Triton's for {self.fn.__name__}")
 
 
 def _same(a: Any, b: Any) -> bool:
     return a is b or (type(a) in (int, float, bool) and type(a) is type(b) and a == b)
-
-
-def _hooks_installed() -> bool:
-    """A profiler's launch hooks are set (triton 3.6 keeps them in always-present HookChains)."""
-    rt = triton.knobs.runtime
-    return any(getattr(h, "calls", h) for h in (rt.launch_enter_hook, rt.launch_exit_hook))

@@ -4,7 +4,8 @@ Everything the host does for an attention call before its kernels run (validatio
 canonical problem, the config, the grid, the buffers, each launch's argument list)
 depends only on a *key*: the tensors' shapes, strides, dtypes, devices, 16-byte
 alignment and requires_grad, the scalar arguments, the grad mode, the determinism
-switch, the current device and the environment switches the code reads (``_ENV``).
+switch, the current device and the environment switches the code reads
+(``runtime.settings.SWITCHES``).
 The data pointers are the only thing that changes between two calls with one key.
 
 So the first call with a key runs the ordinary code under a ``Recorder``: a torch
@@ -33,7 +34,7 @@ and instrumentation knobs and a change of a global a kernel read at compile time
 ``clear()`` after changing those. ``FLASHTILE_PLANS=0`` turns plans off.
 
 Layers: ``flash_attn_func`` plans the whole call (and validates once per key); the ops
-under every API (``autograd._attn_fwd_impl`` / ``_attn_bwd_impl``) plan their kernels.
+under every API (``backends.run.forward`` / ``backward``) plan their kernels.
 A training call cannot replay as a whole (autograd must see it), so the API entry keeps
 the forward op's entry in ``below``, and the forward's entry keeps its backward's there,
 keyed by what only the backward brings (dout, dlse, the switches): neither key is made
@@ -42,7 +43,6 @@ again on a repeated training step.
 
 from __future__ import annotations
 
-import os
 import threading
 from typing import Any, Callable, Optional, Sequence
 
@@ -50,9 +50,8 @@ import torch
 import torch.autograd.forward_ad as _fwad
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode
 
-_ENV = ("FLASHTILE_PLANS", "FLASHTILE_BACKEND", "FLASHTILE_WS", "FLASHTILE_BWD_DQ", "FLASHTILE_AUTOTUNE",
-        "FLASHTILE_FAST_LAUNCH", "FLASHTILE_LAUNCH_CHECK", "FLASHTILE_CACHE_DIR", "TRITON_INTERPRET",
-        "FLASHTILE_KVCACHE_CHECK")
+from flashtile.runtime import settings
+
 _MAX_PLANS = 4096  # per cache; a new key past this clears the cache (shapes built per call stay bounded)
 _MAX_TMA = 4096
 _MAX_TRIES = 3  # recordings of a key that refuse before it is marked unplannable
@@ -69,19 +68,11 @@ class _Refuse(Exception):
     """The recorded call did something a replay could not repeat."""
 
 
-# os.environ.get costs ~1.5 us a name (it encodes the key, then looks it up); the mapping
-# behind os.environ (CPython's os._Environ._data, kept in step by every os.environ write)
-# answers in 0.1 us. Where it is missing, the public way.
-_ENV_DATA = getattr(os.environ, "_data", None)
-_ENV_KEYS = tuple(map(os.environ.encodekey, _ENV)) if _ENV_DATA is not None else _ENV
-_ENV_GET = _ENV_DATA.get if isinstance(_ENV_DATA, dict) else os.environ.get
-
-
 def env_key() -> tuple:
     """The switches the call path reads, with the grad mode, determinism and the
     current CUDA device: part of every key."""
     device = torch.cuda.current_device() if torch.cuda.is_initialized() else -1
-    return (tuple(map(_ENV_GET, _ENV_KEYS)), torch.is_grad_enabled(),
+    return (tuple(map(settings.raw_get, settings.SWITCH_KEYS)), torch.is_grad_enabled(),
             torch.are_deterministic_algorithms_enabled(), device)
 
 
@@ -126,7 +117,7 @@ _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 def stream_counter(device: torch.device) -> torch.Tensor:
     """An int32 work counter that is 0 when a kernel starts and that the kernel leaves at
-    0 (``forward_sm90._reset_counter``): one per device and stream, so kernels on one
+    0 (``backends.sm90.forward._reset_counter``): one per device and stream, so kernels on one
     stream reuse it in order and kernels on two streams never share one. Under CUDA-graph
     capture a fresh zeroed counter instead, owned by the graph: a graph replayed on
     another stream must not share a counter with eager calls."""
@@ -281,7 +272,7 @@ class _RawLaunch:
         self.coop, self.pdl, self.packed = run.launch_cooperative_grid, run.launch_pdl, compiled.packed_metadata
         self.template, self.patches, self.descs = [], [], []
         desc_index = 0
-        for a in launcher._full_args(args, constexprs):
+        for a in launcher.full_args(args, constexprs):
             if isinstance(a, torch.Tensor):
                 src, off = rec._where(a.data_ptr())
                 self.patches.append((len(self.template), src, off))
@@ -535,7 +526,7 @@ def run(entry: _Entry, inputs: Sequence[Optional[torch.Tensor]], fn: Callable[[]
     sig = _overlaps(bases, entry.extents) if entry.overlapping else ()
     plan = entry.plans.get(sig)
     if type(plan) is Plan:
-        if plan.raw_only and _hooks_installed():
+        if plan.raw_only and hooks_installed():
             return fn()
         return plan.replay(inputs, bases)
     if plan is _UNPLANNABLE:
@@ -561,71 +552,17 @@ def run(entry: _Entry, inputs: Sequence[Optional[torch.Tensor]], fn: Callable[[]
     return out
 
 
-def _hooks_installed() -> bool:
-    """A profiler's launch hooks are set: replays would skip them (``launch._hooks_installed``)."""
-    global _hooks_installed
-    from flashtile.runtime.launch import _hooks_installed as hooks
-
-    _hooks_installed = hooks
-    return hooks()
+_knobs = None  # triton.knobs.runtime, imported on first use (this module needs no triton)
 
 
-# ---------------------------------------------------------------------------------------
-# Stubbed launches: the host path alone, on a machine without a GPU
-# ---------------------------------------------------------------------------------------
+def hooks_installed() -> bool:
+    """A profiler's launch hooks are set (triton 3.6 keeps them in always-present
+    HookChains): a replay would skip them, so a plan of raw launches is not replayed, and
+    the direct launch path is off."""
+    global _knobs
+    if _knobs is None:
+        import triton
 
-class _StubRun:
-    """Stands in for Triton's ``CudaLauncher``: its C launch records its arguments."""
-
-    global_scratch_size = profile_scratch_size = 0
-    launch_cooperative_grid = launch_pdl = False
-
-    def __init__(self, log: Optional[list]):
-        self.log = log
-
-    def launch(self, *args):
-        if self.log is not None:
-            self.log.append(args)
-
-
-class _StubCompiled:
-    function = 0
-    packed_metadata = ()
-
-    class metadata:
-        tensordesc_meta = None
-
-    def __init__(self, log):
-        self.run = _StubRun(log)
-
-
-def stub_launches(log: Optional[list] = None):
-    """Context manager: every ``Launcher`` launch does nothing and reports a compiled
-    kernel whose C launch appends its arguments to ``log`` (when given); the ordinary
-    launch appends what Triton's C launcher would have received. So plans are recorded and
-    replayed as on a GPU, without one: for ``benchmarks/host_overhead.py --cpu-stub`` and
-    the tests of this module. Outputs are uninitialized memory."""
-    import contextlib
-
-    from flashtile.runtime import launch as launch_mod
-
-    @contextlib.contextmanager
-    def stubbed():
-        compiled = _StubCompiled(log)
-
-        def fake(self, grid, args, constexprs, num_warps, num_stages):
-            if log is not None:
-                g = tuple(grid) + (1,) * (3 - len(grid))
-                full = [a.data_ptr() if isinstance(a, torch.Tensor) else a for a in self._full_args(args, constexprs)]
-                log.append((*g, 0, 0, False, False, None, None, (), None, None, None, *full))
-            return compiled
-
-        saved = launch_mod.Launcher._launch, launch_mod._fast_ok
-        launch_mod.Launcher._launch, launch_mod._fast_ok = fake, lambda: True
-        try:
-            yield compiled
-        finally:
-            launch_mod.Launcher._launch, launch_mod._fast_ok = saved
-            clear()
-
-    return stubbed()
+        _knobs = triton.knobs.runtime
+    rt = _knobs
+    return any(getattr(h, "calls", h) for h in (rt.launch_enter_hook, rt.launch_exit_hook))

@@ -1,9 +1,9 @@
 """Which kernels a call takes, and why: ``flashtile explain`` / ``flashtile.tools.explain.explain``.
 
-Answers from the same decision functions the launch uses (``backends.configs`` tables,
-``forward_sm90.ws_applies``, the varlen and TMA conditions of ``backends.triton.forward`` and
-``backends.triton.backward``) for a described call, so no GPU is needed. It assumes what the API makes
-of ordinary inputs: flash-attn layout tensors, contiguous, 16-byte aligned.
+Prints the registry's own answer (``backends.registry``) for a described call, so no GPU
+is needed: the same ``registry.forward`` and ``registry.backward`` the launches ask. It
+assumes what the API makes of ordinary inputs: flash-attn layout tensors, contiguous,
+16-byte aligned.
 """
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from typing import Optional
 
 
 @dataclass
-class Plan:
-    """The kernels of one call."""
+class Explanation:
+    """The kernels of one call, with the registry's reasons."""
 
     backend: str  # "gluon-sm90" | "triton" | "torch-twin"
     forward: str
@@ -36,84 +36,43 @@ def explain(seqlen_q: int, seqlen_k: Optional[int] = None, head_dim: int = 128, 
             causal: bool = False, window: tuple = (-1, -1), softcap: float = 0.0, alibi: bool = False,
             mask: bool = False, dropout_p: float = 0.0, varlen: bool = False, seqused: bool = False,
             device: str = "cuda", capability: tuple = (9, 0), ws_env: bool = True,
-            deterministic: bool = False) -> Plan:
-    """The plan of a flash-attn-style call (``varlen``: a packed call, seqlen = the longest
-    sequence; ``seqused``: with seqused_q/k or paged keys) on a GPU of ``capability``, or on
-    CPU tensors (``device="cpu"``). ``ws_env=False`` stands for FLASHTILE_WS=0;
-    ``deterministic`` for the call's flag (or torch.use_deterministic_algorithms).
-    FLASHTILE_BWD_DQ is read from the environment."""
-    import torch
+            deterministic: bool = False) -> Explanation:
+    """The kernels of a flash-attn-style call (``varlen``: a packed call, seqlen = the
+    longest sequence; ``seqused``: with seqused_q/k or paged keys) on a GPU of
+    ``capability``, or on CPU tensors (``device="cpu"``). ``ws_env=False`` stands for
+    FLASHTILE_WS=0; ``deterministic`` for the call's flag (or
+    torch.use_deterministic_algorithms). FLASHTILE_BWD_DQ is read from the environment."""
+    import os
+    from unittest import mock
 
-    from flashtile.backends import configs
-    from flashtile.backends.sm90 import forward as forward_sm90
-    from flashtile.backends.sm90.backward_split import SPLIT_HEAD_DIMS
+    from flashtile.backends import registry
     from flashtile.problem.window import effective_window
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
     seqlen_k = seqlen_q if seqlen_k is None else seqlen_k
-    reasons = []
     if device == "cpu":
-        return Plan("torch-twin", "chunked torch twin (backends/twin/attention.py)", None, "torch autograd through the twin", None,
-                    ["CPU tensors run the torch twin (FLASHTILE_BACKEND=triton with TRITON_INTERPRET=1 runs the "
-                     "Triton kernels instead)"])
+        return Explanation("torch-twin", registry.KERNELS["twin"], None, "torch autograd through the twin", None,
+                           ["CPU tensors run the torch twin (FLASHTILE_BACKEND=triton with TRITON_INTERPRET=1 runs "
+                            "the Triton kernels instead)"])
     left, right = window
     if causal:
         right = 0
+    reasons = []
     if not varlen:
         left, right = effective_window(left, right, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
         if causal and right < 0:
             reasons.append("causal sees every key here (seqlen_q = 1 or all keys before the diagonal): run as "
                            "non-causal")
-    torch_dtype = getattr(torch, _DTYPES[dtype])
-    cfg = configs.default_fwd_config(capability, head_dim, _DTYPES[dtype], right >= 0, seqlen_q, mask)
-
-    class _Q:  # what ws_applies reads of q
-        pass
-
-    fake = _Q()
-    fake.dtype = torch_dtype
-    scope = forward_sm90.ws_applies(fake, head_dim, head_dim ** -0.5, left, right, softcap,
-                                    object() if alibi else None, object() if mask else None, dropout_p)
-    hopper = capability[0] == 9
-    aligned = head_dim * 2 % 16 == 0 and dtype != "fp32"
-    fwd_ws = cfg.use_ws and ws_env and hopper and aligned and scope and not (varlen and seqused)
-    if fwd_ws:
-        forward = "Gluon warp-specialized forward (backends/sm90/forward.py" + (", work list)" if varlen else ")")
-        fwd_config = None
-    else:
-        forward = "Triton forward (backends/triton/forward.py" + (", VARLEN work list)" if varlen else ")")
-        fwd_config = asdict(cfg)
-        fwd_config["use_tma"] = bool(cfg.use_tma and aligned and not varlen)
-        if not hopper:
-            reasons.append("the Gluon kernels need Hopper (sm90)")
-        elif not ws_env:
-            reasons.append("FLASHTILE_WS=0")
-        elif not scope:
-            reasons.append("outside the Gluon kernels' scope: they take fp16/bf16, head dim 64/128/256, plain or "
-                           "causal, no softcap, ALiBi, mask or dropout")
-        elif not cfg.use_ws:
-            reasons.append("the sm90 table sends this shape to the Triton kernel (short causal d64)")
-        elif varlen and seqused:
-            reasons.append("varlen with seqused/paged keys stays on Triton (masked loads past the used rows)")
-    split = head_dim in SPLIT_HEAD_DIMS
-    bwd_ws = ws_env and hopper and aligned and scope and not (varlen and (seqused or split))
-    if bwd_ws:
-        from flashtile.backends.sm90 import backward_onepass as backward_sm90_onepass
-
-        backward = "Gluon dK/dV + dQ kernels (backends/sm90/backward_split.py" + (", work lists)" if varlen else ")")
-        if split and not varlen:
-            backward = "Gluon dV, dK and dQ kernels (backends/sm90/backward_split.py, d256 split)"
-        if not varlen and backward_sm90_onepass.applies(head_dim, deterministic):
-            backward = ("Gluon one-pass kernel (backends/sm90/backward_onepass.py: dQ by float32 reductions, not "
-                        "bitwise reproducible; deterministic=True takes the split kernels)")
-        bwd_config = None
-    else:
-        backward = "Triton dK/dV + dQ kernels (backends/triton/backward.py" + (", VARLEN work lists)" if varlen else ")")
-        tile_masks = left >= 0 or right >= 0 or mask
-        bwd_config = asdict(configs.default_bwd_config(capability, head_dim, _DTYPES[dtype], True,
-                                                       tile_masks=tile_masks))
-        if varlen and split and scope:
-            reasons.append("no varlen Gluon backward at head dim 256")
-    backend = "gluon-sm90" if (fwd_ws or bwd_ws) else "triton"
-    return Plan(backend, forward, fwd_config, backward, bwd_config, reasons)
+    call = registry.Call(capability=tuple(capability), dtype=_DTYPES[dtype], head_dim=head_dim, seqlen_q=seqlen_q,
+                         scale=head_dim ** -0.5, window_left=left, window_right=right, softcap=softcap,
+                         alibi=alibi, mask=mask, dropout=dropout_p > 0.0, varlen=varlen, seqused=varlen and seqused,
+                         deterministic=deterministic, aligned=head_dim * 2 % 16 == 0 and dtype != "fp32")
+    with mock.patch.dict(os.environ, {"FLASHTILE_WS": "1" if ws_env else "0"}):
+        fwd, bwd = registry.forward(call), registry.backward(call)
+    backend = "gluon-sm90" if "sm90" in (fwd.family, bwd.family) else "triton"
+    work = ", work lists" if varlen else ""
+    for choice in (fwd, bwd):
+        reasons += [r for r in choice.why if r not in reasons]
+    return Explanation(backend, fwd.description + work, asdict(fwd.config) if fwd.config else None,
+                       bwd.description + work, asdict(bwd.config) if bwd.config else None, reasons)

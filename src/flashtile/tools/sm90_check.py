@@ -167,29 +167,29 @@ def compile_gluon(name: str, fn, sig: dict, constexprs: dict, attrs: dict, num_w
 
 
 def compile_tma_reduce_probe(rows: int = 64, cols: int = 128) -> Compiled:
-    """``backends.sm90.tma_reduce._reduce_probe_kernel`` for sm_90a: an fp32 (rows, cols) tile added
+    """``backends.sm90.tma_reduce.reduce_probe_kernel`` for sm_90a: an fp32 (rows, cols) tile added
     from shared memory into a tensor descriptor's block by one bulk TMA reduction
     (``cp.reduce.async.bulk.tensor...add``, the instruction FA3's dQ accumulation uses)."""
     from triton.experimental.gluon import language as gl
 
-    from flashtile.backends.sm90.tma_reduce import _reduce_probe_kernel
+    from flashtile.backends.sm90.tma_reduce import reduce_probe_kernel
 
     layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float32)
     sig = {"desc": f"tensordesc<fp32[{rows}, {cols}],{layout}>", "X": "*fp32", "stride_x": "i32"}
-    return compile_gluon(f"tma-reduce-probe fp32 {rows}x{cols}", _reduce_probe_kernel, sig,
+    return compile_gluon(f"tma-reduce-probe fp32 {rows}x{cols}", reduce_probe_kernel, sig,
                          dict(ROWS=rows, COLS=cols), {(1,): [["tt.divisibility", 16]]}, num_warps=4)
 
 
 def compile_tma_reduce_rate(use_tma: bool, num_buf: int = 2, rows: int = 64, cols: int = 128) -> Compiled:
-    """``backends.sm90.tma_reduce._reduce_rate_kernel`` (benchmarks/tma_reduce_rate.py) for sm_90a."""
+    """``backends.sm90.tma_reduce.reduce_rate_kernel`` (benchmarks/tma_reduce_rate.py) for sm_90a."""
     from triton.experimental.gluon import language as gl
 
-    from flashtile.backends.sm90.tma_reduce import _reduce_rate_kernel
+    from flashtile.backends.sm90.tma_reduce import reduce_rate_kernel
 
     layout = gl.NVMMASharedLayout.get_default_for([rows, cols], gl.float32)
     sig = {"desc": f"tensordesc<fp32[{rows}, {cols}],{layout}>", "DQ": "*fp32", "stride_dq": "i32",
            "n_q_blocks": "i32", "n_k_blocks": "i32"}
-    return compile_gluon(f"tma-reduce-rate use_tma={use_tma} num_buf={num_buf}", _reduce_rate_kernel, sig,
+    return compile_gluon(f"tma-reduce-rate use_tma={use_tma} num_buf={num_buf}", reduce_rate_kernel, sig,
                          dict(ROWS=rows, COLS=cols, USE_TMA=use_tma, NUM_BUF=num_buf),
                          {(1,): [["tt.divisibility", 16]]}, num_warps=4)
 
@@ -198,7 +198,7 @@ def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: 
                     varlen: bool = False) -> Compiled:
     """The forward kernel with ``cfg`` (a FwdConfig); ``extras`` turns on every option;
     ``varlen``: the packed-sequence variant (work list from backends/worklist.py)."""
-    from flashtile.backends.triton.forward import _fwd_kernel
+    from flashtile.backends.triton.forward import fwd_kernel
 
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     c = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
@@ -212,19 +212,19 @@ def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: 
         for n, rows in (("desc_q", cfg.block_m), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n), ("desc_o", cfg.block_m)):
             ptrs[n] = f"tensordesc<{dtype}[1,1,{rows},{block_d}]>"
     name = f"fwd {dtype} d{head_dim} causal={causal} mask={mask_mode} extras={extras} varlen={varlen} {cfg}"
-    return _compile(name, _fwd_kernel, ptrs, c, cfg.num_warps, cfg.num_stages)
+    return _compile(name, fwd_kernel, ptrs, c, cfg.num_warps, cfg.num_stages)
 
 
 def _compile_ws(name: str, fn, dtype: str, head_dim: int, rows: dict, constexprs: dict,
                 extra_pointers: dict | None = None) -> Compiled:
-    """A warp-specialized Gluon kernel of ``forward_sm90``/``backward_sm90``: ``rows`` gives
+    """A warp-specialized Gluon kernel of ``backends.sm90``: ``rows`` gives
     the box rows of each tensor-descriptor argument; Lse and Delta are float32 pointers
     (16-byte aligned at run time), Counter an int32 pointer, the other runtime arguments typed
     as ``_signature`` does."""
-    from flashtile.backends.sm90.forward import _smem_layout
+    from flashtile.backends.sm90.common import smem_layout
 
     torch_name = {"bf16": "bfloat16", "fp16": "float16"}[dtype]
-    pointers = {n: f"tensordesc<{dtype}[1, 1, {r}, {head_dim}],{_smem_layout(r, head_dim, torch_name)}>"
+    pointers = {n: f"tensordesc<{dtype}[1, 1, {r}, {head_dim}],{smem_layout(r, head_dim, torch_name)}>"
                 for n, r in rows.items()}
     pointers.update(Lse="*fp32", Delta="*fp32", Counter="*i32", Items="*fp32", Out="*fp32",
                     **{n: f"*{dtype}" for n in ("Dq", "Dk", "Dv")})
@@ -236,18 +236,18 @@ def _compile_ws(name: str, fn, dtype: str, head_dim: int, rows: dict, constexprs
 
 def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int | None = None,
                        num_buf: int | None = None, dynamic: bool = False, varlen: bool = False) -> Compiled:
-    """The warp-specialized Gluon forward (``forward_sm90``; its default tiles unless given;
+    """The warp-specialized Gluon forward (``backends.sm90.forward``; its default tiles unless given;
     ``dynamic``: the kernel of the dynamic schedule; ``varlen``: that kernel on a work list
     (Items an int32 pointer), as packed sequences run it)."""
     from flashtile.backends.sm90 import forward as forward_sm90
-    from flashtile.backends.sm90.forward import HALF_M, LOADER_REGS, _fwd_ws_dyn_kernel, _fwd_ws_kernel
+    from flashtile.backends.sm90.forward import HALF_M, LOADER_REGS, fwd_ws_dyn_kernel, fwd_ws_kernel
 
     block_n = block_n or forward_sm90.default_block_n(head_dim)
     num_buf = num_buf or forward_sm90.NUM_BUF
     dynamic = dynamic or varlen
     name = "fwd-ws-varlen" if varlen else "fwd-ws-dyn" if dynamic else "fwd-ws"
     return _compile_ws(f"{name} {dtype} d{head_dim} causal={causal} block_n={block_n} num_buf={num_buf}",
-                       _fwd_ws_dyn_kernel if dynamic else _fwd_ws_kernel, dtype, head_dim,
+                       fwd_ws_dyn_kernel if dynamic else fwd_ws_kernel, dtype, head_dim,
                        dict(q_desc=HALF_M, k_desc=block_n, v_desc=block_n, o_desc=HALF_M),
                        dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS),
                        dict(Items="*i32", Out=f"*{dtype}") if varlen else None)
@@ -256,7 +256,7 @@ def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int 
 def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf: int | None = None,
                         dq_block_n: int | None = None, dq_num_buf: int | None = None,
                         dkdv_block_q: int | None = None, varlen: bool = False) -> list[Compiled]:
-    """The warp-specialized Gluon backward (``backward_sm90``): the dK/dV kernel (at d256 the
+    """The warp-specialized Gluon backward (``backends.sm90.backward_split``): the dK/dV kernel (at d256 the
     dV and the dK kernel, whose rings are fixed: dkdv_num_buf and dkdv_block_q are refused
     there, as ``attention_backward_ws`` refuses them) and the dQ kernel; ``varlen``: their
     work-list variants (d64/d128)."""
@@ -274,10 +274,10 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
     regs = dict(CONSUMER_REGS=bw.CONSUMER_REGS, LOADER_REGS=bw.LOADER_REGS)
     if split:  # fixed rings (DV_RING, DK_RING)
         tag = f"{dtype} d{head_dim} causal={causal}"
-        out = [_compile_ws(f"bwd-ws-dv {tag} rings={bw.DV_RING}", bw._dv_kernel, dtype, head_dim,
+        out = [_compile_ws(f"bwd-ws-dv {tag} rings={bw.DV_RING}", bw.dv_kernel, dtype, head_dim,
                            dict.fromkeys(("q_desc", "k_desc", "do_desc", "dv_desc"), bw.BLOCK),
                            dict(CAUSAL=causal, NUM_Q=bw.DV_RING[0], NUM_DO=bw.DV_RING[1], **regs)),
-               _compile_ws(f"bwd-ws-dk {tag} rings={bw.DK_RING}", bw._dk_kernel, dtype, head_dim,
+               _compile_ws(f"bwd-ws-dk {tag} rings={bw.DK_RING}", bw.dk_kernel, dtype, head_dim,
                            dict.fromkeys(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc"), bw.BLOCK),
                            dict(CAUSAL=causal, NUM_Q=bw.DK_RING[0], NUM_DO=bw.DK_RING[1],
                                 LOADER_REGS=bw.LOADER_REGS))]
@@ -286,13 +286,13 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
         tag = f"{dtype} d{head_dim} causal={causal} num_buf={dkdv_num_buf}"
         tag += f" block_q={block_q}" if dkdv_block_q else ""
         tag += " varlen" if varlen else ""
-        out = [_compile_ws(f"bwd-ws-dkdv {tag}", bw._dkdv_kernel, dtype, head_dim,
+        out = [_compile_ws(f"bwd-ws-dkdv {tag}", bw.dkdv_kernel, dtype, head_dim,
                            dict(q_desc=block_q, k_desc=bw.BLOCK, v_desc=bw.BLOCK, do_desc=block_q, dk_desc=bw.BLOCK,
                                 dv_desc=bw.BLOCK),
                            dict(CAUSAL=causal, NUM_BUF=dkdv_num_buf, **regs), items)]
     out.append(_compile_ws(f"bwd-ws-dq {dtype} d{head_dim} causal={causal} block_n={dq_block_n} num_buf={dq_num_buf}"
                            + (" varlen" if varlen else ""),
-                           bw._dq_kernel, dtype, head_dim,
+                           bw.dq_kernel, dtype, head_dim,
                            dict(q_desc=bw.BLOCK, k_desc=dq_block_n, v_desc=dq_block_n, do_desc=bw.BLOCK,
                                 dq_desc=bw.BLOCK),
                            dict(CAUSAL=causal, NUM_BUF=dq_num_buf, **regs), items))
@@ -301,7 +301,7 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
 
 def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf: int | None = None,
                              dq_buf: int | None = None, keys_outer: bool = False) -> Compiled:
-    """The one-pass Gluon backward (``backward_sm90_onepass``; its default rings unless
+    """The one-pass Gluon backward (``backends.sm90.backward_onepass``; its default rings unless
     given): its PTX should hold the bulk tensor reductions of dQ."""
     from flashtile.backends.sm90 import backward_onepass as op
 
@@ -309,7 +309,7 @@ def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf
     dq_buf = dq_buf or op.DQ_BUF
     dq_desc = f"tensordesc<fp32[{op.BLOCK}, {head_dim // 2}],{op.dq_accumulator_layout(head_dim)}>"
     return _compile_ws(f"bwd-onepass {dtype} d{head_dim} causal={causal} num_buf={num_buf} dq_buf={dq_buf}",
-                       op._onepass_kernel, dtype, head_dim,
+                       op.onepass_kernel, dtype, head_dim,
                        dict.fromkeys(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc"), op.BLOCK),
                        dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=op.CONSUMER_REGS,
                             LOADER_REGS=op.LOADER_REGS, REDUCER_REGS=op.REDUCER_REGS,
@@ -320,7 +320,7 @@ def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf
 def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extras: bool = False,
                      varlen: bool = False) -> list[Compiled]:
     """The dq and dk/dv kernels with ``cfg`` (a BwdConfig); ``varlen``: packed sequences."""
-    from flashtile.backends.triton.backward import _bwd_dkdv_kernel, _bwd_dq_kernel
+    from flashtile.backends.triton.backward import dkdv_kernel, dq_kernel
 
     block_d = max(16, 1 << (head_dim - 1).bit_length())
     common = dict(BLOCK_D=block_d, EVEN_D=block_d == head_dim, WINDOW_LEFT=extras, WINDOW_RIGHT=True,
@@ -330,10 +330,10 @@ def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extr
     ptrs.update(Lse="*fp32", Delta="*fp32", Mask="*u8" if mask_mode == 1 else f"*{dtype}", Alibi="*fp32",
                 Seed="*i64", DQacc="*fp32", Items="*i32")
     out = []
-    kernels = [("dkdv", _bwd_dkdv_kernel, cfg.block_m_kv, cfg.block_n_kv,
+    kernels = [("dkdv", dkdv_kernel, cfg.block_m_kv, cfg.block_n_kv,
                 dict(FUSED_DQ=cfg.fused_dq, SPLIT_PHASES=cfg.split_phases))]
     if not cfg.fused_dq:
-        kernels.append(("dq", _bwd_dq_kernel, cfg.block_m_q, cfg.block_n_q, {}))
+        kernels.append(("dq", dq_kernel, cfg.block_m_q, cfg.block_n_q, {}))
     for kname, fn, bm, bn, extra in kernels:
         c = dict(common, BLOCK_M=bm, BLOCK_N=bn, **extra)
         name = f"bwd-{kname} {dtype} d{head_dim} mask={mask_mode} extras={extras} varlen={varlen} {cfg}"
@@ -358,13 +358,13 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
     ptrs.update({n: f"*{dtype}" for n in ("Q", "K", "V", "KCache", "VCache", "Out")})
     ptrs.update(Lse="*fp32", OutPart="*fp32", LsePart="*fp32", Alibi="*fp32", Cos="*fp32", Sin="*fp32")
     kind = decode.layout(paged > 0, paged, block_n)
-    out = [_compile(f"decode-check {tag}", decode._check_kernel, ptrs,
+    out = [_compile(f"decode-check {tag}", decode.check_kernel, ptrs,
                     dict(HAS_LEFTPAD=extras, HAS_BATCH_IDX=extras and not paged, PAGED=paged > 0, ROTARY=extras,
                          ROTARY_LOCAL=False, BLOCK=16), 4, 1),
-           _compile(f"decode-append {tag}", decode._append_kernel, ptrs,
+           _compile(f"decode-append {tag}", decode.append_kernel, ptrs,
                     dict(BLOCK_T=16, BLOCK_D=block_d, PAGED=paged > 0, HAS_BATCH_IDX=extras and not paged,
                          ROTARY=extras, INTERLEAVED=False, CHECKED=True), 4, 1),
-           _compile(f"decode {tag} split={split}", decode._decode_kernel, ptrs,
+           _compile(f"decode {tag} split={split}", decode.decode_kernel, ptrs,
                     dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PAGED=paged > 0,
                          PAGE_TILE=kind == "tile", PAGE_SLICE=page_slice,
                          HAS_BATCH_IDX=extras and not paged,
@@ -372,7 +372,7 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
                          HAS_ALIBI=extras, ROTARY=extras, INTERLEAVED=False, ROTARY_LOCAL=extras, SPLIT=split,
                          CHECKED=True, IEEE_DOT=dtype == "fp32"), 4, decode.STAGES[kind])]
     if split:
-        out.append(_compile(f"decode-combine {tag}", decode._combine_kernel, ptrs,
+        out.append(_compile(f"decode-combine {tag}", decode.combine_kernel, ptrs,
                             dict(BLOCK_S=16, BLOCK_D=block_d), 4, 1))
     return out
 

@@ -96,7 +96,7 @@ class KernelRow:
 
 def forward_tiles(d: int) -> tuple[int, int]:
     """(query rows, keys) of one tile pair of flashtile's sm90 forward at head dim d
-    (`forward_sm90.BLOCK_M`, `default_block_n`; the same numbers without triton installed)."""
+    (`backends.sm90.forward.BLOCK_M`, `default_block_n`; the same numbers without triton installed)."""
     try:
         from flashtile.backends.sm90.forward import BLOCK_M, default_block_n
     except ImportError:  # the model stays usable with numpy alone

@@ -20,7 +20,7 @@ import torch
 
 import flashtile
 from cases import Case, _grads, check_flash_grads, make_inputs, reference, rotating_cases, spy_calls
-from flashtile.backends.sm90.backward_onepass import ONEPASS_HEAD_DIMS
+from flashtile.backends.sm90.scope import ONEPASS_HEAD_DIMS
 from flashtile.testing import GRAD_FACTOR, assert_close
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]

@@ -1,6 +1,7 @@
-"""Host-side rules of the Gluon backward (CPU): which calls may take it. The kernels are
-GPU-only (tests/test_backward_sm90_gpu.py) and compile-checked for sm_90a in
-test_sm90_compile.py."""
+"""Host-side pieces of the Gluon backward (CPU): argument checks, the one-pass grid order and
+postprocess. Which calls take these kernels is the registry's (tests/backends/
+test_registry.py); the kernels are GPU-only (test_sm90_backward_gpu.py) and
+compile-checked for sm_90a in test_sm90_compile.py."""
 
 from __future__ import annotations
 
@@ -9,29 +10,11 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
-from flashtile.backends.sm90.backward_split import ws_applies  # noqa: E402
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_ws_scope(dtype):
-    q = torch.zeros(1, dtype=dtype)
-    plain = dict(window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, attn_mask=None, dropout_p=0.0)
-    for d in (64, 128, 256):
-        assert ws_applies(q, d, 0.125, **plain)
-        assert ws_applies(q, d, 0.125, **dict(plain, window_right=0))  # causal
-    for d in (32, 80, 96, 192, 512):
-        assert not ws_applies(q, d, 0.125, **plain)
-    for scale in (0.0, -0.1, 1e-46, 1e31):
-        assert not ws_applies(q, 128, scale, **plain)
-    assert not ws_applies(torch.zeros(1), 128, 0.125, **plain)  # fp32
-    for extra in (dict(window_left=5), dict(window_right=3), dict(softcap=30.0), dict(dropout_p=0.1),
-                  dict(alibi_slopes=torch.zeros(1)), dict(attn_mask=torch.zeros(1))):
-        assert not ws_applies(q, 128, 0.125, **dict(plain, **extra)), extra
 
 
 def test_cpu_tensors_never_reach_the_gluon_backward(monkeypatch, triton_backend):
-    """The dispatch in backends/triton/backward.py looks at the device first: the interpreter and CPU
-    tensors keep the Triton kernels (the Gluon kernels are sm90-only)."""
+    """The registry looks at the device first: the interpreter and CPU tensors keep the
+    Triton kernels (the Gluon kernels are sm90-only)."""
     from flashtile.backends.sm90 import backward_split as backward_sm90
 
     def boom(*args, **kwargs):
@@ -69,66 +52,6 @@ def test_launch_arguments_are_checked_before_any_work():
                               causal=False, dkdv_block_q=128)
     with pytest.raises(ValueError, match="ring slots"):
         attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, dq_num_buf=1)
-
-
-def test_one_pass_scope(monkeypatch):
-    """The one-pass kernel (issue 17) takes d64 and d128 unless the call is deterministic or
-    FLASHTILE_BWD_DQ says split (or atomic: the Triton kernels' own variant)."""
-    from flashtile.backends.sm90.backward_onepass import ONEPASS_HEAD_DIMS, applies
-
-    assert ONEPASS_HEAD_DIMS == (64, 128)
-    monkeypatch.delenv("FLASHTILE_BWD_DQ", raising=False)
-    assert applies(64, deterministic=False) and applies(128, deterministic=False)
-    assert not applies(64, deterministic=True) and not applies(128, deterministic=True)
-    assert not any(applies(d, deterministic=False) for d in (32, 96, 256))
-    for value, expect in (("auto", True), ("", True), ("split", False), ("atomic", False)):
-        monkeypatch.setenv("FLASHTILE_BWD_DQ", value)
-        assert applies(64, deterministic=False) == expect, value
-
-
-def test_one_pass_or_split_by_determinism(monkeypatch, triton_backend):
-    """backends/triton/backward.py's choice between the Gluon kernels, with the device check faked (the
-    kernels themselves are GPU-only): each spy raises as soon as it is chosen."""
-    import flashtile
-    from flashtile.backends.triton import backward
-    from flashtile.backends.sm90 import backward_split as backward_sm90, backward_onepass as backward_sm90_onepass
-    from flashtile.runtime import replay as plan
-
-    monkeypatch.setenv("FLASHTILE_PLANS", "0")
-    plan.clear()
-    monkeypatch.setattr(backward, "_gluon_applies", lambda *args, **kwargs: True)
-
-    class Chosen(Exception):
-        pass
-
-    def spy(name):
-        def launch(*args, **kwargs):
-            raise Chosen(name)
-        return launch
-
-    monkeypatch.setattr(backward_sm90, "attention_backward_ws", spy("split"))
-    monkeypatch.setattr(backward_sm90_onepass, "attention_backward_onepass", spy("one-pass"))
-
-    def chosen(head_dim, **kwargs):
-        q, k, v = (torch.randn(1, 40, 2, head_dim, dtype=torch.float16, requires_grad=True) for _ in range(3))
-        out = flashtile.flash_attn_func(q, k, v, causal=True, **kwargs)
-        with pytest.raises(Chosen) as err:
-            out.float().sum().backward()
-        return str(err.value)
-
-    monkeypatch.delenv("FLASHTILE_BWD_DQ", raising=False)
-    assert chosen(64) == "one-pass"
-    assert chosen(64, deterministic=True) == "split"
-    assert chosen(128) == "one-pass"
-    assert chosen(128, deterministic=True) == "split"
-    assert chosen(256) == "split"
-    torch.use_deterministic_algorithms(True)
-    try:
-        assert chosen(64) == "split"
-    finally:
-        torch.use_deterministic_algorithms(False)
-    monkeypatch.setenv("FLASHTILE_BWD_DQ", "split")
-    assert chosen(64) == "split"
 
 
 def test_one_pass_postprocess_casts_the_padded_accumulator(triton_backend):

@@ -121,7 +121,7 @@ def test_gluon_backward_compiles_with_the_overlap(tmp_path):
 
 @pytest.mark.slow(seconds=30)
 def test_gluon_forward_dynamic_schedule_compiles(tmp_path):
-    """ops/forward_sm90._fwd_ws_dyn_kernel (the dynamic schedule): compiles
+    """ops/forward_sm90.fwd_ws_dyn_kernel (the dynamic schedule): compiles
     for sm_90a within shared memory, redistributes registers, claims items with one
     atomic per claim (the first and the loop's) plus the exchange that resets the counter
     for the next launch, and keeps its tiles out of local memory (the causal d128 kernel
@@ -149,7 +149,7 @@ def test_varlen_kernels_compile(tmp_path):
     VARLEN, all compile for sm_90a within shared memory; the Gluon forward still claims
     items with one atomic per claim (and resets its counter with one exchange)."""
     script = (
-        "from flashtile.ops import configs\n"
+        "from flashtile.backends import configs\n"
         "from flashtile.tools.sm90_check import compile_backward, compile_backward_ws, compile_forward, compile_forward_ws\n"
         "for d in (64, 128, 256):\n"
         "    for causal in (False, True):\n"

@@ -1,6 +1,7 @@
-"""Host-side rules of the Gluon forward (CPU): which calls may take it, which tensors the
-bulk tensor copy engine can address. The kernel itself is GPU-only
-(tests/test_forward_sm90_gpu.py) and compile-checked for sm_90a in test_sm90_compile.py."""
+"""Host-side pieces of the Gluon forward (CPU): which tensors the bulk tensor copy engine
+can address, its tiles, its descriptors. Which calls take it is the registry's
+(tests/backends/test_registry.py); the kernel itself is GPU-only
+(test_sm90_forward_gpu.py) and compile-checked for sm_90a in test_sm90_compile.py."""
 
 from __future__ import annotations
 
@@ -10,40 +11,23 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 from flashtile.backends import configs  # noqa: E402
-from flashtile.backends.triton.forward import _tma_layout_ok  # noqa: E402
-from flashtile.backends.sm90.forward import default_block_n, ws_applies  # noqa: E402
+from flashtile.backends.layout import tma_layout_ok  # noqa: E402
+from flashtile.backends.sm90.forward import default_block_n  # noqa: E402
 
 
 def test_tma_layout_rules():
     x = torch.zeros(2, 8, 64, 16, 64, dtype=torch.bfloat16)  # (B, S, 3?, H, D)-like storage
     bshd = x[:, :, 0]  # (B, S, H, D) slice of a packed tensor
-    assert _tma_layout_ok(bshd.transpose(1, 2))  # flash layout read as (B, H, S, D)
-    assert _tma_layout_ok(torch.zeros(2, 4, 33, 64, dtype=torch.float16))
-    assert not _tma_layout_ok(torch.zeros(2, 4, 33, 128, dtype=torch.float16)[..., ::2])  # last stride 2
-    assert not _tma_layout_ok(torch.zeros(2, 4, 33, 36, dtype=torch.float16))  # 72-byte rows
-    assert _tma_layout_ok(torch.zeros(2, 4, 33, 40, dtype=torch.float16))  # 80-byte rows
+    assert tma_layout_ok(bshd.transpose(1, 2))  # flash layout read as (B, H, S, D)
+    assert tma_layout_ok(torch.zeros(2, 4, 33, 64, dtype=torch.float16))
+    assert not tma_layout_ok(torch.zeros(2, 4, 33, 128, dtype=torch.float16)[..., ::2])  # last stride 2
+    assert not tma_layout_ok(torch.zeros(2, 4, 33, 36, dtype=torch.float16))  # 72-byte rows
+    assert tma_layout_ok(torch.zeros(2, 4, 33, 40, dtype=torch.float16))  # 80-byte rows
     flat = torch.zeros(2 * 4 * 33 * 64 + 1, dtype=torch.float16)
-    assert not _tma_layout_ok(flat[1:].view(2, 4, 33, 64))  # base 2 bytes off alignment
+    assert not tma_layout_ok(flat[1:].view(2, 4, 33, 64))  # base 2 bytes off alignment
     one_head = torch.zeros(2, 1, 33, 64, dtype=torch.float16)
-    assert not _tma_layout_ok(one_head.expand(2, 4, 33, 64))  # stride 0 over 4 heads: broadcast
-    assert _tma_layout_ok(torch.zeros(2, 33, 64, dtype=torch.float16)[:, None])  # stride of a size-1 dim is free
-
-
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_ws_scope(dtype):
-    q = torch.zeros(1, dtype=dtype)
-    plain = dict(window_left=-1, window_right=-1, softcap=0.0, alibi_slopes=None, attn_mask=None, dropout_p=0.0)
-    for d in (64, 128, 256):
-        assert ws_applies(q, d, 0.125, **plain)
-        assert ws_applies(q, d, 0.125, **dict(plain, window_right=0))  # causal
-    for d in (32, 80, 96, 192):
-        assert not ws_applies(q, d, 0.125, **plain)
-    for scale in (0.0, -0.1, 1e-46, 1e31):
-        assert not ws_applies(q, 128, scale, **plain)
-    assert not ws_applies(torch.zeros(1), 128, 0.125, **plain)  # fp32
-    for extra in (dict(window_left=5), dict(window_right=3), dict(softcap=30.0), dict(dropout_p=0.1),
-                  dict(alibi_slopes=torch.zeros(1)), dict(attn_mask=torch.zeros(1))):
-        assert not ws_applies(q, 128, 0.125, **dict(plain, **extra)), extra
+    assert not tma_layout_ok(one_head.expand(2, 4, 33, 64))  # stride 0 over 4 heads: broadcast
+    assert tma_layout_ok(torch.zeros(2, 33, 64, dtype=torch.float16)[:, None])  # stride of a size-1 dim is free
 
 
 def test_block_n_and_table():
@@ -60,7 +44,7 @@ def test_tma_descriptor_is_the_checked_constructors_descriptor(dtype):
     (same fields, so the same launch arguments and the same direct-launch key)."""
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from flashtile.backends.sm90.forward import _smem_layout, tma_descriptor
+    from flashtile.backends.sm90.common import smem_layout, tma_descriptor
     from flashtile.runtime.launch import arg_key
 
     for d in (64, 128, 256):
@@ -69,6 +53,6 @@ def test_tma_descriptor_is_the_checked_constructors_descriptor(dtype):
             for rows in (32, 64, 128):
                 fast = tma_descriptor(t, rows)
                 checked = TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, d],
-                                           _smem_layout(rows, d, str(dtype).replace("torch.", "")))
+                                           smem_layout(rows, d, str(dtype).replace("torch.", "")))
                 assert fast == checked and fast.base is t
                 assert arg_key(fast) == arg_key(checked)

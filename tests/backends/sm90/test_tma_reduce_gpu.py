@@ -18,14 +18,14 @@ def test_bulk_reduction_adds_every_program_tile(programs):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from flashtile.backends.sm90.tma_reduce import _reduce_probe_kernel
+    from flashtile.backends.sm90.tma_reduce import reduce_probe_kernel
 
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randint(-8, 8, (64, 128), generator=g, device="cuda").float() / 4  # exact sums
     acc = torch.full((96, 160), 0.5, device="cuda")  # a block inside a larger tensor
     layout = gl.NVMMASharedLayout.get_default_for([64, 128], gl.float32)
     desc = TensorDescriptor(acc, list(acc.shape), list(acc.stride()), [64, 128], layout)
-    _reduce_probe_kernel[(programs,)](desc, x, x.stride(0), ROWS=64, COLS=128)
+    reduce_probe_kernel[(programs,)](desc, x, x.stride(0), ROWS=64, COLS=128)
     torch.cuda.synchronize()
     want = torch.full_like(acc, 0.5)
     want[:64, :128] += programs * x

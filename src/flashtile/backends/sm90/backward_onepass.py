@@ -1,9 +1,9 @@
 """Hopper one-pass backward in Gluon (sm90, fp16/bf16, plain or causal): FA3's design, dQ
 by bulk TMA reductions into a float32 buffer. The default backward at head dims 64 and 128
-unless the call asks for determinism (``ONEPASS_HEAD_DIMS``; ``backward.attention_backward``).
+unless the call asks for determinism (``scope.onepass_scope``; ``backends.registry``).
 
 The same algebra as ``backward.py`` (read its docstring first) and the same scope as
-``backward_sm90`` (read its docstring second), in one kernel with 5 tile products per tile
+``backward_split`` (read its docstring second), in one kernel with 5 tile products per tile
 pair instead of the split kernels' 7. One program owns a block of 2 x 64 keys of one
 (batch, kv head) and streams every query block that sees those keys, for every query head
 of the GQA group (so dK and dV are summed over the group in registers). Programs run
@@ -32,7 +32,7 @@ query blocks (``_step_coords``), so their reductions do not all hit one dQ tile 
 
 The float32 sums of dQ arrive in an order that varies between runs, so dQ is not bitwise
 reproducible (dK and dV are: each program owns its keys). ``deterministic=True`` and
-``torch.use_deterministic_algorithms(True)`` take the split kernels of ``backward_sm90``.
+``torch.use_deterministic_algorithms(True)`` take the split kernels of ``backward_split``.
 
 Speed (H200, session 16, docs/perf-notes.md "One-pass backward", runs 83-88): at d64, in
 ``flashtile bench``, 1.03-1.09x the split kernels without causal and 0.99-1.04x with it
@@ -63,15 +63,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtile.backends.sm90.backward_split import BLOCK, CONSUMER_REGS, LOADER_REGS, ROWS, _step_range
-from flashtile.backends.configs import bwd_dq_env
-from flashtile.backends.triton.forward import LOG2E
-from flashtile.backends.sm90.forward import tma_descriptor
-from flashtile.runtime.launch import Launcher
+from flashtile.backends.sm90.backward_split import BLOCK, CONSUMER_REGS, LOADER_REGS, ROWS
+from flashtile.backends.sm90.common import step_range, tma_descriptor
 from flashtile.backends.sm90.tma_reduce import async_reduce_add_shared_to_global
+from flashtile.backends.triton.scores import C_LOG2E, LOG2E
+from flashtile.runtime.launch import Launcher
 
-ONEPASS_HEAD_DIMS = (64, 128)  # where it is the default (faster than the split kernels: H200 runs 86, 96)
-HEAD_DIMS = (64, 128)  # what it compiles for (d128: experiments)
+HEAD_DIMS = (64, 128)  # what it compiles for (the default at both: scope.ONEPASS_HEAD_DIMS)
 NUM_BUF = {64: 4, 128: 2}  # (Q, dO) ring slots
 DQ_BUF = 2  # float32 dQ slots (64 x D each: with 2 ring slots at d128, 224 of the 227 KB)
 REDUCER_REGS = 24
@@ -117,7 +115,7 @@ def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, q
     see no key (lse -inf) only meet diagonal tiles, where the mask zeroes them."""
     rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     row_off = (b * nheads + hq).to(gl.int64) * seqlen_q
-    lse2 = gl.load(Lse + row_off + rows, mask=rows < seqlen_q, other=float("inf")) * 1.4426950408889634
+    lse2 = gl.load(Lse + row_off + rows, mask=rows < seqlen_q, other=float("inf")) * C_LOG2E
     delta = gl.load(Delta + row_off + rows, mask=rows < seqlen_q, other=0.0)
     p = gl.exp2(s * qk_scale - lse2[:, None])
     if CAUSAL:
@@ -174,7 +172,7 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     nk = n0 + WG * ROWS  # first key of this warpgroup
     k_tile = k_smem.index(WG).reshape([ROWS, HEAD_D])
     v_tile = v_smem.index(WG).reshape([ROWS, HEAD_D])
-    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
     n_steps = nq * group_size
 
     # P and dS (queries x keys) of the previous step wait in shared memory for their
@@ -282,7 +280,7 @@ def _loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sme
         mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), k_smem.index(wg))
         tma.async_copy_global_to_shared(v_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), v_smem.index(wg))
-    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
     for s in range(nq * group_size):
         slot = s % NUM_BUF
         hq, m0 = _step_coords(s, q_lo, nq, q_rot, kvh, group_size)
@@ -304,7 +302,7 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sm
     DQ_BUF: gl.constexpr = dq_smem.type.shape[0] // 2
     HALF_D: gl.constexpr = dq_smem.type.shape[2]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
-    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
     for t in range(nq * group_size):
         slot = t % DQ_BUF
         mbarrier.wait(dq_full.index(slot), (t // DQ_BUF) & 1)
@@ -323,7 +321,7 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sm
 
 
 @gluon.jit
-def _onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size,
+def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size,
                     seqlen_q, num_n_blocks, diag_offset, qk_scale, scale, dq_desc, dq_rows,
                     CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, DQ_BUF: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr,
@@ -341,7 +339,7 @@ def _onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delt
     n0 = nb * (2 * ROWS)
     b = bk // nheads_k
     kvh = bk % nheads_k
-    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
     q_rot = (nb * nq) // num_n_blocks
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], q_desc.layout)
@@ -395,17 +393,8 @@ def _dq_convert(Acc, Dq, nheads, seqlen_q, acc_rows, stride_b, stride_h, stride_
     tl.store(out + cols[None, :], acc.to(Dq.dtype.element_ty), mask=ok)
 
 
-_launch = Launcher(_onepass_kernel)
+_launch = Launcher(onepass_kernel)
 _launch_convert = Launcher(_dq_convert)
-
-
-def applies(head_dim: int, deterministic: bool) -> bool:
-    """Whether a backward that the Gluon kernels take (``backward._gluon_applies``, fixed
-    lengths) runs here instead of the split kernels: not deterministic, a head dim of
-    ONEPASS_HEAD_DIMS, and FLASHTILE_BWD_DQ unset or ``auto`` (``configs.bwd_dq_env``)."""
-    if deterministic or head_dim not in ONEPASS_HEAD_DIMS:
-        return False
-    return bwd_dq_env() == "auto"
 
 
 def dq_accumulator_layout(head_dim: int):
@@ -416,7 +405,7 @@ def dq_accumulator_layout(head_dim: int):
 def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int,
                                causal: bool, num_buf: int | None = None, dq_buf: int = DQ_BUF) -> None:
     """Launch the one-pass kernel and the dQ postprocess; the caller checked
-    ``backward_sm90.ws_applies`` and TMA alignment (``backward._gluon_applies``).
+    ``scope.backward_scope`` and TMA alignment (``backends.registry.backward``).
 
     Args:
         q, dout, dq: (B, H, Sq, D); k, v, dk, dv: (B, Hk, Sk, D); 16-byte-aligned bases and

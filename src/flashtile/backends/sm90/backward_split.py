@@ -4,10 +4,10 @@ dim 64/128/256, plain or causal, no softcap/alibi/mask/dropout).
 The same algebra as ``backward.py`` (read its docstring first), split like it into a dK/dV
 kernel and a dQ kernel, so there are no atomics and gradients are bitwise reproducible:
 the deterministic backward, varlen's, and the default at head dim 256. At d64 and d128
-the default is the one-pass kernel of ``backward_sm90_onepass`` (dQ by bulk TMA
+the default is the one-pass kernel of ``backward_onepass`` (dQ by bulk TMA
 reductions, 5 products per tile pair instead of 7: 3-16% faster there, H200 runs 86, 96).
 
-dK/dV (``_dkdv_kernel``): one program owns 2 x 64 keys of one (batch, kv head):
+dK/dV (``dkdv_kernel``): one program owns 2 x 64 keys of one (batch, kv head):
 
     loader   (1 warp)  K and V once, then (Q_s, dO_s) tiles of 64 queries, for every query
                        head of the GQA group, through a DKDV_NUM_BUF-slot ring by TMA
@@ -18,7 +18,7 @@ dK/dV (``_dkdv_kernel``): one program owns 2 x 64 keys of one (batch, kv head):
         P_s = exp2(S_s * c - lse),  dS_s = P_s (dP_s - Delta)    (under step s-1's products)
         wait for dV, dK; release slot s-1; store P_s, dS_s to shared memory
 
-dQ (``_dq_kernel``): one program owns 2 x 64 queries of one (batch, head), like the forward:
+dQ (``dq_kernel``): one program owns 2 x 64 queries of one (batch, head), like the forward:
 
     loader   (1 warp)  Q and dO once, then K_j and V_j through a DQ_NUM_BUF-slot ring
     consumer (2 x 4 warps, 64 queries each), per key tile j:
@@ -32,7 +32,7 @@ products, in both kernels. 7 tile products per tile pair (S and dP are computed 
 against FA2/FA3's 5 with a dQ reduction.
 
 Head dim 256: a warpgroup cannot hold both 64 x 256 float32 accumulators, so the dK/dV
-kernel becomes two (``_dv_kernel``: 2 warpgroups, S then dV += P^T dO; ``_dk_kernel``:
+kernel becomes two (``dv_kernel``: 2 warpgroups, S then dV += P^T dO; ``dk_kernel``:
 1 warpgroup, S and dP then dK += dS^T Q; 8 products per tile pair), and the dQ kernel
 takes 32-key tiles. Q and dO load through rings of their own there (``DV_RING``,
 ``DK_RING``). 1.8-2.1x the Triton kernels at d256 on the H200 (runs 45 and 50).
@@ -61,9 +61,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtile.backends.triton.forward import LOG2E
-from flashtile.backends.sm90 import forward as forward_sm90
-from flashtile.backends.sm90.forward import _item, _load_kv_tiles, _work_item, tma_descriptor, varlen_item
+from flashtile.backends.sm90.common import load_kv_tiles, step_range, tma_descriptor, varlen_item, work_item
+from flashtile.backends.sm90.scope import SPLIT_HEAD_DIMS
+from flashtile.backends.triton.scores import C_LOG2E, LOG2E
 from flashtile.runtime.launch import Launcher
 
 BLOCK = 64  # rows per consumer warpgroup (keys in dK/dV, queries in dQ), queries per dK/dV step
@@ -74,8 +74,6 @@ DKDV_NUM_BUF = 4
 DQ_NUM_BUF = 3  # K/V ring slots of the dQ kernel (H200 run 35: 3 beat 2 by 17-30%)
 LOADER_REGS = 24
 CONSUMER_REGS = 240
-HEAD_DIMS = forward_sm90.HEAD_DIMS
-SPLIT_HEAD_DIMS = (256,)  # dV and dK from separate kernels (``_dv_kernel``, ``_dk_kernel``)
 # The split kernels give Q and dO rings of their own, each slot released as soon as its
 # tile is read, so a step's loads start a step ahead (one shared (Q, dO) ring of 2 slots
 # could load step s + 1 only when step s - 1 was done with both: H200 run 50, the dV
@@ -103,7 +101,7 @@ def _row_stats(Lse, Delta, bh, rows, seqlen_q, lse_stride, q_row):
     (``lse_stride`` apart; a varlen sequence's rows from q_row on). Rows past seqlen_q get
     lse = +inf, so their P is 0 (their Q and dO are zero-filled, or the next document's)."""
     row_off = bh.to(gl.int64) * lse_stride + q_row
-    lse2 = gl.load(Lse + row_off + rows, mask=rows < seqlen_q, other=float("inf")) * 1.4426950408889634
+    lse2 = gl.load(Lse + row_off + rows, mask=rows < seqlen_q, other=float("inf")) * C_LOG2E
     delta = gl.load(Delta + row_off + rows, mask=rows < seqlen_q, other=0.0)
     return lse2, delta
 
@@ -123,15 +121,6 @@ def _probs(s, lse2, rows, keys, seqlen_k, diag_offset, qk_scale, MASK: gl.conste
 
 
 # ---------------------------------------------------------------------------- dK / dV
-
-
-@gluon.jit
-def _step_range(n0, seqlen_q, diag_offset, ROWS: gl.constexpr, CAUSAL: gl.constexpr):
-    """First query block that sees key n0, and the number of query blocks."""
-    q_lo = 0
-    if CAUSAL:
-        q_lo = gl.maximum(n0 - diag_offset, 0) // ROWS
-    return q_lo, gl.maximum(gl.cdiv(seqlen_q, ROWS) - q_lo, 0)
 
 
 @gluon.jit
@@ -234,7 +223,7 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
     nk = n0 + WG * ROWS  # first key of this warpgroup
     k_tile = k_smem.index(WG).reshape([ROWS, HEAD_D])
     v_tile = v_smem.index(WG).reshape([ROWS, HEAD_D])
-    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
+    q_lo, nq = step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
     n_steps = nq * group_size
 
     # P and dS (queries x keys) of the previous step wait in shared memory for their dV/dK
@@ -330,7 +319,7 @@ def _load_qdo_steps(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, b, kvh, 
     ring, each slot once its consumers have released it (a fresh barrier passes phase 1)."""
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     QROWS: gl.constexpr = q_smem.type.shape[3]
-    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
+    q_lo, nq = step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
     for s in range(nq * group_size):
         slot = s % NUM_BUF
         hq, m0 = _step_rows(s, q_lo, nq, kvh, group_size, QROWS)
@@ -341,7 +330,7 @@ def _load_qdo_steps(q_desc, do_desc, q_smem, do_smem, q_ready, q_empty, b, kvh, 
 
 
 @gluon.jit
-def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size,
+def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size,
                  seqlen_q, seqlen_k, num_n_blocks, diag_offset, qk_scale, scale, Items, item_cap,
                  Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                  LOADER_REGS: gl.constexpr):
@@ -352,7 +341,7 @@ def _dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, 
     if Items.dtype.element_ty == gl.int32:
         # Varlen: (work item over key blocks, kv head); batch row 0 from the sequence's
         # first rows, its own lengths and diagonal (dK/dV: see ``_store_grad``).
-        count = gl.load(Items)  # (kv head, item), heads outer: see forward_sm90._item
+        count = gl.load(Items)  # (kv head, item), heads outer: see common.work_item
         if pid >= count * nheads_k:
             return
         kvh = pid // count
@@ -411,7 +400,7 @@ def _dq_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse
                                                        instr_shape=[16, HEAD_D, 16])
     ds_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     lse_stride = seqlen_q
-    b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k, diag_offset = _item(
+    b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k, diag_offset = work_item(
         gl.program_id(0), num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, Items, item_cap,
         ROWS, BLOCK_N, CAUSAL)
     mq = m0 + WG * ROWS  # first query row of this warpgroup
@@ -500,7 +489,7 @@ def _dq_loader(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_
                diag_offset, qk_scale, scale, Items, item_cap, Dq, dq_sh, dq_sm):
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     CAUSAL: gl.constexpr = q_ready.type.shape[0] == 3
-    b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k, diag_offset = _item(
+    b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k, diag_offset = work_item(
         gl.program_id(0), num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, Items, item_cap,
         ROWS, BLOCK_N, CAUSAL)
     for wg in gl.static_range(2):
@@ -509,17 +498,17 @@ def _dq_loader(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, q_smem, do_
                                         q_smem.index(wg))
         tma.async_copy_global_to_shared(do_desc, [b, h, q_row + m0 + wg * ROWS, 0], q_ready.index(wg),
                                         do_smem.index(wg))
-    _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, kvh, 0, n_tiles, k_row)
+    load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, kvh, 0, n_tiles, k_row)
 
 
 @gluon.jit
-def _dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, nheads, group_size, seqlen_q, seqlen_k,
+def dq_kernel(q_desc, k_desc, v_desc, do_desc, dq_desc, Lse, Delta, nheads, group_size, seqlen_q, seqlen_k,
                num_m_blocks, num_bh, diag_offset, qk_scale, scale, Items, item_cap, Dq, dq_sh, dq_sm,
                CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                LOADER_REGS: gl.constexpr):
     """One program per work item (2 x ROWS queries of one (batch, head)), in the forward's
-    order (``forward_sm90._work_item``: head by head, causal heads from their last block);
-    varlen (Items an int32 work list): one program per (item, head), as ``forward_sm90._item``."""
+    order (``common.fixed_item``: head by head, causal heads from their last block);
+    varlen (Items an int32 work list): one program per (item, head), as ``common.work_item``."""
     if Items.dtype.element_ty == gl.int32:
         if gl.program_id(0) >= gl.load(Items) * nheads:
             return
@@ -607,7 +596,7 @@ def _split_consumer(WG: gl.constexpr, DK: gl.constexpr, q_desc, k_desc, v_desc, 
     k_tile = k_smem.index(WG).reshape([ROWS, HEAD_D])
     v_tile = v_smem.index(WG).reshape([ROWS, HEAD_D])
     t_tile = t_smem.index(WG)  # P (dV) or dS (dK), queries x keys, read transposed
-    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
     n_steps = nq * group_size
     zeros_s = gl.zeros([ROWS, ROWS], gl.float32, s_layout)
     acc = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
@@ -695,7 +684,7 @@ def _split_loader(LOAD_V: gl.constexpr, q_desc, k_desc, v_desc, do_desc, out_des
         else:
             mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(k_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), k_smem.index(wg))
-    q_lo, nq = _step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
     for s in range(nq * group_size):
         hq, m0 = _step_rows(s, q_lo, nq, kvh, group_size, ROWS)
         mbarrier.wait(q_empty.index(s % NQ), ((s // NQ) & 1) ^ 1)
@@ -773,7 +762,7 @@ def _rings(q_desc, do_desc, NUM_Q: gl.constexpr, NUM_DO: gl.constexpr, NUM_WG: g
 
 
 @gluon.jit
-def _dv_kernel(q_desc, k_desc, do_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size, seqlen_q, seqlen_k,
+def dv_kernel(q_desc, k_desc, do_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size, seqlen_q, seqlen_k,
                num_n_blocks, diag_offset, qk_scale, scale,
                CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, NUM_DO: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                LOADER_REGS: gl.constexpr):
@@ -801,7 +790,7 @@ def _dv_kernel(q_desc, k_desc, do_desc, dv_desc, Lse, Delta, nheads, nheads_k, g
 
 
 @gluon.jit
-def _dk_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, Lse, Delta, nheads, nheads_k, group_size, seqlen_q,
+def dk_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, Lse, Delta, nheads, nheads_k, group_size, seqlen_q,
                seqlen_k, num_n_blocks, diag_offset, qk_scale, scale,
                CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, NUM_DO: gl.constexpr, LOADER_REGS: gl.constexpr):
     """dK of 64 keys of one (batch, kv head) per program: one consumer warpgroup."""
@@ -827,18 +816,10 @@ def _dk_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, Lse, Delta, nheads, nhe
 
 # ---------------------------------------------------------------------------- host
 
-_launch_dkdv = Launcher(_dkdv_kernel)
-_launch_dq = Launcher(_dq_kernel)
-_launch_dv = Launcher(_dv_kernel)
-_launch_dk = Launcher(_dk_kernel)
-
-
-def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: int, softcap: float,
-               alibi_slopes, attn_mask, dropout_p: float) -> bool:
-    """Whether a (validated, window-normalized) backward is in these kernels' scope: the
-    Gluon forward's (plain or causal, fp16/bf16, head dims 64, 128 and 256)."""
-    return forward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes, attn_mask,
-                                   dropout_p)
+_launch_dkdv = Launcher(dkdv_kernel)
+_launch_dq = Launcher(dq_kernel)
+_launch_dv = Launcher(dv_kernel)
+_launch_dk = Launcher(dk_kernel)
 
 
 def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int, causal: bool,
@@ -846,11 +827,11 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
                           dq_num_buf: int = DQ_NUM_BUF, dkdv_block_q: int = BLOCK,
                           kernels: tuple = ("dkdv", "dq"), varlen=None) -> None:
     """Launch the dK/dV kernel (at d256: the dV and the dK kernel) and the dQ kernel; the
-    caller checked ``ws_applies`` and TMA alignment.
+    registry checked their scope (``scope.backward_scope``) and TMA alignment.
 
     Args:
         q, dout, dq: (B, H, Sq, D); k, v, dk, dv: (B, Hk, Sk, D); 16-byte-aligned bases and
-            strides, unit stride along D, D in HEAD_DIMS, fp16 or bf16.
+            strides, unit stride along D, D in scope.HEAD_DIMS, fp16 or bf16.
         lse, delta: (B, H, Sq) float32 contiguous (natural log; delta = rowsum(dO * O),
             minus the LSE's own upstream gradient if any).
         causal: key j visible to query i iff j <= i + diag_offset.

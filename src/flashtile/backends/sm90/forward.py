@@ -36,12 +36,9 @@ partitions read every compile-time size from the descriptor and shared-memory ty
 
 from __future__ import annotations
 
-import functools
-
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -50,16 +47,16 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtile.backends.configs import device_index, sm_count
-from flashtile.backends.triton.forward import LOG2E
-from flashtile.runtime.launch import _TESTED_VERSION, Launcher
+from flashtile.backends.sm90.common import load_kv_tiles, tma_descriptor, work_item
+from flashtile.backends.triton.scores import C_LN2, LOG2E
+from flashtile.runtime.device import device_index, sm_count
+from flashtile.runtime.launch import Launcher
 from flashtile.runtime.replay import stream_counter
 
 HALF_M = 64  # query rows per consumer warpgroup; a program holds two
 BLOCK_M = 2 * HALF_M
 NUM_BUF = 2  # K/V ring slots (H200 run 18: 2 slots of 128 keys)
 LOADER_REGS = 24  # registers of the loader warp (setmaxnreg; the consumers take 240)
-HEAD_DIMS = (64, 128, 256)
 
 
 def default_block_n(head_dim: int) -> int:
@@ -91,66 +88,6 @@ def _softmax_step(s, m_i, l_i, qk_scale):
     p = gl.exp2(s * qk_scale - m_use[:, None])
     alpha = gl.exp2(m_i * qk_scale - m_use)
     return p, alpha, m_new, l_i * alpha + gl.sum(p, axis=1)
-
-
-@gluon.jit
-def _work_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-               ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Work item t -> (b, h, kvh, bh, m0, n_tiles): a block of 2 * ROWS query rows of one
-    (batch, head) and the number of key tiles it sees. Items run head by head, so the
-    programs working at the same time share one head's K/V through L2; causal heads start
-    with their last query blocks (they see the most keys). Ordering all heads' last
-    blocks first instead (longest job first across heads) cost 5-7% at causal S16384:
-    16 heads' K/V at once do not fit in L2 (H200 run 22)."""
-    bh = t // num_m_blocks
-    m_block = t % num_m_blocks
-    if CAUSAL:
-        m_block = num_m_blocks - 1 - m_block
-    h = bh % nheads
-    m0 = m_block * (2 * ROWS)
-    hi = seqlen_k
-    if CAUSAL:
-        hi = gl.maximum(gl.minimum(gl.minimum(m0 + 2 * ROWS, seqlen_q) + diag_offset, seqlen_k), 0)
-    return bh // nheads, h, h // group_size, bh, m0, gl.cdiv(hi, BLOCK_N)
-
-
-@gluon.jit
-def varlen_item(Items, item, item_cap):
-    """Item ``item`` of a work list (backends/worklist.py): (sequence, block, q start, q length,
-    k start, k length); the Gluon twin of ``varlen.varlen_item``."""
-    seq = gl.load(Items + 16 + item)
-    blk = gl.load(Items + 16 + item_cap + item)
-    meta = Items + 16 + 2 * item_cap + 4 * seq
-    return seq, blk, gl.load(meta), gl.load(meta + 1), gl.load(meta + 2), gl.load(meta + 3)
-
-
-@gluon.jit
-def _item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, Items, item_cap,
-          ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
-    """Work item t -> (b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k,
-    diag_offset): ``_work_item`` for a fixed-length call; for a varlen one (Items an int32
-    work list of backends/worklist.py with count items, blocks of 2 * ROWS rows) item t % count of
-    the list and head t // count, at batch 0 from the sequence's first rows (q_row, k_row), with its own
-    lengths and bottom-right diagonal; bh is then h (the LSE row is h * total_q + q_row).
-    Tiles read past a sequence's end hold the next document's rows: their scores are
-    masked to -inf, so they add exactly 0 to finite sums, and no row past the end is stored."""
-    if Items.dtype.element_ty == gl.int32:
-        # Heads outer, each head's items longest first: the running items share a few
-        # heads' K/V in L2, as in the fixed-length order.
-        count = gl.load(Items)
-        h = t // count
-        item = t % count
-        seq, blk, q_row, len_q, k_row, len_k = varlen_item(Items, item, item_cap)
-        diag = len_k - len_q
-        m0 = blk * (2 * ROWS)
-        hi = len_k
-        if CAUSAL:
-            hi = gl.maximum(gl.minimum(gl.minimum(m0 + 2 * ROWS, len_q) + diag, len_k), 0)
-        return seq * 0, h, h // group_size, h, m0, gl.cdiv(hi, BLOCK_N), q_row, k_row, len_q, len_k, diag
-    else:
-        b, h, kvh, bh, m0, n_tiles = _work_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                                                diag_offset, ROWS, BLOCK_N, CAUSAL)
-        return b, h, kvh, bh, m0, n_tiles, b * 0, b * 0, seqlen_q, seqlen_k, diag_offset
 
 
 @gluon.jit
@@ -215,7 +152,7 @@ def _consume_item(WG: gl.constexpr, t, it, done, q_desc, k_desc, v_desc, o_desc,
     zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
     lse_stride = seqlen_q  # varlen: total_q (the host passes it as seqlen_q)
-    b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k, diag_offset = _item(
+    b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k, diag_offset = work_item(
         t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, Items, item_cap,
         ROWS, BLOCK_N, CAUSAL)
     mq = m0 + WG * ROWS  # first query row of this warpgroup
@@ -287,7 +224,7 @@ def _consume_item(WG: gl.constexpr, t, it, done, q_desc, k_desc, v_desc, o_desc,
             tma.store_wait(pendings=0)
             mbarrier.arrive(q_empty.index(WG), count=1)
     rows = mq + gl.arange(0, ROWS, layout=row_s)
-    lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * 0.6931471805599453, float("-inf"))
+    lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * C_LN2, float("-inf"))
     gl.store(Lse + bh.to(gl.int64) * lse_stride + q_row + rows, lse, mask=rows < seqlen_q)
     return n_tiles
 
@@ -332,7 +269,7 @@ def _load_item(t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem,
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
     CAUSAL: gl.constexpr = q_ready.type.shape[0] == 3
-    b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k, diag_offset = _item(
+    b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k, diag_offset = work_item(
         t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, Items, item_cap,
         ROWS, BLOCK_N, CAUSAL)
     for wg in gl.static_range(2):
@@ -341,28 +278,8 @@ def _load_item(t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem,
         mbarrier.expect(q_ready.index(wg), q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, h, q_row + m0 + wg * ROWS, 0], q_ready.index(wg),
                                         q_smem.index(wg))
-    _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, kvh, it, n_tiles, k_row)
+    load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, kvh, it, n_tiles, k_row)
     return n_tiles
-
-
-@gluon.jit
-def _load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_empty, b, kvh, it, n_tiles, k_row):
-    """Key tiles 0 .. n_tiles - 1 of kv head (b, kvh), from key row k_row on, into the K/V
-    ring, it tiles in: each slot once its consumers have released it (a fresh barrier
-    passes phase 1)."""
-    BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
-    NUM_BUF: gl.constexpr = k_smem.type.shape[0]
-    for j in range(n_tiles):
-        slot = (it + j) % NUM_BUF
-        free_phase = (((it + j) // NUM_BUF) & 1) ^ 1
-        mbarrier.wait(k_empty.index(slot), free_phase)
-        mbarrier.expect(k_ready.index(slot), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, kvh, k_row + j * BLOCK_N, 0], k_ready.index(slot),
-                                        k_smem.index(slot))
-        mbarrier.wait(v_empty.index(slot), free_phase)
-        mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [b, kvh, k_row + j * BLOCK_N, 0], v_ready.index(slot),
-                                        v_smem.index(slot))
 
 
 @gluon.jit
@@ -411,7 +328,7 @@ def _allocate(q_desc, k_desc, v_desc, o_desc, CAUSAL: gl.constexpr, NUM_BUF: gl.
 
 
 @gluon.jit
-def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seqlen_q, seqlen_k,
+def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seqlen_q, seqlen_k,
                    num_m_blocks, num_bh, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om,
                    CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    LOADER_REGS: gl.constexpr):
@@ -429,7 +346,7 @@ def _fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seql
 # ---------------------------------------------------------------------------- dynamic schedule
 # One program per SM; the loader claims the next work item from a global counter (an
 # atomic add) whenever it starts one, and hands its index to the two consumers through a
-# 2-slot ring in shared memory. Items are claimed in ``_work_item`` order (head by head,
+# 2-slot ring in shared memory. Items are claimed in ``fixed_item`` order (head by head,
 # causal heads from their longest block), so the running items stay on a few heads (their
 # K/V in L2) as with one program per item, while the loader prefetches the next item's
 # tiles as in the static persistent loop, and no program idles while others have work.
@@ -533,11 +450,11 @@ def _reset_counter(Counter, t, total):
 
 
 @gluon.jit
-def _fwd_ws_dyn_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Counter, nheads, group_size, seqlen_q, seqlen_k,
+def fwd_ws_dyn_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Counter, nheads, group_size, seqlen_q, seqlen_k,
                        num_m_blocks, num_bh, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om,
                        CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        LOADER_REGS: gl.constexpr):
-    """``_fwd_ws_kernel`` with the dynamic schedule; *Counter (int32) must be 0 at launch,
+    """``fwd_ws_kernel`` with the dynamic schedule; *Counter (int32) must be 0 at launch,
     and is 0 again when the kernel ends."""
     (q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty) = _allocate(q_desc, k_desc, v_desc, o_desc, CAUSAL, NUM_BUF)
@@ -554,56 +471,19 @@ def _fwd_ws_dyn_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Counter, nheads, gro
                        [CONSUMER_REGS, LOADER_REGS])
 
 
-_launch = Launcher(_fwd_ws_kernel)
-_launch_dyn = Launcher(_fwd_ws_dyn_kernel)
-
-
-@functools.lru_cache(maxsize=None)
-def _smem_layout(rows: int, head_dim: int, dtype_name: str):
-    return gl.NVMMASharedLayout.get_default_for([1, 1, rows, head_dim], getattr(gl, dtype_name))
-
-
-def tma_descriptor(t, rows: int):
-    """Gluon TensorDescriptor of a (B, H, S, D) view ``t`` in (1, 1, rows, D) blocks, as
-    ``TensorDescriptor(t, shape, strides, block, layout)`` makes it, without that
-    dataclass's per-call checks (rank, block shape, 16-byte base and strides, positive
-    sizes, unit last stride, layout type, padding): the library checked what depends on
-    the tensors (``forward._tma_ok``) before choosing these kernels, and builds the rest
-    from constants. The checked way costs ~3x as long (~2.3 vs 0.8 us on a laptop core;
-    the H200 host is slower), and a training step builds 11-13. A direct caller
-    with a bad tensor gets the error at launch instead (Triton's assert on the last
-    stride, or ``cuTensorMapEncodeTiled``'s), possibly after an earlier kernel of the same
-    backward was queued."""
-    head_dim = t.shape[-1]
-    layout = _smem_layout(rows, head_dim, str(t.dtype).replace("torch.", ""))
-    if not _TESTED_VERSION:  # another triton: its constructor, whatever its fields are
-        return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim], layout)
-    d = object.__new__(TensorDescriptor)
-    d.base, d.shape, d.strides, d.block_shape, d.layout, d.padding = (
-        t, list(t.shape), list(t.stride()), [1, 1, rows, head_dim], layout, "zero")
-    return d
-
-
-def ws_applies(q, head_dim: int, scale: float, window_left: int, window_right: int, softcap: float,
-               alibi_slopes, attn_mask, dropout_p: float) -> bool:
-    """Whether a (validated, window-normalized) problem is in this kernel's scope."""
-    import torch
-
-    # The scale enters as an fp32 factor of the exponent: it must stay a normal positive
-    # float there (m * scale with m = -inf must not become -inf * 0).
-    return (head_dim in HEAD_DIMS and 1e-30 < scale < 1e30 and q.dtype in (torch.float16, torch.bfloat16)
-            and window_left < 0 and window_right in (-1, 0) and softcap == 0.0 and alibi_slopes is None
-            and attn_mask is None and dropout_p == 0.0)
+_launch = Launcher(fwd_ws_kernel)
+_launch_dyn = Launcher(fwd_ws_dyn_kernel)
 
 
 def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, causal: bool,
                          block_n: int | None = None, num_buf: int = NUM_BUF, persistent: bool | None = None,
                          dynamic: bool | None = None, varlen=None) -> None:
-    """Launch the warp-specialized forward; the caller checked ``ws_applies`` and TMA alignment.
+    """Launch the warp-specialized forward; the registry checked its scope
+    (``scope.forward_scope``) and TMA alignment.
 
     Args:
         q: (B, H, Sq, D); k, v: (B, Hk, Sk, D); out: (B, H, Sq, D); 16-byte-aligned
-            bases and strides, unit stride along D, D in HEAD_DIMS, fp16 or bf16.
+            bases and strides, unit stride along D, D in scope.HEAD_DIMS, fp16 or bf16.
         lse: (B, H, Sq) float32, contiguous.
         causal: key j visible to query i iff j <= i + diag_offset.
         block_n, num_buf: keys per tile (default ``default_block_n``) and K/V ring slots
@@ -611,7 +491,7 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
         persistent: one program per SM walking the work items in a fixed order (True), or
             one program per item (False). Used only when ``dynamic`` is False.
         dynamic: one program per SM claiming items from an atomic counter
-            (``_fwd_ws_dyn_kernel``). Default: dynamic unless ``persistent`` is given,
+            (``fwd_ws_dyn_kernel``). Default: dynamic unless ``persistent`` is given,
             except at d256 without causal (one program per item: O staged in Q's tile
             serializes the next item's Q load, -1-3% for the static schedule, run 26).
             On the H200 (run 44, bf16) dynamic beat one-per-item by 6-17% on causal

@@ -11,7 +11,7 @@ as ``tma.async_copy_shared_to_global``: write the tile to shared memory, call
 ``fence_async_shared()``, issue the reduction, and ``tma.store_wait`` before the shared
 memory is reused (the reduction is a bulk async group like a store).
 
-`tests/test_sm90_compile.py` compiles `_reduce_probe_kernel` for sm_90a on the CPU and checks
+`tests/test_sm90_compile.py` compiles `reduce_probe_kernel` for sm_90a on the CPU and checks
 the instruction in its PTX (issue 17's first fact). Whether the hardware's result is the
 sum (and at what speed) is for the GPU: ``tests/test_tma_reduce_gpu.py`` runs the probe.
 """
@@ -37,7 +37,7 @@ def async_reduce_add_shared_to_global(tensor_desc, coord, src, _semantic=None):
 
 
 @gluon.jit
-def _reduce_probe_kernel(desc, X, stride_x, ROWS: gl.constexpr, COLS: gl.constexpr):
+def reduce_probe_kernel(desc, X, stride_x, ROWS: gl.constexpr, COLS: gl.constexpr):
     """Each program adds the fp32 (ROWS, COLS) tile X into ``desc``'s block at (0, 0):
     after n programs the block holds n * X (a probe of the instruction, not library code)."""
     layout: gl.constexpr = gl.BlockedLayout([1, 4], [4, 8], [4, 1], [1, 0])
@@ -52,7 +52,7 @@ def _reduce_probe_kernel(desc, X, stride_x, ROWS: gl.constexpr, COLS: gl.constex
 
 
 @gluon.jit
-def _reduce_rate_kernel(desc, DQ, stride_dq, n_q_blocks, n_k_blocks, ROWS: gl.constexpr, COLS: gl.constexpr,
+def reduce_rate_kernel(desc, DQ, stride_dq, n_q_blocks, n_k_blocks, ROWS: gl.constexpr, COLS: gl.constexpr,
                         USE_TMA: gl.constexpr, NUM_BUF: gl.constexpr):
     """The dQ traffic of a one-pass backward without its products: program (head h, key
     block j) adds an fp32 (ROWS, COLS) tile into each of the ``n_q_blocks`` query blocks of

@@ -3,9 +3,9 @@
 Same canonical problem as ``forward.py`` (read its docstring first). The scores of a tile
 are recomputed from the LSE (P = exp(S - lse)), never stored. Three kernels:
 
-1. ``_bwd_preprocess``: Delta_i = rowsum(dO_i * O_i), the softmax-Jacobian term (taken
+1. ``preprocess_kernel``: Delta_i = rowsum(dO_i * O_i), the softmax-Jacobian term (taken
    from a tile matmul, so it rounds like dP: see the kernel).
-2. ``_bwd_dkdv_kernel``: one program per (batch, key/value head, block of BLOCK_N keys).
+2. ``dkdv_kernel``: one program per (batch, key/value head, block of BLOCK_N keys).
    It holds K_j, V_j and the fp32 accumulators dK_j, dV_j on chip and streams the query
    tiles that see those keys, for every query head of the GQA group, so dK/dV come out
    summed over the group without atomics::
@@ -13,7 +13,7 @@ are recomputed from the LSE (P = exp(S - lse)), never stored. Three kernels:
        S^T = K_j Q_i^T      P^T = exp2(S^T - lse_i)      dV_j += P^T dO_i
        dP^T = V_j dO_i^T    dS^T = P^T * (dP^T - Delta_i)      dK_j += dS^T Q_i
 
-3. ``_bwd_dq_kernel``: one program per (batch, head, block of BLOCK_M queries), streaming
+3. ``dq_kernel``: one program per (batch, head, block of BLOCK_M queries), streaming
    the key tiles that block sees: dQ_i += dS K_j. With ``BwdConfig.fused_dq`` the dk/dv
    kernel instead adds dS K_j into a float32 dQ with atomics (FA2's single pass: 5 tile
    matmuls, not 7, but the summation order varies between runs).
@@ -23,27 +23,26 @@ one program, in a fixed order, so gradients are bitwise reproducible. The price 
 recomputing S and dP in both kernels (7 tile matmuls instead of FA2's 5).
 
 Softcap: s = c * tanh(scale * q.k / c), so ds/d(q.k) = scale * (1 - tanh^2): the factor
-``dfac`` below. ALiBi and float masks are additive constants: they shift S but have no
-gradient with respect to q or k (mask gradients are not computed; see flashtile.api).
+``dfac`` of ``scores.scores``. ALiBi and float masks are additive constants: they shift S
+but have no gradient with respect to q or k (mask gradients are not computed; see
+flashtile.dispatch).
 """
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
-from flashtile.backends.configs import BwdConfig, cuda_capability, device_index
-from flashtile.runtime.launch import Launcher
-from flashtile.backends.worklist import varlen_item
+from flashtile.backends.configs import BwdConfig
+from flashtile.backends.triton.scores import (C_LOG2E, LOG2E, dropout_keep, key_tiles, mask_arguments, row_lse2,
+                                              scores)
+from flashtile.backends.worklist import build_work_items, program_item, varlen_item
 from flashtile.problem.window import launch_window
-from flashtile.backends.triton.forward import (HIDDEN2, HUGE_BIAS2, LOG2E, MASK_BOOL, MASK_FLOAT, MASK_NONE,
-                                               _add_float_mask, _dropout_keep, _key_tiles, _tanh, _tma_ok)
+from flashtile.runtime.launch import Launcher
 
 
 @triton.jit
-def _bwd_preprocess(
+def preprocess_kernel(
     Out, DO, Delta, Items,
     stride_ob, stride_oh, stride_om,
     stride_db, stride_dh, stride_dm,
@@ -94,61 +93,6 @@ def _bwd_preprocess(
 
 
 @triton.jit
-def _row_lse2(lse, MASK_MODE: tl.constexpr):
-    """(lse2, tail) of rows whose saved LSE is ``lse`` (natural log): P = exp2(s - lse2 - tail).
-
-    lse2 is the LSE in base 2, +inf for rows that saw no key (and rows past the end, loaded
-    as +inf), so their P is 0. tail is 0, except under a float mask for a row that only
-    hidden keys reach (``forward.HIDDEN2``): there lse2 = HIDDEN2 and tail = log2 of the
-    number of keys, taken back from the LSE the forward encoded, so each gets P = 1/n."""
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
-    tail = tl.zeros_like(lse2)
-    if MASK_MODE == 2:
-        hidden_row = lse2 < HUGE_BIAS2
-        tail = tl.where(hidden_row, tl.maximum((lse2 / HIDDEN2 - 1.0) * 32.0, 0.0), 0.0)
-        lse2 = tl.where(hidden_row, HIDDEN2, lse2)
-    return lse2, tail
-
-
-@triton.jit
-def _score_tile(
-    raw, i2, j2, mask_ptrs, seqlen_q, seqlen_k,
-    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
-    diag_offset, window_left, window_right,
-    BOUNDARY: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
-    SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr,
-):
-    """Scores in base 2 (-inf where invisible) and d s / d(q.k) of a tile.
-
-    ``i2``/``j2`` are the query/key indices broadcast to the tile's orientation, so the
-    same code serves the (queries x keys) dq tiles and the (keys x queries) dk/dv tiles.
-    """
-    if SOFTCAP:
-        t = _tanh(raw * softcap_in)
-        s = softcap_out * t
-        dfac = sm_scale * (1.0 - t * t)
-    else:
-        s = raw * qk_scale
-        dfac = sm_scale
-    if HAS_ALIBI:
-        s = s - alibi_slope * tl.abs(i2 + diag_offset - j2).to(tl.float32)
-    if MASK_MODE == 1:
-        keep = tl.load(mask_ptrs, mask=(j2 < seqlen_k) & (i2 < seqlen_q), other=0)
-        s = tl.where(keep != 0, s, float("-inf"))
-    elif MASK_MODE == 2:
-        bias = tl.load(mask_ptrs, mask=(j2 < seqlen_k) & (i2 < seqlen_q), other=0.0)
-        s = _add_float_mask(s, bias)
-    if BOUNDARY:
-        visible = j2 < seqlen_k
-        if WINDOW_RIGHT:
-            visible = visible & (j2 <= i2 + diag_offset + window_right)
-        if WINDOW_LEFT:
-            visible = visible & (j2 >= i2 + diag_offset - window_left)
-        s = tl.where(visible, s, float("-inf"))
-    return s, dfac
-
-
-@triton.jit
 def _dq_tiles(
     dq, q, do, lse2, tail, delta,
     k_base, v_base, mask_base, n_start, n_end,
@@ -177,17 +121,17 @@ def _dq_tiles(
         else:
             raw = tl.dot(q, tl.trans(k))
             dp = tl.dot(do, tl.trans(v))
-        s, dfac = _score_tile(
-            raw, offs_m[:, None], offs_n[None, :], mask_base + offs_n0[None, :] * stride_mn, seqlen_q, seqlen_k,
-            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-            BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE)
+        s, dfac = scores(
+            raw, offs_m[:, None], offs_n[None, :], None, mask_base + offs_n0[None, :] * stride_mn, None, 0,
+            seqlen_q, seqlen_k, qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left,
+            window_right, BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE)
         if MASK_MODE == 2:
             p = tl.exp2((s - lse2[:, None]) - tail[:, None])
         else:
             p = tl.exp2(s - lse2[:, None])
         if DROPOUT:
             # dO reaches P only through the kept, rescaled entries; Delta already holds them.
-            keep = _dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
+            keep = dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p)
             dp = tl.where(keep, dp / (1.0 - dropout_p), 0.0)
         ds = p * (dp - delta[:, None])
         if SOFTCAP:
@@ -201,7 +145,7 @@ def _dq_tiles(
 
 
 @triton.jit
-def _bwd_dq_kernel(
+def dq_kernel(
     Q, K, V, DO, Lse, Delta, DQ, Mask, Alibi, Seed, Items,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -219,27 +163,13 @@ def _bwd_dq_kernel(
     DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
 ):
     pid = tl.program_id(0)
+    count = 0
     if VARLEN:
-        # As in the forward: (head, work item), pointers from the sequence's first rows.
         count = tl.load(Items)
         if pid >= count * nheads:
             return
-        h = pid // count
-        item = pid % count
-        b, m_block, start_q, seqlen_q, start_k, seqlen_k = varlen_item(Items, item, item_cap)
-        diag_offset = seqlen_k - seqlen_q
-        bh = b * nheads + h
-        b_ptr = (b * 0).to(tl.int64)
-        q_row = start_q.to(tl.int64)
-        k_row = start_k.to(tl.int64)
-    else:
-        bh = pid // num_m_blocks
-        m_block = num_m_blocks - 1 - pid % num_m_blocks
-        b = bh // nheads
-        h = bh % nheads
-        b_ptr = b.to(tl.int64)
-        q_row = (b * 0).to(tl.int64)
-        k_row = q_row
+    b, h, m_block, bh, b_ptr, q_row, k_row, seqlen_q, seqlen_k, diag_offset = program_item(
+        pid, Items, item_cap, count, nheads, num_m_blocks, seqlen_q, seqlen_k, diag_offset, True, VARLEN)
     b64, h64, kvh64 = b.to(tl.int64), h.to(tl.int64), (h // group_size).to(tl.int64)
     m0 = m_block * BLOCK_M
     offs_m0 = tl.arange(0, BLOCK_M)
@@ -255,7 +185,7 @@ def _bwd_dq_kernel(
                  + offs_d[None, :], mask=ok, other=0.0)
     lse_row = b_ptr * stride_lb + h64 * stride_lh + q_row
     lse = tl.load(Lse + lse_row + offs_m, mask=m_ok, other=float("inf"))
-    lse2, tail = _row_lse2(lse, MASK_MODE)
+    lse2, tail = row_lse2(lse, MASK_MODE)
     delta = tl.load(Delta + lse_row + offs_m, mask=m_ok, other=0.0)
     k_base = K + b_ptr * stride_kb + kvh64 * stride_kh + k_row * stride_kn
     v_base = V + b_ptr * stride_vb + kvh64 * stride_vh + k_row * stride_vn
@@ -264,13 +194,13 @@ def _bwd_dq_kernel(
         mask_base = Mask + b64 * stride_mb + h64 * stride_mh + row0 * stride_mm + offs_m0[:, None] * stride_mm
     alibi_slope = 0.0
     if HAS_ALIBI:
-        alibi_slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah) * 1.4426950408889634
+        alibi_slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah) * C_LOG2E
     seed = 0
     if DROPOUT:
         seed = tl.load(Seed)
 
     # The same key range and interior split as the forward kernel.
-    lo_tile, inner_lo, inner_hi, hi = _key_tiles(
+    lo_tile, inner_lo, inner_hi, hi = key_tiles(
         m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
         BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT)
 
@@ -322,7 +252,7 @@ def _dkdv_tiles(
         q = tl.load(q_base + row * stride_qm + offs_m0[:, None] * stride_qm + offs_d[None, :], mask=ok, other=0.0)
         do = tl.load(do_base + row * stride_dom + offs_m0[:, None] * stride_dom + offs_d[None, :], mask=ok, other=0.0)
         lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
-        lse2, tail = _row_lse2(lse, MASK_MODE)
+        lse2, tail = row_lse2(lse, MASK_MODE)
         delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
         if IEEE_DOT:
             raw_t = tl.dot(k, tl.trans(q), input_precision="ieee")
@@ -330,9 +260,9 @@ def _dkdv_tiles(
         else:
             raw_t = tl.dot(k, tl.trans(q))
             dp_t = tl.dot(v, tl.trans(do))
-        s_t, dfac = _score_tile(
-            raw_t, offs_m[None, :], offs_n[:, None],
-            mask_base + row * stride_mm + offs_m0[None, :] * stride_mm, seqlen_q, seqlen_k,
+        s_t, dfac = scores(
+            raw_t, offs_m[None, :], offs_n[:, None], None,
+            mask_base + row * stride_mm + offs_m0[None, :] * stride_mm, None, 0, seqlen_q, seqlen_k,
             qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
             BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE)
         if MASK_MODE == 2:
@@ -341,7 +271,7 @@ def _dkdv_tiles(
             p_t = tl.exp2(s_t - lse2[None, :])
         pv_t = p_t
         if DROPOUT:
-            keep_t = _dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], dropout_p)
+            keep_t = dropout_keep(seed, bh, offs_m[None, :], offs_n[:, None], dropout_p)
             pv_t = tl.where(keep_t, p_t / (1.0 - dropout_p), 0.0)
             dp_t = tl.where(keep_t, dp_t / (1.0 - dropout_p), 0.0)
         ds_t = p_t * (dp_t - delta[None, :])
@@ -370,7 +300,7 @@ def _dkdv_tiles(
 
 
 @triton.jit
-def _bwd_dkdv_kernel(
+def dkdv_kernel(
     Q, K, V, DO, Lse, Delta, DK, DV, Mask, Alibi, Seed, DQacc, Items,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
@@ -389,27 +319,16 @@ def _bwd_dkdv_kernel(
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
     DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr, SPLIT_PHASES: tl.constexpr, VARLEN: tl.constexpr,
 ):
+    # One program per (batch, key/value head, key block), or (key/value head, work item
+    # over key blocks) of a packed call (``program_item``).
     pid = tl.program_id(0)
+    count = 0
     if VARLEN:
-        # One program per (key/value head, work item over key blocks), heads outer.
         count = tl.load(Items)
         if pid >= count * nheads_k:
             return
-        kvh = pid // count
-        item = pid % count
-        b, n_block, start_q, seqlen_q, start_k, seqlen_k = varlen_item(Items, item, item_cap)
-        diag_offset = seqlen_k - seqlen_q
-        b_ptr = (b * 0).to(tl.int64)
-        q_row = start_q.to(tl.int64)
-        k_row = start_k.to(tl.int64)
-    else:
-        bkv = pid // num_n_blocks
-        n_block = pid % num_n_blocks
-        b = bkv // nheads_k
-        kvh = bkv % nheads_k
-        b_ptr = b.to(tl.int64)
-        q_row = (b * 0).to(tl.int64)
-        k_row = q_row
+    b, kvh, n_block, _, b_ptr, q_row, k_row, seqlen_q, seqlen_k, diag_offset = program_item(
+        pid, Items, item_cap, count, nheads_k, num_n_blocks, seqlen_q, seqlen_k, diag_offset, False, VARLEN)
     b64, kvh64 = b.to(tl.int64), kvh.to(tl.int64)
     n0 = n_block * BLOCK_N
     offs_n = n0 + tl.arange(0, BLOCK_N)
@@ -465,7 +384,7 @@ def _bwd_dkdv_kernel(
             mask_base = Mask + b64 * stride_mb + h64 * stride_mh + offs_n[:, None].to(tl.int64) * stride_mn
         alibi_slope = 0.0
         if HAS_ALIBI:
-            alibi_slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah) * 1.4426950408889634
+            alibi_slope = tl.load(Alibi + b64 * stride_ab + h64 * stride_ah) * C_LOG2E
         # Three phases (masked edge, unmasked interior, masked edge), or with SPLIT_PHASES
         # off one loop that masks every tile: less code, far fewer live values (BwdConfig).
         first_end = hi
@@ -499,120 +418,90 @@ def _bwd_dkdv_kernel(
              + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=ok)
 
 
-def _gluon_applies(q, k, v, dout, dq, dk, dv, head_dim: int, scale: float, window_left: int, window_right: int,
-                   softcap: float, alibi_slopes, attn_mask, dropout_p: float, varlen) -> bool:
-    """Whether the Hopper Gluon kernels (``backward_sm90``) take this backward: CUDA sm90,
-    FLASHTILE_WS not 0, their scope, TMA-ready tensors; varlen only at d64/d128 and without
-    seqused (see forward.py: tiles past the used rows)."""
-    if not q.is_cuda or os.environ.get("FLASHTILE_WS", "1") == "0":
-        return False
-    if cuda_capability(device_index(q.device))[0] != 9:  # wgmma, setmaxnreg: Hopper only
-        return False
-    from flashtile.backends.sm90 import backward_split as backward_sm90
-
-    if varlen is not None and (head_dim in backward_sm90.SPLIT_HEAD_DIMS or varlen.seqused_q is not None
-                               or varlen.seqused_k is not None):
-        return False
-    return (backward_sm90.ws_applies(q, head_dim, scale, window_left, window_right, softcap, alibi_slopes,
-                                     attn_mask, dropout_p)
-            and _tma_ok(q, k, v, dout, dq, dk, dv))
+_launch_pre = Launcher(preprocess_kernel)
+_launch_dkdv = Launcher(dkdv_kernel)
+_launch_dq = Launcher(dq_kernel)
 
 
-_launch_pre = Launcher(_bwd_preprocess)
-_launch_dkdv = Launcher(_bwd_dkdv_kernel)
-_launch_dq = Launcher(_bwd_dq_kernel)
-
-
-def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, diag_offset: int,
-                       window_left: int, window_right: int, softcap: float, alibi_slopes, attn_mask,
-                       config: BwdConfig, dropout_p: float = 0.0, seed=None, dlse=None, varlen=None,
-                       deterministic: bool = True) -> None:
-    """Launch the backward kernels. Inputs are validated by ``flashtile.api``.
-
-    On Hopper, plain and causal fp16/bf16 calls at head dim 64/128/256 take the
-    warp-specialized Gluon kernels: at head dim 64 or 128 with fixed lengths and not
-    ``deterministic``, the one-pass kernel of ``backward_sm90_onepass`` (dQ by float32
-    reductions, whose order varies between runs); otherwise the split kernels of
-    ``backward_sm90`` (bitwise reproducible). ``FLASHTILE_WS=0`` turns both off, as it
-    does the Gluon forward; ``FLASHTILE_BWD_DQ=split`` keeps the split kernels.
+def preprocess(out, dout, dlse, varlen, tables, window_left: int, window_right: int, total_k: int):
+    """Delta = rowsum(dO * O) - dlse of every row (``preprocess_kernel``), as every backward
+    family needs it, and a packed call's work lists.
 
     Args:
-        q, out, dout, dq: (B, H, Sq, D) views with unit stride along D.
-        k, v, dk, dv: (B, Hk, Sk, D) views with unit stride along D.
-        lse: (B, H, Sq) float32 contiguous, natural log, as the forward saved it.
-        alibi_slopes: None or float32 (B, H).  attn_mask: None or (B, H, Sq, Sk) view.
-        dropout_p, seed: as in the forward; the same seed redraws the same mask.
-        dlse: None or (B, H, Sq), the upstream gradient of the LSE (subtracted from Delta).
-        deterministic: gradients bitwise reproducible (no one-pass kernel, no atomics).
-        varlen: None, or a ``varlen.Varlen`` (packed sequences, B = 1, as in the forward).
-            Rows and keys outside every sequence's used part are not written: the caller
-            zeroes dq, dk, dv first when seqused is given.
+        out, dout: (B, H, Sq, D) views with unit stride along D (the forward's out and its
+            gradient).
+        dlse: None or (B, H, Sq), the upstream gradient of the LSE.
+        varlen: None, or a ``problem.spec.Varlen`` (B = 1): then ``tables`` (the backward
+            kernels' (block, over_keys) work lists) are built in the same launch as the
+            preprocess's own 64-row list, and returned in their order.
+        window_left, window_right: the normalised window; total_k: rows of k.
+
+    Returns:
+        (delta (B, H, Sq) float32, [(table, capacity), ...] of ``tables``, empty when not
+        packed).
     """
     import torch
 
-    batch, nheads, seqlen_q, head_dim = q.shape
-    nheads_k, seqlen_k = k.shape[1], k.shape[2]
-    window_left, window_right = launch_window(window_left, window_right, seqlen_q, seqlen_k, diag_offset, varlen)
-    if not lse.is_contiguous():
-        raise ValueError("lse must be contiguous (the forward's own output)")
+    batch, nheads, seqlen_q, head_dim = out.shape
     block_d = max(16, triton.next_power_of_2(head_dim))
-    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    delta = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=out.device)
     built = []
-    use_ws = _gluon_applies(q, k, v, dout, dq, dk, dv, head_dim, scale, window_left, window_right, softcap,
-                            alibi_slopes, attn_mask, dropout_p, varlen)
     if varlen is None:
         pre_blocks = triton.cdiv(seqlen_q, 64)
-        pre_grid, pre_items, pre_cap, pre_sizes = pre_blocks * batch * nheads, q, 0, (seqlen_q, pre_blocks)
+        pre_grid, pre_items, pre_cap, pre_sizes = pre_blocks * batch * nheads, out, 0, (seqlen_q, pre_blocks)
     else:
-        from flashtile.backends.worklist import build_work_items
-
-        # Work lists of the three kernels in one launch: key blocks (dK/dV), query blocks
-        # (dQ, unless fused), and the 64-row blocks of the Delta preprocess.
-        if use_ws:  # the Gluon kernels' blocks: 128 keys, 128 queries
-            tables = [(128, True), (128, False)]
-        else:
-            tables = [(config.block_n_kv, True)] + ([] if config.fused_dq else [(config.block_m_q, False)])
-        built = build_work_items(varlen, seqlen_q, seqlen_k, tables + [(64, False)], window_left, window_right)
+        built = build_work_items(varlen, seqlen_q, total_k, list(tables) + [(64, False)], window_left, window_right)
         pre_items, pre_cap = built.pop()
         pre_grid, pre_sizes = pre_cap * nheads, (seqlen_q, 0)
     _launch_pre((pre_grid,),
                 (out, dout, delta, pre_items, *out.stride()[:3], *dout.stride()[:3], nheads, pre_sizes[0], head_dim,
                  pre_sizes[1], pre_cap),
-                dict(BLOCK_M=64, BLOCK_D=block_d, IEEE_DOT=q.dtype == torch.float32, VARLEN=varlen is not None),
+                dict(BLOCK_M=64, BLOCK_D=block_d, IEEE_DOT=out.dtype == torch.float32, VARLEN=varlen is not None),
                 4, 3)
     if dlse is not None:
         delta -= dlse.to(torch.float32)
+    return delta, built
 
-    if use_ws:
-        from flashtile.backends.sm90 import backward_split as backward_sm90, backward_onepass as backward_sm90_onepass
 
-        if varlen is None and backward_sm90_onepass.applies(head_dim, deterministic):
-            backward_sm90_onepass.attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, scale=scale,
-                                                             diag_offset=diag_offset, causal=window_right == 0)
-            return
-        backward_sm90.attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale=scale,
-                                            diag_offset=diag_offset, causal=window_right == 0,
-                                            varlen=None if varlen is None else (varlen, *built))
-        return
+def attention_backward(q, k, v, lse, delta, dout, dq, dk, dv, problem, *, config: BwdConfig, alibi=None,
+                       mask=None, seed=None, varlen=None, tables=()) -> None:
+    """Launch the Triton dK/dV and dQ kernels (``backends.run`` chose them; Delta from
+    ``preprocess``).
 
-    # The Triton kernels' arguments.
+    Args:
+        q, dout, dq: (B, H, Sq, D) views with unit stride along D.
+        k, v, dk, dv: (B, Hk, Sk, D) views with unit stride along D.
+        lse: (B, H, Sq) float32 contiguous, natural log, as the forward saved it.
+        delta: ``preprocess``'s (B, H, Sq) float32.
+        problem: the ``problem.spec.Problem``; dropout redraws the forward's mask from
+            ``seed``. ``config``: tiles, and ``fused_dq`` (dQ by float32 atomics inside the
+            dK/dV kernel: FA2's single pass, not bitwise reproducible).
+        alibi: None or float32 (B, H). mask: None or (B, H, Sq, Sk) view.
+        varlen, tables: a packed call (B = 1) and its work lists from ``preprocess``: the
+            key-block list, then (unless fused) the query-block list. Rows and keys outside
+            every sequence's used part are not written: the caller zeroes dq, dk, dv first
+            when seqused is given.
+    """
+    import torch
+
+    batch, nheads, seqlen_q, head_dim = q.shape
+    nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    window_left, window_right = launch_window(problem.window_left, problem.window_right, seqlen_q, seqlen_k,
+                                              problem.diag_offset, varlen)
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    scale, softcap, dropout_p = problem.scale, problem.softcap, problem.dropout_p
     softcap_on = softcap > 0.0
     common = dict(
         BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
-        SOFTCAP=softcap_on, HAS_ALIBI=alibi_slopes is not None, IEEE_DOT=q.dtype == torch.float32,
+        SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, IEEE_DOT=q.dtype == torch.float32,
         DROPOUT=dropout_p > 0.0,
     )
-    if attn_mask is None:
-        mask_mode, mask_arg, mstrides = MASK_NONE, q, (0, 0, 0, 0)
-    elif attn_mask.dtype == torch.bool:
-        mask_mode, mask_arg, mstrides = MASK_BOOL, attn_mask.view(torch.uint8), attn_mask.stride()
-    else:
-        mask_mode, mask_arg, mstrides = MASK_FLOAT, attn_mask, attn_mask.stride()
-    alibi_arg, astrides = (q, (0, 0)) if alibi_slopes is None else (alibi_slopes, alibi_slopes.stride())
+    mask_mode, mask_arg, mstrides = mask_arguments(mask, q)
+    alibi_arg, astrides = (q, (0, 0)) if alibi is None else (alibi, alibi.stride())
     scalars = (scale * LOG2E, scale,
                scale / softcap if softcap_on else 0.0, softcap * LOG2E if softcap_on else 0.0,
-               diag_offset, window_left, window_right, float(dropout_p))
+               problem.diag_offset, window_left, window_right, float(dropout_p))
     seed_arg = seed if dropout_p > 0.0 else q
 
     fused = config.fused_dq
@@ -625,7 +514,7 @@ def attention_backward(q, k, v, out, lse, dout, dq, dk, dv, *, scale: float, dia
         kv_items, kv_cap, q_items, q_cap = q, 0, q, 0
         sizes = (seqlen_q, seqlen_k)
     else:
-        (kv_items, kv_cap), (q_items, q_cap) = built[0], built[-1]
+        (kv_items, kv_cap), (q_items, q_cap) = tables[0], tables[-1]
         num_n_blocks = num_m_blocks = 0
         kv_grid, q_grid = kv_cap * nheads_k, q_cap * nheads
         sizes = (0, 0)  # per sequence, from the work list

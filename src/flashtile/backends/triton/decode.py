@@ -8,7 +8,7 @@ read:
   each K/V tile is read from HBM once per step, not once per query head.
 * **Split-KV.** The cache length is cut into ``num_splits`` chunks of ``split_size`` keys
   (a multiple of the key tile); each program takes one chunk and writes its normalised
-  output (float32) and LSE; ``_combine_kernel`` merges the chunks:
+  output (float32) and LSE; ``combine_kernel`` merges the chunks:
   out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s. With one split the decode
   kernel writes the final output itself. ``choose_splits`` fills the GPU when batch x
   nheads_k alone would not.
@@ -16,7 +16,7 @@ read:
   from ``cache_leftpad[b]``, or page ``block_table[b, p // page]`` at ``p % page``. When
   the page size is a multiple of the key tile a tile lies in one page (one table read per
   tile); any other page size gathers the page of every key.
-* **Append.** ``_append_kernel`` rotates the new keys (rotary, at their cache index) and
+* **Append.** ``append_kernel`` rotates the new keys (rotary, at their cache index) and
   writes keys and values into the cache; the decode kernel rotates the queries as it
   loads them.
 
@@ -26,28 +26,25 @@ sees key j (0-based from leftpad) iff ``j <= t + len_k - seqlen_q + window_right
 Metadata values are clamped in the kernels (a start in [0, capacity - seqlen_new], a pad
 in [0, start], rows and blocks in range), so values no one checked cannot address memory
 outside the cache. The values are checked before any write: on the host when they are
-there, else by ``_check_kernel`` on the device; when it finds an error (``status[0] != 0``)
+there, else by ``check_kernel`` on the device; when it finds an error (``status[0] != 0``)
 the append writes nothing and the output and LSE are NaN (see ``flashtile.api.kvcache``).
 """
 
 from __future__ import annotations
 
-import contextlib
-
 import triton
 import triton.language as tl
 
-from flashtile.backends.configs import device_index, sm_count
-from flashtile.backends.triton.forward import LOG2E, _tanh
-from flashtile.runtime.launch import Launcher
+from flashtile.backends.triton.scores import C_LN2, C_LOG2E, LOG2E, scores
 from flashtile.problem.window import effective_window
+from flashtile.runtime.device import device_context, device_index, sm_count
+from flashtile.runtime.launch import Launcher
 
 # status codes (status[0]); status[1], status[2] say where, status[3] the value found
 OK, BAD_SEQLEN, BAD_LEFTPAD, BAD_BATCH_IDX, BAD_BLOCK, BAD_ROTARY = 0, 1, 2, 3, 4, 5
 # the same codes as the kernels see them (a @triton.jit function reads only constexpr globals)
 _C_SEQLEN, _C_LEFTPAD, _C_BATCH_IDX, _C_BLOCK, _C_ROTARY = map(
     tl.constexpr, (BAD_SEQLEN, BAD_LEFTPAD, BAD_BATCH_IDX, BAD_BLOCK, BAD_ROTARY))
-_C_LOG2E = tl.constexpr(LOG2E)
 MAX_SPLITS = 128
 # num_stages of the decode kernel. 3 double-buffers the K and V tiles of a row cache. When a
 # tile lies in one page ("tile") its block-table read is one more pipeline stage in front
@@ -70,7 +67,7 @@ def _rotary_tile(X, row_off, row_ok, offs_d, d_ok, pos, Cos, Sin, stride_cos, ro
                  ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr):
     """Rows ``X + row_off`` (BLOCK_R, BLOCK_D) in X's dtype, rotated at positions ``pos``
     over their first ``rotary_dim`` features when ROTARY (computed in float32 and rounded
-    back, as ``api.kvcache.apply_rotary``): GPT-J pairs (2i, 2i + 1) when INTERLEAVED,
+    back, as ``backends.twin.kvcache.apply_rotary``): GPT-J pairs (2i, 2i + 1) when INTERLEAVED,
     else GPT-NeoX halves (i, i + rotary_dim / 2)."""
     ok = row_ok[:, None] & d_ok[None, :]
     x = tl.load(X + row_off[:, None] + offs_d[None, :], mask=ok, other=0.0)
@@ -107,11 +104,11 @@ def _seq_bounds(SeqLens, LeftPad, b, new, capacity, HAS_LEFTPAD: tl.constexpr):
 
 
 @triton.jit
-def _check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache,
+def check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache,
                   num_blocks, page_size, max_blocks, stride_table, rotary_len,
                   HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
                   ROTARY: tl.constexpr, ROTARY_LOCAL: tl.constexpr, BLOCK: tl.constexpr):
-    """One program: the metadata checks of ``api.kvcache._check_values`` on the device.
+    """One program: the metadata checks of ``problem.validate.cache_values`` on the device.
     Writes status = (code, sequence, index, value) of the first sequence with an error,
     checked in the order seqlen, leftpad, batch_idx, rotary, block_table (code 0: none)."""
     NONE: tl.constexpr = 1 << 30
@@ -177,7 +174,7 @@ def _check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries
 
 
 @triton.jit
-def _append_kernel(
+def append_kernel(
     K, V, KCache, VCache, SeqLens, BatchIdx, Table, Cos, Sin, Status,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_cb, stride_cs, stride_ch, stride_db, stride_ds, stride_dh,
@@ -223,7 +220,7 @@ def _append_kernel(
 
 
 @triton.jit
-def _decode_kernel(
+def decode_kernel(
     Q, K, V, Out, Lse, OutPart, LsePart, Status, SeqLens, LeftPad, BatchIdx, Table, Alibi, Cos, Sin,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
@@ -312,7 +309,7 @@ def _decode_kernel(
 
     slope = tl.zeros([BLOCK_M], dtype=tl.float32)
     if HAS_ALIBI:
-        slope = tl.load(Alibi + b64 * stride_ab + h.to(tl.int64) * stride_ah, mask=row_ok, other=0.0) * _C_LOG2E
+        slope = tl.load(Alibi + b64 * stride_ab + h.to(tl.int64) * stride_ah, mask=row_ok, other=0.0) * C_LOG2E
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -345,18 +342,9 @@ def _decode_kernel(
             s = tl.dot(q, kt, input_precision="ieee")
         else:
             s = tl.dot(q, kt)
-        if SOFTCAP:
-            s = softcap_out * _tanh(s * softcap_in)
-        else:
-            s = s * qk_scale
-        if HAS_ALIBI:
-            s = s - slope[:, None] * tl.abs(t[:, None] + diag - j[None, :]).to(tl.float32)
-        visible = j_ok[None, :] & row_ok[:, None]
-        if WINDOW_RIGHT:
-            visible = visible & (j[None, :] <= t[:, None] + diag + window_right)
-        if WINDOW_LEFT:
-            visible = visible & (j[None, :] >= t[:, None] + diag - window_left)
-        s = tl.where(visible, s, float("-inf"))
+        s, _ = scores(s, t[:, None], j[None, :], j_ok[None, :] & row_ok[:, None], K, None, 0, 0, 0,
+                      qk_scale, qk_scale, softcap_in, softcap_out, slope[:, None], diag, window_left, window_right,
+                      True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, 0)  # no explicit mask
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
@@ -371,7 +359,7 @@ def _decode_kernel(
 
     seen = l_i != 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * C_LN2, float("-inf"))
     if CHECKED:
         out = tl.where(bad, float("nan"), out)
         lse = tl.where(bad, float("nan"), lse)
@@ -390,7 +378,7 @@ def _decode_kernel(
 
 
 @triton.jit
-def _combine_kernel(
+def combine_kernel(
     OutPart, LsePart, Out, Lse,
     stride_pp, stride_pb, stride_ps, stride_ph,
     stride_lp, stride_lpb, stride_lph,
@@ -428,16 +416,10 @@ def _combine_kernel(
     tl.store(Lse + b * stride_lb + h * stride_lh + t, lse)
 
 
-_launch_check = Launcher(_check_kernel)
-_launch_append = Launcher(_append_kernel)
-_launch_decode = Launcher(_decode_kernel)
-_launch_combine = Launcher(_combine_kernel)
-
-
-def _device_ctx(t):
-    import torch
-
-    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+_launch_check = Launcher(check_kernel)
+_launch_append = Launcher(append_kernel)
+_launch_decode = Launcher(decode_kernel)
+_launch_combine = Launcher(combine_kernel)
 
 
 def block_sizes(head_dim: int, rows: int) -> tuple[int, int, int]:
@@ -471,9 +453,9 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
 
 def check_metadata(status, seqlens, leftpad, batch_idx, table, *, new: int, queries: int, capacity: int,
                    batch_cache: int, num_blocks: int, page: int, rotary_len: int, rotary_local: bool) -> None:
-    """Launch ``_check_kernel``: status (int32 (4,)) = (code, sequence, index, value)."""
+    """Launch ``check_kernel``: status (int32 (4,)) = (code, sequence, index, value)."""
     batch = seqlens.numel()
-    with _device_ctx(status):
+    with device_context(status):
         _launch_check(
             (1,),
             (status, seqlens, seqlens if leftpad is None else leftpad, seqlens if batch_idx is None else batch_idx,
@@ -488,14 +470,14 @@ def check_metadata(status, seqlens, leftpad, batch_idx, table, *, new: int, quer
 
 def append(k_cache, v_cache, k, v, seqlens, batch_idx, table, cos, sin, *, interleaved: bool, status=None) -> None:
     """Write k, v (batch, new, Hk, D) into the caches at cache_seqlens[b] + t, k rotated
-    there first when cos/sin are given (``_append_kernel``)."""
+    there first when cos/sin are given (``append_kernel``)."""
     batch, new, nheads_k, head_dim = k.shape
     paged = table is not None
     capacity = table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_t = min(64, max(16, triton.next_power_of_2(new)))
     rotary = cos is not None
-    with _device_ctx(k):
+    with device_context(k):
         _launch_append(
             (batch * nheads_k, triton.cdiv(new, block_t)),
             (k, v, k_cache, v_cache, seqlens, seqlens if batch_idx is None else batch_idx,
@@ -564,7 +546,7 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
     out (batch, seqlen_q, H, D), lse (batch, H, seqlen_q) float32 (unit last stride).
     ``num_splits``: 0 chooses (``choose_splits``); with more than one split the partial
     results go to float32 buffers (``parts``: ``scratch``'s, made here when not given) and
-    ``_combine_kernel`` writes out and lse."""
+    ``combine_kernel`` writes out and lse."""
     import torch
 
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -591,7 +573,7 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
         out_part, lse_part = parts if parts is not None else scratch(q, k_cache, table, num_splits, False)[1]
     else:
         out_part, lse_part = out, lse
-    with _device_ctx(q):
+    with device_context(q):
         _launch_decode(
             (batch * nheads_k * num_m_blocks * splits,),
             (q, k_cache, v_cache, out, lse, out_part, lse_part, seqlens if status is None else status, seqlens,
@@ -622,12 +604,12 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
 
 
 def combine(out_part, lse_part, out, lse) -> None:
-    """``_combine_kernel``: out_part (S, B, Sq, H, D), lse_part (S, B, H, Sq) float32 ->
+    """``combine_kernel``: out_part (S, B, Sq, H, D), lse_part (S, B, H, Sq) float32 ->
     out (B, Sq, H, D), lse (B, H, Sq) (unit last strides)."""
     splits, batch, seqlen, nheads, head_dim = out_part.shape
     if batch * seqlen * nheads == 0:
         return
-    with _device_ctx(out):
+    with device_context(out):
         _launch_combine(
             (batch * seqlen * nheads,),
             (out_part, lse_part, out, lse,

@@ -18,7 +18,9 @@ from __future__ import annotations
 import torch
 import torch.utils.checkpoint
 
-__all__ = ["chunked_attention_forward", "visible_mask", "visible_mask_rows"]
+from flashtile.backends.twin.philox import keep_mask
+
+__all__ = ["chunked_attention_forward", "varlen_forward", "visible_mask", "visible_mask_rows", "host_spans"]
 
 
 def visible_mask_rows(
@@ -88,6 +90,8 @@ def chunked_attention_forward(
     attn_mask: torch.Tensor | None = None,
     chunk_size: int = 256,
     dropout_p: float = 0.0,
+    dropout_seed: int | None = None,
+    batch_offset: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention forward in torch ops, ``chunk_size`` query rows at a time.
 
@@ -109,10 +113,12 @@ def chunked_attention_forward(
         attn_mask: optional (B, H, Sq, Sk) (may be expanded, stride 0), bool or floating.
             bool: False hides the key (True = keep). floating: added to the scores.
         chunk_size: query rows per chunk; bounds the score block to (B, H, chunk_size, Sk).
-        dropout_p: drop each probability with this chance (torch's default generator) and
-            scale the kept ones by 1 / (1 - dropout_p); lse is that of the undropped row.
-            The Triton kernels draw their mask with Philox instead: the two backends give
-            different (each reproducible) masks for the same seed.
+        dropout_p: drop each probability with this chance and scale the kept ones by
+            1 / (1 - dropout_p); lse is that of the undropped row. The mask is the kernels'
+            own (``philox.keep_mask``): Philox keyed by ``dropout_seed`` (drawn from torch's
+            generator when None), element (bh, i, j) with bh = (b + batch_offset) * H + h.
+        dropout_seed, batch_offset: the Philox key, and the first batch index (a packed
+            call runs one sequence at a time: its index is its b).
 
     The score of a visible key is, in this order,
     ``s = scale * (q_i . k_j)``; softcap; ``+ alibi``; ``+ float mask``. Then
@@ -144,6 +150,8 @@ def chunked_attention_forward(
 
     compute_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
 
+    if dropout_p > 0.0 and dropout_seed is None:
+        dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
     if seqlen_q == 0 or seqlen_k == 0 or batch == 0 or num_heads == 0:
         # Nothing to attend to (or no rows at all): every row is empty by definition.
         out = torch.zeros(batch, num_heads, seqlen_q, head_dim_v, dtype=q.dtype, device=q.device)
@@ -219,7 +227,10 @@ def chunked_attention_forward(
 
         probs_v = probs
         if dropout_p > 0.0:
-            keep = torch.rand(probs.shape, device=probs.device) >= dropout_p
+            heads = torch.arange(num_heads, device=q.device).reshape(1, num_kv_heads, group, 1, 1)
+            bh = (torch.arange(batch, device=q.device).reshape(batch, 1, 1, 1, 1) + batch_offset) * num_heads + heads
+            keep = keep_mask(dropout_seed, bh, torch.arange(row_start, row_end, device=q.device)[:, None],
+                             torch.arange(seqlen_k, device=q.device), dropout_p)
             probs_v = torch.where(keep, probs / (1.0 - dropout_p), torch.zeros_like(probs))
         # (B, Hk, G*R, Sk) @ (B, Hk, Sk, Dv): again no per-head copy of V.
         out_rows = torch.matmul(probs_v.reshape(batch, num_kv_heads, group * rows, seqlen_k), v_c)
@@ -228,8 +239,8 @@ def chunked_attention_forward(
         return out_rows.to(q.dtype), lse_rows.squeeze(-1)
 
     # Under autograd each chunk is checkpointed: only its inputs are kept and its scores
-    # are recomputed in the backward (with the same dropout draws: checkpoint restores the
-    # RNG state), so training memory stays O(Sq) too, not the sum of every chunk's scores.
+    # are recomputed in the backward (the same dropout mask: it is a function of the seed),
+    # so training memory stays O(Sq) too, not the sum of every chunk's scores.
     tensors = (q_grouped, k_c, v_c, slopes, mask_grouped)
     recompute = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     for row_start in range(0, seqlen_q, chunk_size):
@@ -245,3 +256,78 @@ def chunked_attention_forward(
     out = torch.cat(out_chunks, dim=3).reshape(batch, num_heads, seqlen_q, head_dim_v)
     lse = torch.cat(lse_chunks, dim=3).reshape(batch, num_heads, seqlen_q)
     return out, lse
+
+
+def forward(q4, k4, v4, problem, alibi, mask, seed=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of a canonical call (``problem.spec``): q4 (B, H, Sq, D), k4/v4 (B, Hk, Sk,
+    D) views -> out (B, H, Sq, D) laid out (B, Sq, H, D) in memory, as the kernels lay it,
+    and lse (B, H, Sq) float32. ``seed``: the dropout's Philox key (an int64 tensor), as
+    the kernels take it. Differentiable."""
+    from flashtile.backends import layout
+
+    out, lse = chunked_attention_forward(
+        q4, k4, v4, scale=problem.scale, diag_offset=problem.diag_offset, window_left=problem.window_left,
+        window_right=problem.window_right, softcap=problem.softcap, alibi_slopes=alibi, attn_mask=mask,
+        dropout_p=problem.dropout_p, dropout_seed=None if seed is None else int(seed.item()))
+    if torch.is_grad_enabled() and out.requires_grad:
+        return out.to(q4.dtype).transpose(1, 2).contiguous().transpose(1, 2), lse.to(torch.float32)
+    out4 = layout.bshd_view(q4)
+    lse_out = layout.new_lse(q4)
+    out4.copy_(out)
+    lse_out.copy_(lse)
+    return out4, lse_out
+
+
+def host_spans(varlen) -> list[tuple[int, int, int, int]]:
+    """(q start, q length, k start, k length) of every sequence of a packed call
+    (``problem.spec.Varlen``), its lengths cut to seqused, read on the host (one copy per
+    tensor): for the twin and S_dmask, never for the kernels."""
+    cu_q, cu_k, used_q, used_k = (None if t is None else t.tolist() for t in tuple(varlen)[:4])
+    spans = []
+    for b in range(len(cu_q) - 1):
+        len_q, len_k = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if used_q is not None:
+            len_q = min(used_q[b], len_q)
+        if used_k is not None:
+            len_k = min(used_k[b], len_k)
+        spans.append((cu_q[b], len_q, cu_k[b], len_k))
+    return spans
+
+
+def varlen_forward(q4, k4, v4, problem, alibi, varlen, seed=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The twin of a packed call: ``chunked_attention_forward`` once per sequence (its
+    bounds read on the host: CPU tensors), rows past a sequence's used length 0 / -inf.
+    q4 (1, H, total_q, D) -> out (1, H, total_q, D) laid out (1, total_q, H, D), lse (1, H,
+    total_q). Sequence b draws its dropout mask as batch b (as the kernels). Differentiable."""
+    heads, total_q = q4.shape[1], q4.shape[2]
+    if seed is not None:
+        dropout_seed = int(seed.item())
+    else:  # one key for every sequence
+        dropout_seed = int(torch.randint(0, 2**62, (1,)).item()) if problem.dropout_p > 0.0 else None
+    outs, lses, row = [], [], 0
+
+    def gap(start, end):
+        # Rows that see no key: 0 / -inf, still in q's graph (zero gradient, as the kernels).
+        rows = q4[:, :, start:end]
+        outs.append(torch.where(torch.zeros((), dtype=torch.bool, device=q4.device), rows, 0.0))
+        lses.append(torch.full((1, heads, end - start), float("-inf"), device=q4.device))
+
+    for b, (start_q, len_q, start_k, len_k) in enumerate(host_spans(varlen)):
+        if start_q > row:
+            gap(row, start_q)
+        if len_k == 0:
+            row = start_q  # every row of this sequence is empty: a gap, below or at the next one
+            continue
+        out, lse = chunked_attention_forward(
+            q4[:, :, start_q:start_q + len_q], k4[:, :, start_k:start_k + len_k], v4[:, :, start_k:start_k + len_k],
+            scale=problem.scale, diag_offset=len_k - len_q, window_left=problem.window_left,
+            window_right=problem.window_right, softcap=problem.softcap,
+            alibi_slopes=None if alibi is None else alibi[b:b + 1], dropout_p=problem.dropout_p,
+            dropout_seed=dropout_seed, batch_offset=b)
+        outs.append(out.to(q4.dtype))
+        lses.append(lse.to(torch.float32))
+        row = start_q + len_q
+    if total_q > row or not outs:
+        gap(row, total_q)
+    out = torch.cat(outs, dim=2)
+    return out.transpose(1, 2).contiguous().transpose(1, 2), torch.cat(lses, dim=2)

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from flashtile.tools.bench.prefill import RowWriter, _reason, gpu_slug, run_info
+from flashtile.tools.bench.common import RowWriter, gpu_slug, reason, run_info
 
 IMPLS = ("flashtile", "sdpa-cudnn", "sdpa-flash")
 MODES = ("eager", "cuda_graph")
@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
                     row["ms"] = ms
                     row["tb_per_s"] = shape.bytes() / (ms * 1e-3) / 1e12
                 except Exception as err:
-                    row["skipped"] = _reason(err)
+                    row["skipped"] = reason(err)
                 torch.cuda.empty_cache()
                 writer.write(row)
                 what = row.get("skipped") or f"{row['ms'] * 1e3:8.1f} us {row['tb_per_s']:5.2f} TB/s"

@@ -5,20 +5,14 @@ Shapes follow the FlashAttention papers (see BENCHMARKS.md): hidden size 2048, s
 Every measurement is one long-format JSON row appended (and flushed) to
 ``<out>/<tag>.jsonl``; the summary table and the PNG plots are drawn from those rows.
 
-    python -m flashtile.tools.bench.prefill --quick --pass fwd bwd --out $OUT/bench
-    python -m flashtile.tools.bench.prefill --dry-run            # no CUDA: the plan and fake rows
-    python -m flashtile.tools.bench.prefill --plot-only FILE.jsonl
-    python -m flashtile.tools.bench.prefill --varlen            # packed documents: flashtile.tools.bench.varlen
-    python -m flashtile.tools.bench.prefill --decode            # KV-cache decode bandwidth: flashtile.tools.bench.decode
+    python -m flashtile.tools.bench --quick --pass fwd bwd --out $OUT/bench
+    python -m flashtile.tools.bench --dry-run            # no CUDA: the plan and fake rows
+    python -m flashtile.tools.bench --plot-only FILE.jsonl
 """
 from __future__ import annotations
 
 import argparse
 import datetime
-import json
-import math
-import re
-import subprocess
 import sys
 import tempfile
 import time
@@ -27,17 +21,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Iterable
 
+from flashtile.tools.bench.common import (HIDDEN, SDPA_BACKENDS, TOKENS, RowWriter, compiled_flex, gpu_slug, read_rows,
+                                          reason, run_info)
 from flashtile.traffic import attention_flops
 
 IMPLS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "naive")
 PASSES = ("fwd", "bwd", "fwd_bwd")
 _DTYPES = ("fp16", "bf16")
-HIDDEN = 2048
-TOKENS = 16384
 # naive materialises the fp32 softmax: above this it is minutes per call or an OOM.
 NAIVE_SCORES_LIMIT_BYTES = 40 * 2**30
-_SDPA_BACKENDS = {"sdpa-flash": "FLASH_ATTENTION", "sdpa-cudnn": "CUDNN_ATTENTION",
-                  "sdpa-efficient": "EFFICIENT_ATTENTION"}
 # Dry-run only: plausible H200 fp16 rates so summaries and plots look like real ones.
 _FAKE_TFLOPS = {"flashtile": 450.0, "sdpa-flash": 320.0, "sdpa-cudnn": 560.0,
                 "sdpa-efficient": 165.0, "flex": 420.0, "naive": 40.0}
@@ -88,90 +80,6 @@ def make_shape(seqlen: int, headdim: int, causal: bool, dtype: str, batch: int |
                  nheads, nheads // gqa, seqlen, headdim, causal, dtype)
 
 
-@dataclass(frozen=True)
-class RunInfo:
-    """Provenance stamped on every row."""
-
-    gpu: str
-    torch: str
-    triton: str
-    commit: str
-
-    def row_fields(self) -> dict[str, Any]:
-        return {"gpu": self.gpu, "torch": self.torch, "triton": self.triton, "commit": self.commit}
-
-
-def git_commit() -> str:
-    """Short HEAD of the repo holding this file, "-dirty" if tracked files changed; else "unknown"."""
-    here = str(Path(__file__).resolve().parent)
-    try:
-        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
-                             capture_output=True, text=True, timeout=10)
-        if rev.returncode != 0:
-            return "unknown"
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return rev.stdout.strip() + ("-dirty" if dirty else "")
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-
-
-def gpu_slug(name: str) -> str:
-    """'NVIDIA H200' -> 'h200', 'NVIDIA H100 80GB HBM3' -> 'h100-80gb-hbm3'."""
-    name = re.sub(r"^nvidia\s+", "", name.strip().lower())
-    return re.sub(r"[^a-z0-9]+", "-", name).strip("-") or "gpu"
-
-
-def run_info(dry_run: bool) -> RunInfo:
-    import torch
-    try:
-        import triton
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = "none"
-    gpu = "dry-run" if dry_run else torch.cuda.get_device_name()
-    return RunInfo(gpu, torch.__version__, triton_version, git_commit())
-
-
-class RowWriter:
-    """Appends one JSON object per line and flushes, so a killed run keeps its rows."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.rows: list[dict[str, Any]] = []
-        path.parent.mkdir(parents=True, exist_ok=True)
-
-    def write(self, row: dict[str, Any]) -> None:
-        clean = {k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v)
-                 for k, v in row.items()}  # strict JSON has no NaN/inf
-        with self.path.open("a") as f:
-            f.write(json.dumps(clean) + "\n")
-            f.flush()
-        self.rows.append(clean)
-
-
-def read_rows(paths: Iterable[str | Path]) -> list[dict[str, Any]]:
-    return [json.loads(line) for p in paths for line in Path(p).read_text().splitlines() if line.strip()]
-
-
-# ---------------------------------------------------------------- the implementations
-_FLEX_COMPILED: Callable[..., Any] | None = None
-
-
-def _compiled_flex() -> Callable[..., Any]:
-    """One torch.compile'd flex_attention; dynamo specialises (recompiles) it per shape."""
-    global _FLEX_COMPILED
-    if _FLEX_COMPILED is None:
-        import torch
-        from torch.nn.attention.flex_attention import flex_attention
-        for name in ("cache_size_limit", "recompile_limit",
-                     "accumulated_cache_size_limit", "accumulated_recompile_limit"):
-            if hasattr(torch._dynamo.config, name):
-                setattr(torch._dynamo.config, name, 4096)
-        _FLEX_COMPILED = torch.compile(flex_attention, dynamic=False)
-    return _FLEX_COMPILED
-
-
 def build_forward(impl: str, shape: Shape, q: Any, k: Any, v: Any) -> Callable[[], Any]:
     """A zero-argument forward call for `impl`. q/k/v are (B, S, H, D) for flashtile and
     (B, H, S, D) contiguous for every other impl; the output has the same layout."""
@@ -181,9 +89,9 @@ def build_forward(impl: str, shape: Shape, q: Any, k: Any, v: Any) -> Callable[[
     if impl == "flashtile":
         import flashtile
         return lambda: flashtile.flash_attn_func(q, k, v, causal=causal)
-    if impl in _SDPA_BACKENDS:
+    if impl in SDPA_BACKENDS:
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        backend = getattr(SDPBackend, _SDPA_BACKENDS[impl])
+        backend = getattr(SDPBackend, SDPA_BACKENDS[impl])
 
         def sdpa() -> Any:
             with sdpa_kernel(backend):
@@ -191,7 +99,7 @@ def build_forward(impl: str, shape: Shape, q: Any, k: Any, v: Any) -> Callable[[
         return sdpa
     if impl == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
-        flex = _compiled_flex()
+        flex = compiled_flex()
         mask = (create_block_mask(lambda b, h, qi, kv: qi >= kv, None, None,
                                   shape.seqlen, shape.seqlen, device=q.device) if causal else None)
         return lambda: flex(q, k, v, block_mask=mask, enable_gqa=gqa)
@@ -217,11 +125,6 @@ def build_forward(impl: str, shape: Shape, q: Any, k: Any, v: Any) -> Callable[[
 
 def _first(out: Any) -> Any:
     return out[0] if isinstance(out, (tuple, list)) else out
-
-
-def _reason(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0] if text else ''}"[:300]
 
 
 def _sync_wall(fn: Callable[[], Any]) -> tuple[Any, float]:
@@ -271,7 +174,7 @@ def measure_shape(shape: Shape, impls: list[str], passes: list[str], warmup: int
             emit(impl, "first_call", {"first_call_s": first_s, "max_abs_diff": diff})
             failed = ""
         except Exception as err:  # unsupported shape/backend: skip every pass of this impl
-            failed = _reason(err)
+            failed = reason(err)
         if failed:  # outside the except block, so the traceback no longer pins OOM'd tensors
             torch.cuda.empty_cache()
             for pass_ in passes:
@@ -292,7 +195,7 @@ def measure_shape(shape: Shape, impls: list[str], passes: list[str], warmup: int
                     ms = triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
                 emit(impl, pass_, {"ms": ms, "max_abs_diff": diff, **({"cuda_graph": True} if cuda_graph else {})})
             except Exception as err:  # e.g. flashtile's NotImplementedError backward, OOM
-                emit(impl, pass_, {"skipped": _reason(err), "max_abs_diff": diff})
+                emit(impl, pass_, {"skipped": reason(err), "max_abs_diff": diff})
             torch.cuda.empty_cache()
     del bshd, bhsd, ref
     torch.cuda.empty_cache()
@@ -347,7 +250,7 @@ def memory_rows(shape: Shape, impls: list[str], emit: Callable[[str, str, dict[s
                     output_lse_mib(shape) + (_grads_mib(shape) if train else 0.0))
                 del result, forward, q, k, v, dout, step
             except Exception as err:
-                fields = {"skipped": _reason(err)}
+                fields = {"skipped": reason(err)}
             torch.cuda.empty_cache()
             emit(impl, pass_, fields)
 
@@ -506,14 +409,6 @@ def _progress(items: list[Any]) -> tuple[Iterable[Any], Callable[[str], None]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    if "--decode" in (sys.argv[1:] if argv is None else argv):
-        from flashtile.tools.bench import decode as bench_decode
-
-        return bench_decode.main(argv)
-    if "--varlen" in (sys.argv[1:] if argv is None else argv):
-        from flashtile.tools.bench import varlen as bench_varlen
-
-        return bench_varlen.main(argv)
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.plot_only:

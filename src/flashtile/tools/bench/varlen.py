@@ -34,10 +34,10 @@ import datetime
 import inspect
 import random
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from flashtile.tools.bench.prefill import _SDPA_BACKENDS as _SDPA
-from flashtile.tools.bench.prefill import HIDDEN, RowWriter, _reason, gpu_slug, run_info
+from flashtile.tools.bench.common import SDPA_BACKENDS as _SDPA
+from flashtile.tools.bench.common import HIDDEN, RowWriter, gpu_slug, reason, run_info
 
 TOKENS = 16384
 IMPLS = ("flashtile", "flashtile-fixed", "flashtile-docs", "flex", "varlen_attn", "sdpa-flash", "sdpa-cudnn",
@@ -123,7 +123,7 @@ def build(impl: str, lengths: list[int], nheads: int, headdim: int, causal: bool
     if impl == "flex":
         from torch.nn.attention.flex_attention import create_block_mask
 
-        from flashtile.tools.bench.prefill import _compiled_flex
+        from flashtile.tools.bench.common import compiled_flex
 
         doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"),
                                       torch.tensor(lengths, device="cuda"))
@@ -135,7 +135,7 @@ def build(impl: str, lengths: list[int], nheads: int, headdim: int, causal: bool
             return (doc[qi] == doc[kv]) & (qi >= kv)
 
         mask = create_block_mask(document_causal if causal else document, None, None, total, total, device="cuda")
-        flex = _compiled_flex()
+        flex = compiled_flex()
         ins = [t.transpose(0, 1).unsqueeze(0).contiguous().requires_grad_(leaves) for t in (q, k, v)]
         return (lambda: flex(*ins, block_mask=mask)), ins
     if impl in _SDPA:
@@ -269,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--plot-only", nargs="+", metavar="FILE.jsonl", help="summary and plots from existing rows")
     args = p.parse_args(argv)
     if args.plot_only:
-        from flashtile.tools.bench.prefill import read_rows
+        from flashtile.tools.bench.common import read_rows
 
         rows = read_rows(args.plot_only)
         out = args.out or Path(args.plot_only[0]).parent
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
                             row["ms"] = ms
                             row["tflops"] = flops(lengths, nheads, headdim, causal, pass_) / (ms * 1e-3) / 1e12
                         except Exception as err:
-                            row["skipped"] = _reason(err)
+                            row["skipped"] = reason(err)
                         torch.cuda.empty_cache()
                         writer.write(row)
                         what = row.get("skipped") or f"{row['ms']:.3f} ms {row['tflops']:6.1f} TFLOP/s"

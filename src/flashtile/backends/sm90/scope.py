@@ -1,0 +1,70 @@
+"""Which calls the Hopper (Gluon) kernels take, and the reason when they do not.
+
+Pure Python (no triton, no torch): ``backends.registry`` asks these functions for every
+call, ``flashtile explain`` answers from them without a GPU, and the kernels of this
+package import their head-dim sets from here. Each scope function returns None when the
+call is in scope, else one sentence that says why not.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+HEAD_DIMS = (64, 128, 256)  # the Gluon forward and backward kernels
+ONEPASS_HEAD_DIMS = (64, 128)  # the one-pass backward, default where faster (H200 runs 86, 96)
+SPLIT_HEAD_DIMS = (256,)  # dV and dK from separate kernels (backward_split's _dv_kernel, _dk_kernel)
+VARLEN_BACKWARD_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d not in SPLIT_HEAD_DIMS)
+
+
+def kernels_scope(call) -> Optional[str]:
+    """The forward's scope, which the backward kernels share: fp16/bf16, head dim 64, 128
+    or 256, plain or causal (no other window side), no softcap, ALiBi, mask or dropout, a
+    scale the exponent's FFMA keeps normal (1e-30 < scale < 1e30: m * scale with m = -inf
+    must not become -inf * 0). ``call``: a ``registry.Call``."""
+    if call.dtype not in ("float16", "bfloat16"):
+        return f"the Gluon kernels take fp16/bf16, not {call.dtype}"
+    if call.head_dim not in HEAD_DIMS:
+        return f"the Gluon kernels take head dims {HEAD_DIMS}, not {call.head_dim}"
+    extras = [name for name, on in (("a left window", call.window_left >= 0),
+                                    ("a right window other than causal", call.window_right > 0),
+                                    ("softcap", call.softcap), ("ALiBi", call.alibi), ("a mask", call.mask),
+                                    ("dropout", call.dropout)) if on]
+    if extras:
+        return "the Gluon kernels take plain or causal attention only, not " + " or ".join(extras)
+    if not 1e-30 < call.scale < 1e30:
+        return f"the Gluon kernels need 1e-30 < softmax_scale < 1e30, got {call.scale}"
+    return None
+
+
+def forward_scope(call) -> Optional[str]:
+    """The Gluon forward: ``kernels_scope``, and no seqused/paged keys in a packed call (its
+    tiles read whole rows past a sequence's used end: masked scores, but 0 * NaN in P V if
+    those rows hold garbage, as an unused cache tail may)."""
+    reason = kernels_scope(call)
+    if reason is None and call.varlen and call.seqused:
+        reason = "a packed call with seqused or paged keys stays on the Triton kernels (rows past the used end)"
+    return reason
+
+
+def backward_scope(call) -> Optional[str]:
+    """The Gluon backward (split or one-pass): ``forward_scope``; packed calls at head dims
+    64 and 128 only (no varlen kernels for the d256 split)."""
+    reason = forward_scope(call)
+    if reason is None and call.varlen and call.head_dim not in VARLEN_BACKWARD_HEAD_DIMS:
+        reason = f"no packed-call Gluon backward at head dim {call.head_dim}"
+    return reason
+
+
+def onepass_scope(call, bwd_dq: str) -> Optional[str]:
+    """The one-pass backward instead of the split kernels: fixed lengths, a head dim of
+    ONEPASS_HEAD_DIMS, not deterministic (its dQ is summed by float32 reductions in a
+    varying order), and ``FLASHTILE_BWD_DQ`` auto (``bwd_dq``)."""
+    if call.deterministic:
+        return "deterministic: the split kernels (the one-pass kernel sums dQ in a varying order)"
+    if call.varlen:
+        return "packed calls take the split kernels"
+    if call.head_dim not in ONEPASS_HEAD_DIMS:
+        return f"the one-pass kernel takes head dims {ONEPASS_HEAD_DIMS}; d{call.head_dim} takes the split kernels"
+    if bwd_dq != "auto":
+        return f"FLASHTILE_BWD_DQ={bwd_dq} keeps the split kernels"
+    return None
