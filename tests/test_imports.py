@@ -166,3 +166,19 @@ def test_the_registry_alone_chooses_a_kernel_family():
 def test_every_module_says_what_it_is(module):
     doc = ast.get_docstring(ast.parse(MODULES[module].read_text()))
     assert doc, f"{module} has no docstring"
+
+
+def test_argument_errors_come_from_the_validation_module():
+    """The public functions (api/, parallel/) raise no argument error themselves: every
+    check of every entry point is in problem/validate.py (the cross-rank shape check of
+    parallel/group.py excepted: it needs a collective)."""
+    bad = []
+    for module, path in MODULES.items():
+        if not module.startswith(("flashtile.api", "flashtile.parallel")) or module == "flashtile.parallel.group":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Raise) and node.exc is not None:
+                call = node.exc.func if isinstance(node.exc, ast.Call) else node.exc
+                if isinstance(call, ast.Name) and call.id in ("ValueError", "TypeError"):
+                    bad.append(f"{path.relative_to(SRC)}:{node.lineno}: raises {call.id}")
+    assert not bad, "\n".join(bad)

@@ -127,9 +127,7 @@ def flash_attn_qkvpacked_func(
     return_attn_probs: bool = False,
 ):
     """:func:`flash_attn_func` on qkv (batch, seqlen, 3, nheads, headdim); q, k, v are views (no copy)."""
-    validate.tensor("qkv", qkv, 5)
-    if qkv.shape[2] != 3:
-        raise ValueError(f"qkv must have shape (batch, seqlen, 3, nheads, headdim), got {tuple(qkv.shape)}")
+    validate.packed("qkv", qkv, 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
     return _flash_attn(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
                        softcap, alibi_slopes, deterministic, return_attn_probs,
                        names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
@@ -148,8 +146,6 @@ def flash_attn_kvpacked_func(
     return_attn_probs: bool = False,
 ):
     """:func:`flash_attn_func` with kv (batch, seqlen_k, 2, nheads_k, headdim); k, v are views (no copy)."""
-    validate.tensor("kv", kv, 5)
-    if kv.shape[2] != 2:
-        raise ValueError(f"kv must have shape (batch, seqlen_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    validate.packed("kv", kv, 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     return _flash_attn(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
                        alibi_slopes, deterministic, return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))

@@ -179,14 +179,5 @@ def flash_attn_combine(out_partial: torch.Tensor, lse_partial: torch.Tensor, out
         (out (batch, seqlen, nheads, headdim), lse (batch, nheads, seqlen) float32). A row
         that no split saw gets out 0 and lse -inf.
     """
-    if not isinstance(out_partial, torch.Tensor) or not isinstance(lse_partial, torch.Tensor):
-        raise TypeError("out_partial and lse_partial must be torch.Tensors")
-    if out_partial.dim() != 5:
-        raise ValueError(f"out_partial must be (num_splits, batch, seqlen, nheads, headdim), got shape "
-                         f"{tuple(out_partial.shape)}")
-    s, b, n, h, _ = out_partial.shape
-    if tuple(lse_partial.shape) != (s, b, h, n):
-        raise ValueError(f"lse_partial must have shape {(s, b, h, n)}, got {tuple(lse_partial.shape)}")
-    if lse_partial.device != out_partial.device:
-        raise ValueError(f"lse_partial must be on {out_partial.device}, got {lse_partial.device}")
+    validate.combine_call(out_partial, lse_partial)
     return dispatch.combine(out_partial, lse_partial, out_dtype or out_partial.dtype)

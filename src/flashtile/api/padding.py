@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from flashtile.problem import validate
+
 
 def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor):
     """Keep the tokens where ``attention_mask`` is true, sequence by sequence.
@@ -25,13 +27,7 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor):
         axis, cu_seqlens (batch + 1,) int32, max_seqlen int). max_seqlen is read on the
         host (one synchronisation, as in flash-attn).
     """
-    if not isinstance(hidden_states, torch.Tensor) or not isinstance(attention_mask, torch.Tensor):
-        raise TypeError("hidden_states and attention_mask must be torch.Tensors")
-    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != tuple(hidden_states.shape[:2]):
-        raise ValueError(f"attention_mask must have shape (batch, seqlen) = {tuple(hidden_states.shape[:2])}, "
-                         f"got {tuple(attention_mask.shape)}")
-    if attention_mask.device != hidden_states.device:
-        raise ValueError(f"attention_mask must be on {hidden_states.device}, got {attention_mask.device}")
+    validate.unpad_call(hidden_states, attention_mask)
     keep = attention_mask.bool()
     lengths = keep.sum(dim=1, dtype=torch.int32)
     indices = torch.nonzero(keep.flatten(), as_tuple=False).flatten()
@@ -44,8 +40,7 @@ def unpad_input(hidden_states: torch.Tensor, attention_mask: torch.Tensor):
 def pad_input(hidden_states: torch.Tensor, indices: torch.Tensor, batch: int, seqlen: int) -> torch.Tensor:
     """The inverse of ``unpad_input``: (total, ...) -> (batch, seqlen, ...), zeros at the
     padding. Differentiable (an index scatter into a new tensor)."""
-    if hidden_states.shape[0] != indices.numel():
-        raise ValueError(f"hidden_states has {hidden_states.shape[0]} tokens but indices {indices.numel()}")
+    validate.pad_call(hidden_states, indices)
     out = hidden_states.new_zeros((batch * seqlen, *hidden_states.shape[1:]))
     out = out.index_put((indices,), hidden_states)
     return out.reshape(batch, seqlen, *hidden_states.shape[1:])

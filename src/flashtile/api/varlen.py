@@ -110,9 +110,7 @@ def flash_attn_varlen_qkvpacked_func(
     return_attn_probs: bool = False,
 ):
     """:func:`flash_attn_varlen_func` on qkv (total, 3, nheads, headdim); q, k, v are views."""
-    validate.tensor("qkv", qkv, 4)
-    if qkv.shape[1] != 3:
-        raise ValueError(f"qkv must have shape (total, 3, nheads, headdim), got {tuple(qkv.shape)}")
+    validate.packed("qkv", qkv, 4, 1, 3, "(total, 3, nheads, headdim)")
     return _varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
                    None, None, None, names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
@@ -135,9 +133,7 @@ def flash_attn_varlen_kvpacked_func(
     return_attn_probs: bool = False,
 ):
     """:func:`flash_attn_varlen_func` with kv (total_k, 2, nheads_k, headdim); k, v are views."""
-    validate.tensor("kv", kv, 4)
-    if kv.shape[1] != 2:
-        raise ValueError(f"kv must have shape (total_k, 2, nheads_k, headdim), got {tuple(kv.shape)}")
+    validate.packed("kv", kv, 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
     return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
                    None, None, None, names=("q", "kv[:, 0]", "kv[:, 1]"))

@@ -70,20 +70,12 @@ def varlen_allgather_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     import flashtile
 
     from flashtile.parallel.group import as_group, check_same_across_ranks, group_info
+    from flashtile.problem import validate
 
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor) or t.dim() != 3:
-            raise ValueError(f"{name} must be a 3-D tensor (local_tokens, heads, headdim)")
-    if k.shape != v.shape or k.shape[0] != q.shape[0]:
-        raise ValueError(f"k and v must have shape ({q.shape[0]}, nheads_k, headdim), got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
     world, rank = group_info(group)
     group = as_group(group)
-    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    cu = validate.allgather_call(q, k, v, cu_seqlens, world)
     local = q.shape[0]
-    if not cu or cu[0] != 0 or cu[-1] != world * local or any(b < a for a, b in zip(cu, cu[1:])):
-        raise ValueError(f"cu_seqlens must run from 0 to world * local_tokens = {world * local}, non-decreasing; "
-                         f"got {cu[:4]}...{cu[-2:]}")
     if world > 1:
         check_same_across_ranks(q[None], k[None], group, world)
         keys = _AllGather.apply(k, group, world, rank)

@@ -49,11 +49,10 @@ def shard_sequence(x: torch.Tensor, group=None, layout: str = "zigzag", seq_dim:
     """This rank's shard of a full sequence ``x`` (split along ``seq_dim``) in ``layout``."""
     if world is None or rank is None:
         world, rank = group_info(group)
-    _check_layout(layout)
+    validate.sequence_layout(layout, LAYOUTS)
     total = x.shape[seq_dim]
     parts = 2 * world if layout == "zigzag" else world
-    if total % parts:
-        raise ValueError(f"sequence length {total} must be divisible by {parts} for layout {layout!r} on {world} ranks")
+    validate.shard_length(total, parts, layout, world)
     local = total // world
     pieces = [x.narrow(seq_dim, start, n) for _, start, n in chunk_starts(rank, world, local, layout)]
     return torch.cat(pieces, dim=seq_dim)
@@ -81,11 +80,6 @@ def positions(local_seqlen: int, group=None, layout: str = "zigzag", device=None
     world, rank = group_info(group)
     return torch.cat([torch.arange(start, start + n, device=device)
                       for _, start, n in chunk_starts(rank, world, local_seqlen, layout)])
-
-
-def _check_layout(layout):
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
 
 
 def _merge(out, lse, out_b, lse_b):
@@ -291,12 +285,9 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=None
         out (batch, local_seqlen, nheads, headdim), or (out, lse). Differentiable in q, k, v.
         With one rank it is the local kernel.
     """
-    problem = validate.parallel_call(q, k, v, causal, window_size, softcap, softmax_scale)
-    _check_layout(layout)
+    problem = validate.ring_call(q, k, v, causal, window_size, softcap, softmax_scale, layout, LAYOUTS)
     world, rank = group_info(group)
     group = as_group(group)
-    if layout == "zigzag" and q.shape[1] % 2:
-        raise ValueError(f"layout 'zigzag' needs an even local_seqlen, got {q.shape[1]}")
     if world > 1:
         check_same_across_ranks(q, k, group, world)
     if world == 1:

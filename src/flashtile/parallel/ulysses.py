@@ -57,8 +57,7 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group=N
         return flashtile.flash_attn_func(q, k, v, softmax_scale=softmax_scale, causal=causal,
                                          window_size=window_size, softcap=softcap)
     heads, heads_k = q.shape[2], k.shape[2]
-    if heads % world:
-        raise ValueError(f"ulysses_attention needs nheads ({heads}) divisible by the world size ({world})")
+    validate.ulysses_heads(heads, world)
     if heads_k % world:
         # each rank gets heads / world query heads; give it the KV heads they read
         k = k.repeat_interleave(heads // heads_k, dim=2)

@@ -654,3 +654,84 @@ def parallel_call(q, k, v, causal, window_size, softcap_, softmax_scale_) -> Pro
     left, right = causal_window(causal, window_size)
     return Problem(softmax_scale("softmax_scale", softmax_scale_, shapes.head_dim), 0, left, right,
                    softcap(softcap_))
+
+
+def packed(name: str, x, ndim: int, axis: int, count: int, doc: str) -> None:
+    """A packed tensor (qkv or kv) of ``ndim`` dimensions with ``count`` entries on ``axis``."""
+    tensor(name, x, ndim)
+    if x.shape[axis] != count:
+        raise ValueError(f"{name} must have shape {doc}, got {tuple(x.shape)}")
+
+
+def sequence_layout(layout: str, layouts: tuple[str, ...]) -> None:
+    if layout not in layouts:
+        raise ValueError(f"layout must be one of {layouts}, got {layout!r}")
+
+
+def ring_call(q, k, v, causal, window_size, softcap_, softmax_scale_, layout: str, layouts) -> Problem:
+    """``ring_attention``'s checks: ``parallel_call``'s, and a layout (zigzag wants an even
+    local length)."""
+    problem = parallel_call(q, k, v, causal, window_size, softcap_, softmax_scale_)
+    sequence_layout(layout, layouts)
+    if layout == "zigzag" and q.shape[1] % 2:
+        raise ValueError(f"layout 'zigzag' needs an even local_seqlen, got {q.shape[1]}")
+    return problem
+
+
+def shard_length(total: int, parts: int, layout: str, world: int) -> None:
+    if total % parts:
+        raise ValueError(f"sequence length {total} must be divisible by {parts} for layout {layout!r} on {world} ranks")
+
+
+def ulysses_heads(nheads: int, world: int) -> None:
+    if nheads % world:
+        raise ValueError(f"ulysses_attention needs nheads ({nheads}) divisible by the world size ({world})")
+
+
+def allgather_call(q, k, v, cu_seqlens, world: int) -> list[int]:
+    """``varlen_allgather_attention``'s checks: local packed tensors of one token count, and
+    the documents of the whole axis (read on the host) as a list of offsets."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor (local_tokens, heads, headdim)")
+    if k.shape != v.shape or k.shape[0] != q.shape[0]:
+        raise ValueError(f"k and v must have shape ({q.shape[0]}, nheads_k, headdim), got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    cu = [int(x) for x in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens)]
+    local = q.shape[0]
+    if not cu or cu[0] != 0 or cu[-1] != world * local or any(b < a for a, b in zip(cu, cu[1:])):
+        raise ValueError(f"cu_seqlens must run from 0 to world * local_tokens = {world * local}, non-decreasing; "
+                         f"got {cu[:4]}...{cu[-2:]}")
+    return cu
+
+
+def combine_call(out_partial, lse_partial) -> None:
+    """``flash_attn_combine``: (num_splits, batch, seqlen, nheads, headdim) partial outputs
+    and (num_splits, batch, nheads, seqlen) LSEs on one device."""
+    if not isinstance(out_partial, torch.Tensor) or not isinstance(lse_partial, torch.Tensor):
+        raise TypeError("out_partial and lse_partial must be torch.Tensors")
+    if out_partial.dim() != 5:
+        raise ValueError(f"out_partial must be (num_splits, batch, seqlen, nheads, headdim), got shape "
+                         f"{tuple(out_partial.shape)}")
+    s, b, n, h, _ = out_partial.shape
+    if tuple(lse_partial.shape) != (s, b, h, n):
+        raise ValueError(f"lse_partial must have shape {(s, b, h, n)}, got {tuple(lse_partial.shape)}")
+    if lse_partial.device != out_partial.device:
+        raise ValueError(f"lse_partial must be on {out_partial.device}, got {lse_partial.device}")
+
+
+def unpad_call(hidden_states, attention_mask) -> None:
+    """``unpad_input``: a (batch, seqlen) mask of the hidden states' first two axes."""
+    if not isinstance(hidden_states, torch.Tensor) or not isinstance(attention_mask, torch.Tensor):
+        raise TypeError("hidden_states and attention_mask must be torch.Tensors")
+    if attention_mask.dim() != 2 or tuple(attention_mask.shape) != tuple(hidden_states.shape[:2]):
+        raise ValueError(f"attention_mask must have shape (batch, seqlen) = {tuple(hidden_states.shape[:2])}, "
+                         f"got {tuple(attention_mask.shape)}")
+    if attention_mask.device != hidden_states.device:
+        raise ValueError(f"attention_mask must be on {hidden_states.device}, got {attention_mask.device}")
+
+
+def pad_call(hidden_states, indices) -> None:
+    """``pad_input``: one index per token."""
+    if hidden_states.shape[0] != indices.numel():
+        raise ValueError(f"hidden_states has {hidden_states.shape[0]} tokens but indices {indices.numel()}")
