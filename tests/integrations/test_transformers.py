@@ -160,3 +160,36 @@ def test_the_example_runs_and_agrees_with_sdpa():
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
     assert len(losses) == 2 and abs(losses[0] - losses[1]) < 1e-4, out
     assert "identical True" in out, out
+
+
+def _llama4(chunk=8):
+    return transformers.Llama4TextConfig(vocab_size=97, hidden_size=64, intermediate_size=128,
+                                         intermediate_size_mlp=128, num_hidden_layers=4, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                                         attention_chunk_size=chunk, num_local_experts=2, interleave_moe_layer_step=2)
+
+
+def test_llama4_chunked_attention_is_refused_not_guessed():
+    """Llama 4's chunked layers reach the attention function only through the mask, which
+    the 2-D padding mask drops: over more than one chunk the result would silently differ
+    (logits off by ~0.75 of their largest value here), so the call is refused; within one
+    chunk chunked attention is causal attention and matches eager."""
+    models = _pair(_llama4(chunk=8), transformers.Llama4ForCausalLM)
+    assert "chunked_attention" in models[ft.NAME].config.layer_types
+    ids, right, left = _inputs(seqlen=20)
+    with torch.no_grad():
+        short = ids[:, :8]
+        for mask in (None, right[:, :8], left[:, -8:]):  # one chunk: right- and left-padded rows
+            ref = models["eager"](short, attention_mask=mask).logits
+            got = models[ft.NAME](short, attention_mask=mask).logits
+            keep = torch.ones_like(short, dtype=torch.bool) if mask is None else mask.bool()
+            assert (ref - got)[keep].abs().max() < TOL
+        for mask in (None, right):
+            with pytest.raises(NotImplementedError, match=r"chunked attention \(attention_chunk_size=8\)"):
+                models[ft.NAME](ids, attention_mask=mask)
+        # a padded row whose real tokens fit one chunk runs (chunks count from the first real token)
+        padded = torch.zeros(1, 20, dtype=torch.long)
+        padded[0, -6:] = 1
+        ref = models["eager"](ids[:1], attention_mask=padded).logits[0, -6:]
+        got = models[ft.NAME](ids[:1], attention_mask=padded).logits[0, -6:]
+        assert (ref - got).abs().max() < TOL

@@ -22,7 +22,11 @@ What each call becomes:
                                flash path converts it
     softcap, GQA, dropout      passed through; ``is_causal=False`` for encoders
 Refused with an error naming the feature: attention sinks (``s_aux``),
-``output_attentions``, and a 4-D float mask (which this mask builder never makes).
+``output_attentions``, a 4-D float mask (which this mask builder never makes), and chunked
+attention (Llama 4's ``attention_chunk_size`` layers) over sequences longer than one chunk:
+transformers passes chunking only inside the mask, which the 2-D padding mask drops, so
+computing such a call would silently give something else. Within one chunk chunked
+attention is causal attention, and runs.
 """
 
 from __future__ import annotations
@@ -38,6 +42,29 @@ def _window(sliding_window: Optional[int], causal: bool, key_length: int) -> tup
     if sliding_window is None or key_length <= sliding_window:
         return (-1, -1)
     return (sliding_window - 1, 0 if causal else sliding_window - 1)
+
+
+def _attention_chunk(module: torch.nn.Module) -> Optional[int]:
+    """The chunk size of a layer with chunked attention (transformers' ``layer_types``
+    entry "chunked_attention" and its config's ``attention_chunk_size``), else None."""
+    config = getattr(module, "config", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    if not chunk:
+        return None
+    layer_types, layer = getattr(config, "layer_types", None), getattr(module, "layer_idx", None)
+    if layer_types is not None and layer is not None and layer < len(layer_types):
+        return int(chunk) if layer_types[layer] == "chunked_attention" else None
+    return int(chunk)
+
+
+def _refuse_chunks(chunk: int, longest: int) -> None:
+    """Chunked attention equals causal attention within one chunk; over a longer sequence it
+    is something flashtile does not compute yet (issue 36): refuse, never guess."""
+    if longest > chunk:
+        raise NotImplementedError(
+            f"flashtile: this layer uses chunked attention (attention_chunk_size={chunk}) over a sequence of "
+            f"{longest} tokens; flashtile does not compute chunked attention yet (sequences of at most {chunk} "
+            f"tokens, one chunk, run): use attn_implementation='sdpa' or 'eager'")
 
 
 def _packed_from_position_ids(position_ids: torch.Tensor):
@@ -72,6 +99,9 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     batch, q_len = q.shape[:2]
     kv_len = k.shape[1]
     window = _window(sliding_window, causal, kv_len)
+    chunk = _attention_chunk(module)
+    if chunk is not None and kv_len > chunk and attention_mask is not None and attention_mask.dim() == 4:
+        _refuse_chunks(chunk, kv_len)
     common = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=causal, window_size=window,
                   softcap=float(softcap or 0.0))
     if attention_mask is not None and attention_mask.dim() == 4:
@@ -90,6 +120,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if packed is not None:
             cu_q = cu_k = packed[0]
             max_q = max_k = packed[1]
+    if chunk is not None and kv_len > chunk:
+        # the longest sequence, counted from its first real token (as transformers' chunks are)
+        if attention_mask is not None:
+            longest = int(attention_mask[:, -kv_len:].bool().sum(-1).max())
+        else:
+            longest = kv_len if cu_k is None else int(max_k)
+        _refuse_chunks(chunk, longest)
     if attention_mask is None and cu_q is not None:
         out = flashtile.flash_attn_varlen_func(
             q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),
