@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|bench|varlen|decode|transformers|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|bench|varlen|decode|transformers|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -10,11 +10,18 @@ what=${1:-all}
 (nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
  python3 -c "import torch, triton; print(torch.__version__, triton.__version__)") > "$OUT/env.txt" 2>&1
 
-if [[ $what == tests || $what == all ]]; then
+if [[ $what == tests || $what == all || $what == tests-1 || $what == tests-2 ]]; then
   # -n 8: compiles run in parallel on the host's cores; the GPU work per case is small.
   # -v: each result is logged as it comes (run 78 hit the limit at 95% with 3 failures that
-  # -q would only have named at the end).
-  timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -m gpu tests -v -rf -n ${TESTS_WORKERS:-8} \
+  # -q would only have named at the end). The whole suite is ~1450 tests and runs past one
+  # call's 600 s: `tests-1` (the backward and varlen files) and `tests-2` (the rest) split it.
+  part1="tests/backends/test_backward_gpu.py tests/backends/sm90/test_sm90_backward_gpu.py tests/api/test_varlen_gpu.py"
+  case $what in
+    tests-1) sel="$part1"; dsl="" ;;
+    tests-2) sel="tests"; dsl=$(for f in $part1; do printf -- "--deselect %s " "$f"; done) ;;
+    *) sel="tests"; dsl="" ;;
+  esac
+  timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -m gpu $sel $dsl -v -rf -n ${TESTS_WORKERS:-8} \
     --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests.log" | cut -c1-200 | tail -15
 fi
@@ -34,7 +41,7 @@ if [[ $what == bench || $what == all ]]; then
 fi
 if [[ $what == varlen ]]; then
   # Packed sequences: their GPU tests first (a fault ends here), then the varlen benchmark.
-  timeout 240 python3 -m pytest -m gpu tests/test_varlen_gpu.py -q -n 8 --maxfail=20 -p no:warnings \
+  timeout 240 python3 -m pytest -m gpu tests/api/test_varlen_gpu.py -q -n 8 --maxfail=20 -p no:warnings \
     -p no:cacheprovider > "$OUT/gpu-tests-varlen.log" 2>&1
   echo "varlen gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-varlen.log" | cut -c1-300 | tail -25
   timeout 330 python3 -m flashtile.tools.bench --varlen --warmup 5 --rep 25 --out /tmp/bench --tag h200-varlen \
@@ -44,7 +51,7 @@ if [[ $what == varlen ]]; then
 fi
 if [[ $what == decode ]]; then
   # KV-cache decoding: its GPU tests first (a fault ends here), then the split sweep and the bench.
-  timeout ${DECODE_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu tests/test_kvcache_gpu.py -q -n 8 --maxfail=20 \
+  timeout ${DECODE_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu tests/api/test_kvcache_gpu.py -q -n 8 --maxfail=20 \
     -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-kvcache.log" 2>&1
   echo "kvcache gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-kvcache.log" | cut -c1-300 | tail -25
   if [[ -n ${DECODE_SWEEP:-} ]]; then
@@ -59,7 +66,7 @@ fi
 if [[ $what == transformers ]]; then
   # The transformers integration: its GPU tests, then training steps and generation of a 1.1B
   # random-weight Llama with each attn_implementation (benchmarks/transformers_step.py).
-  timeout ${TF_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu tests/test_transformers_gpu.py tests/test_check_gpu.py -q \
+  timeout ${TF_TESTS_TIMEOUT:-150} python3 -m pytest -m gpu tests/integrations/test_transformers_gpu.py tests/tools/test_check_gpu.py -q \
     -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-transformers.log" 2>&1
   echo "transformers gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-transformers.log" | tail -10
   timeout ${TF_BENCH_TIMEOUT:-400} python3 benchmarks/transformers_step.py --out "$OUT/transformers-step.jsonl" \
@@ -91,7 +98,7 @@ if [[ $what == onepass-ncu ]]; then
   # (Session 16's A/B against no reductions used the experiment at 47aaad2, FLASHTILE_EXP_DQ=1.)
   ncu=$(ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
   shape=${NCU_SHAPE:-128,4096,0}; variant=${NCU_VARIANT:-2,2}
-  timeout 200 $ncu -k regex:_onepass_kernel --launch-skip 1 --launch-count 1 \
+  timeout 200 $ncu -k regex:onepass_kernel --launch-skip 1 --launch-count 1 \
     --section SpeedOfLight --section WarpStateStats --section ComputeWorkloadAnalysis \
     --section MemoryWorkloadAnalysis --section LaunchStats --section Occupancy \
     --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_st.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_st.sum,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum,lts__t_sectors_op_red.sum \
@@ -110,7 +117,7 @@ if [[ $what == fwd-schedule ]]; then
   if [[ $rc == 0 ]]; then
     timeout 300 python3 benchmarks/experiments/fwd_schedule.py > "$OUT/fwd-schedule.log" 2>&1
     echo "fwd schedule rc=$?"; grep -v Warning "$OUT/fwd-schedule.log" | tail -20
-    timeout 200 python3 -m pytest -m gpu tests/test_forward_sm90_gpu.py -q -n 8 -p no:warnings -p no:cacheprovider \
+    timeout 200 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_forward_gpu.py -q -n 8 -p no:warnings -p no:cacheprovider \
       > "$OUT/gpu-tests-ws-fwd.log" 2>&1
     echo "ws fwd tests rc=$?"; tail -n 3 "$OUT/gpu-tests-ws-fwd.log"
   fi
