@@ -35,6 +35,7 @@ class Case:
     layout: str = "contiguous"  # contiguous | transposed | packed
     dist: str = "randn"  # randn | rand | q5 (q scaled by 5)
     scale: Optional[float] = None
+    sink: Optional[str] = None  # None, "small" (below most rows' LSE), "large" (above many)
 
     @property
     def id(self) -> str:
@@ -52,6 +53,8 @@ class Case:
             parts.append(self.layout)
         if self.dist != "randn":
             parts.append(self.dist)
+        if self.sink:
+            parts.append(f"sink-{self.sink}")
         return "-".join(parts)
 
 
@@ -90,7 +93,20 @@ def make_inputs(case: Case, device: str = "cpu", seed: int = 0):
     return q, k, v, alibi
 
 
-def reference(case: Case, q, k, v, alibi, dtype: torch.dtype):
+def make_sink(case: Case, device: str = "cpu", seed: int = 0) -> Optional[torch.Tensor]:
+    """The case's (nheads,) float32 sinks: "small" ones barely move a row (a dropped sink
+    could pass unnoticed, as in Transformer Engine's #2541); "large" ones, around a row's
+    LSE (log Sk + 1/2 for unit scores) and above it, take much of many rows' weight."""
+    if case.sink is None:
+        return None
+    g = torch.Generator(device=device).manual_seed(seed + 7)
+    z = torch.randn((case.nheads,), generator=g, device=device)
+    if case.sink == "small":
+        return z * 0.5 - 2.0
+    return z * 2.0 + math.log(max(case.seqlen_k, 1)) + 1.0
+
+
+def reference(case: Case, q, k, v, alibi, dtype: torch.dtype, sink=None):
     """plain_attention in ``dtype`` on the canonical (B, H, S, D) views; returns (out BSHD, lse)."""
     scale = case.scale if case.scale is not None else 1.0 / math.sqrt(case.head_dim)
     left, right = case.window
@@ -102,7 +118,7 @@ def reference(case: Case, q, k, v, alibi, dtype: torch.dtype):
     out, lse = plain_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
         diag_offset=case.seqlen_k - case.seqlen_q, window_left=left, window_right=right,
-        softcap=case.softcap, alibi_slopes=slopes, dtype=dtype,
+        softcap=case.softcap, alibi_slopes=slopes, sink=sink, dtype=dtype,
     )
     return out.transpose(1, 2), lse
 
@@ -110,15 +126,16 @@ def reference(case: Case, q, k, v, alibi, dtype: torch.dtype):
 def check_flash_case(case: Case, device: str = "cpu", seed: int = 0):
     """Run ``flash_attn_func`` on the case and assert the accuracy rule for out and LSE."""
     q, k, v, alibi = make_inputs(case, device, seed)
+    sink = make_sink(case, device, seed)
     out, lse, probs = flashtile.flash_attn_func(
         q, k, v, softmax_scale=case.scale, causal=case.causal, window_size=case.window,
-        softcap=case.softcap, alibi_slopes=alibi, return_attn_probs=True,
+        softcap=case.softcap, alibi_slopes=alibi, return_attn_probs=True, learnable_sink=sink,
     )
     assert probs is None
     assert out.shape == q.shape and out.dtype == q.dtype
     assert lse.shape == (case.batch, case.nheads, case.seqlen_q) and lse.dtype == torch.float32
-    ref_out, ref_lse = reference(case, q, k, v, alibi, torch.float64)
-    base_out, base_lse = reference(case, q, k, v, alibi, case.dtype)
+    ref_out, ref_lse = reference(case, q, k, v, alibi, torch.float64, sink)
+    base_out, base_lse = reference(case, q, k, v, alibi, case.dtype, sink)
     # float32 inputs: plain torch in float32 is the base; its LSE error is tiny but real.
     assert_close(f"{case.id} out", out, ref_out, base_out)
     assert_close(f"{case.id} lse", lse, ref_lse, base_lse)
@@ -128,34 +145,37 @@ def check_flash_case(case: Case, device: str = "cpu", seed: int = 0):
 def _grads(fn, inputs, dout):
     leaves = [t.detach().clone().requires_grad_(True) for t in inputs]
     out = fn(*leaves)
-    (dq, dk, dv) = torch.autograd.grad(out, leaves, dout)
-    return out.detach(), dq, dk, dv
+    return (out.detach(), *torch.autograd.grad(out, leaves, dout))
 
 
 def check_flash_grads(case: Case, device: str = "cpu", seed: int = 0, noncontiguous_dout: bool = True):
     """Gradients of ``flash_attn_func`` against float64 and plain-dtype references (QUALITY rule).
 
     One shared upstream gradient for the kernel and both references; with
-    ``noncontiguous_dout`` it is a transposed view.
+    ``noncontiguous_dout`` it is a transposed view. With a sink its gradient is checked too.
     """
     q, k, v, alibi = make_inputs(case, device, seed)
+    sink = make_sink(case, device, seed)
     g = torch.Generator(device=device).manual_seed(seed + 1)
     dout = torch.randn((case.batch, case.nheads, case.seqlen_q, case.head_dim), generator=g, device=device,
                        dtype=torch.float32).to(case.dtype)
     dout = dout.transpose(1, 2) if noncontiguous_dout else dout.transpose(1, 2).contiguous()
 
-    def kernel(q_, k_, v_):
+    def kernel(q_, k_, v_, *sink_):
         return flashtile.flash_attn_func(q_, k_, v_, softmax_scale=case.scale, causal=case.causal,
-                                         window_size=case.window, softcap=case.softcap, alibi_slopes=alibi)
+                                         window_size=case.window, softcap=case.softcap, alibi_slopes=alibi,
+                                         learnable_sink=sink_[0] if sink_ else None)
 
     def ref_fn(dtype):
-        return lambda q_, k_, v_: reference(case, q_, k_, v_, alibi, dtype)[0]
+        return lambda q_, k_, v_, *sink_: reference(case, q_, k_, v_, alibi, dtype, *sink_)[0]
 
-    got = _grads(kernel, (q, k, v), dout)
-    ref = _grads(ref_fn(torch.float64), (q, k, v), dout.double())
-    base = _grads(ref_fn(case.dtype), (q, k, v), dout)
-    for name, a, r, b in zip(("dq", "dk", "dv"), got[1:], ref[1:], base[1:]):
-        assert a.shape == r.shape and a.dtype == case.dtype, (name, a.shape, a.dtype)
+    inputs = (q, k, v) if sink is None else (q, k, v, sink)
+    got = _grads(kernel, inputs, dout)
+    ref = _grads(ref_fn(torch.float64), inputs, dout.double())
+    base = _grads(ref_fn(case.dtype), inputs, dout)
+    for name, a, r, b in zip(("dq", "dk", "dv", "dsink"), got[1:], ref[1:], base[1:]):
+        assert a.shape == r.shape, (name, a.shape)
+        assert a.dtype == (torch.float32 if name == "dsink" else case.dtype), (name, a.dtype)
         assert_close(f"{case.id} {name}", a, r, b, factor=GRAD_FACTOR)
     return got
 

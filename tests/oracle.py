@@ -72,6 +72,7 @@ def dense_attention(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Naive float64 attention: returns (out (B, H, Sq, D), lse (B, H, Sq)), both float64.
 
@@ -80,7 +81,8 @@ def dense_attention(
     any) is True there. Scores: ``scale * q.k``, then ``softcap * tanh(s / softcap)`` if
     softcap > 0, then ``- slope[b, h] * |i + diag_offset - j|``, then ``+ float mask``.
     ``lse = logsumexp`` over visible keys, ``out = exp(s - lse) @ v``. Rows with nothing
-    visible (or all scores -inf) give out 0 and lse -inf.
+    visible (or all scores -inf) give out 0 and lse -inf. ``sink`` (H,): one more logit per
+    head in every row's logsumexp with no value (out 0 and lse sink[h] for an empty row).
     """
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
@@ -98,7 +100,11 @@ def dense_attention(
     v_rep = v.double().repeat_interleave(group, dim=1)  # (B, H, Sk, D)
 
     # torch.logsumexp returns -inf for an all -inf row (it guards the max itself).
-    lse = torch.logsumexp(scores, dim=-1)  # (B, H, Sq)
+    if sink is not None:  # the sink as one more column of scores, whose value row is 0
+        column = sink.double().reshape(1, num_heads, 1, 1).expand(*scores.shape[:3], 1)
+        lse = torch.logsumexp(torch.cat([scores, column], dim=-1), dim=-1)
+    else:
+        lse = torch.logsumexp(scores, dim=-1)  # (B, H, Sq)
     empty = lse == float("-inf")
     # For an empty row, s - lse is (-inf) - (-inf) = NaN; point those rows at lse 0 instead,
     # which makes every p there exp(-inf) = 0, hence out 0.

@@ -29,6 +29,7 @@ class VarlenCase:
     seqused_k: Optional[tuple] = None
     page_size: int = 0  # > 0: paged keys through a shuffled block table
     max_pad: int = 0  # added to max_seqlen_q/k (a loose bound is allowed)
+    sink: bool = False  # (nheads,) learnable sinks, around the rows' LSE
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -53,6 +54,8 @@ class VarlenCase:
             parts.append(f"cap{self.softcap:g}")
         if self.page_size:
             parts.append(f"page{self.page_size}")
+        if self.sink:
+            parts.append("sink")
         return "-".join(parts)
 
 
@@ -71,6 +74,14 @@ def make_inputs(case: VarlenCase, device: str, seed: int = 0):
     if case.alibi:
         alibi = (torch.rand(len(case.lens_q), case.nheads, generator=g) * 0.3).to(device)
     return q, k, v, alibi
+
+
+def make_sink(case: VarlenCase, device: str, seed: int = 0) -> Optional[torch.Tensor]:
+    """(nheads,) float32 sinks around a row's LSE (log of a few keys) and above it."""
+    if not case.sink:
+        return None
+    g = torch.Generator().manual_seed(seed + 11)
+    return (torch.randn(case.nheads, generator=g) * 2.0 + 2.5).to(device)
 
 
 def paginate(k, v, lens_k, page_size: int, seed: int = 0):
@@ -101,9 +112,10 @@ def paginate(k, v, lens_k, page_size: int, seed: int = 0):
     return kp, vp, table.to(k.device), where
 
 
-def reference(case: VarlenCase, q, k, v, alibi, dtype):
+def reference(case: VarlenCase, q, k, v, alibi, dtype, sink=None):
     """Packed out (total_q, H, D) and lse (H, total_q): plain attention in ``dtype`` on each
-    sequence's used part; unused rows 0 / -inf. Differentiable."""
+    sequence's used part; unused rows 0 / -inf (a used row with no key: 0 / the sink).
+    Differentiable."""
     cu_q, cu_k = cu_seqlens(case.lens_q, "cpu").tolist(), cu_seqlens(case.keys, "cpu").tolist()
     left, right = case.window
     if case.causal:
@@ -119,11 +131,14 @@ def reference(case: VarlenCase, q, k, v, alibi, dtype):
         if lq and lk:
             o, lse = plain_attention(qb, kb, vb, scale=scale, diag_offset=lk - lq, window_left=left,
                                      window_right=right, softcap=case.softcap,
-                                     alibi_slopes=None if alibi is None else alibi[b:b + 1], dtype=dtype)
+                                     alibi_slopes=None if alibi is None else alibi[b:b + 1], sink=sink,
+                                     dtype=dtype)
         else:
             o = qb.new_zeros(qb.shape, dtype=dtype)
             lse = torch.full(qb.shape[:3], float("-inf"), dtype=torch.float64 if dtype == torch.float64
                              else torch.float32, device=q.device)
+            if sink is not None:
+                lse = sink.to(lse.dtype)[None, :, None].expand(qb.shape[:3])
         rest = case.lens_q[b] - lq
         outs += [o[0].transpose(0, 1).to(dtype), q.new_zeros((rest, *q.shape[1:]), dtype=dtype)]
         lses += [lse[0].double(), torch.full((q.shape[1], rest), float("-inf"), dtype=torch.float64,
@@ -162,21 +177,30 @@ def check_varlen(case: VarlenCase, device: str = "cpu", grads: bool = True, seed
     q_, k_, v_ = leaves
     if paged is not None:
         paged = (k_, v_, table)
-    out, lse = run_varlen(case, q_, k_, v_, alibi, paged)
+    sink = make_sink(case, device, seed)
+    sinks = {}
+    if sink is not None:
+        sinks = dict(got=sink.detach().requires_grad_(grads), ref=sink.detach().double().requires_grad_(grads),
+                     base=sink.detach().requires_grad_(grads))
+    out, lse = run_varlen(case, q_, k_, v_, alibi, paged, learnable_sink=sinks.get("got"))
     ref_dtype = torch.float64
     qr, kr, vr = (t.detach().double().requires_grad_(grads) for t in (q, k, v))
     qb, kb, vb = (t.detach().requires_grad_(grads) for t in (q, k, v))
-    ref_out, ref_lse = reference(case, qr, kr, vr, alibi, ref_dtype)
-    base_out, base_lse = reference(case, qb, kb, vb, alibi, case.dtype)
+    ref_out, ref_lse = reference(case, qr, kr, vr, alibi, ref_dtype, sinks.get("ref"))
+    base_out, base_lse = reference(case, qb, kb, vb, alibi, case.dtype, sinks.get("base"))
     assert_close("out", out, ref_out, base_out)
     assert_close("lse", lse, ref_lse, base_lse)
     if not grads:
         return out, lse
     gen = torch.Generator().manual_seed(seed + 7)
     dout = torch.randn(out.shape, generator=gen).to(device, case.dtype)
-    got = torch.autograd.grad(out, leaves, dout, allow_unused=False)
-    want = torch.autograd.grad(ref_out, (qr, kr, vr), dout.double())
-    base = torch.autograd.grad(base_out, (qb, kb, vb), dout)
+    extra = (("got", "ref", "base") if sink is not None else ())
+    got = torch.autograd.grad(out, leaves + [sinks[n] for n in extra[:1]], dout, allow_unused=False)
+    want = torch.autograd.grad(ref_out, (qr, kr, vr, *[sinks[n] for n in extra[1:2]]), dout.double())
+    base = torch.autograd.grad(base_out, (qb, kb, vb, *[sinks[n] for n in extra[2:]]), dout)
+    if sink is not None:
+        assert_close("dsink", got[3], want[3], base[3], GRAD_FACTOR)
+        got, want, base = got[:3], want[:3], base[:3]
     dq, dk, dv = got
     if paged is not None:
         # gradients of the pages: each packed key row's slot, and zeros everywhere else

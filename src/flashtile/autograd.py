@@ -34,23 +34,25 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, wi
              seed: Optional[Tensor] = None, deterministic: bool = False,
              cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
              seqused_q: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
-             max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[Tensor, Tensor]:
+             max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+             sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """The forward (``backends.run.forward``): out (B, Sq, H, D) and lse (B, H, Sq) float32.
 
     ``seed``: a 1-element int64 tensor on q's device, the Philox key of the dropout mask.
     ``deterministic`` only matters to the backward. ``cu_seqlens_q`` and the five after it
     make it a packed call (``problem.spec.Varlen``): q (1, H, total_q, D), k/v (1, Hk,
-    total_k, D), each sequence with its own diagonal (len_k - len_q).
+    total_k, D), each sequence with its own diagonal (len_k - len_q). ``sink``: (H,)
+    float32 logits in the softmax's denominator (``problem.spec``), differentiable.
     """
     return run.forward(q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
                        dropout_p, seed, deterministic, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                       max_seqlen_q, max_seqlen_k)
+                       max_seqlen_q, max_seqlen_k, sink)
 
 
 @attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
                    dropout_p=0.0, seed=None, deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None,
-                   seqused_q=None, seqused_k=None, max_seqlen_q=0, max_seqlen_k=0):
+                   seqused_q=None, seqused_k=None, max_seqlen_q=0, max_seqlen_k=0, sink=None):
     batch, nheads, seqlen_q, head_dim = q.shape
     return (q.new_empty((batch, seqlen_q, nheads, head_dim)),
             q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
@@ -64,23 +66,26 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              dlse: Optional[Tensor] = None,
              cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
              seqused_q: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
-             max_seqlen_q: int = 0, max_seqlen_k: int = 0) -> tuple[Tensor, Tensor, Tensor]:
-    """The backward (``backends.run.backward``): dq (B, Sq, H, D), dk/dv (B, Sk, Hk, D)."""
+             max_seqlen_q: int = 0, max_seqlen_k: int = 0,
+             sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward (``backends.run.backward``): dq (B, Sq, H, D), dk/dv (B, Sk, Hk, D),
+    dsink (H,) float32 ((0,) without a sink)."""
     return run.backward(dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap,
                         alibi_slopes, attn_mask, dropout_p, seed, deterministic, dlse, cu_seqlens_q, cu_seqlens_k,
-                        seqused_q, seqused_k, max_seqlen_q, max_seqlen_k)
+                        seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, sink)
 
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap,
                    alibi_slopes, attn_mask, dropout_p=0.0, seed=None, deterministic=False, dlse=None,
                    cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=0,
-                   max_seqlen_k=0):
+                   max_seqlen_k=0, sink=None):
     def bshd(t):
         b, h, s, d = t.shape
         return t.new_empty((b, s, h, d))
 
-    return bshd(q), bshd(k), bshd(v)
+    dsink = lse.new_empty((0,) if sink is None else (q.shape[1],))
+    return bshd(q), bshd(k), bshd(v), dsink
 
 
 def _setup_context(ctx, inputs, output):
@@ -93,7 +98,8 @@ def _setup_context(ctx, inputs, output):
     ctx.alibi_slopes = alibi_slopes
     ctx.attn_mask = attn_mask
     ctx.dropout = (dropout_p, seed, deterministic)
-    ctx.varlen = tuple(inputs[13:])  # cu_seqlens_q/k, seqused_q/k, max_seqlen_q/k (a varlen call)
+    ctx.varlen = tuple(inputs[13:19])  # cu_seqlens_q/k, seqused_q/k, max_seqlen_q/k (a varlen call)
+    ctx.sink = inputs[19] if len(inputs) > 19 else None
     ctx.num_inputs = len(inputs)
 
 
@@ -108,11 +114,19 @@ def _grads(ctx, dout, dlse, bwd):
         dout = None if dout is None else layout.to_bshd(dout, where)
     if dout is None:  # only the LSE was used downstream
         dout = torch.zeros_like(out)
-    dq, dk, dv = bwd(dout, q, k, v, out, lse, *ctx.problem, ctx.alibi_slopes, ctx.attn_mask, *ctx.dropout, dlse,
-                     *ctx.varlen)
+    if ctx.sink is None:
+        dq, dk, dv, _ = bwd(dout, q, k, v, out, lse, *ctx.problem, ctx.alibi_slopes, ctx.attn_mask, *ctx.dropout,
+                            dlse, *ctx.varlen)
+        dsink = ()
+    else:
+        varlen = ctx.varlen or (None, None, None, None, 0, 0)
+        dq, dk, dv, dsink = bwd(dout, q, k, v, out, lse, *ctx.problem, ctx.alibi_slopes, ctx.attn_mask,
+                                *ctx.dropout, dlse, *varlen, ctx.sink)
+        dsink = (dsink,)
     # The backward returns (B, S, H, D), each gradient goes back in its input's layout.
     where = where or "bhsd"
-    return tuple(layout.from_bshd(g, where) for g in (dq, dk, dv)) + (None,) * (ctx.num_inputs - 3)
+    grads = tuple(layout.from_bshd(g, where) for g in (dq, dk, dv))
+    return grads + (None,) * (ctx.num_inputs - 3 - len(dsink)) + dsink
 
 
 def _backward(ctx, dout, dlse):
@@ -195,20 +209,24 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, w
               window_right: int, softcap: float, alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor],
               dropout_p: float = 0.0, seed: Optional[Tensor] = None,
               deterministic: bool = False, varlen: tuple = (), hint=None,
-              qkv_layout: str = "bhsd") -> tuple[Tensor, Tensor]:
+              qkv_layout: str = "bhsd", sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """What ``flashtile.dispatch`` calls: ``attn_fwd`` (and its autograd) for q, k, v given
     in ``qkv_layout`` (``layout.LAYOUTS``: "bhsd" the op's (B, H, S, D), "bshd" flash-attn's,
     "thd" a packed (total, H, D)); returns out in the same layout and lse (B, H, Sq)
     float32. ``varlen``: empty, or its six op arguments. ``hint``: the plan entry
     (``runtime.replay``) of an API call whose key determines this call's arguments but
-    their addresses; a training call then keeps its kernels' entry in ``hint.below``."""
+    their addresses; a training call then keeps its kernels' entry in ``hint.below``.
+    ``sink``: None or (H,) float32 (differentiable)."""
+    if sink is not None:
+        varlen = (*(varlen or (None, None, None, None, 0, 0)), sink)
     tail = (scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
             deterministic, *varlen)
-    _refuse_forward_ad(q, k, v, alibi_slopes, attn_mask)
-    if not _plain_eager(q, k, v, alibi_slopes, attn_mask, seed, *varlen[:4]):
+    _refuse_forward_ad(q, k, v, alibi_slopes, attn_mask, sink)
+    if not _plain_eager(q, k, v, alibi_slopes, attn_mask, seed, *varlen[:4], sink):
         out, lse = torch.ops.flashtile.attn_fwd(*(layout.canonical(t, qkv_layout) for t in (q, k, v)), *tail)
         return layout.from_bshd(out, qkv_layout), lse
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (sink is not None and sink.requires_grad)):
         return _EagerAttention.apply(hint, qkv_layout, q, k, v, *tail)
     out, lse = run.forward(*(layout.canonical(t, qkv_layout) for t in (q, k, v)), *tail)
     return layout.from_bshd(out, qkv_layout), lse
@@ -217,19 +235,19 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, w
 @torch.library.custom_op("flashtile::kvcache", mutates_args=("k_cache", "v_cache"), device_types=("cuda", "cpu"))
 def kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor], v: Optional[Tensor],
                cos: Optional[Tensor], sin: Optional[Tensor], seqlens: Tensor, leftpad: Optional[Tensor],
-               batch_idx: Optional[Tensor], table: Optional[Tensor], alibi: Optional[Tensor], scale: float,
-               softcap: float, window_left: int, window_right: int, interleaved: bool, rotary_local: bool,
+               batch_idx: Optional[Tensor], table: Optional[Tensor], alibi: Optional[Tensor],
+               sink: Optional[Tensor], scale: float, softcap: float, window_left: int, window_right: int, interleaved: bool, rotary_local: bool,
                num_splits: int, device_check: bool, batch_cache: int, num_blocks: int,
                rotary_len: int) -> tuple[Tensor, Tensor]:
     """The kv-cache call as an op that declares its in-place writes to the caches (what
     torch.compile traces): ``backends.run.kvcache``."""
-    return run.kvcache(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, scale,
+    return run.kvcache(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, sink, scale,
                        softcap, window_left, window_right, interleaved, rotary_local, num_splits, device_check,
                        batch_cache, num_blocks, rotary_len)
 
 
 @kvcache_op.register_fake
-def _kvcache_fake(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, *rest):
+def _kvcache_fake(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, sink, *rest):
     batch, seqlen_q, nheads, head_dim = q.shape
     return q.new_empty((batch, seqlen_q, nheads, head_dim)), q.new_empty((batch, nheads, seqlen_q),
                                                                           dtype=torch.float32)
@@ -239,7 +257,7 @@ def kvcache(*args, hint=None) -> tuple[Tensor, Tensor]:
     """What ``flashtile.dispatch`` calls for a kv-cache call (``kvcache_op``'s arguments): the
     kernels directly for plain eager calls, the op when something traces (``_plain_eager``).
     ``hint``: as in ``attention``."""
-    if not _plain_eager(*args[:12]):
+    if not _plain_eager(*args[:13]):
         return torch.ops.flashtile.kvcache(*args)
     return run.kvcache(*args, hint=hint)
 

@@ -27,17 +27,21 @@ def new_seed(device) -> torch.Tensor:
 
 
 def attention(q, k, v, problem: Problem, alibi=None, mask=None, varlen: Optional[Varlen] = None, seed=None,
-              hint=None, qkv_layout: str = "bhsd") -> tuple[torch.Tensor, torch.Tensor]:
+              hint=None, qkv_layout: str = "bhsd", sink=None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of q, k, v given in ``qkv_layout`` (``layout.LAYOUTS``: by default (B, H, S,
     D) views): out in the same layout, laid out as (B, Sq, H, D) in memory, and lse (B, H,
     Sq) float32. Differentiable in q, k, v.
 
     ``varlen``: a packed call's metadata (B = 1; the diagonal is per sequence). ``seed``: the
     dropout's Philox key when the caller needs to know it (S_dmask); drawn here otherwise.
-    ``hint``: the caller's plan entry (``autograd.attention``). Tensors whose head dim is not
-    contiguous are copied once (the kernels need unit stride along D), as flash-attn does.
+    ``hint``: the caller's plan entry (``autograd.attention``). ``sink``: None or a validated
+    (H,) tensor (``problem.validate.sink``), read as float32 (a differentiable cast).
+    Tensors whose head dim is not contiguous are copied once (the kernels need unit stride
+    along D), as flash-attn does.
     """
     q, k, v = (layout.unit_last_stride(t) for t in (q, k, v))
+    if sink is not None:
+        sink = sink.float().contiguous()
     if problem.dropout_p > 0.0 and seed is None:
         seed = new_seed(q.device)
     if registry.backend(q.device) == "twin":
@@ -45,9 +49,9 @@ def attention(q, k, v, problem: Problem, alibi=None, mask=None, varlen: Optional
 
         q4, k4, v4 = (layout.canonical(t, qkv_layout) for t in (q, k, v))
         if varlen is not None:
-            out4, lse = twin.varlen_forward(q4, k4, v4, problem, alibi, varlen, seed)
+            out4, lse = twin.varlen_forward(q4, k4, v4, problem, alibi, varlen, seed, sink)
         else:
-            out4, lse = twin.forward(q4, k4, v4, problem, alibi, mask, seed)
+            out4, lse = twin.forward(q4, k4, v4, problem, alibi, mask, seed, sink)
         return layout.from_bshd(out4.transpose(1, 2), qkv_layout), lse
 
     if alibi is not None and alibi.requires_grad and torch.is_grad_enabled():
@@ -61,11 +65,12 @@ def attention(q, k, v, problem: Problem, alibi=None, mask=None, varlen: Optional
     return autograd.attention(
         q, k, v, problem.scale, problem.diag_offset, problem.window_left, problem.window_right, problem.softcap,
         alibi, mask, problem.dropout_p, seed, problem.deterministic or torch.are_deterministic_algorithms_enabled(),
-        () if varlen is None else varlen, hint, qkv_layout)
+        () if varlen is None else varlen, hint, qkv_layout, sink)
 
 
 def attention_with_probs(q, k, v, problem: Problem, alibi=None, varlen: Optional[Varlen] = None,
-                         want_probs: bool = False, hint=None, qkv_layout: str = "bhsd", block_table=None):
+                         want_probs: bool = False, hint=None, qkv_layout: str = "bhsd", block_table=None,
+                         sink=None):
     """``attention`` for the flash-attn functions: (out, lse, S_dmask or None). With
     ``want_probs`` and dropout, the Philox key is drawn here so that S_dmask
     (``backends.probs.dropout_probs``) redraws the mask the call used, on either family.
@@ -76,7 +81,7 @@ def attention_with_probs(q, k, v, problem: Problem, alibi=None, varlen: Optional
         varlen = varlen._replace(cu_seqlens_k=cu_k, seqused_k=used_k)
     want_mask = want_probs and problem.dropout_p > 0.0
     seed = new_seed(q.device) if want_mask else None
-    out, lse = attention(q, k, v, problem, alibi, None, varlen, seed, hint, qkv_layout)
+    out, lse = attention(q, k, v, problem, alibi, None, varlen, seed, hint, qkv_layout, sink)
     probs = None
     if want_mask:
         from flashtile.backends.probs import dropout_probs
@@ -96,14 +101,16 @@ def kvcache_twin(q, k_cache, v_cache, k, v, cos, sin, call):
 
 
 def kvcache_kernels(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, spec,
-                    device_check: bool, hint=None):
+                    device_check: bool, hint=None, sink=None):
     """A validated kv-cache call on the kernels (``backends/triton/decode.py``) through
     ``autograd.kvcache``: the same results as ``kvcache_twin``. ``device_check``: the
     kernels check the metadata values on the device (the host did not). ``hint``: the
-    API's plan entry (``autograd.kvcache``)."""
+    API's plan entry (``autograd.kvcache``). ``sink``: None or a validated (H,) tensor.
+    Not differentiable (a decode step)."""
     cache_strides(k_cache, v_cache)
     q, k, v, cos, sin = (None if t is None else layout.unit_last_stride(t) for t in (q, k, v, cos, sin))
-    return autograd.kvcache(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi,
+    sink = None if sink is None else sink.float().contiguous()
+    return autograd.kvcache(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, sink,
                             spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.interleaved,
                             spec.rotary_local, spec.num_splits, device_check, spec.batch_cache, spec.num_blocks,
                             spec.rotary_len, hint=hint)

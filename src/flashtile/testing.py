@@ -76,14 +76,15 @@ def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, base: Optional
 
 def plain_attention(q, k, v, *, scale: float, diag_offset: int = 0, window_left: int = -1,
                     window_right: int = -1, softcap: float = 0.0, alibi_slopes=None, attn_mask=None,
-                    dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    sink=None, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention the plain PyTorch way in ``dtype`` (default: q's), materialising (Sq, Sk).
 
     The "base" of the accuracy rule (in the input dtype) and, with ``dtype=torch.float64``,
     the reference. Same canonical semantics as the kernels: q (B, H, Sq, D), k/v
     (B, Hk, Sk, D), visibility window around ``diag_offset``, softcap, ALiBi (B, H),
-    mask (B, H, Sq, Sk) bool or float. Returns (out (B, H, Sq, D), lse (B, H, Sq)), empty
-    rows 0 / -inf.
+    mask (B, H, Sq, Sk) bool or float, sinks (H,) (one more score column with no value row,
+    as gpt-oss's eager attention does it). Returns (out (B, H, Sq, D), lse (B, H, Sq)),
+    empty rows 0 / -inf (0 / sink with a sink).
     """
     from flashtile.backends.twin.attention import visible_mask
 
@@ -108,6 +109,9 @@ def plain_attention(q, k, v, *, scale: float, diag_offset: int = 0, window_left:
         else:
             s = s + attn_mask.to(dtype)
     s = s.masked_fill(~keep, float("-inf"))
+    if sink is not None:
+        s = torch.cat([s, sink.to(dtype).reshape(1, -1, 1, 1).expand(*s.shape[:3], 1)], dim=-1)
+        vd = torch.cat([vd, vd.new_zeros((*vd.shape[:2], 1, vd.shape[-1]))], dim=2)
     lse = torch.logsumexp(s.float() if dtype != torch.float64 else s, dim=-1)
     m = s.amax(dim=-1, keepdim=True)
     m = torch.where(torch.isneginf(m), torch.zeros_like(m), m)

@@ -34,7 +34,8 @@ def _rotate(x, cos, sin, positions, interleaved):
 
 
 def _reference(q, k_cache, v_cache, k, v, seqlens, *, rotary=None, interleaved=True, batch_idx=None,
-               leftpad=None, table=None, causal=False, window=(-1, -1), softcap=0.0, alibi=None, dtype=torch.float64):
+               leftpad=None, table=None, causal=False, window=(-1, -1), softcap=0.0, alibi=None, sink=None,
+               dtype=torch.float64):
     """(out (batch, Sq, H, D), lse (batch, H, Sq), the caches afterwards as float64)."""
     batch, sq, nheads, d = q.shape
     kc, vc = k_cache.double().clone(), v_cache.double().clone()
@@ -71,7 +72,7 @@ def _reference(q, k_cache, v_cache, k, v, seqlens, *, rotary=None, interleaved=T
         o, lse = plain_attention(qb.transpose(0, 1)[None], keys.transpose(0, 1)[None].to(qb.dtype),
                                  vals.transpose(0, 1)[None].to(qb.dtype), scale=1 / math.sqrt(d),
                                  diag_offset=lk - sq, window_left=left, window_right=right, softcap=softcap,
-                                 alibi_slopes=None if alibi is None else alibi[b:b + 1], dtype=dtype)
+                                 alibi_slopes=None if alibi is None else alibi[b:b + 1], sink=sink, dtype=dtype)
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.stack(outs), torch.stack(lses), kc, vc
@@ -99,7 +100,7 @@ def _case(batch=3, sq=1, new=1, heads=(4, 2), d=16, capacity=40, seqlens=(0, 17,
 
 def _run_and_check(q, k, v, k_cache, v_cache, seqlens, **kw):
     ref_kw = {n: kw[n] for n in ("batch_idx", "leftpad", "table", "causal", "window", "softcap", "alibi",
-                                 "interleaved") if n in kw}
+                                 "interleaved", "sink") if n in kw}
     rotary = kw.get("rotary")
     want, want_lse, kc, vc = _reference(q, k_cache, v_cache, k, v, seqlens.tolist(), rotary=rotary, **ref_kw)
     # the low-precision reference rounds the rotated q and k to q's dtype, as the kernels do:
@@ -113,7 +114,7 @@ def _run_and_check(q, k, v, k_cache, v_cache, seqlens, **kw):
         cache_batch_idx=kw.get("batch_idx"), cache_leftpad=kw.get("leftpad"), block_table=kw.get("table"),
         causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)), softcap=kw.get("softcap", 0.0),
         rotary_interleaved=kw.get("interleaved", True), alibi_slopes=kw.get("alibi"),
-        num_splits=kw.get("num_splits", 0), return_softmax_lse=True)
+        num_splits=kw.get("num_splits", 0), return_softmax_lse=True, learnable_sink=kw.get("sink"))
     assert_close("out", out, want, base)
     assert_close("lse", lse, want_lse, base_lse)
     # the appended rows hold the (rotated) new keys; nothing else changed, bit for bit
@@ -306,6 +307,33 @@ def test_split_kv_windows_softcap_alibi_rotary(triton_backend, monkeypatch, num_
                    alibi=torch.rand(3, 8, generator=torch.Generator().manual_seed(3)) * 0.2,
                    leftpad=torch.tensor([0, 9, 100], dtype=torch.int32))
     assert counts.get("_launch_combine", 0) == (num_splits > 1)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("page", [0, 16], ids=["rows", "page16"])
+def test_sinks(backend, monkeypatch, num_splits, page):
+    """A learnable sink enters once per row: in the decode kernel with one split, in the
+    combine with several (a sink added per split would count it num_splits times). Large
+    sinks (around log(len_k) and above); an empty cache before the append, a window."""
+    counts = _spy_launches(monkeypatch) if backend == "triton" else {}
+    q, k, v, kc, vc, table, seqlens = _case(batch=3, sq=2, new=2, heads=(8, 2), d=32, capacity=200,
+                                             seqlens=(0, 63, 198), page=page)
+    sink = torch.randn(8, generator=torch.Generator().manual_seed(9)) * 2 + 4
+    _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True, num_splits=num_splits, sink=sink,
+                   window=(40, 0))
+    if backend == "triton":
+        assert counts.get("_launch_combine", 0) == (num_splits > 1)
+
+
+def test_sink_on_rows_that_see_no_key(backend):
+    # the causal query 0 of a 2-query call against a cache of 1 key (no append) sees nothing
+    q, _, _, kc, vc, _, seqlens = _case(batch=2, sq=2, new=0, capacity=8, seqlens=(1, 5))
+    sink = torch.tensor([0.5, 1.0, -1.0, 2.0])
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True,
+                                                 return_softmax_lse=True, learnable_sink=sink)
+    assert torch.equal(out[0, 0], torch.zeros_like(out[0, 0]))
+    assert torch.equal(lse[0, :, 0], sink)
+    _run_and_check(q, None, None, kc, vc, seqlens, causal=True, sink=sink)
 
 
 @pytest.mark.parametrize("bad, status", [

@@ -66,6 +66,18 @@ def test_softcap_alibi(backend):
     check_varlen(VarlenCase((19, 0, 33), (25, 4, 33), causal=True, softcap=5.0, alibi=True))
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_sinks(backend, causal):
+    """Mixed lengths with an empty sequence and one with queries but no keys (its rows see
+    only the sink: out 0, lse the sink), GQA; gradients of the sink included."""
+    check_varlen(VarlenCase((19, 0, 33, 4), (25, 4, 33, 0), causal=causal, sink=True))
+
+
+def test_sinks_with_seqused_and_pages(backend):
+    check_varlen(VarlenCase((9, 14, 5), (12, 30, 7), page_size=16, seqused_q=(9, 10, 0), seqused_k=(12, 17, 3),
+                            causal=True, sink=True))
+
+
 def test_batch_of_one_and_loose_max_seqlen(backend):
     check_varlen(VarlenCase((37,), (51,), causal=True, max_pad=20))
 

@@ -1,7 +1,7 @@
 """transformers models with attn_implementation="tiled_attention" (flashtile.integrations.
 transformers) against "eager" and "sdpa" on CPU, random weights from small configs:
-padded batches (left and right), packed documents, sliding windows, softcap, an encoder,
-a training step and greedy generation."""
+padded batches (left and right), packed documents, sliding windows, softcap, attention
+sinks (gpt-oss), an encoder, a training step and greedy generation."""
 
 from __future__ import annotations
 
@@ -131,8 +131,6 @@ def test_encoder_with_padding_mask():
 def test_refusals_name_the_feature():
     q = torch.randn(1, 2, 4, 16)
     module = torch.nn.Module()
-    with pytest.raises(NotImplementedError, match="attention sinks"):
-        ft.attention_forward(module, q, q, q, None, s_aux=torch.zeros(2))
     with pytest.raises(NotImplementedError, match="output_attentions"):
         ft.attention_forward(module, q, q, q, None, output_attentions=True)
     with pytest.raises(NotImplementedError, match="4-D float attention mask"):
@@ -160,6 +158,58 @@ def test_the_example_runs_and_agrees_with_sdpa():
     losses = [float(x) for x in re.findall(r"loss ([0-9.]+)", out)]
     assert len(losses) == 2 and abs(losses[0] - losses[1]) < 1e-4, out
     assert "identical True" in out, out
+
+
+def _gpt_oss():
+    """A small gpt-oss (sliding and full layers, learnable sinks, MoE), with the sinks of
+    both models set to the same large values (around the rows' LSE: a dropped sink shows)."""
+    config = transformers.GptOssConfig(vocab_size=97, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                       num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                                       layer_types=["sliding_attention", "full_attention"],
+                                       max_position_embeddings=256)
+    models = _pair(config, transformers.GptOssForCausalLM)
+    for model in models.values():
+        g = torch.Generator().manual_seed(5)
+        for layer in model.model.layers:
+            layer.self_attn.sinks.data = torch.randn(4, generator=g) * 2 + 2
+    return models
+
+
+def test_gpt_oss_sinks_match_eager():
+    models = _gpt_oss()
+    ids, right, left = _inputs()
+    with torch.no_grad():
+        for mask in (None, right, left):
+            ref = models["eager"](ids, attention_mask=mask).logits
+            got = models[ft.NAME](ids, attention_mask=mask).logits
+            keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+            assert (ref - got)[keep].abs().max() < TOL
+        # the sinks matter far beyond the tolerance: without them eager gives other logits
+        for layer in models["eager"].model.layers:
+            layer.self_attn.sinks.data.fill_(float("-inf"))
+        assert (models["eager"](ids).logits - got).abs().max() > 100 * TOL
+
+
+def test_gpt_oss_training_step_and_generation_match_eager():
+    models = _gpt_oss()
+    ids, right, left = _inputs()
+    grads = {}
+    for impl, model in models.items():
+        model.train()
+        loss = model(ids, attention_mask=right, labels=ids.masked_fill(right == 0, -100)).loss
+        loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert any(n.endswith("sinks") for n in grads[ft.NAME])
+    assert grads["eager"].keys() == grads[ft.NAME].keys()
+    for n, g in grads["eager"].items():
+        assert (g - grads[ft.NAME][n]).abs().max() <= 1e-4 * max(1.0, g.abs().max().item()), n
+    with torch.no_grad():
+        for model in models.values():
+            model.eval()
+        a = models["eager"].generate(ids, attention_mask=left, max_new_tokens=12, do_sample=False)
+        b = models[ft.NAME].generate(ids, attention_mask=left, max_new_tokens=12, do_sample=False)
+        assert torch.equal(a, b)
 
 
 def _llama4(chunk=8):

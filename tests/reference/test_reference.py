@@ -350,6 +350,65 @@ def test_backward_matches_finite_differences(Sq: int, Sk: int, causal: bool) -> 
 
 
 # ---------------------------------------------------------------------------------------
+# attention sinks
+# ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("Sq,Sk", [(1, 1), (17, 29), (29, 17)])
+def test_sink_tiled_equals_naive_and_a_column_of_scores(Sq: int, Sk: int, causal: bool) -> None:
+    """Forward with a sink per head: the tiles against the textbook formula, and both against
+    the definition (one more score column whose value row is 0); rows that see no key
+    (causal, Sq > Sk) get O 0 and lse sink."""
+    Q, K, V = make_qkv(71 + Sq, (2, 3), Sq, Sk, 8)
+    sink = np.array([-1.0, 2.0, 5.0])
+    O, lse = flash_attention_forward(Q, K, V, Br=8, Bc=16, causal=causal, return_lse=True, sink=sink)
+    ref_O, ref_lse = naive_attention(Q, K, V, causal=causal, return_lse=True, sink=sink)
+    assert max_abs(O, ref_O) <= EXACT_TOL and max_abs(lse, ref_lse) <= EXACT_TOL
+    S = (Q @ np.swapaxes(K, -1, -2)) / math.sqrt(8)
+    if causal:
+        S = np.where(causal_visible(Sq, Sk), S, -np.inf)
+    S = np.concatenate([S, np.broadcast_to(sink[:, None, None], S.shape[:-1] + (1,))], axis=-1)
+    P = np.exp(S - S.max(-1, keepdims=True))
+    P /= P.sum(-1, keepdims=True)
+    assert max_abs(O, P[..., :-1] @ V) <= EXACT_TOL
+    if causal and Sq > Sk:
+        assert np.array_equal(O[..., :Sq - Sk, :], np.zeros_like(O[..., :Sq - Sk, :]))
+        assert np.array_equal(lse[..., :Sq - Sk], np.broadcast_to(sink[:, None], (2, 3, Sq - Sk)))
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sink_gradients(causal: bool) -> None:
+    """dQ, dK, dV and dsink: tiles against the textbook backward, and dsink against finite
+    differences of sum(O * dO)."""
+    Q, K, V = make_qkv(73, (2, 3), 21, 13, 6)
+    dO = np.random.default_rng(5).standard_normal((2, 3, 21, 6))
+    sink = np.array([-1.0, 1.5, 4.0])
+    O, lse = flash_attention_forward(Q, K, V, Br=8, Bc=8, causal=causal, return_lse=True, sink=sink)
+    grads = flash_attention_backward(Q, K, V, O, dO, lse, Br=8, Bc=4, causal=causal, sink=sink)
+    ref = naive_attention_backward(Q, K, V, dO, causal=causal, sink=sink)
+    assert len(grads) == 4 and grads[3].shape == sink.shape
+    for name, g, r in zip(("dQ", "dK", "dV", "dsink"), grads, ref):
+        assert max_abs(g, r) <= EXACT_TOL, name
+    h = 1e-6
+    for i in range(3):
+        up, down = sink.copy(), sink.copy()
+        up[i] += h
+        down[i] -= h
+        fd = (np.sum(flash_attention_forward(Q, K, V, causal=causal, sink=up) * dO)
+              - np.sum(flash_attention_forward(Q, K, V, causal=causal, sink=down) * dO)) / (2 * h)
+        assert abs(fd - grads[3][i]) <= 1e-6 * max(1.0, abs(fd)), (i, fd, grads[3][i])
+
+
+def test_bad_sink_names_the_argument() -> None:
+    Q, K, V = make_qkv(1, (2, 3), 4, 4, 4)
+    with pytest.raises(ValueError, match="sink"):
+        flash_attention_forward(Q, K, V, sink=np.zeros(4))
+    with pytest.raises(TypeError, match="sink"):
+        naive_attention(Q, K, V, sink=np.zeros(3, dtype=np.int64))
+
+
+# ---------------------------------------------------------------------------------------
 # dtypes
 # ---------------------------------------------------------------------------------------
 

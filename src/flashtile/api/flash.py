@@ -14,30 +14,33 @@ _PLANS = replay.cache("flash_attn_func")
 
 
 def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_attn_probs, names=("q", "k", "v")):
+                return_attn_probs, learnable_sink=None, names=("q", "k", "v")):
     """Validate (once per key: ``runtime.replay``), then run; a repeated call without grad
     replays its whole launch plan."""
-    args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs)
-    inputs = (q, k, v, alibi_slopes)
+    args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
+            learnable_sink)
+    inputs = (q, k, v, alibi_slopes, learnable_sink)
     scalars = replay.plain_scalars((names, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
                                     return_attn_probs))
     key = None if scalars is None else replay.make_key(inputs, scalars)
     if key is None:
-        return _run(q, k, v, alibi_slopes, validate.flash_call(q, k, v, *args, names))
+        return _run(q, k, v, alibi_slopes, learnable_sink, validate.flash_call(q, k, v, *args, names))
     entry = _PLANS.entry(key, inputs)
     call = entry.prepared
     if call is None:
         call = entry.prepared = validate.flash_call(q, k, v, *args, names)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _run(q, k, v, alibi_slopes, call, entry)  # autograd's Function replays the kernels' plans
-    return replay.run(entry, inputs, lambda: _run(q, k, v, alibi_slopes, call))
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (learnable_sink is not None and learnable_sink.requires_grad)):
+        # autograd's Function replays the kernels' plans
+        return _run(q, k, v, alibi_slopes, learnable_sink, call, entry)
+    return replay.run(entry, inputs, lambda: _run(q, k, v, alibi_slopes, learnable_sink, call))
 
 
-def _run(q, k, v, alibi, call: validate.FlashCall, hint=None):
+def _run(q, k, v, alibi, sink, call: validate.FlashCall, hint=None):
     if call.expand_alibi:  # (nheads,) slopes, as validate.alibi expands them
         alibi = alibi.unsqueeze(0).expand(q.shape[0], alibi.shape[0])
     out, lse, probs = dispatch.attention_with_probs(q, k, v, call.problem, alibi, want_probs=call.want_probs,
-                                                    hint=hint, qkv_layout="bshd")
+                                                    hint=hint, qkv_layout="bshd", sink=sink)
     return (out, lse, probs) if call.want_probs else out
 
 
@@ -53,6 +56,8 @@ def flash_attn_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """Exact attention with flash-attn 2's interface and semantics.
 
@@ -95,6 +100,12 @@ def flash_attn_func(
             dV do not); every other case is deterministic anyway, except the Triton
             kernels under ``FLASHTILE_BWD_DQ=atomic``. With it: the split kernels (7
             products, no reductions).
+        learnable_sink: None, or (nheads,) float16/bfloat16/float32: one logit per query head
+            that joins only the softmax's denominator (gpt-oss's attention sinks; FA4's
+            name): p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij)), in natural-log units,
+            not multiplied by softmax_scale. The returned LSE includes it (a row that sees
+            no key gets out 0 and lse sink_h). Differentiable: its gradient is reduced in a
+            fixed order (deterministic).
         return_attn_probs: also return softmax_lse (differentiable, e.g. for a z-loss) and
             S_dmask: None without dropout; with dropout_p > 0 a (batch, nheads, seqlen_q,
             seqlen_k) float32 tensor holding exp(s - rowmax(s)) for kept entries, the
@@ -112,7 +123,7 @@ def flash_attn_func(
     fp32 accumulation and the probabilities rounded to the input dtype before P @ V.
     """
     return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       deterministic, return_attn_probs)
+                       deterministic, return_attn_probs, learnable_sink)
 
 
 def flash_attn_qkvpacked_func(
@@ -125,11 +136,13 @@ def flash_attn_qkvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """:func:`flash_attn_func` on qkv (batch, seqlen, 3, nheads, headdim); q, k, v are views (no copy)."""
     validate.packed("qkv", qkv, 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
     return _flash_attn(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
-                       softcap, alibi_slopes, deterministic, return_attn_probs,
+                       softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink,
                        names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
 
 
@@ -144,8 +157,11 @@ def flash_attn_kvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """:func:`flash_attn_func` with kv (batch, seqlen_k, 2, nheads_k, headdim); k, v are views (no copy)."""
     validate.packed("kv", kv, 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     return _flash_attn(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, deterministic, return_attn_probs, names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))
+                       alibi_slopes, deterministic, return_attn_probs, learnable_sink,
+                       names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))

@@ -55,6 +55,8 @@ def flash_attn_with_kvcache(
     alibi_slopes: Optional[torch.Tensor] = None,
     num_splits: int = 0,
     return_softmax_lse: bool = False,
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """Attention of new queries against a KV cache, appending new keys/values in place.
 
@@ -87,6 +89,10 @@ def flash_attn_with_kvcache(
             batch x nheads_k does not), 1 (no split) or n splits (at most one per key tile
             and 128); the result depends on it only through float32 reassociation.
         return_softmax_lse: also return the LSE (batch, nheads, seqlen_q) float32.
+        learnable_sink: None, or (nheads,) float16/bfloat16/float32: one logit per query head
+            that joins only the softmax's denominator (gpt-oss's sinks; FA4's name), added
+            once per row, whatever the split; natural-log units, not multiplied by
+            softmax_scale. The LSE includes it.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, lse). Not differentiable (as in
@@ -101,7 +107,7 @@ def flash_attn_with_kvcache(
     if isinstance(cache_seqlens, torch.Tensor) and (cache_seqlens.is_cuda or mode == "device"):
         # only metadata checked on the device can skip the host path (``_fast``)
         tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
-                   block_table, alibi_slopes)
+                   block_table, alibi_slopes, learnable_sink)
         scalars = replay.plain_scalars((softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
                                         return_softmax_lse))
         key = None if scalars is None else replay.make_key(tensors, scalars)
@@ -111,7 +117,7 @@ def flash_attn_with_kvcache(
                 return _fast(entry, *tensors)
     call = validate.kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                  cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                                 rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse)
+                                 rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, learnable_sink)
     kernels = dispatch.runs_kernels(q.device)
     host = _host_check(call.seqlens, mode)
     if host or not kernels:
@@ -128,13 +134,14 @@ def flash_attn_with_kvcache(
     if kernels:
         out, lse = dispatch.kvcache_kernels(q, k_cache, v_cache, k, v, rotary_cos if call.rotary else None,
                                             rotary_sin if call.rotary else None, call.seqlens, call.leftpad,
-                                            call.batch_idx, call.block_table, call.alibi, call.spec, not host, hint)
+                                            call.batch_idx, call.block_table, call.alibi, call.spec, not host, hint,
+                                            learnable_sink)
     else:
         out, lse = dispatch.kvcache_twin(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, call)
     return (out, lse) if call.want_lse else out
 
 
-def _fast(entry, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, table, alibi):
+def _fast(entry, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, table, alibi, sink):
     """A repeated call whose key was validated (``flash_attn_with_kvcache``'s first call
     with it stored what the kernels need besides the tensors in ``entry.prepared``):
     metadata on the device, checked there, so nothing here depends on values."""
@@ -144,7 +151,7 @@ def _fast(entry, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpa
     if not rotary:
         cos = sin = None
     out, lse = dispatch.kvcache_kernels(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table,
-                                        alibi, spec, True, hint=entry)
+                                        alibi, spec, True, hint=entry, sink=sink)
     return (out, lse) if want_lse else out
 
 

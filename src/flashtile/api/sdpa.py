@@ -19,6 +19,8 @@ def scaled_dot_product_attention(
     is_causal: bool = False,
     scale: Optional[float] = None,
     enable_gqa: bool = False,
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Drop-in for ``torch.nn.functional.scaled_dot_product_attention`` (same semantics).
 
@@ -37,11 +39,15 @@ def scaled_dot_product_attention(
         is_causal: top-left aligned (torch's ``tril``): query i sees keys j <= i. Not
             together with attn_mask (as in torch).
         scale: defaults to 1 / sqrt(E).
+        learnable_sink: flashtile's addition: None, or (heads,) float16/bfloat16/float32,
+            one logit per query head that joins only the softmax's denominator (gpt-oss's
+            attention sinks): p_ij = exp(s_ij) / (exp(sink_h) + sum_j exp(s_ij)), in
+            natural-log units, not scaled. Differentiable.
 
     Returns:
         (batch, heads, L, E) in query's dtype (a transposed view of a (batch, L, heads, E)
         buffer, as torch's flash backend returns). Rows with no visible key give 0.
     """
-    call = validate.sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa)
-    out, _ = dispatch.attention(call.query, call.key, call.value, call.problem, None, call.mask)
+    call = validate.sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, learnable_sink)
+    out, _ = dispatch.attention(call.query, call.key, call.value, call.problem, None, call.mask, sink=learnable_sink)
     return out.squeeze(1) if call.squeeze else out

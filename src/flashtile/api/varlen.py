@@ -19,15 +19,16 @@ from flashtile.problem import validate
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
             window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q, seqused_k,
-            names=("q", "k", "v")):
+            learnable_sink=None, names=("q", "k", "v")):
     call = validate.varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                 softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                return_attn_probs, block_table, seqused_q, seqused_k, names)
+                                return_attn_probs, block_table, seqused_q, seqused_k, names, learnable_sink)
     # (total, H, D) in and out: the views to the kernels' (1, H, total, D) and back happen
     # inside the autograd node (as a select outside it, out[0] cost a zero-filled gradient
     # and a copy per backward: H200 run 80, 55 us of a 1.6 ms varlen backward).
     out, lse, probs = dispatch.attention_with_probs(q, k, v, call.problem, call.alibi, call.varlen,
-                                                    call.want_probs, qkv_layout="thd", block_table=call.block_table)
+                                                    call.want_probs, qkv_layout="thd", block_table=call.block_table,
+                                                    sink=learnable_sink)
     return (out, lse.squeeze(0), probs) if call.want_probs else out
 
 
@@ -51,6 +52,7 @@ def flash_attn_varlen_func(
     *,
     seqused_q: Optional[torch.Tensor] = None,
     seqused_k: Optional[torch.Tensor] = None,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """Exact attention over packed sequences, with flash-attn 2's interface and semantics.
 
@@ -81,6 +83,7 @@ def flash_attn_varlen_func(
         seqused_q, seqused_k: int32 (batch,) (FA3): only the first seqused tokens of each
             sequence take part (and set its diagonal); its other rows get out 0, LSE -inf
             and zero gradients.
+        learnable_sink: None, or (nheads,): as in ``flash_attn_func``, in every sequence.
 
     Returns:
         out (total_q, nheads, headdim); with ``return_attn_probs`` ``(out, softmax_lse,
@@ -93,7 +96,7 @@ def flash_attn_varlen_func(
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                    causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
-                   seqused_q, seqused_k)
+                   seqused_q, seqused_k, learnable_sink)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -108,12 +111,14 @@ def flash_attn_varlen_qkvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """:func:`flash_attn_varlen_func` on qkv (total, 3, nheads, headdim); q, k, v are views."""
     validate.packed("qkv", qkv, 4, 1, 3, "(total, 3, nheads, headdim)")
     return _varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                   None, None, None, names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
+                   None, None, None, learnable_sink, names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -131,9 +136,11 @@ def flash_attn_varlen_kvpacked_func(
     alibi_slopes: Optional[torch.Tensor] = None,
     deterministic: bool = False,
     return_attn_probs: bool = False,
+    *,
+    learnable_sink: Optional[torch.Tensor] = None,
 ):
     """:func:`flash_attn_varlen_func` with kv (total_k, 2, nheads_k, headdim); k, v are views."""
     validate.packed("kv", kv, 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
     return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                   None, None, None, names=("q", "kv[:, 0]", "kv[:, 1]"))
+                   None, None, None, learnable_sink, names=("q", "kv[:, 0]", "kv[:, 1]"))

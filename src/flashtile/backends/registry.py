@@ -54,6 +54,8 @@ class Call:
     sequence). The window is normalised (``problem.window``). ``seqused``: a packed call
     with seqused_q/k (or paged keys). ``aligned``: every tensor of the pass can be read by
     TMA (fp16/bf16, 16-byte aligned bases and strides; ``backends.run.tma_ready``).
+    ``sink``: a learnable sink per head (only the forward reads it; the backward sees it
+    through the LSE).
     """
 
     capability: Optional[tuple[int, int]]
@@ -71,6 +73,7 @@ class Call:
     seqused: bool = False
     deterministic: bool = False
     aligned: bool = True
+    sink: bool = False
 
 
 @dataclass(frozen=True)

@@ -54,16 +54,17 @@ class FwdArgs(NamedTuple):
     seqused_k: Optional[Tensor] = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    sink: Optional[Tensor] = None
 
     @classmethod
     def of(cls, args: tuple) -> "FwdArgs":
         """The op's arguments (at least the 10 without defaults) as a ``FwdArgs``, without
         NamedTuple's per-field constructor."""
-        return tuple.__new__(cls, args if len(args) == 19 else args + _FWD_DEFAULTS[len(args) - 10:])
+        return tuple.__new__(cls, args if len(args) == 20 else args + _FWD_DEFAULTS[len(args) - 10:])
 
     def tensors(self) -> tuple:
         return (self.q, self.k, self.v, self.alibi, self.mask, self.seed, self.cu_seqlens_q, self.cu_seqlens_k,
-                self.seqused_q, self.seqused_k)
+                self.seqused_q, self.seqused_k, self.sink)
 
     def scalars(self) -> tuple:
         return (self.scale, self.diag_offset, self.window_left, self.window_right, self.softcap, self.dropout_p,
@@ -96,16 +97,17 @@ class BwdArgs(NamedTuple):
     seqused_k: Optional[Tensor] = None
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
+    sink: Optional[Tensor] = None
 
     @classmethod
     def of(cls, args: tuple) -> "BwdArgs":
         """The op's arguments (at least the 13 without defaults) as a ``BwdArgs``, without
         NamedTuple's per-field constructor (the backward's host path runs every step)."""
-        return tuple.__new__(cls, args if len(args) == 23 else args + _BWD_DEFAULTS[len(args) - 13:])
+        return tuple.__new__(cls, args if len(args) == 24 else args + _BWD_DEFAULTS[len(args) - 13:])
 
     def tensors(self) -> tuple:
         return (self.dout, self.q, self.k, self.v, self.out, self.lse, self.alibi, self.mask, self.seed, self.dlse,
-                self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_q, self.seqused_k)
+                self.cu_seqlens_q, self.cu_seqlens_k, self.seqused_q, self.seqused_k, self.sink)
 
     def scalars(self) -> tuple:
         return (self.scale, self.diag_offset, self.window_left, self.window_right, self.softcap, self.dropout_p,
@@ -133,7 +135,7 @@ def _refuse_interpreted_bf16(q: Tensor) -> None:
         raise TypeError("bfloat16 cannot run under TRITON_INTERPRET=1 (triton 3.6's interpreter has no bf16 arithmetic)")
 
 
-def _call(q: Tensor, problem: Problem, alibi, mask, varlen: Optional[Varlen], *tensors) -> registry.Call:
+def _call(q: Tensor, problem: Problem, alibi, mask, varlen: Optional[Varlen], *tensors, sink=None) -> registry.Call:
     """The registry's description of a pass over q (B, H, Sq, D) and ``tensors``."""
     return registry.Call(
         capability=capability_of(q), dtype=str(q.dtype).replace("torch.", ""), head_dim=q.shape[-1],
@@ -141,7 +143,7 @@ def _call(q: Tensor, problem: Problem, alibi, mask, varlen: Optional[Varlen], *t
         window_left=problem.window_left, window_right=problem.window_right, softcap=problem.softcap,
         alibi=alibi is not None, mask=mask is not None, dropout=problem.dropout_p > 0.0, varlen=varlen is not None,
         seqused=varlen is not None and varlen.seqused, deterministic=problem.deterministic,
-        aligned=layout.tma_ready(q, *tensors))
+        aligned=layout.tma_ready(q, *tensors), sink=sink is not None)
 
 
 # --------------------------------------------------------------------------- forward
@@ -174,8 +176,14 @@ def _forward_run(a: FwdArgs) -> tuple[Tensor, Tensor]:
     out = q.new_empty((batch, seqlen_q, nheads, head_dim))  # returned as it is: not a view
     out4 = out.transpose(1, 2)
     lse = layout.new_lse(q)
-    if out4.numel() == 0 or k.shape[2] == 0 or (varlen is not None and varlen.batch == 0):
-        # No keys at all: every row is empty (output 0, LSE -inf), as in the kernel.
+    no_keys = k.shape[2] == 0
+    if out4.numel() == 0 or (varlen is not None and varlen.batch == 0) or (no_keys and varlen is None):
+        # No keys at all: every row is empty (output 0, LSE -inf or the sink), as in the kernel.
+        out.zero_()
+        if a.sink is not None and varlen is None:
+            return out, lse.copy_(a.sink[None, :, None].expand_as(lse))
+        return out, lse.fill_(float("-inf"))
+    if no_keys and a.sink is None:  # packed, no keys: the same (a sink's rows go to the kernel)
         return out.zero_(), lse.fill_(float("-inf"))
     if varlen is not None and varlen.seqused:
         # Rows past a sequence's used length belong to no work item.
@@ -183,7 +191,7 @@ def _forward_run(a: FwdArgs) -> tuple[Tensor, Tensor]:
         lse.fill_(float("-inf"))
     left, right = launch_window(a.window_left, a.window_right, seqlen_q, k.shape[2], a.diag_offset, varlen)
     problem = Problem(a.scale, a.diag_offset, left, right, a.softcap, a.dropout_p, bool(a.deterministic))
-    call = _call(q, problem, a.alibi, a.mask, varlen, k, v, out4)
+    call = _call(q, problem, a.alibi, a.mask, varlen, k, v, out4, sink=a.sink)
     choice = registry.forward(call)
     with device_context(q):
         if call.capability is not None and settings.autotune() and a.dropout_p == 0.0 and varlen is None:
@@ -191,11 +199,11 @@ def _forward_run(a: FwdArgs) -> tuple[Tensor, Tensor]:
         rows = seqlen_q if varlen is None else varlen.max_seqlen_q
         block_m = choice.config.block_m if choice.config is not None else 128
         _check_grid(-(-rows // block_m) * nheads * (batch if varlen is None else varlen.batch))
-        _launch_forward(choice, q, k, v, out4, lse, problem, a.alibi, a.mask, a.seed, varlen)
+        _launch_forward(choice, q, k, v, out4, lse, problem, a.alibi, a.mask, a.seed, varlen, a.sink)
     return out, lse
 
 
-def _launch_forward(choice, q, k, v, out4, lse, problem, alibi, mask, seed, varlen) -> None:
+def _launch_forward(choice, q, k, v, out4, lse, problem, alibi, mask, seed, varlen, sink=None) -> None:
     if choice.family == "sm90":
         from flashtile.backends.sm90 import forward as sm90_forward
 
@@ -205,17 +213,17 @@ def _launch_forward(choice, q, k, v, out4, lse, problem, alibi, mask, seed, varl
         from flashtile.backends.triton import forward as triton_forward
 
         triton_forward.attention_forward(q, k, v, out4, lse, problem, config=choice.config, alibi=alibi, mask=mask,
-                                         seed=seed, varlen=varlen)
+                                         seed=seed, varlen=varlen, sink=sink)
 
 
 def launch_forward(q, k, v, out4, lse, problem: Problem, config=None, alibi=None, mask=None, seed=None,
-                   varlen=None) -> registry.Choice:
+                   varlen=None, sink=None) -> registry.Choice:
     """Launch the forward the registry picks for a ``config`` of the table (None: the
     table's own) on buffers the caller made: out4 (B, H, Sq, D), lse (B, H, Sq) float32.
     What autotuning and the benchmark sweeps time; returns the choice."""
-    choice = registry.forward(_call(q, problem, alibi, mask, varlen, k, v, out4), config)
+    choice = registry.forward(_call(q, problem, alibi, mask, varlen, k, v, out4, sink=sink), config)
     with device_context(q):
-        _launch_forward(choice, q, k, v, out4, lse, problem, alibi, mask, seed, varlen)
+        _launch_forward(choice, q, k, v, out4, lse, problem, alibi, mask, seed, varlen, sink)
     return choice
 
 
@@ -229,14 +237,15 @@ def _autotune(call, choice, a: FwdArgs, problem: Problem, out4, lse):
     key = "|".join(map(str, (
         torch.cuda.get_device_name(q.device), q.dtype, q.shape[-1], q.shape[1] // k.shape[1],
         problem.window_left >= 0, problem.window_right >= 0, problem.softcap > 0, a.alibi is not None,
-        None if a.mask is None else a.mask.dtype, triton.__version__,
+        None if a.mask is None else a.mask.dtype, a.sink is not None, triton.__version__,
     )))
     default = configs.default_fwd_config(call.capability, call.head_dim, call.dtype, call.window_right >= 0,
                                          call.seqlen_q, call.mask)
 
     def time_ms(cfg):
         pick = registry.forward(call, cfg)
-        return do_bench(lambda: _launch_forward(pick, q, k, a.v, out4, lse, problem, a.alibi, a.mask, a.seed, None),
+        return do_bench(lambda: _launch_forward(pick, q, k, a.v, out4, lse, problem, a.alibi, a.mask, a.seed, None,
+                                                a.sink),
                         warmup=5, rep=20, return_mode="median")
 
     best = configs.autotuned_fwd_config(key, [default] + configs.fwd_candidates(q.shape[-1]), time_ms)
@@ -244,17 +253,18 @@ def _autotune(call, choice, a: FwdArgs, problem: Problem, out4, lse):
 
 
 # --------------------------------------------------------------------------- backward
-def backward(*args) -> tuple[Tensor, Tensor, Tensor]:
+def backward(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The backward op's implementation. dout/out are (B, Sq, H, D); returns dq (B, Sq, H,
-    D), dk/dv (B, Sk, Hk, D). ``dlse`` (B, H, Sq), the gradient reaching the returned LSE
-    (a z-loss, say), is folded into the kernels' Delta: d lse / d s_j = p_j, so dS_j = p_j
-    (dP_j - (Delta - dlse)). Planned as the forward."""
+    D), dk/dv (B, Sk, Hk, D) and dsink ((H,) float32; (0,) without a sink). ``dlse`` (B, H,
+    Sq), the gradient reaching the returned LSE (a z-loss, say), is folded into the kernels'
+    Delta: d lse / d s_j = p_j, so dS_j = p_j (dP_j - (Delta - dlse)). Planned as the
+    forward."""
     a = BwdArgs.of(args)
     tensors = a.tensors()
     return replay.call(BWD_PLANS, replay.make_key(tensors, a.scalars()), tensors, lambda: _backward_run(a))
 
 
-def backward_planned(fwd_entry, *args) -> tuple[Tensor, Tensor, Tensor]:
+def backward_planned(fwd_entry, *args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The backward of a planned forward: its key is the forward's plus what only the
     backward brings (dout, dlse, the switches), so the entry is found in the forward
     entry's ``below`` without making the full key."""
@@ -272,13 +282,26 @@ def backward_planned(fwd_entry, *args) -> tuple[Tensor, Tensor, Tensor]:
     return replay.run(entry, tensors, lambda: _backward_run(a))
 
 
-def _backward_run(a: BwdArgs) -> tuple[Tensor, Tensor, Tensor]:
+def _sink_grad(sink: Optional[Tensor], lse: Tensor, delta: Tensor) -> Tensor:
+    """dsink ((H,) float32, ``triton.backward.sink_grad``), or (0,) without a sink."""
+    if sink is None:
+        return lse.new_empty((0,))
+    from flashtile.backends.triton import backward as triton_backward
+
+    with device_context(lse):
+        return triton_backward.sink_grad(sink, lse, delta)
+
+
+def _backward_run(a: BwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The backward's ordinary path: buffers, the registry's choice, Delta, launches."""
     q, k, v = a.q, a.k, a.v
     varlen = _varlen(a)
     dq4, dk4, dv4 = layout.bshd_view(q), layout.bshd_view(k), layout.bshd_view(v)
     if q.numel() == 0 or k.numel() == 0 or (varlen is not None and varlen.batch == 0):
-        return dq4.transpose(1, 2).zero_(), dk4.transpose(1, 2).zero_(), dv4.transpose(1, 2).zero_()
+        # Out is 0 wherever there are rows: Delta is -dlse.
+        delta = torch.zeros_like(a.lse) if a.dlse is None else -a.dlse.float().contiguous()
+        return (dq4.transpose(1, 2).zero_(), dk4.transpose(1, 2).zero_(), dv4.transpose(1, 2).zero_(),
+                _sink_grad(a.sink, a.lse, delta))
     if varlen is not None and varlen.seqused:
         for t in (dq4, dk4, dv4):  # rows and keys past the used lengths get no program
             t.zero_()
@@ -297,14 +320,15 @@ def _backward_run(a: BwdArgs) -> tuple[Tensor, Tensor, Tensor]:
     rows = q.shape[2] if varlen is None else varlen.max_seqlen_q
     block_m = choice.config.block_m_q if choice.config is not None else 64
     _check_grid(-(-rows // block_m) * q.shape[1] * (q.shape[0] if varlen is None else varlen.batch))
-    _launch_backward(choice, q, k, v, out4, a.lse, do4, dq4, dk4, dv4, problem, a.alibi, a.mask, a.seed, a.dlse,
-                     varlen)
-    return dq4.transpose(1, 2), dk4.transpose(1, 2), dv4.transpose(1, 2)
+    delta = _launch_backward(choice, q, k, v, out4, a.lse, do4, dq4, dk4, dv4, problem, a.alibi, a.mask, a.seed,
+                             a.dlse, varlen)
+    return dq4.transpose(1, 2), dk4.transpose(1, 2), dv4.transpose(1, 2), _sink_grad(a.sink, a.lse, delta)
 
 
 def _launch_backward(choice, q, k, v, out4, lse, do4, dq4, dk4, dv4, problem, alibi, mask, seed, dlse,
-                     varlen) -> None:
-    """Delta (every family needs it), then the backward kernels of ``choice``."""
+                     varlen) -> Tensor:
+    """Delta (every family needs it), then the backward kernels of ``choice``; returns Delta.
+    A sink needs nothing here: it is in the LSE, and its own gradient is ``_sink_grad``."""
     from flashtile.backends.triton import backward as triton_backward
 
     with device_context(q):
@@ -332,6 +356,7 @@ def _launch_backward(choice, q, k, v, out4, lse, do4, dq4, dk4, dv4, problem, al
             triton_backward.attention_backward(q, k, v, lse, delta, do4, dq4, dk4, dv4, problem,
                                                config=choice.config, alibi=alibi, mask=mask, seed=seed,
                                                varlen=varlen, tables=built)
+    return delta
 
 
 def launch_backward(q, k, v, out4, lse, do4, dq4, dk4, dv4, problem: Problem, config=None, alibi=None, mask=None,
@@ -365,6 +390,7 @@ class KVCacheArgs(NamedTuple):
     batch_idx: Optional[Tensor]
     table: Optional[Tensor]
     alibi: Optional[Tensor]
+    sink: Optional[Tensor]
     scale: float
     softcap: float
     window_left: int
@@ -378,10 +404,10 @@ class KVCacheArgs(NamedTuple):
     rotary_len: int
 
     def tensors(self) -> tuple:
-        return self[:12]
+        return self[:13]
 
     def scalars(self) -> tuple:
-        return self[12:]
+        return self[13:]
 
 
 def kvcache(*args, hint=None) -> tuple[Tensor, Tensor]:
@@ -389,7 +415,7 @@ def kvcache(*args, hint=None) -> tuple[Tensor, Tensor]:
     seqlen_q) float32; k_cache/v_cache get k, v. ``hint``: the plan entry of an API call
     whose key determines these arguments but their addresses; the kernels' entry is then
     kept in ``hint.below`` and a repeated call replays it without making its key."""
-    tensors = args[:12]  # KVCacheArgs.tensors(), without building the tuple on the replay path
+    tensors = args[:13]  # KVCacheArgs.tensors(), without building the tuple on the replay path
     entry = None if hint is None else hint.below.get("kvcache")
     if entry is None:
         a = KVCacheArgs(*args)
@@ -427,5 +453,5 @@ def _kvcache_run(a: KVCacheArgs) -> tuple[Tensor, Tensor]:
     decode.decode(q, a.k_cache, a.v_cache, out, lse, a.seqlens, a.leftpad, a.batch_idx, a.table, a.alibi, a.cos,
                   a.sin, new=new, scale=a.scale, softcap=a.softcap, window_left=a.window_left,
                   window_right=a.window_right, interleaved=a.interleaved, rotary_local=a.rotary_local,
-                  num_splits=a.num_splits, status=status, parts=parts)
+                  num_splits=a.num_splits, status=status, parts=parts, sink=a.sink)
     return out, lse

@@ -21,8 +21,10 @@ What each call becomes:
     sliding_window w           window (w - 1, w - 1) (causal: (w - 1, 0)), as transformers'
                                flash path converts it
     softcap, GQA, dropout      passed through; ``is_causal=False`` for encoders
-Refused with an error naming the feature: attention sinks (``s_aux``),
-``output_attentions``, a 4-D float mask (which this mask builder never makes), and chunked
+    attention sinks            ``s_aux`` (gpt-oss's per-head ``sinks`` parameter) as
+                               ``learnable_sink``, differentiable
+Refused with an error naming the feature: ``output_attentions``, a 4-D float mask (which
+this mask builder never makes), and chunked
 attention (Llama 4's ``attention_chunk_size`` layers) over sequences longer than one chunk:
 transformers passes chunking only inside the mask, which the 2-D padding mask drops, so
 computing such a call would silently give something else. Within one chunk chunked
@@ -88,9 +90,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     (batch, kv_heads, kv_len, head_dim); returns ((batch, q_len, heads, head_dim), None)."""
     import flashtile
 
-    if s_aux is not None:
-        raise NotImplementedError("flashtile: this model uses attention sinks (s_aux), which flashtile does not "
-                                  "support; use attn_implementation='sdpa' or 'eager'")
     if kwargs.get("output_attentions", False):
         raise NotImplementedError("flashtile never materialises attention weights: output_attentions=True needs "
                                   "attn_implementation='eager'")
@@ -103,13 +102,13 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     if chunk is not None and kv_len > chunk and attention_mask is not None and attention_mask.dim() == 4:
         _refuse_chunks(chunk, kv_len)
     common = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=causal, window_size=window,
-                  softcap=float(softcap or 0.0))
+                  softcap=float(softcap or 0.0), learnable_sink=s_aux)
     if attention_mask is not None and attention_mask.dim() == 4:
         if attention_mask.dtype != torch.bool:
             raise NotImplementedError("flashtile: a 4-D float attention mask (a custom mask) is not supported by this "
                                       "integration; pass a 2-D padding mask or use attn_implementation='sdpa'")
         out = flashtile.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, dropout_p=dropout,
-                                                     scale=scaling, enable_gqa=True)
+                                                     scale=scaling, enable_gqa=True, learnable_sink=s_aux)
         return out.transpose(1, 2), None
 
     cu_q, cu_k = kwargs.get("cu_seq_lens_q"), kwargs.get("cu_seq_lens_k")

@@ -119,7 +119,7 @@ def _pair_backward(dout4, q4, k4, v4, out4, lse, p):
     if dispatch.runs_kernels(q4.device):
         from flashtile import autograd  # noqa: F401  (registers the ops)
 
-        dq, dk, dv = torch.ops.flashtile.attn_bwd(
+        dq, dk, dv, _ = torch.ops.flashtile.attn_bwd(
             dout4.transpose(1, 2), q4, k4, v4, out4.transpose(1, 2), lse.contiguous(), p.scale, p.diag_offset,
             p.window_left, p.window_right, p.softcap, None, None)
         return dq.transpose(1, 2).float(), dk.transpose(1, 2).float(), dv.transpose(1, 2).float()

@@ -12,12 +12,15 @@ the canonical call:
     s_ij = scale * q_i.k_j -> softcap * tanh(s / softcap) -> - slope[b, h] * |i + diag_offset - j|
            -> + float attn_mask[b, h, i, j];  out_i = softmax_j(s_ij) v;  lse_i = logsumexp_j s_ij.
     Rows that see no key get out 0 and lse -inf.
+    With a sink (a (H,) float32 logit per query head, natural units, not scaled), it joins
+    only the denominator: lse_i = log(exp(sink[h]) + sum_j exp(s_ij)), out_i = sum_j
+    exp(s_ij - lse_i) v_j; a row that sees no key gets out 0 and lse sink[h].
 
 A packed (varlen) call is that problem with B = 1 over the packed token axis, each
 sequence with its own diagonal len_k - len_q (``Varlen``). ``Problem`` holds the scalars;
-the tensors (q, k, v, ALiBi slopes, a mask, the varlen metadata) travel beside it. New
-score and mask functions, attention sinks, a value head dim and FP8 scales are fields
-to come (their issues).
+the tensors (q, k, v, ALiBi slopes, a mask, the sinks, the varlen metadata) travel beside
+it. New score and mask functions, a value head dim and FP8 scales are fields to come
+(their issues).
 """
 
 from __future__ import annotations

@@ -226,6 +226,22 @@ def alibi(alibi_slopes, batch: int, nheads: int, device) -> Optional[torch.Tenso
     raise ValueError(f"alibi_slopes must have shape ({nheads},) or ({batch}, {nheads}), got {tuple(alibi_slopes.shape)}")
 
 
+def sink(learnable_sink, nheads: int, device) -> None:
+    """None, or a (nheads,) float16/bfloat16/float32 tensor on ``device``: one sink logit per
+    query head (``problem.spec``; the kernels read it as float32, ``dispatch.attention``)."""
+    if learnable_sink is None:
+        return
+    if not isinstance(learnable_sink, torch.Tensor):
+        raise TypeError(f"learnable_sink must be a torch.Tensor or None, got {type(learnable_sink).__name__}")
+    if learnable_sink.dtype not in DTYPES:
+        raise TypeError(f"learnable_sink must be float16, bfloat16 or float32, got {learnable_sink.dtype}")
+    if learnable_sink.device != device:
+        raise ValueError(f"learnable_sink must be on {device} (the device of q), got {learnable_sink.device}")
+    if tuple(learnable_sink.shape) != (nheads,):
+        raise ValueError(f"learnable_sink must have shape ({nheads},) (one logit per query head), got "
+                         f"{tuple(learnable_sink.shape)}")
+
+
 def attn_mask(mask, query: torch.Tensor, shape: tuple[int, ...]) -> Optional[torch.Tensor]:
     """A bool or float mask broadcast (as a view) to ``shape``."""
     if mask is None:
@@ -284,7 +300,7 @@ class FlashCall(NamedTuple):
 
 
 def flash_call(q, k, v, dropout_p, softmax_scale_, causal, window_size, softcap_, alibi_slopes, deterministic,
-               return_attn_probs, names=("q", "k", "v")) -> FlashCall:
+               return_attn_probs, learnable_sink=None, names=("q", "k", "v")) -> FlashCall:
     """Every check of a ``flash_attn_func`` call (q, k, v (batch, seqlen, heads, dim))."""
     shapes = qkv_shapes(q, k, v, names, "bshd")
     p = dropout(dropout_p)
@@ -292,6 +308,7 @@ def flash_call(q, k, v, dropout_p, softmax_scale_, causal, window_size, softcap_
     left, right = causal_window(causal, window_size)
     cap = softcap(softcap_)
     slopes = alibi(alibi_slopes, shapes.batch, shapes.nheads, q.device)
+    sink(learnable_sink, shapes.nheads, q.device)
     diag = shapes.seqlen_k - shapes.seqlen_q
     left, right = effective_window(left, right, shapes.seqlen_q, shapes.seqlen_k, diag)
     problem = Problem(scale, diag, left, right, cap, p, flag("deterministic", deterministic))
@@ -311,7 +328,7 @@ class VarlenCall(NamedTuple):
 
 def varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale_,
                 causal, window_size, softcap_, alibi_slopes, deterministic, return_attn_probs, block_table,
-                seqused_q, seqused_k, names=("q", "k", "v")) -> VarlenCall:
+                seqused_q, seqused_k, names=("q", "k", "v"), learnable_sink=None) -> VarlenCall:
     """Every check of a packed call, metadata values included (one host copy per set of
     tensors: ``varlen_values``). The window is normalised against the longest sequences:
     a side that hides no key of them hides none of any."""
@@ -341,6 +358,7 @@ def varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     left, right = causal_window(causal, window_size)
     cap = softcap(softcap_)
     slopes = alibi(alibi_slopes, batch, shapes.nheads, device)
+    sink(learnable_sink, shapes.nheads, device)
     det = flag("deterministic", deterministic)
     want_probs = flag("return_attn_probs", return_attn_probs)
     varlen_values(cu_q, cu_k, used_q, used_k, max_q, max_k, shapes.seqlen_q, None if paged else k.shape[0], table,
@@ -450,7 +468,8 @@ class SdpaCall(NamedTuple):
     squeeze: bool
 
 
-def sdpa_call(query, key, value, attn_mask_, dropout_p, is_causal, scale, enable_gqa) -> SdpaCall:
+def sdpa_call(query, key, value, attn_mask_, dropout_p, is_causal, scale, enable_gqa,
+              learnable_sink=None) -> SdpaCall:
     """Every check of a ``scaled_dot_product_attention`` call (torch's semantics: top-left
     causal, heads must match unless ``enable_gqa``, no mask together with is_causal)."""
     squeeze = isinstance(query, torch.Tensor) and query.dim() == 3
@@ -473,6 +492,7 @@ def sdpa_call(query, key, value, attn_mask_, dropout_p, is_causal, scale, enable
         # 3-D inputs: torch broadcasts the mask against (batch, L, S); the head axis is ours.
         attn_mask_ = attn_mask(attn_mask_, query, (shapes.batch, shapes.seqlen_q, shapes.seqlen_k)).unsqueeze(1)
     mask = attn_mask(attn_mask_, query, shape)
+    sink(learnable_sink, shapes.nheads, query.device)
     left, right = effective_window(-1, 0 if causal else -1, shapes.seqlen_q, shapes.seqlen_k, 0)
     return SdpaCall(query, key, value, mask, Problem(scale, 0, left, right, 0.0, p), squeeze)
 
@@ -514,11 +534,12 @@ class CacheCall(NamedTuple):
     rotary: bool
     spec: CacheSpec
     want_lse: bool
+    sink: Optional[torch.Tensor] = None
 
 
 def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                  block_table, softmax_scale_, causal, window_size, softcap_, rotary_interleaved, alibi_slopes,
-                 num_splits, return_softmax_lse) -> CacheCall:
+                 num_splits, return_softmax_lse, learnable_sink=None) -> CacheCall:
     """Every check of a kv-cache call but those of the metadata values (``cache_values``)."""
     qkv_shapes(q, k_cache, v_cache, ("q", "k_cache", "v_cache"), "bshd", "cache")
     batch, seqlen_q, nheads, dim = q.shape
@@ -583,6 +604,7 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     left, right = effective_window(left, right, seqlen_q, capacity, capacity - seqlen_q)
     cap = softcap(softcap_)
     slopes = alibi(alibi_slopes, batch, nheads, device)
+    sink(learnable_sink, nheads, device)
     interleaved = flag("rotary_interleaved", rotary_interleaved)
     splits = integer("num_splits", num_splits)
     if splits < 0:
@@ -590,7 +612,7 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     want_lse = flag("return_softmax_lse", return_softmax_lse)
     spec = CacheSpec(scale, cap, left, right, interleaved, local, splits, new, seqlen_q, capacity, batch_cache,
                      num_blocks, page, rotary_cos.shape[0] if rotary_dim else -1)
-    return CacheCall(seqlens, leftpad, batch_idx, table, slopes, bool(rotary_dim), spec, want_lse)
+    return CacheCall(seqlens, leftpad, batch_idx, table, slopes, bool(rotary_dim), spec, want_lse, learnable_sink)
 
 
 def cache_strides(k_cache, v_cache) -> None:

@@ -73,3 +73,28 @@ def check_block(name: str, value) -> int:
     if value <= 0:
         raise ValueError(f"{name} must be >= 1, got {value}")
     return int(value)
+
+
+def check_sink(sink, lead: tuple, dtype) -> Optional[np.ndarray]:
+    """None, or per-row-group sink logits broadcastable to the leading dims ``lead`` (one
+    per (batch, head), e.g. shape (H,) for Q (B, H, Sq, d)), as an array of ``dtype``."""
+    if sink is None:
+        return None
+    arr = np.asarray(sink)
+    if arr.dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"sink must be float32 or float64, got dtype {arr.dtype}")
+    try:
+        np.broadcast_to(arr, lead)
+    except ValueError:
+        raise ValueError(f"sink of shape {arr.shape} does not broadcast to the leading dims {lead}") from None
+    return arr.astype(dtype)
+
+
+def reduce_to(grad: np.ndarray, shape: tuple) -> np.ndarray:
+    """Sum a gradient over the axes that broadcasting ``shape`` added or stretched."""
+    while grad.ndim > len(shape):
+        grad = grad.sum(axis=0)
+    for axis, n in enumerate(shape):
+        if n == 1 and grad.shape[axis] != 1:
+            grad = grad.sum(axis=axis, keepdims=True)
+    return grad

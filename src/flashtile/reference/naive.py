@@ -12,7 +12,7 @@ from typing import Optional
 
 import numpy as np
 
-from flashtile.reference._checks import check_qkv, check_scale, result_dtype
+from flashtile.reference._checks import check_qkv, check_scale, check_sink, reduce_to, result_dtype
 
 
 def causal_visible(seqlen_q: int, seqlen_k: int) -> np.ndarray:
@@ -29,12 +29,18 @@ def _scores(Q, K, causal: bool, scale: float, dtype) -> np.ndarray:
     return S
 
 
-def _stable_softmax(S: np.ndarray):
-    """Row softmax with the row max subtracted; empty (all -inf) rows give 0 and LSE -inf."""
+def _stable_softmax(S: np.ndarray, sink=None):
+    """Row softmax with the row max subtracted; empty (all -inf) rows give 0 and LSE -inf.
+    ``sink`` (broadcast to S's leading dims): one more logit per row in the denominator
+    only (its probability is 1 - the row's sum)."""
     m = S.max(axis=-1, keepdims=True)
+    if sink is not None:
+        m = np.maximum(m, np.broadcast_to(sink, S.shape[:-2])[..., None, None])
     m_safe = np.where(np.isneginf(m), 0.0, m)  # avoid (-inf) - (-inf) = NaN
     E = np.exp(S - m_safe)
     total = E.sum(axis=-1, keepdims=True)
+    if sink is not None:
+        total = total + np.exp(np.broadcast_to(sink, S.shape[:-2])[..., None, None] - m_safe)
     empty = total == 0
     P = np.where(empty, 0.0, E / np.where(empty, 1.0, total))
     with np.errstate(divide="ignore"):
@@ -49,6 +55,7 @@ def naive_attention(
     causal: bool = False,
     scale: Optional[float] = None,
     return_lse: bool = False,
+    sink=None,
 ):
     """softmax(scale * Q K^T [+ causal mask]) V, the stable textbook way.
 
@@ -57,6 +64,9 @@ def naive_attention(
         causal: mask keys j > i + Sk - Sq (bottom-right aligned).
         scale: defaults to 1/sqrt(d).
         return_lse: also return the row log-sum-exp (natural log), shape (..., Sq).
+        sink: None, or logits broadcastable to the leading dims (e.g. (H,) for (B, H, Sq,
+            d)): one more term exp(sink) in every row's denominator, with no value (an
+            attention sink); the LSE includes it.
 
     Returns:
         O (..., Sq, dv) in the inputs' result dtype, or (O, lse) with ``return_lse``.
@@ -64,7 +74,7 @@ def naive_attention(
     Q, K, V = check_qkv(Q, K, V)
     scale = check_scale(scale, Q.shape[-1])
     dtype = result_dtype(Q, K, V)
-    P, lse = _stable_softmax(_scores(Q, K, causal, scale, dtype))
+    P, lse = _stable_softmax(_scores(Q, K, causal, scale, dtype), check_sink(sink, Q.shape[:-2], dtype))
     O = P @ V.astype(dtype)
     return (O, lse) if return_lse else O
 
@@ -92,6 +102,7 @@ def naive_attention_backward(
     dO,
     causal: bool = False,
     scale: Optional[float] = None,
+    sink=None,
 ):
     """Textbook gradients of O = softmax(scale * Q K^T) V with respect to Q, K, V.
 
@@ -102,8 +113,12 @@ def naive_attention_backward(
         dS = P * (dP - rowsum(dP * P))      # softmax Jacobian, row by row
         dQ = scale * dS K,   dK = scale * dS^T Q
 
+    With a ``sink`` (as in :func:`naive_attention`) the sink is one more key whose value is
+    0: P is taken with it in the denominator, dP_sink = 0, so rowsum(dP * P) is unchanged
+    and dsink = sum over rows of P_sink * (0 - rowsum(dP * P)), reduced to sink's shape.
+
     Returns:
-        (dQ, dK, dV) with the shapes of Q, K, V.
+        (dQ, dK, dV) with the shapes of Q, K, V; with a sink, (dQ, dK, dV, dsink).
     """
     Q, K, V = check_qkv(Q, K, V)
     scale = check_scale(scale, Q.shape[-1])
@@ -112,11 +127,16 @@ def naive_attention_backward(
     expected = Q.shape[:-1] + (V.shape[-1],)
     if dO.shape != expected:
         raise ValueError(f"dO must have shape {expected}, got {dO.shape}")
-    P, _ = _stable_softmax(_scores(Q, K, causal, scale, dtype))
+    sinks = check_sink(sink, Q.shape[:-2], dtype)
+    P, lse = _stable_softmax(_scores(Q, K, causal, scale, dtype), sinks)
     Qd, Kd, Vd = Q.astype(dtype), K.astype(dtype), V.astype(dtype)
     dV = np.swapaxes(P, -1, -2) @ dO
     dP = dO @ np.swapaxes(Vd, -1, -2)
-    dS = P * (dP - (dP * P).sum(axis=-1, keepdims=True))
+    rowsum = (dP * P).sum(axis=-1, keepdims=True)
+    dS = P * (dP - rowsum)
     dQ = scale * (dS @ Kd)
     dK = scale * (np.swapaxes(dS, -1, -2) @ Qd)
-    return dQ, dK, dV
+    if sinks is None:
+        return dQ, dK, dV
+    p_sink = np.exp(np.broadcast_to(sinks, Q.shape[:-2])[..., None] - lse)
+    return dQ, dK, dV, reduce_to(-(p_sink * rowsum[..., 0]).sum(axis=-1), sinks.shape)

@@ -17,6 +17,11 @@ The online softmax, for one row and a new key tile with scores s_j::
 Multiplying every earlier term by exp(m_old - m_new) re-bases it on the new maximum;
 after the last tile O = O_new / l_new is exactly softmax(s) V, and the row's
 log-sum-exp is m + log(l), saved for the backward pass.
+
+An attention sink (a learned logit per head that joins only the denominator, gpt-oss) is
+one more step of the same update after the last tile, with s = sink and no value row:
+O is only rescaled. Its gradient needs nothing from the tiles: the sink's probability is
+exp(sink - lse) and its dP is 0, so dsink = -sum_i exp(sink - lse_i) D_i.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Optional
 
 import numpy as np
 
-from flashtile.reference._checks import check_block, check_qkv, check_scale, result_dtype
+from flashtile.reference._checks import check_block, check_qkv, check_scale, check_sink, reduce_to, result_dtype
 
 
 def _tile_mask(r0: int, r1: int, c0: int, c1: int, offset: int) -> np.ndarray:
@@ -47,6 +52,7 @@ def flash_attention_forward(
     causal: bool = False,
     scale: Optional[float] = None,
     return_lse: bool = False,
+    sink=None,
 ):
     """Tiled attention forward, FlashAttention-2 loop order (Q tiles outer, K/V inner).
 
@@ -58,6 +64,9 @@ def flash_attention_forward(
             the diagonal; tiles wholly above it are never visited.
         scale: defaults to 1/sqrt(d).
         return_lse: also return lse (..., Sq), natural log, -inf for empty rows.
+        sink: None, or logits broadcastable to the leading dims (e.g. (H,) for (B, H, Sq,
+            d)): an attention sink in every row's denominator (module docstring); an empty
+            row then gets O 0 and lse sink.
 
     Returns:
         O (..., Sq, dv), or (O, lse).
@@ -67,6 +76,7 @@ def flash_attention_forward(
     scale = check_scale(scale, Q.shape[-1])
     dtype = result_dtype(Q, K, V)
     lead = Q.shape[:-2]
+    sinks = check_sink(sink, lead, dtype)
     Sq, Sk, dv = Q.shape[-2], K.shape[-2], V.shape[-1]
     offset = Sk - Sq  # bottom-right alignment of the causal diagonal
 
@@ -94,6 +104,14 @@ def flash_attention_forward(
             l = alpha * l + p.sum(axis=-1)
             acc = alpha[..., None] * acc + p @ V[..., c0:c1, :].astype(dtype)
             m = m_new
+        if sinks is not None:  # one more logit per row, with no value row
+            s_sink = np.broadcast_to(sinks, lead)[..., None]
+            m_new = np.maximum(m, s_sink)
+            m_safe = np.where(np.isneginf(m_new), 0.0, m_new)
+            alpha = np.exp(m - m_safe)
+            l = alpha * l + np.exp(s_sink - m_safe)
+            acc = alpha[..., None] * acc
+            m = m_new
         seen = l > 0
         O[..., r0:r1, :] = np.where(seen[..., None], acc / np.where(seen, l, 1.0)[..., None], 0.0)
         with np.errstate(divide="ignore"):
@@ -112,6 +130,7 @@ def flash_attention_backward(
     Bc: int = 64,
     causal: bool = False,
     scale: Optional[float] = None,
+    sink=None,
 ):
     """Tiled attention backward (FlashAttention-2): K/V tiles outer, Q tiles inner.
 
@@ -129,9 +148,11 @@ def flash_attention_backward(
         O: (..., Sq, dv) forward output.  dO: (..., Sq, dv) upstream gradient.
         lse: (..., Sq) from ``flash_attention_forward(..., return_lse=True)``.
         Br, Bc, causal, scale: as in the forward; need not equal the forward's tiles.
+        sink: the forward's sink (its lse includes it): the tiles need nothing more, and
+            dsink = -sum_i exp(sink - lse_i) D_i is returned too.
 
     Returns:
-        (dQ, dK, dV) with the shapes of Q, K, V.
+        (dQ, dK, dV) with the shapes of Q, K, V; with a sink, (dQ, dK, dV, dsink).
     """
     Q, K, V = check_qkv(Q, K, V)
     Br, Bc = check_block("Br", Br), check_block("Bc", Bc)
@@ -174,4 +195,8 @@ def flash_attention_backward(
             dk += scale * (np.swapaxes(ds, -1, -2) @ q)
         dK[..., c0:c1, :] = dk
         dV[..., c0:c1, :] = dv_acc
-    return dQ, dK, dV
+    sinks = check_sink(sink, lead, dtype)
+    if sinks is None:
+        return dQ, dK, dV
+    p_sink = np.exp(np.broadcast_to(sinks, lead)[..., None] - lse_safe)  # 0 on rows with lse -inf
+    return dQ, dK, dV, reduce_to(-(p_sink * D).sum(axis=-1), sinks.shape)

@@ -204,10 +204,10 @@ def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: 
     c = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
              WINDOW_LEFT=extras, WINDOW_RIGHT=causal or extras, SOFTCAP=extras, HAS_ALIBI=extras,
              MASK_MODE=mask_mode, IEEE_DOT=dtype == "fp32", REVERSE_M=causal, USE_TMA=cfg.use_tma, DROPOUT=extras,
-             VARLEN=varlen)
+             VARLEN=varlen, HAS_SINK=extras)
     ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "Out", "desc_q", "desc_k", "desc_v", "desc_o")}
     ptrs.update(Lse="*fp32", Mask="*u8" if mask_mode == 1 else f"*{dtype}", Alibi="*fp32", Seed="*i64",
-                Items="*i32")
+                Items="*i32", Sink="*fp32")
     if cfg.use_tma:
         for n, rows in (("desc_q", cfg.block_m), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n), ("desc_o", cfg.block_m)):
             ptrs[n] = f"tensordesc<{dtype}[1,1,{rows},{block_d}]>"
@@ -356,7 +356,8 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
     ints = ("SeqLens", "LeftPad", "BatchIdx", "Table", "Status")
     ptrs = {n: "*i32" for n in ints}
     ptrs.update({n: f"*{dtype}" for n in ("Q", "K", "V", "KCache", "VCache", "Out")})
-    ptrs.update(Lse="*fp32", OutPart="*fp32", LsePart="*fp32", Alibi="*fp32", Cos="*fp32", Sin="*fp32")
+    ptrs.update(Lse="*fp32", OutPart="*fp32", LsePart="*fp32", Alibi="*fp32", Cos="*fp32", Sin="*fp32",
+                Sink="*fp32")
     kind = decode.layout(paged > 0, paged, block_n)
     out = [_compile(f"decode-check {tag}", decode.check_kernel, ptrs,
                     dict(HAS_LEFTPAD=extras, HAS_BATCH_IDX=extras and not paged, PAGED=paged > 0, ROTARY=extras,
@@ -370,10 +371,10 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
                          HAS_BATCH_IDX=extras and not paged,
                          HAS_LEFTPAD=extras, WINDOW_LEFT=extras, WINDOW_RIGHT=extras, SOFTCAP=extras,
                          HAS_ALIBI=extras, ROTARY=extras, INTERLEAVED=False, ROTARY_LOCAL=extras, SPLIT=split,
-                         CHECKED=True, IEEE_DOT=dtype == "fp32"), 4, decode.STAGES[kind])]
+                         CHECKED=True, IEEE_DOT=dtype == "fp32", HAS_SINK=extras), 4, decode.STAGES[kind])]
     if split:
         out.append(_compile(f"decode-combine {tag}", decode.combine_kernel, ptrs,
-                            dict(BLOCK_S=16, BLOCK_D=block_d), 4, 1))
+                            dict(BLOCK_S=16, BLOCK_D=block_d, HAS_SINK=extras), 4, 1))
     return out
 
 

@@ -36,20 +36,29 @@ def kernels_scope(call) -> Optional[str]:
     return None
 
 
-def forward_scope(call) -> Optional[str]:
-    """The Gluon forward: ``kernels_scope``, and no seqused/paged keys in a packed call (its
-    tiles read whole rows past a sequence's used end: masked scores, but 0 * NaN in P V if
-    those rows hold garbage, as an unused cache tail may)."""
+def _rows_scope(call) -> Optional[str]:
+    """``kernels_scope``, and no seqused/paged keys in a packed call (the Gluon tiles read
+    whole rows past a sequence's used end: masked scores, but 0 * NaN in P V if those rows
+    hold garbage, as an unused cache tail may)."""
     reason = kernels_scope(call)
     if reason is None and call.varlen and call.seqused:
         reason = "a packed call with seqused or paged keys stays on the Triton kernels (rows past the used end)"
     return reason
 
 
+def forward_scope(call) -> Optional[str]:
+    """The Gluon forward: ``_rows_scope``, and no attention sink."""
+    reason = _rows_scope(call)
+    if reason is None and call.sink:
+        reason = "the Gluon forward has no attention sinks (the Triton forward adds them)"
+    return reason
+
+
 def backward_scope(call) -> Optional[str]:
-    """The Gluon backward (split or one-pass): ``forward_scope``; packed calls at head dims
-    64 and 128 only (no varlen kernels for the d256 split)."""
-    reason = forward_scope(call)
+    """The Gluon backward (split or one-pass): ``_rows_scope`` (a sink reaches the backward
+    only through the LSE: in scope); packed calls at head dims 64 and 128 only (no varlen
+    kernels for the d256 split)."""
+    reason = _rows_scope(call)
     if reason is None and call.varlen and call.head_dim not in VARLEN_BACKWARD_HEAD_DIMS:
         reason = f"no packed-call Gluon backward at head dim {call.head_dim}"
     return reason

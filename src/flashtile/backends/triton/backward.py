@@ -4,7 +4,9 @@ Same canonical problem as ``forward.py`` (read its docstring first). The scores 
 are recomputed from the LSE (P = exp(S - lse)), never stored. Three kernels:
 
 1. ``preprocess_kernel``: Delta_i = rowsum(dO_i * O_i), the softmax-Jacobian term (taken
-   from a tile matmul, so it rounds like dP: see the kernel).
+   from a tile matmul, so it rounds like dP: see the kernel). With a sink (a logit in the
+   denominator only, already in the LSE) dQ, dK, dV need nothing more; its own gradient
+   is ``sink_grad_kernel``'s: dsink_h = -sum_i exp(sink_h - lse_i) Delta_i.
 2. ``dkdv_kernel``: one program per (batch, key/value head, block of BLOCK_N keys).
    It holds K_j, V_j and the fp32 accumulators dK_j, dV_j on chip and streams the query
    tiles that see those keys, for every query head of the GQA group, so dK/dV come out
@@ -418,6 +420,26 @@ def dkdv_kernel(
              + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def sink_grad_kernel(Lse, Delta, Sink, DSink, batch, nheads, seqlen, BLOCK: tl.constexpr):
+    """Program h: dsink_h = -sum_{b, i} exp(sink_h - lse_bhi) * Delta_bhi over rows with a
+    finite LSE (lse and Delta (B, H, S) contiguous), summed in a fixed order."""
+    h = tl.program_id(0).to(tl.int64)
+    sink = tl.load(Sink + h)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for b in range(0, batch):
+        row = (b * nheads + h) * seqlen
+        for s0 in range(0, seqlen, BLOCK):
+            offs = s0 + tl.arange(0, BLOCK)
+            ok = offs < seqlen
+            lse = tl.load(Lse + row + offs, mask=ok, other=float("-inf"))
+            delta = tl.load(Delta + row + offs, mask=ok, other=0.0)
+            live = lse != float("-inf")
+            weight = tl.exp(tl.where(live, sink - lse, 0.0))
+            acc += tl.where(live, weight * delta, 0.0)
+    tl.store(DSink + h, -tl.sum(acc, 0))
+
+
 _launch_pre = Launcher(preprocess_kernel)
 _launch_dkdv = Launcher(dkdv_kernel)
 _launch_dq = Launcher(dq_kernel)
@@ -461,6 +483,24 @@ def preprocess(out, dout, dlse, varlen, tables, window_left: int, window_right: 
     if dlse is not None:
         delta -= dlse.to(torch.float32)
     return delta, built
+
+
+_launch_sink_grad = Launcher(sink_grad_kernel)
+
+
+def sink_grad(sink, lse, delta):
+    """d loss / d sink, (H,) float32, from the saved LSE (sink included) and Delta
+    (rowsum(dO * O) - dlse), both (B, H, S) float32 contiguous: the sink is a key with no
+    value row, so dS_sink = P_sink (0 - Delta) with P_sink = exp(sink - lse), summed over
+    batch and rows by one program per head in a fixed order (deterministic, no atomics).
+    Rows with LSE -inf (outside every sequence of a packed call) hold no sink weight."""
+    import torch
+
+    batch, nheads, seqlen = lse.shape
+    dsink = torch.empty((nheads,), dtype=torch.float32, device=lse.device)
+    if nheads:
+        _launch_sink_grad((nheads,), (lse, delta, sink, dsink, batch, nheads, seqlen), dict(BLOCK=1024), 4, 1)
+    return dsink
 
 
 def attention_backward(q, k, v, lse, delta, dout, dq, dk, dv, problem, *, config: BwdConfig, alibi=None,

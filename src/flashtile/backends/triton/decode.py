@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.backends.triton.scores import C_LN2, C_LOG2E, LOG2E, scores
+from flashtile.backends.triton.scores import C_LN2, C_LOG2E, LOG2E, add_sink, scores
 from flashtile.problem.window import effective_window
 from flashtile.runtime.device import device_context, device_index, sm_count
 from flashtile.runtime.launch import Launcher
@@ -221,7 +221,7 @@ def append_kernel(
 
 @triton.jit
 def decode_kernel(
-    Q, K, V, Out, Lse, OutPart, LsePart, Status, SeqLens, LeftPad, BatchIdx, Table, Alibi, Cos, Sin,
+    Q, K, V, Out, Lse, OutPart, LsePart, Status, SeqLens, LeftPad, BatchIdx, Table, Alibi, Cos, Sin, Sink,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -238,10 +238,11 @@ def decode_kernel(
     HAS_LEFTPAD: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, ROTARY_LOCAL: tl.constexpr,
-    SPLIT: tl.constexpr, CHECKED: tl.constexpr, IEEE_DOT: tl.constexpr,
+    SPLIT: tl.constexpr, CHECKED: tl.constexpr, IEEE_DOT: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Program (b, hk, block of rows, split): rows r = t * group + g of KV head hk against
-    keys [split * split_size, (split + 1) * split_size) of sequence b (module docstring)."""
+    keys [split * split_size, (split + 1) * split_size) of sequence b (module docstring).
+    A sink enters once per row: here with one split, else in ``combine_kernel``."""
     pid = tl.program_id(0)
     split = pid % num_splits
     rest = pid // num_splits
@@ -357,6 +358,9 @@ def decode_kernel(
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
+    if HAS_SINK and not SPLIT:
+        sink2 = tl.load(Sink + h, mask=row_ok, other=0.0) * C_LOG2E
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, sink2)
     seen = l_i != 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * C_LN2, float("-inf"))
@@ -379,15 +383,16 @@ def decode_kernel(
 
 @triton.jit
 def combine_kernel(
-    OutPart, LsePart, Out, Lse,
+    OutPart, LsePart, Out, Lse, Sink,
     stride_pp, stride_pb, stride_ps, stride_ph,
     stride_lp, stride_lpb, stride_lph,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     seqlen, nheads, num_splits, head_dim,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     """Program (b, t, h): out = sum_s w_s out_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s);
-    lse = max + log(sum w). A row no split saw (every lse -inf): 0 and -inf."""
+    lse = max + log(sum w). A row no split saw (every lse -inf): 0 and -inf. A sink (HAS_SINK)
+    is one more part with lse sink[h] and out 0."""
     pid = tl.program_id(0)
     h = pid % nheads
     bt = pid // nheads
@@ -401,9 +406,14 @@ def combine_kernel(
     lse_s = tl.load(LsePart + s.to(tl.int64) * stride_lp + b * stride_lpb + h * stride_lph + t, mask=s_ok,
                     other=float("-inf"))
     top = tl.max(lse_s, 0)
+    if HAS_SINK:
+        sink = tl.load(Sink + h)
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
     w = tl.exp(lse_s - top)
     total = tl.sum(w, 0)
+    if HAS_SINK:
+        total += tl.exp(sink - top)
     live = s_ok & (lse_s != float("-inf"))
     parts = tl.load(OutPart + s.to(tl.int64)[:, None] * stride_pp + b * stride_pb + t * stride_ps + h * stride_ph
                     + offs_d[None, :], mask=live[:, None] & d_ok[None, :], other=0.0)
@@ -541,12 +551,13 @@ def scratch(q, k_cache, table, num_splits: int, checked: bool):
 
 def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, alibi, cos, sin, *,
            new: int, scale: float, softcap: float, window_left: int, window_right: int, interleaved: bool,
-           rotary_local: bool, num_splits: int, status=None, parts=None) -> None:
+           rotary_local: bool, num_splits: int, status=None, parts=None, sink=None) -> None:
     """Attention of q (batch, seqlen_q, H, D) against the caches (after the append):
     out (batch, seqlen_q, H, D), lse (batch, H, seqlen_q) float32 (unit last stride).
     ``num_splits``: 0 chooses (``choose_splits``); with more than one split the partial
     results go to float32 buffers (``parts``: ``scratch``'s, made here when not given) and
-    ``combine_kernel`` writes out and lse."""
+    ``combine_kernel`` writes out and lse. ``sink``: None or (H,) float32 contiguous, one
+    logit per query head in the softmax's denominator, added once per row."""
     import torch
 
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -579,6 +590,7 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
             (q, k_cache, v_cache, out, lse, out_part, lse_part, seqlens if status is None else status, seqlens,
              seqlens if leftpad is None else leftpad, seqlens if batch_idx is None else batch_idx,
              table if paged else seqlens, q if alibi is None else alibi, cos if rotary else q, sin if rotary else q,
+             lse if sink is None else sink,
              q.stride(0), q.stride(1), q.stride(2),
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -597,25 +609,27 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
                  HAS_LEFTPAD=leftpad is not None, WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
                  SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, ROTARY=rotary, INTERLEAVED=interleaved,
                  ROTARY_LOCAL=rotary_local, SPLIT=splits > 1, CHECKED=status is not None,
-                 IEEE_DOT=q.dtype == torch.float32),
+                 IEEE_DOT=q.dtype == torch.float32, HAS_SINK=sink is not None),
             4, STAGES[kind])
         if splits > 1:
-            combine(out_part, lse_part, out, lse)
+            combine(out_part, lse_part, out, lse, sink)
 
 
-def combine(out_part, lse_part, out, lse) -> None:
+def combine(out_part, lse_part, out, lse, sink=None) -> None:
     """``combine_kernel``: out_part (S, B, Sq, H, D), lse_part (S, B, H, Sq) float32 ->
-    out (B, Sq, H, D), lse (B, H, Sq) (unit last strides)."""
+    out (B, Sq, H, D), lse (B, H, Sq) (unit last strides); ``sink``: None or (H,) float32,
+    joined once per row."""
     splits, batch, seqlen, nheads, head_dim = out_part.shape
     if batch * seqlen * nheads == 0:
         return
     with device_context(out):
         _launch_combine(
             (batch * seqlen * nheads,),
-            (out_part, lse_part, out, lse,
+            (out_part, lse_part, out, lse, lse if sink is None else sink,
              out_part.stride(0), out_part.stride(1), out_part.stride(2), out_part.stride(3),
              lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
              out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
              seqlen, nheads, splits, head_dim),
-            dict(BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=max(16, triton.next_power_of_2(head_dim))),
+            dict(BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+                 HAS_SINK=sink is not None),
             4, 1)

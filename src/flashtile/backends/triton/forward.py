@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from flashtile.backends.configs import FwdConfig
-from flashtile.backends.triton.scores import (C_LN2, C_LOG2E, HIDDEN2, LOG2E, dropout_keep, key_tiles,
+from flashtile.backends.triton.scores import (C_LN2, C_LOG2E, HIDDEN2, LOG2E, add_sink, dropout_keep, key_tiles,
                                               mask_arguments, scores)
 from flashtile.backends.worklist import program_item
 from flashtile.problem.window import launch_window
@@ -104,7 +104,7 @@ def _fwd_tiles(
 # to 20% at d64 (H200, 2026-11-29: masks lose their constancy, loads their vector width).
 @triton.jit
 def fwd_kernel(
-    Q, K, V, Out, Lse, Mask, Alibi, Seed, Items, desc_q, desc_k, desc_v, desc_o,
+    Q, K, V, Out, Lse, Mask, Alibi, Seed, Sink, Items, desc_q, desc_k, desc_v, desc_o,
     stride_qb, stride_qh, stride_qm,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -118,7 +118,7 @@ def fwd_kernel(
     EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr,
     IEEE_DOT: tl.constexpr, REVERSE_M: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_SINK: tl.constexpr,
 ):
     # A flat 1-D grid: no 65,535 limit on batch x heads (``program_item``).
     pid = tl.program_id(0)
@@ -190,8 +190,10 @@ def fwd_kernel(
         qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, seed, bh, dropout_p,
         BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA, DROPOUT)
 
-    # l_i == 0 exactly when the row saw no key; NaN (from NaN/inf in the data) must
-    # propagate to out and lse rather than pass for an empty row.
+    if HAS_SINK:
+        acc, l_i, m_i = add_sink(acc, l_i, m_i, tl.load(Sink + h) * C_LOG2E)
+    # l_i == 0 exactly when the row saw no key (and no sink); NaN (from NaN/inf in the data)
+    # must propagate to out and lse rather than pass for an empty row.
     seen = l_i != 0.0
     if DROPOUT:
         out = acc / (tl.where(seen, l_i, 1.0) * (1.0 - dropout_p))[:, None]
@@ -217,7 +219,7 @@ _launch_fwd = Launcher(fwd_kernel)
 
 
 def attention_forward(q, k, v, out, lse, problem, *, config: FwdConfig, alibi=None, mask=None, seed=None,
-                      varlen=None) -> None:
+                      varlen=None, sink=None) -> None:
     """Launch the forward kernel on a validated call (``backends.run`` chose it).
 
     Args:
@@ -234,6 +236,8 @@ def attention_forward(q, k, v, out, lse, problem, *, config: FwdConfig, alibi=No
         varlen: None, or a ``problem.spec.Varlen`` for packed sequences: q, out (1, H,
             total_q, D), k, v (1, Hk, total_k, D), lse (1, H, total_q); each sequence has its
             own bottom-right diagonal (``problem.diag_offset`` is ignored). No mask.
+        sink: None or (H,) float32, contiguous: one logit per query head in the softmax's
+            denominator (``scores.add_sink``).
     """
     import torch
 
@@ -270,7 +274,8 @@ def attention_forward(q, k, v, out, lse, problem, *, config: FwdConfig, alibi=No
         descs = (q, k, v, out)
     _launch_fwd(
         grid,
-        (q, k, v, out, lse, mask_arg, alibi_arg, seed if dropout_p > 0.0 else q, items, *descs,
+        (q, k, v, out, lse, mask_arg, alibi_arg, seed if dropout_p > 0.0 else q, q if sink is None else sink, items,
+         *descs,
          q.stride(0), q.stride(1), q.stride(2),
          k.stride(0), k.stride(1), k.stride(2),
          v.stride(0), v.stride(1), v.stride(2),
@@ -287,6 +292,6 @@ def attention_forward(q, k, v, out, lse, problem, *, config: FwdConfig, alibi=No
              SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, MASK_MODE=mask_mode,
              IEEE_DOT=q.dtype == torch.float32,
              REVERSE_M=window_right >= 0, USE_TMA=config.use_tma, DROPOUT=dropout_p > 0.0,
-             VARLEN=varlen is not None),
+             VARLEN=varlen is not None, HAS_SINK=sink is not None),
         config.num_warps, config.num_stages,
     )

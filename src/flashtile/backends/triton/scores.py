@@ -15,7 +15,9 @@ be inside the window and the bounds (``VISIBILITY=False``) skips the element mas
 ``scores`` also returns d s / d(q.k) (the backward's chain-rule factor through softcap);
 the forward and decode kernels drop it and the compiler removes its arithmetic.
 
-User-defined score and mask functions, attention sinks and FP8 scales plug in here.
+A sink (one logit per head that joins only the softmax's denominator) enters the running
+state once, after the key tiles (``add_sink``). User-defined score and mask functions and
+FP8 scales plug in here.
 """
 
 from __future__ import annotations
@@ -121,6 +123,18 @@ def scores(raw, i2, j2, in_bounds, mask_ptrs, mask_cols, mask_stride, seqlen_q, 
             visible = visible & (j2 >= i2 + diag_offset - window_left)
         s = tl.where(visible, s, float("-inf"))
     return s, dfac
+
+
+@triton.jit
+def add_sink(acc, l_i, m_i, sink2):
+    """The running softmax state (acc, l_i, m_i) of rows (base 2) with one more logit
+    ``sink2`` per row (a sink, in base 2) that joins only the denominator: it has no value
+    row, so acc is only rescaled. Called once, after every key tile: a row that saw no key
+    ends with acc 0, l 1 and m sink2, hence out 0 and lse sink."""
+    m_new = tl.maximum(m_i, sink2)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # a -inf sink on an empty row: stays empty
+    alpha = tl.exp2(m_i - m_use)
+    return acc * alpha[:, None], l_i * alpha + tl.exp2(sink2 - m_use), m_new
 
 
 @triton.jit

@@ -92,6 +92,7 @@ def chunked_attention_forward(
     dropout_p: float = 0.0,
     dropout_seed: int | None = None,
     batch_offset: int = 0,
+    sink: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention forward in torch ops, ``chunk_size`` query rows at a time.
 
@@ -119,6 +120,10 @@ def chunked_attention_forward(
             generator when None), element (bh, i, j) with bh = (b + batch_offset) * H + h.
         dropout_seed, batch_offset: the Philox key, and the first batch index (a packed
             call runs one sequence at a time: its index is its b).
+        sink: optional (H,) logits, one per query head, that join only the softmax's
+            denominator (natural units, not scaled): ``lse_i = log(exp(sink_h) + sum_j
+            exp(s_ij))``; a row that sees no key then gets out 0 and lse sink_h.
+            Differentiable.
 
     The score of a visible key is, in this order,
     ``s = scale * (q_i . k_j)``; softcap; ``+ alibi``; ``+ float mask``. Then
@@ -153,11 +158,20 @@ def chunked_attention_forward(
     if dropout_p > 0.0 and dropout_seed is None:
         dropout_seed = int(torch.randint(0, 2**62, (1,)).item())
     if seqlen_q == 0 or seqlen_k == 0 or batch == 0 or num_heads == 0:
-        # Nothing to attend to (or no rows at all): every row is empty by definition.
+        # Nothing to attend to (or no rows at all): every row is empty by definition, its
+        # LSE the sink's (a graph through the sink keeps its gradient, 0 from out).
         out = torch.zeros(batch, num_heads, seqlen_q, head_dim_v, dtype=q.dtype, device=q.device)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            # still in the inputs' graph, with zero gradients (as the kernels give them)
+            never = torch.zeros((), dtype=torch.bool, device=q.device)
+            for t in (q, k, v):
+                if t.requires_grad:
+                    out = out + torch.where(never, t.sum(), 0.0).to(q.dtype)
         lse = torch.full(
             (batch, num_heads, seqlen_q), float("-inf"), dtype=compute_dtype, device=q.device
         )
+        if sink is not None:
+            lse = sink.to(compute_dtype).reshape(1, num_heads, 1).expand(batch, num_heads, seqlen_q)
         return out, lse
 
     # One cast per tensor, O(Sk): K and V are shared by every chunk and every head of a group.
@@ -171,12 +185,15 @@ def chunked_attention_forward(
     mask_grouped = None
     if attn_mask is not None:
         mask_grouped = attn_mask.reshape(batch, num_kv_heads, group, seqlen_q, seqlen_k)
+    sinks = None
+    if sink is not None:
+        sinks = sink.to(compute_dtype).reshape(1, num_kv_heads, group, 1, 1)
 
     out_chunks: list[torch.Tensor] = []
     lse_chunks: list[torch.Tensor] = []
     neg_inf = torch.tensor(float("-inf"), dtype=compute_dtype, device=q.device)
 
-    def chunk(row_start: int, row_end: int, q_grouped, k_c, v_c, slopes, mask_grouped):
+    def chunk(row_start: int, row_end: int, q_grouped, k_c, v_c, slopes, mask_grouped, sinks):
         rows = row_end - row_start
 
         # (B, Hk, G, R, D) -> (B, Hk, G*R, D): the G heads of a group become extra rows of
@@ -213,11 +230,16 @@ def chunked_attention_forward(
 
         # The max is only a shift that cancels in p and in lse, so it needs no gradient.
         row_max = scores.amax(dim=-1, keepdim=True).detach()
+        if sinks is not None:
+            row_max = torch.maximum(row_max, sinks.detach().expand_as(row_max))
         # Empty rows have max -inf; shifting by it would give (-inf) - (-inf) = NaN. Shift
         # by 0 instead so their p is exactly 0. A +inf or NaN max is left to propagate.
         row_max = torch.where(row_max == float("-inf"), torch.zeros_like(row_max), row_max)
         probs = torch.exp(scores - row_max)
         row_sum = probs.sum(dim=-1, keepdim=True)
+        if sinks is not None:
+            # The sink joins the denominator only: no value row, no dropout.
+            row_sum = row_sum + torch.exp(sinks - row_max)
         # Only an empty row sums to exactly 0 (a non-empty one holds exp(0) = 1); a NaN sum
         # counts as non-empty so that NaN reaches out and lse.
         nonempty = row_sum != 0
@@ -241,7 +263,7 @@ def chunked_attention_forward(
     # Under autograd each chunk is checkpointed: only its inputs are kept and its scores
     # are recomputed in the backward (the same dropout mask: it is a function of the seed),
     # so training memory stays O(Sq) too, not the sum of every chunk's scores.
-    tensors = (q_grouped, k_c, v_c, slopes, mask_grouped)
+    tensors = (q_grouped, k_c, v_c, slopes, mask_grouped, sinks)
     recompute = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     for row_start in range(0, seqlen_q, chunk_size):
         row_end = min(row_start + chunk_size, seqlen_q)
@@ -258,18 +280,18 @@ def chunked_attention_forward(
     return out, lse
 
 
-def forward(q4, k4, v4, problem, alibi, mask, seed=None) -> tuple[torch.Tensor, torch.Tensor]:
+def forward(q4, k4, v4, problem, alibi, mask, seed=None, sink=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin of a canonical call (``problem.spec``): q4 (B, H, Sq, D), k4/v4 (B, Hk, Sk,
     D) views -> out (B, H, Sq, D) laid out (B, Sq, H, D) in memory, as the kernels lay it,
     and lse (B, H, Sq) float32. ``seed``: the dropout's Philox key (an int64 tensor), as
-    the kernels take it. Differentiable."""
+    the kernels take it. ``sink``: None or (H,) float32. Differentiable."""
     from flashtile.backends import layout
 
     out, lse = chunked_attention_forward(
         q4, k4, v4, scale=problem.scale, diag_offset=problem.diag_offset, window_left=problem.window_left,
         window_right=problem.window_right, softcap=problem.softcap, alibi_slopes=alibi, attn_mask=mask,
-        dropout_p=problem.dropout_p, dropout_seed=None if seed is None else int(seed.item()))
-    if torch.is_grad_enabled() and out.requires_grad:
+        dropout_p=problem.dropout_p, dropout_seed=None if seed is None else int(seed.item()), sink=sink)
+    if torch.is_grad_enabled() and (out.requires_grad or lse.requires_grad):
         return out.to(q4.dtype).transpose(1, 2).contiguous().transpose(1, 2), lse.to(torch.float32)
     out4 = layout.bshd_view(q4)
     lse_out = layout.new_lse(q4)
@@ -294,11 +316,13 @@ def host_spans(varlen) -> list[tuple[int, int, int, int]]:
     return spans
 
 
-def varlen_forward(q4, k4, v4, problem, alibi, varlen, seed=None) -> tuple[torch.Tensor, torch.Tensor]:
+def varlen_forward(q4, k4, v4, problem, alibi, varlen, seed=None, sink=None) -> tuple[torch.Tensor, torch.Tensor]:
     """The twin of a packed call: ``chunked_attention_forward`` once per sequence (its
     bounds read on the host: CPU tensors), rows past a sequence's used length 0 / -inf.
     q4 (1, H, total_q, D) -> out (1, H, total_q, D) laid out (1, total_q, H, D), lse (1, H,
-    total_q). Sequence b draws its dropout mask as batch b (as the kernels). Differentiable."""
+    total_q). Sequence b draws its dropout mask as batch b (as the kernels). ``sink``: None
+    or (H,) float32; rows of a sequence with no keys get lse sink (rows outside every
+    sequence keep -inf). Differentiable."""
     heads, total_q = q4.shape[1], q4.shape[2]
     if seed is not None:
         dropout_seed = int(seed.item())
@@ -315,7 +339,7 @@ def varlen_forward(q4, k4, v4, problem, alibi, varlen, seed=None) -> tuple[torch
     for b, (start_q, len_q, start_k, len_k) in enumerate(host_spans(varlen)):
         if start_q > row:
             gap(row, start_q)
-        if len_k == 0:
+        if len_k == 0 and sink is None:
             row = start_q  # every row of this sequence is empty: a gap, below or at the next one
             continue
         out, lse = chunked_attention_forward(
@@ -323,7 +347,7 @@ def varlen_forward(q4, k4, v4, problem, alibi, varlen, seed=None) -> tuple[torch
             scale=problem.scale, diag_offset=len_k - len_q, window_left=problem.window_left,
             window_right=problem.window_right, softcap=problem.softcap,
             alibi_slopes=None if alibi is None else alibi[b:b + 1], dropout_p=problem.dropout_p,
-            dropout_seed=dropout_seed, batch_offset=b)
+            dropout_seed=dropout_seed, batch_offset=b, sink=sink)
         outs.append(out.to(q4.dtype))
         lses.append(lse.to(torch.float32))
         row = start_q + len_q

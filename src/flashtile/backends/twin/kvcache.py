@@ -90,7 +90,8 @@ def kvcache(q, k_cache, v_cache, k, v, cos, sin, call) -> tuple[torch.Tensor, to
     problem = Problem(spec.scale, 0, spec.window_left, spec.window_right, spec.softcap)
     varlen = Varlen(cu_q, cu_k, None, lengths, seqlen_q, capacity)
     out4, lse = varlen_forward(qp.unsqueeze(0).transpose(1, 2), keys.unsqueeze(0).transpose(1, 2),
-                               values.unsqueeze(0).transpose(1, 2), problem, call.alibi, varlen)
+                               values.unsqueeze(0).transpose(1, 2), problem, call.alibi, varlen,
+                               sink=None if call.sink is None else call.sink.float())
     out = out4.transpose(1, 2)[0].reshape(batch, seqlen_q, nheads, head_dim)
     return out, lse[0].reshape(nheads, batch, seqlen_q).transpose(0, 1)
 
