@@ -243,3 +243,20 @@ def test_llama4_chunked_attention_is_refused_not_guessed():
         ref = models["eager"](ids[:1], attention_mask=padded).logits[0, -6:]
         got = models[ft.NAME](ids[:1], attention_mask=padded).logits[0, -6:]
         assert (ref - got).abs().max() < TOL
+
+
+def test_llama4_generation_past_a_chunk_matches_eager():
+    """Generating past the chunk size: the chunked layers' cache keeps only the last chunk's
+    worth of keys, whose positions the attention function never sees (before the mask
+    builder passed such layers transformers' exact mask, greedy tokens differed from eager
+    after the first chunk, with no error); single and left-padded batched prompts."""
+    models = _pair(_llama4(chunk=8), transformers.Llama4ForCausalLM)
+    ids = torch.randint(0, 97, (3, 7), generator=torch.Generator().manual_seed(2))
+    left = torch.ones(3, 7, dtype=torch.long)
+    left[1, :3] = 0
+    left[2, :5] = 0
+    with torch.no_grad():
+        for prompt, mask in ((ids[:1, :6], None), (ids, left)):
+            a = models["eager"].generate(prompt, attention_mask=mask, max_new_tokens=14, do_sample=False)
+            b = models[ft.NAME].generate(prompt, attention_mask=mask, max_new_tokens=14, do_sample=False)
+            assert torch.equal(a, b)

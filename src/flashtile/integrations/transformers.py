@@ -4,10 +4,10 @@
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="tiled_attention")
 
 transformers is imported here only (flashtile does not depend on it). ``register()`` puts
-``attention_forward`` into transformers' ``AttentionInterface`` and, as mask builder,
-transformers' own flash-attention mask function into ``AttentionMaskInterface``: the
-layers then receive either no mask (nothing padded) or the 2-D padding mask, never a
-dense 4-D one. The name has no "flash" in it on purpose: transformers (5.x) takes any
+``attention_forward`` into transformers' ``AttentionInterface`` and ``build_mask`` into
+``AttentionMaskInterface``: transformers' own flash-attention mask builder, so the layers
+receive no mask (nothing padded) or the 2-D padding mask, except for chunked layers whose
+cache dropped the sequence's first keys, which get transformers' exact 4-D bool mask. The name has no "flash" in it on purpose: transformers (5.x) takes any
 name containing "flash" for a flash-attn build and tries to import or download its
 kernels (``lazy_import_flash_attention``), which fails for "flashtile"; the 2-D masks,
 which are what makes flash-attention fast there, come from the mask builder instead.
@@ -144,14 +144,34 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     return flashtile.pad_input(out, q_idx, batch, q_len), None
 
 
+def build_mask(batch_size: int, q_length: int, kv_length: int, q_offset: int = 0, kv_offset: int = 0,
+               mask_function=None, attention_mask: Optional[torch.Tensor] = None, **kwargs):
+    """The mask builder: transformers' flash-attention builder (None or the 2-D padding
+    mask), except for a chunked-attention layer whose keys start past the sequence's first
+    position (``kv_offset > 0``: a cache that keeps only the last chunk's worth of keys).
+    There the keys' positions, which the attention function never sees, decide which keys
+    share a chunk with the queries: the layer gets transformers' own exact (batch, 1,
+    q_length, kv_length) bool mask (small: kv_length is at most the chunk size)."""
+    from transformers.masking_utils import causal_mask_function, flash_attention_mask, sdpa_mask
+
+    mask_function = mask_function or causal_mask_function
+    chunk = getattr(kwargs.get("config"), "attention_chunk_size", None)
+    if chunk and kwargs.get("local_size") == chunk and kv_offset > 0:
+        kwargs = {n: v for n, v in kwargs.items() if n not in ("allow_is_causal_skip", "allow_is_bidirectional_skip")}
+        return sdpa_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                         allow_is_causal_skip=False, **kwargs)
+    return flash_attention_mask(batch_size, q_length, kv_length, q_offset, kv_offset, mask_function, attention_mask,
+                                **kwargs)
+
+
 def register(name: str = NAME) -> str:
     """Register flashtile with transformers under ``name`` (attention function and mask
     builder); returns the name to pass as ``attn_implementation``."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface, flash_attention_mask
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
     AttentionInterface.register(name, attention_forward)
-    AttentionMaskInterface.register(name, flash_attention_mask)
+    AttentionMaskInterface.register(name, build_mask)
     assert name in ALL_MASK_ATTENTION_FUNCTIONS
     return name
 
