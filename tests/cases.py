@@ -36,6 +36,7 @@ class Case:
     dist: str = "randn"  # randn | rand | q5 (q scaled by 5)
     scale: Optional[float] = None
     sink: Optional[str] = None  # None, "small" (below most rows' LSE), "large" (above many)
+    chunk: int = 0  # attention_chunk (0: off)
 
     @property
     def id(self) -> str:
@@ -55,6 +56,8 @@ class Case:
             parts.append(self.dist)
         if self.sink:
             parts.append(f"sink-{self.sink}")
+        if self.chunk:
+            parts.append(f"chunk{self.chunk}")
         return "-".join(parts)
 
 
@@ -118,7 +121,7 @@ def reference(case: Case, q, k, v, alibi, dtype: torch.dtype, sink=None):
     out, lse = plain_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=scale,
         diag_offset=case.seqlen_k - case.seqlen_q, window_left=left, window_right=right,
-        softcap=case.softcap, alibi_slopes=slopes, sink=sink, dtype=dtype,
+        softcap=case.softcap, alibi_slopes=slopes, sink=sink, chunk=case.chunk, dtype=dtype,
     )
     return out.transpose(1, 2), lse
 
@@ -130,6 +133,7 @@ def check_flash_case(case: Case, device: str = "cpu", seed: int = 0):
     out, lse, probs = flashtile.flash_attn_func(
         q, k, v, softmax_scale=case.scale, causal=case.causal, window_size=case.window,
         softcap=case.softcap, alibi_slopes=alibi, return_attn_probs=True, learnable_sink=sink,
+        attention_chunk=case.chunk,
     )
     assert probs is None
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -164,7 +168,7 @@ def check_flash_grads(case: Case, device: str = "cpu", seed: int = 0, noncontigu
     def kernel(q_, k_, v_, *sink_):
         return flashtile.flash_attn_func(q_, k_, v_, softmax_scale=case.scale, causal=case.causal,
                                          window_size=case.window, softcap=case.softcap, alibi_slopes=alibi,
-                                         learnable_sink=sink_[0] if sink_ else None)
+                                         learnable_sink=sink_[0] if sink_ else None, attention_chunk=case.chunk)
 
     def ref_fn(dtype):
         return lambda q_, k_, v_, *sink_: reference(case, q_, k_, v_, alibi, dtype, *sink_)[0]

@@ -21,6 +21,7 @@ def dense_scores(
     softcap: float = 0.0,
     alibi_slopes: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Float64 scores (B, H, Sq, Sk) with -inf where a key is not visible.
 
@@ -51,6 +52,11 @@ def dense_scores(
         keep = keep & (j >= i + diag_offset - window_left)
     if window_right >= 0:
         keep = keep & (j <= i + diag_offset + window_right)
+    if chunk > 0:  # chunk number of the query's position and of the key (Python's // floors)
+        position = i + diag_offset
+        same = torch.tensor([[(p // chunk) == (c // chunk) for p, c in zip(prow, crow)]
+                             for prow, crow in zip(position.tolist(), j.tolist())], dtype=torch.bool)
+        keep = keep & same
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             keep = keep & attn_mask
@@ -73,6 +79,7 @@ def dense_attention(
     alibi_slopes: torch.Tensor | None = None,
     attn_mask: torch.Tensor | None = None,
     sink: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Naive float64 attention: returns (out (B, H, Sq, D), lse (B, H, Sq)), both float64.
 
@@ -83,6 +90,8 @@ def dense_attention(
     ``lse = logsumexp`` over visible keys, ``out = exp(s - lse) @ v``. Rows with nothing
     visible (or all scores -inf) give out 0 and lse -inf. ``sink`` (H,): one more logit per
     head in every row's logsumexp with no value (out 0 and lse sink[h] for an empty row).
+    ``chunk`` > 0: also hide keys whose chunk number j // chunk differs from the query
+    position's (i + diag_offset) // chunk.
     """
     num_heads, num_kv_heads = q.shape[1], k.shape[1]
     group = num_heads // num_kv_heads
@@ -96,6 +105,7 @@ def dense_attention(
         softcap=softcap,
         alibi_slopes=alibi_slopes,
         attn_mask=attn_mask,
+        chunk=chunk,
     )
     v_rep = v.double().repeat_interleave(group, dim=1)  # (B, H, Sk, D)
 

@@ -30,6 +30,7 @@ class VarlenCase:
     page_size: int = 0  # > 0: paged keys through a shuffled block table
     max_pad: int = 0  # added to max_seqlen_q/k (a loose bound is allowed)
     sink: bool = False  # (nheads,) learnable sinks, around the rows' LSE
+    chunk: int = 0  # attention_chunk (0: off)
     extra: dict = field(default_factory=dict, compare=False)
 
     @property
@@ -56,6 +57,8 @@ class VarlenCase:
             parts.append(f"page{self.page_size}")
         if self.sink:
             parts.append("sink")
+        if self.chunk:
+            parts.append(f"chunk{self.chunk}")
         return "-".join(parts)
 
 
@@ -132,7 +135,7 @@ def reference(case: VarlenCase, q, k, v, alibi, dtype, sink=None):
             o, lse = plain_attention(qb, kb, vb, scale=scale, diag_offset=lk - lq, window_left=left,
                                      window_right=right, softcap=case.softcap,
                                      alibi_slopes=None if alibi is None else alibi[b:b + 1], sink=sink,
-                                     dtype=dtype)
+                                     chunk=case.chunk, dtype=dtype)
         else:
             o = qb.new_zeros(qb.shape, dtype=dtype)
             lse = torch.full(qb.shape[:3], float("-inf"), dtype=torch.float64 if dtype == torch.float64
@@ -160,7 +163,7 @@ def run_varlen(case: VarlenCase, q, k, v, alibi, paged=None, **kwargs):
     out, lse, _ = flashtile.flash_attn_varlen_func(
         q, kk, vv, cu_seqlens(case.lens_q, device), cu_seqlens(case.keys, device), max_q, max_k,
         causal=case.causal, window_size=case.window, softcap=case.softcap, alibi_slopes=alibi,
-        return_attn_probs=True, block_table=table, **used, **kwargs)
+        return_attn_probs=True, block_table=table, attention_chunk=case.chunk, **used, **kwargs)
     return out, lse
 
 

@@ -35,7 +35,7 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, wi
              cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
              seqused_q: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
              max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-             sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+             sink: Optional[Tensor] = None, attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
     """The forward (``backends.run.forward``): out (B, Sq, H, D) and lse (B, H, Sq) float32.
 
     ``seed``: a 1-element int64 tensor on q's device, the Philox key of the dropout mask.
@@ -43,16 +43,17 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, wi
     make it a packed call (``problem.spec.Varlen``): q (1, H, total_q, D), k/v (1, Hk,
     total_k, D), each sequence with its own diagonal (len_k - len_q). ``sink``: (H,)
     float32 logits in the softmax's denominator (``problem.spec``), differentiable.
+    ``attention_chunk``: chunked attention (0: off).
     """
     return run.forward(q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
                        dropout_p, seed, deterministic, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
-                       max_seqlen_q, max_seqlen_k, sink)
+                       max_seqlen_q, max_seqlen_k, sink, attention_chunk)
 
 
 @attn_fwd.register_fake
 def _attn_fwd_fake(q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
                    dropout_p=0.0, seed=None, deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None,
-                   seqused_q=None, seqused_k=None, max_seqlen_q=0, max_seqlen_k=0, sink=None):
+                   seqused_q=None, seqused_k=None, max_seqlen_q=0, max_seqlen_k=0, sink=None, attention_chunk=0):
     batch, nheads, seqlen_q, head_dim = q.shape
     return (q.new_empty((batch, seqlen_q, nheads, head_dim)),
             q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
@@ -67,19 +68,19 @@ def attn_bwd(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Te
              cu_seqlens_q: Optional[Tensor] = None, cu_seqlens_k: Optional[Tensor] = None,
              seqused_q: Optional[Tensor] = None, seqused_k: Optional[Tensor] = None,
              max_seqlen_q: int = 0, max_seqlen_k: int = 0,
-             sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+             sink: Optional[Tensor] = None, attention_chunk: int = 0) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The backward (``backends.run.backward``): dq (B, Sq, H, D), dk/dv (B, Sk, Hk, D),
     dsink (H,) float32 ((0,) without a sink)."""
     return run.backward(dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap,
                         alibi_slopes, attn_mask, dropout_p, seed, deterministic, dlse, cu_seqlens_q, cu_seqlens_k,
-                        seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, sink)
+                        seqused_q, seqused_k, max_seqlen_q, max_seqlen_k, sink, attention_chunk)
 
 
 @attn_bwd.register_fake
 def _attn_bwd_fake(dout, q, k, v, out, lse, scale, diag_offset, window_left, window_right, softcap,
                    alibi_slopes, attn_mask, dropout_p=0.0, seed=None, deterministic=False, dlse=None,
                    cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None, seqused_k=None, max_seqlen_q=0,
-                   max_seqlen_k=0, sink=None):
+                   max_seqlen_k=0, sink=None, attention_chunk=0):
     def bshd(t):
         b, h, s, d = t.shape
         return t.new_empty((b, s, h, d))
@@ -100,6 +101,7 @@ def _setup_context(ctx, inputs, output):
     ctx.dropout = (dropout_p, seed, deterministic)
     ctx.varlen = tuple(inputs[13:19])  # cu_seqlens_q/k, seqused_q/k, max_seqlen_q/k (a varlen call)
     ctx.sink = inputs[19] if len(inputs) > 19 else None
+    ctx.chunk = inputs[20] if len(inputs) > 20 else 0
     ctx.num_inputs = len(inputs)
 
 
@@ -114,19 +116,17 @@ def _grads(ctx, dout, dlse, bwd):
         dout = None if dout is None else layout.to_bshd(dout, where)
     if dout is None:  # only the LSE was used downstream
         dout = torch.zeros_like(out)
-    if ctx.sink is None:
-        dq, dk, dv, _ = bwd(dout, q, k, v, out, lse, *ctx.problem, ctx.alibi_slopes, ctx.attn_mask, *ctx.dropout,
-                            dlse, *ctx.varlen)
-        dsink = ()
-    else:
-        varlen = ctx.varlen or (None, None, None, None, 0, 0)
-        dq, dk, dv, dsink = bwd(dout, q, k, v, out, lse, *ctx.problem, ctx.alibi_slopes, ctx.attn_mask,
-                                *ctx.dropout, dlse, *varlen, ctx.sink)
-        dsink = (dsink,)
+    tail = ctx.varlen
+    if ctx.sink is not None or ctx.chunk:
+        tail = (*(ctx.varlen or (None, None, None, None, 0, 0)), ctx.sink, ctx.chunk)
+    dq, dk, dv, dsink = bwd(dout, q, k, v, out, lse, *ctx.problem, ctx.alibi_slopes, ctx.attn_mask, *ctx.dropout,
+                            dlse, *tail)
     # The backward returns (B, S, H, D), each gradient goes back in its input's layout.
     where = where or "bhsd"
-    grads = tuple(layout.from_bshd(g, where) for g in (dq, dk, dv))
-    return grads + (None,) * (ctx.num_inputs - 3 - len(dsink)) + dsink
+    grads = [layout.from_bshd(g, where) for g in (dq, dk, dv)] + [None] * (ctx.num_inputs - 3)
+    if ctx.sink is not None:
+        grads[19] = dsink  # the op's sink argument
+    return tuple(grads)
 
 
 def _backward(ctx, dout, dlse):
@@ -209,16 +209,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, w
               window_right: int, softcap: float, alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor],
               dropout_p: float = 0.0, seed: Optional[Tensor] = None,
               deterministic: bool = False, varlen: tuple = (), hint=None,
-              qkv_layout: str = "bhsd", sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+              qkv_layout: str = "bhsd", sink: Optional[Tensor] = None, chunk: int = 0) -> tuple[Tensor, Tensor]:
     """What ``flashtile.dispatch`` calls: ``attn_fwd`` (and its autograd) for q, k, v given
     in ``qkv_layout`` (``layout.LAYOUTS``: "bhsd" the op's (B, H, S, D), "bshd" flash-attn's,
     "thd" a packed (total, H, D)); returns out in the same layout and lse (B, H, Sq)
     float32. ``varlen``: empty, or its six op arguments. ``hint``: the plan entry
     (``runtime.replay``) of an API call whose key determines this call's arguments but
     their addresses; a training call then keeps its kernels' entry in ``hint.below``.
-    ``sink``: None or (H,) float32 (differentiable)."""
-    if sink is not None:
-        varlen = (*(varlen or (None, None, None, None, 0, 0)), sink)
+    ``sink``: None or (H,) float32 (differentiable). ``chunk``: chunked attention (0: off)."""
+    if sink is not None or chunk:
+        varlen = (*(varlen or (None, None, None, None, 0, 0)), sink, chunk)
     tail = (scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
             deterministic, *varlen)
     _refuse_forward_ad(q, k, v, alibi_slopes, attn_mask, sink)
@@ -238,12 +238,12 @@ def kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
                batch_idx: Optional[Tensor], table: Optional[Tensor], alibi: Optional[Tensor],
                sink: Optional[Tensor], scale: float, softcap: float, window_left: int, window_right: int, interleaved: bool, rotary_local: bool,
                num_splits: int, device_check: bool, batch_cache: int, num_blocks: int,
-               rotary_len: int) -> tuple[Tensor, Tensor]:
+               rotary_len: int, attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
     """The kv-cache call as an op that declares its in-place writes to the caches (what
     torch.compile traces): ``backends.run.kvcache``."""
     return run.kvcache(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, sink, scale,
                        softcap, window_left, window_right, interleaved, rotary_local, num_splits, device_check,
-                       batch_cache, num_blocks, rotary_len)
+                       batch_cache, num_blocks, rotary_len, attention_chunk)
 
 
 @kvcache_op.register_fake

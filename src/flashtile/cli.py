@@ -103,6 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     explain.add_argument("--capability", type=int, nargs=2, default=(9, 0), metavar=("MAJOR", "MINOR"))
     explain.add_argument("--deterministic", action="store_true", help="the call asks for bitwise reproducible gradients")
+    explain.add_argument("--sink", action="store_true", help="learnable attention sinks (learnable_sink)")
+    explain.add_argument("--chunk", type=_positive_int, help="chunked attention (attention_chunk)")
 
     check = sub.add_parser(
         "check",
@@ -222,7 +224,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(explain(args.seqlen_q, args.seqlen_k, args.head_dim, dtype=args.dtype, causal=args.causal,
                       window=tuple(args.window), softcap=args.softcap, alibi=args.alibi, dropout_p=args.dropout,
                       varlen=args.varlen, seqused=args.seqused, device=args.device,
-                      capability=tuple(args.capability), deterministic=args.deterministic))
+                      capability=tuple(args.capability), deterministic=args.deterministic, sink=args.sink,
+                      chunk=args.chunk or 0))
         return 0
     return _run_traffic(args)
 

@@ -65,7 +65,7 @@ def attention(q, k, v, problem: Problem, alibi=None, mask=None, varlen: Optional
     return autograd.attention(
         q, k, v, problem.scale, problem.diag_offset, problem.window_left, problem.window_right, problem.softcap,
         alibi, mask, problem.dropout_p, seed, problem.deterministic or torch.are_deterministic_algorithms_enabled(),
-        () if varlen is None else varlen, hint, qkv_layout, sink)
+        () if varlen is None else varlen, hint, qkv_layout, sink, problem.chunk)
 
 
 def attention_with_probs(q, k, v, problem: Problem, alibi=None, varlen: Optional[Varlen] = None,
@@ -113,7 +113,7 @@ def kvcache_kernels(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch
     return autograd.kvcache(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, sink,
                             spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.interleaved,
                             spec.rotary_local, spec.num_splits, device_check, spec.batch_cache, spec.num_blocks,
-                            spec.rotary_len, hint=hint)
+                            spec.rotary_len, spec.chunk, hint=hint)
 
 
 def runs_kernels(device) -> bool:

@@ -76,15 +76,16 @@ def assert_close(name: str, out: torch.Tensor, ref: torch.Tensor, base: Optional
 
 def plain_attention(q, k, v, *, scale: float, diag_offset: int = 0, window_left: int = -1,
                     window_right: int = -1, softcap: float = 0.0, alibi_slopes=None, attn_mask=None,
-                    sink=None, dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    sink=None, chunk: int = 0,
+                    dtype: Optional[torch.dtype] = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention the plain PyTorch way in ``dtype`` (default: q's), materialising (Sq, Sk).
 
     The "base" of the accuracy rule (in the input dtype) and, with ``dtype=torch.float64``,
     the reference. Same canonical semantics as the kernels: q (B, H, Sq, D), k/v
     (B, Hk, Sk, D), visibility window around ``diag_offset``, softcap, ALiBi (B, H),
-    mask (B, H, Sq, Sk) bool or float, sinks (H,) (one more score column with no value row,
-    as gpt-oss's eager attention does it). Returns (out (B, H, Sq, D), lse (B, H, Sq)),
-    empty rows 0 / -inf (0 / sink with a sink).
+    mask (B, H, Sq, Sk) bool or float, chunked attention (``chunk``), sinks (H,) (one more
+    score column with no value row, as gpt-oss's eager attention does it). Returns (out
+    (B, H, Sq, D), lse (B, H, Sq)), empty rows 0 / -inf (0 / sink with a sink).
     """
     from flashtile.backends.twin.attention import visible_mask
 
@@ -101,7 +102,7 @@ def plain_attention(q, k, v, *, scale: float, diag_offset: int = 0, window_left:
         i = torch.arange(seqlen_q, device=q.device)[:, None]
         j = torch.arange(seqlen_k, device=q.device)[None, :]
         s = s - alibi_slopes.to(dtype)[:, :, None, None] * (i + diag_offset - j).abs().to(dtype)
-    keep = visible_mask(seqlen_q, seqlen_k, diag_offset, window_left, window_right, device=q.device)
+    keep = visible_mask(seqlen_q, seqlen_k, diag_offset, window_left, window_right, device=q.device, chunk=chunk)
     keep = keep.expand(s.shape)
     if attn_mask is not None:
         if attn_mask.dtype == torch.bool:

@@ -35,7 +35,7 @@ def _rotate(x, cos, sin, positions, interleaved):
 
 def _reference(q, k_cache, v_cache, k, v, seqlens, *, rotary=None, interleaved=True, batch_idx=None,
                leftpad=None, table=None, causal=False, window=(-1, -1), softcap=0.0, alibi=None, sink=None,
-               dtype=torch.float64):
+               chunk=0, dtype=torch.float64):
     """(out (batch, Sq, H, D), lse (batch, H, Sq), the caches afterwards as float64)."""
     batch, sq, nheads, d = q.shape
     kc, vc = k_cache.double().clone(), v_cache.double().clone()
@@ -72,7 +72,8 @@ def _reference(q, k_cache, v_cache, k, v, seqlens, *, rotary=None, interleaved=T
         o, lse = plain_attention(qb.transpose(0, 1)[None], keys.transpose(0, 1)[None].to(qb.dtype),
                                  vals.transpose(0, 1)[None].to(qb.dtype), scale=1 / math.sqrt(d),
                                  diag_offset=lk - sq, window_left=left, window_right=right, softcap=softcap,
-                                 alibi_slopes=None if alibi is None else alibi[b:b + 1], sink=sink, dtype=dtype)
+                                 alibi_slopes=None if alibi is None else alibi[b:b + 1], sink=sink, chunk=chunk,
+                                 dtype=dtype)
         outs.append(o[0].transpose(0, 1))
         lses.append(lse[0])
     return torch.stack(outs), torch.stack(lses), kc, vc
@@ -100,7 +101,7 @@ def _case(batch=3, sq=1, new=1, heads=(4, 2), d=16, capacity=40, seqlens=(0, 17,
 
 def _run_and_check(q, k, v, k_cache, v_cache, seqlens, **kw):
     ref_kw = {n: kw[n] for n in ("batch_idx", "leftpad", "table", "causal", "window", "softcap", "alibi",
-                                 "interleaved", "sink") if n in kw}
+                                 "interleaved", "sink", "chunk") if n in kw}
     rotary = kw.get("rotary")
     want, want_lse, kc, vc = _reference(q, k_cache, v_cache, k, v, seqlens.tolist(), rotary=rotary, **ref_kw)
     # the low-precision reference rounds the rotated q and k to q's dtype, as the kernels do:
@@ -114,7 +115,8 @@ def _run_and_check(q, k, v, k_cache, v_cache, seqlens, **kw):
         cache_batch_idx=kw.get("batch_idx"), cache_leftpad=kw.get("leftpad"), block_table=kw.get("table"),
         causal=kw.get("causal", False), window_size=kw.get("window", (-1, -1)), softcap=kw.get("softcap", 0.0),
         rotary_interleaved=kw.get("interleaved", True), alibi_slopes=kw.get("alibi"),
-        num_splits=kw.get("num_splits", 0), return_softmax_lse=True, learnable_sink=kw.get("sink"))
+        num_splits=kw.get("num_splits", 0), return_softmax_lse=True, learnable_sink=kw.get("sink"),
+        attention_chunk=kw.get("chunk", 0))
     assert_close("out", out, want, base)
     assert_close("lse", lse, want_lse, base_lse)
     # the appended rows hold the (rotated) new keys; nothing else changed, bit for bit

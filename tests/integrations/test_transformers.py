@@ -219,44 +219,48 @@ def _llama4(chunk=8):
                                          attention_chunk_size=chunk, num_local_experts=2, interleave_moe_layer_step=2)
 
 
-def test_llama4_chunked_attention_is_refused_not_guessed():
+def test_llama4_chunked_attention_matches_eager():
     """Llama 4's chunked layers reach the attention function only through the mask, which
-    the 2-D padding mask drops: over more than one chunk the result would silently differ
-    (logits off by ~0.75 of their largest value here), so the call is refused; within one
-    chunk chunked attention is causal attention and matches eager."""
+    the 2-D padding mask drops (before issue 36, logits were off by ~0.75 of their largest
+    value, silently): the integration passes the layer's chunk as attention_chunk, chunks
+    counted from each row's first real token. Sequences of 20 tokens over chunks of 8,
+    unpadded, right- and left-padded; a training step's gradients."""
     models = _pair(_llama4(chunk=8), transformers.Llama4ForCausalLM)
     assert "chunked_attention" in models[ft.NAME].config.layer_types
     ids, right, left = _inputs(seqlen=20)
     with torch.no_grad():
-        short = ids[:, :8]
-        for mask in (None, right[:, :8], left[:, -8:]):  # one chunk: right- and left-padded rows
-            ref = models["eager"](short, attention_mask=mask).logits
-            got = models[ft.NAME](short, attention_mask=mask).logits
-            keep = torch.ones_like(short, dtype=torch.bool) if mask is None else mask.bool()
+        for mask in (None, right, left):
+            ref = models["eager"](ids, attention_mask=mask).logits
+            got = models[ft.NAME](ids, attention_mask=mask).logits
+            keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
             assert (ref - got)[keep].abs().max() < TOL
-        for mask in (None, right):
-            with pytest.raises(NotImplementedError, match=r"chunked attention \(attention_chunk_size=8\)"):
-                models[ft.NAME](ids, attention_mask=mask)
-        # a padded row whose real tokens fit one chunk runs (chunks count from the first real token)
-        padded = torch.zeros(1, 20, dtype=torch.long)
-        padded[0, -6:] = 1
-        ref = models["eager"](ids[:1], attention_mask=padded).logits[0, -6:]
-        got = models[ft.NAME](ids[:1], attention_mask=padded).logits[0, -6:]
-        assert (ref - got).abs().max() < TOL
+        # the chunks matter far beyond the tolerance: without them the logits differ
+        plain = _pair(_llama4(chunk=64), transformers.Llama4ForCausalLM)["eager"](ids).logits
+        assert (plain - models["eager"](ids).logits).abs().max() > 100 * TOL
+    grads = {}
+    for impl, model in models.items():
+        model.train()
+        model(ids, attention_mask=right, labels=ids.masked_fill(right == 0, -100)).loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["eager"].keys() == grads[ft.NAME].keys() and grads["eager"]
+    for n, g in grads["eager"].items():
+        assert (g - grads[ft.NAME][n]).abs().max() <= 1e-4 * max(1.0, g.abs().max().item()), n
 
 
 def test_llama4_generation_past_a_chunk_matches_eager():
     """Generating past the chunk size: the chunked layers' cache keeps only the last chunk's
     worth of keys, whose positions the attention function never sees (before the mask
     builder passed such layers transformers' exact mask, greedy tokens differed from eager
-    after the first chunk, with no error); single and left-padded batched prompts."""
+    after the first chunk, with no error); single and left-padded batched prompts, and a
+    prompt of more than two chunks."""
     models = _pair(_llama4(chunk=8), transformers.Llama4ForCausalLM)
     ids = torch.randint(0, 97, (3, 7), generator=torch.Generator().manual_seed(2))
     left = torch.ones(3, 7, dtype=torch.long)
     left[1, :3] = 0
     left[2, :5] = 0
+    long = torch.randint(0, 97, (1, 19), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        for prompt, mask in ((ids[:1, :6], None), (ids, left)):
+        for prompt, mask in ((ids[:1, :6], None), (ids, left), (long, None)):
             a = models["eager"].generate(prompt, attention_mask=mask, max_new_tokens=14, do_sample=False)
             b = models[ft.NAME].generate(prompt, attention_mask=mask, max_new_tokens=14, do_sample=False)
             assert torch.equal(a, b)

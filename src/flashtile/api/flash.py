@@ -14,14 +14,14 @@ _PLANS = replay.cache("flash_attn_func")
 
 
 def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                return_attn_probs, learnable_sink=None, names=("q", "k", "v")):
+                return_attn_probs, learnable_sink=None, attention_chunk=0, names=("q", "k", "v")):
     """Validate (once per key: ``runtime.replay``), then run; a repeated call without grad
     replays its whole launch plan."""
     args = (dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-            learnable_sink)
+            learnable_sink, attention_chunk)
     inputs = (q, k, v, alibi_slopes, learnable_sink)
     scalars = replay.plain_scalars((names, dropout_p, softmax_scale, causal, window_size, softcap, deterministic,
-                                    return_attn_probs))
+                                    return_attn_probs, attention_chunk))
     key = None if scalars is None else replay.make_key(inputs, scalars)
     if key is None:
         return _run(q, k, v, alibi_slopes, learnable_sink, validate.flash_call(q, k, v, *args, names))
@@ -58,6 +58,7 @@ def flash_attn_func(
     return_attn_probs: bool = False,
     *,
     learnable_sink: Optional[torch.Tensor] = None,
+    attention_chunk: int = 0,
 ):
     """Exact attention with flash-attn 2's interface and semantics.
 
@@ -106,6 +107,10 @@ def flash_attn_func(
             not multiplied by softmax_scale. The returned LSE includes it (a row that sees
             no key gets out 0 and lse sink_h). Differentiable: its gradient is reduced in a
             fixed order (deterministic).
+        attention_chunk: chunked local attention (FA3's name; Llama 4): C >= 1 lets query i
+            see key j only if both lie in one chunk of C positions, counted from key 0:
+            floor((i + seqlen_k - seqlen_q) / C) == floor(j / C), together with causal and
+            the window. 0 (the default) is off.
         return_attn_probs: also return softmax_lse (differentiable, e.g. for a z-loss) and
             S_dmask: None without dropout; with dropout_p > 0 a (batch, nheads, seqlen_q,
             seqlen_k) float32 tensor holding exp(s - rowmax(s)) for kept entries, the
@@ -123,7 +128,7 @@ def flash_attn_func(
     fp32 accumulation and the probabilities rounded to the input dtype before P @ V.
     """
     return _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap, alibi_slopes,
-                       deterministic, return_attn_probs, learnable_sink)
+                       deterministic, return_attn_probs, learnable_sink, attention_chunk)
 
 
 def flash_attn_qkvpacked_func(
@@ -138,11 +143,12 @@ def flash_attn_qkvpacked_func(
     return_attn_probs: bool = False,
     *,
     learnable_sink: Optional[torch.Tensor] = None,
+    attention_chunk: int = 0,
 ):
     """:func:`flash_attn_func` on qkv (batch, seqlen, 3, nheads, headdim); q, k, v are views (no copy)."""
     validate.packed("qkv", qkv, 5, 2, 3, "(batch, seqlen, 3, nheads, headdim)")
     return _flash_attn(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], dropout_p, softmax_scale, causal, window_size,
-                       softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink,
+                       softcap, alibi_slopes, deterministic, return_attn_probs, learnable_sink, attention_chunk,
                        names=("qkv[:, :, 0]", "qkv[:, :, 1]", "qkv[:, :, 2]"))
 
 
@@ -159,9 +165,10 @@ def flash_attn_kvpacked_func(
     return_attn_probs: bool = False,
     *,
     learnable_sink: Optional[torch.Tensor] = None,
+    attention_chunk: int = 0,
 ):
     """:func:`flash_attn_func` with kv (batch, seqlen_k, 2, nheads_k, headdim); k, v are views (no copy)."""
     validate.packed("kv", kv, 5, 2, 2, "(batch, seqlen_k, 2, nheads_k, headdim)")
     return _flash_attn(q, kv[:, :, 0], kv[:, :, 1], dropout_p, softmax_scale, causal, window_size, softcap,
-                       alibi_slopes, deterministic, return_attn_probs, learnable_sink,
+                       alibi_slopes, deterministic, return_attn_probs, learnable_sink, attention_chunk,
                        names=("q", "kv[:, :, 0]", "kv[:, :, 1]"))

@@ -57,6 +57,7 @@ def flash_attn_with_kvcache(
     return_softmax_lse: bool = False,
     *,
     learnable_sink: Optional[torch.Tensor] = None,
+    attention_chunk: int = 0,
 ):
     """Attention of new queries against a KV cache, appending new keys/values in place.
 
@@ -93,6 +94,9 @@ def flash_attn_with_kvcache(
             that joins only the softmax's denominator (gpt-oss's sinks; FA4's name), added
             once per row, whatever the split; natural-log units, not multiplied by
             softmax_scale. The LSE includes it.
+        attention_chunk: chunked local attention (FA3's name): query i of sequence b sees
+            key j only if floor((i + len_k(b) - seqlen_q) / C) == floor(j / C), keys counted
+            from leftpad; 0 (the default) is off.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim), or (out, lse). Not differentiable (as in
@@ -109,7 +113,7 @@ def flash_attn_with_kvcache(
         tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                    block_table, alibi_slopes, learnable_sink)
         scalars = replay.plain_scalars((softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
-                                        return_softmax_lse))
+                                        return_softmax_lse, attention_chunk))
         key = None if scalars is None else replay.make_key(tensors, scalars)
         if key is not None:
             entry = _PLANS.entry(key, tensors)
@@ -117,7 +121,8 @@ def flash_attn_with_kvcache(
                 return _fast(entry, *tensors)
     call = validate.kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                  cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
-                                 rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, learnable_sink)
+                                 rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, learnable_sink,
+                                 attention_chunk)
     kernels = dispatch.runs_kernels(q.device)
     host = _host_check(call.seqlens, mode)
     if host or not kernels:

@@ -19,10 +19,11 @@ from flashtile.problem import validate
 
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
             window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q, seqused_k,
-            learnable_sink=None, names=("q", "k", "v")):
+            learnable_sink=None, attention_chunk=0, names=("q", "k", "v")):
     call = validate.varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                                 softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                return_attn_probs, block_table, seqused_q, seqused_k, names, learnable_sink)
+                                return_attn_probs, block_table, seqused_q, seqused_k, names, learnable_sink,
+                                attention_chunk)
     # (total, H, D) in and out: the views to the kernels' (1, H, total, D) and back happen
     # inside the autograd node (as a select outside it, out[0] cost a zero-filled gradient
     # and a copy per backward: H200 run 80, 55 us of a 1.6 ms varlen backward).
@@ -53,6 +54,7 @@ def flash_attn_varlen_func(
     seqused_q: Optional[torch.Tensor] = None,
     seqused_k: Optional[torch.Tensor] = None,
     learnable_sink: Optional[torch.Tensor] = None,
+    attention_chunk: int = 0,
 ):
     """Exact attention over packed sequences, with flash-attn 2's interface and semantics.
 
@@ -84,6 +86,8 @@ def flash_attn_varlen_func(
             sequence take part (and set its diagonal); its other rows get out 0, LSE -inf
             and zero gradients.
         learnable_sink: None, or (nheads,): as in ``flash_attn_func``, in every sequence.
+        attention_chunk: as in ``flash_attn_func``, chunks counted from each sequence's first
+            key (used keys: from cu_seqlens_k[b]).
 
     Returns:
         out (total_q, nheads, headdim); with ``return_attn_probs`` ``(out, softmax_lse,
@@ -96,7 +100,7 @@ def flash_attn_varlen_func(
     """
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                    causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
-                   seqused_q, seqused_k, learnable_sink)
+                   seqused_q, seqused_k, learnable_sink, attention_chunk)
 
 
 def flash_attn_varlen_qkvpacked_func(
@@ -113,12 +117,13 @@ def flash_attn_varlen_qkvpacked_func(
     return_attn_probs: bool = False,
     *,
     learnable_sink: Optional[torch.Tensor] = None,
+    attention_chunk: int = 0,
 ):
     """:func:`flash_attn_varlen_func` on qkv (total, 3, nheads, headdim); q, k, v are views."""
     validate.packed("qkv", qkv, 4, 1, 3, "(total, 3, nheads, headdim)")
     return _varlen(qkv[:, 0], qkv[:, 1], qkv[:, 2], cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                   None, None, None, learnable_sink, names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
+                   None, None, None, learnable_sink, attention_chunk, names=("qkv[:, 0]", "qkv[:, 1]", "qkv[:, 2]"))
 
 
 def flash_attn_varlen_kvpacked_func(
@@ -138,9 +143,10 @@ def flash_attn_varlen_kvpacked_func(
     return_attn_probs: bool = False,
     *,
     learnable_sink: Optional[torch.Tensor] = None,
+    attention_chunk: int = 0,
 ):
     """:func:`flash_attn_varlen_func` with kv (total_k, 2, nheads_k, headdim); k, v are views."""
     validate.packed("kv", kv, 4, 1, 2, "(total_k, 2, nheads_k, headdim)")
     return _varlen(q, kv[:, 0], kv[:, 1], cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
                    softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs,
-                   None, None, None, learnable_sink, names=("q", "kv[:, 0]", "kv[:, 1]"))
+                   None, None, None, learnable_sink, attention_chunk, names=("q", "kv[:, 0]", "kv[:, 1]"))

@@ -24,7 +24,7 @@ def _tile(q, k, problem, slopes, diag: int) -> torch.Tensor:
     if slopes is not None:
         rel = (torch.arange(lq, device=q.device)[:, None] + diag - torch.arange(lk, device=q.device)[None, :]).abs()
         s = s - slopes.float()[:, None, None] * rel
-    visible = visible_mask_rows(0, lq, lk, diag, problem.window_left, problem.window_right, q.device)
+    visible = visible_mask_rows(0, lq, lk, diag, problem.window_left, problem.window_right, q.device, problem.chunk)
     s = torch.where(visible, s, float("-inf"))
     m = s.amax(-1, keepdim=True)
     m = torch.where(m == float("-inf"), 0.0, m)

@@ -55,7 +55,7 @@ class Call:
     with seqused_q/k (or paged keys). ``aligned``: every tensor of the pass can be read by
     TMA (fp16/bf16, 16-byte aligned bases and strides; ``backends.run.tma_ready``).
     ``sink``: a learnable sink per head (only the forward reads it; the backward sees it
-    through the LSE).
+    through the LSE). ``chunk``: chunked attention.
     """
 
     capability: Optional[tuple[int, int]]
@@ -74,6 +74,7 @@ class Call:
     deterministic: bool = False
     aligned: bool = True
     sink: bool = False
+    chunk: bool = False
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ def backward(call: Call) -> Choice:
             return Choice("sm90", "sm90.backward_onepass")
         split = "sm90.backward_split_d256" if call.head_dim in sm90_scope.SPLIT_HEAD_DIMS else "sm90.backward_split"
         return Choice("sm90", split, None, (onepass,))
-    tile_masks = call.window_left >= 0 or call.window_right >= 0 or call.mask
+    tile_masks = call.window_left >= 0 or call.window_right >= 0 or call.mask or call.chunk
     cfg = configs.default_bwd_config(call.capability, call.head_dim, call.dtype, call.deterministic,
                                      tile_masks=tile_masks)
     return Choice("triton", "triton.backward_atomic" if cfg.fused_dq else "triton.backward", cfg, (reason,))

@@ -55,12 +55,13 @@ class FwdArgs(NamedTuple):
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     sink: Optional[Tensor] = None
+    attention_chunk: int = 0
 
     @classmethod
     def of(cls, args: tuple) -> "FwdArgs":
         """The op's arguments (at least the 10 without defaults) as a ``FwdArgs``, without
         NamedTuple's per-field constructor."""
-        return tuple.__new__(cls, args if len(args) == 20 else args + _FWD_DEFAULTS[len(args) - 10:])
+        return tuple.__new__(cls, args if len(args) == 21 else args + _FWD_DEFAULTS[len(args) - 10:])
 
     def tensors(self) -> tuple:
         return (self.q, self.k, self.v, self.alibi, self.mask, self.seed, self.cu_seqlens_q, self.cu_seqlens_k,
@@ -68,7 +69,7 @@ class FwdArgs(NamedTuple):
 
     def scalars(self) -> tuple:
         return (self.scale, self.diag_offset, self.window_left, self.window_right, self.softcap, self.dropout_p,
-                bool(self.deterministic), self.max_seqlen_q, self.max_seqlen_k)
+                bool(self.deterministic), self.max_seqlen_q, self.max_seqlen_k, self.attention_chunk)
 
 
 class BwdArgs(NamedTuple):
@@ -98,12 +99,13 @@ class BwdArgs(NamedTuple):
     max_seqlen_q: int = 0
     max_seqlen_k: int = 0
     sink: Optional[Tensor] = None
+    attention_chunk: int = 0
 
     @classmethod
     def of(cls, args: tuple) -> "BwdArgs":
         """The op's arguments (at least the 13 without defaults) as a ``BwdArgs``, without
         NamedTuple's per-field constructor (the backward's host path runs every step)."""
-        return tuple.__new__(cls, args if len(args) == 24 else args + _BWD_DEFAULTS[len(args) - 13:])
+        return tuple.__new__(cls, args if len(args) == 25 else args + _BWD_DEFAULTS[len(args) - 13:])
 
     def tensors(self) -> tuple:
         return (self.dout, self.q, self.k, self.v, self.out, self.lse, self.alibi, self.mask, self.seed, self.dlse,
@@ -111,7 +113,7 @@ class BwdArgs(NamedTuple):
 
     def scalars(self) -> tuple:
         return (self.scale, self.diag_offset, self.window_left, self.window_right, self.softcap, self.dropout_p,
-                bool(self.deterministic), self.max_seqlen_q, self.max_seqlen_k)
+                bool(self.deterministic), self.max_seqlen_q, self.max_seqlen_k, self.attention_chunk)
 
 
 _FWD_DEFAULTS = tuple(FwdArgs._field_defaults.values())
@@ -142,6 +144,7 @@ def _call(q: Tensor, problem: Problem, alibi, mask, varlen: Optional[Varlen], *t
         seqlen_q=q.shape[2] if varlen is None else varlen.max_seqlen_q, scale=problem.scale,
         window_left=problem.window_left, window_right=problem.window_right, softcap=problem.softcap,
         alibi=alibi is not None, mask=mask is not None, dropout=problem.dropout_p > 0.0, varlen=varlen is not None,
+        chunk=problem.chunk > 0,
         seqused=varlen is not None and varlen.seqused, deterministic=problem.deterministic,
         aligned=layout.tma_ready(q, *tensors), sink=sink is not None)
 
@@ -190,7 +193,8 @@ def _forward_run(a: FwdArgs) -> tuple[Tensor, Tensor]:
         out4.zero_()
         lse.fill_(float("-inf"))
     left, right = launch_window(a.window_left, a.window_right, seqlen_q, k.shape[2], a.diag_offset, varlen)
-    problem = Problem(a.scale, a.diag_offset, left, right, a.softcap, a.dropout_p, bool(a.deterministic))
+    problem = Problem(a.scale, a.diag_offset, left, right, a.softcap, a.dropout_p, bool(a.deterministic),
+                      a.attention_chunk)
     call = _call(q, problem, a.alibi, a.mask, varlen, k, v, out4, sink=a.sink)
     choice = registry.forward(call)
     with device_context(q):
@@ -237,7 +241,7 @@ def _autotune(call, choice, a: FwdArgs, problem: Problem, out4, lse):
     key = "|".join(map(str, (
         torch.cuda.get_device_name(q.device), q.dtype, q.shape[-1], q.shape[1] // k.shape[1],
         problem.window_left >= 0, problem.window_right >= 0, problem.softcap > 0, a.alibi is not None,
-        None if a.mask is None else a.mask.dtype, a.sink is not None, triton.__version__,
+        None if a.mask is None else a.mask.dtype, a.sink is not None, problem.chunk > 0, triton.__version__,
     )))
     default = configs.default_fwd_config(call.capability, call.head_dim, call.dtype, call.window_right >= 0,
                                          call.seqlen_q, call.mask)
@@ -315,7 +319,7 @@ def _backward_run(a: BwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         raise ValueError("lse must be contiguous (the forward's own output)")
     deterministic = bool(a.deterministic)
     left, right = launch_window(a.window_left, a.window_right, q.shape[2], k.shape[2], a.diag_offset, varlen)
-    problem = Problem(a.scale, a.diag_offset, left, right, a.softcap, a.dropout_p, deterministic)
+    problem = Problem(a.scale, a.diag_offset, left, right, a.softcap, a.dropout_p, deterministic, a.attention_chunk)
     choice = registry.backward(_call(q, problem, a.alibi, a.mask, varlen, k, v, do4, dq4, dk4, dv4))
     rows = q.shape[2] if varlen is None else varlen.max_seqlen_q
     block_m = choice.config.block_m_q if choice.config is not None else 64
@@ -402,6 +406,7 @@ class KVCacheArgs(NamedTuple):
     batch_cache: int
     num_blocks: int
     rotary_len: int
+    attention_chunk: int = 0
 
     def tensors(self) -> tuple:
         return self[:13]
@@ -453,5 +458,5 @@ def _kvcache_run(a: KVCacheArgs) -> tuple[Tensor, Tensor]:
     decode.decode(q, a.k_cache, a.v_cache, out, lse, a.seqlens, a.leftpad, a.batch_idx, a.table, a.alibi, a.cos,
                   a.sin, new=new, scale=a.scale, softcap=a.softcap, window_left=a.window_left,
                   window_right=a.window_right, interleaved=a.interleaved, rotary_local=a.rotary_local,
-                  num_splits=a.num_splits, status=status, parts=parts, sink=a.sink)
+                  num_splits=a.num_splits, status=status, parts=parts, sink=a.sink, chunk=a.attention_chunk)
     return out, lse

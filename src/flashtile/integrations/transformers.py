@@ -7,10 +7,12 @@ transformers is imported here only (flashtile does not depend on it). ``register
 ``attention_forward`` into transformers' ``AttentionInterface`` and ``build_mask`` into
 ``AttentionMaskInterface``: transformers' own flash-attention mask builder, so the layers
 receive no mask (nothing padded) or the 2-D padding mask, except for chunked layers whose
-cache dropped the sequence's first keys, which get transformers' exact 4-D bool mask. The name has no "flash" in it on purpose: transformers (5.x) takes any
-name containing "flash" for a flash-attn build and tries to import or download its
-kernels (``lazy_import_flash_attention``), which fails for "flashtile"; the 2-D masks,
-which are what makes flash-attention fast there, come from the mask builder instead.
+cache dropped the sequence's first keys, which get transformers' exact 4-D bool mask. The
+name has no "flash" in it on purpose: transformers (5.x) takes any name containing
+"flash" for a flash-attn build and tries to import or download its kernels
+(``lazy_import_flash_attention``), which fails for "flashtile", and refuses chunked
+attention over more than one chunk for such names; the 2-D masks, which are what makes
+flash-attention fast there, come from the mask builder instead.
 
 What each call becomes:
     no mask, no packing        ``flash_attn_func`` (causal bottom-right, as flash-attn)
@@ -20,15 +22,16 @@ What each call becomes:
                                ``position_ids`` that restart (batch 1; one host read)
     sliding_window w           window (w - 1, w - 1) (causal: (w - 1, 0)), as transformers'
                                flash path converts it
+    chunked attention          Llama 4's chunked layers (``attention_chunk_size``,
+                               ``layer_types``): ``attention_chunk``, chunks counted from
+                               each row's first real token (the unpadded sequences' first
+                               key); a layer whose cache dropped the first keys gets the
+                               exact mask from ``build_mask`` instead
     softcap, GQA, dropout      passed through; ``is_causal=False`` for encoders
     attention sinks            ``s_aux`` (gpt-oss's per-head ``sinks`` parameter) as
                                ``learnable_sink``, differentiable
-Refused with an error naming the feature: ``output_attentions``, a 4-D float mask (which
-this mask builder never makes), and chunked
-attention (Llama 4's ``attention_chunk_size`` layers) over sequences longer than one chunk:
-transformers passes chunking only inside the mask, which the 2-D padding mask drops, so
-computing such a call would silently give something else. Within one chunk chunked
-attention is causal attention, and runs.
+Refused with an error naming the feature: ``output_attentions`` and a 4-D float mask
+(which this mask builder never makes).
 """
 
 from __future__ import annotations
@@ -57,16 +60,6 @@ def _attention_chunk(module: torch.nn.Module) -> Optional[int]:
     if layer_types is not None and layer is not None and layer < len(layer_types):
         return int(chunk) if layer_types[layer] == "chunked_attention" else None
     return int(chunk)
-
-
-def _refuse_chunks(chunk: int, longest: int) -> None:
-    """Chunked attention equals causal attention within one chunk; over a longer sequence it
-    is something flashtile does not compute yet (issue 36): refuse, never guess."""
-    if longest > chunk:
-        raise NotImplementedError(
-            f"flashtile: this layer uses chunked attention (attention_chunk_size={chunk}) over a sequence of "
-            f"{longest} tokens; flashtile does not compute chunked attention yet (sequences of at most {chunk} "
-            f"tokens, one chunk, run): use attn_implementation='sdpa' or 'eager'")
 
 
 def _packed_from_position_ids(position_ids: torch.Tensor):
@@ -98,11 +91,11 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
     batch, q_len = q.shape[:2]
     kv_len = k.shape[1]
     window = _window(sliding_window, causal, kv_len)
+    # transformers passes chunking only inside masks: the 2-D padding mask (or none) drops it,
+    # so the layer's config says it; a 4-D mask (``build_mask``'s exact one) holds it already.
     chunk = _attention_chunk(module)
-    if chunk is not None and kv_len > chunk and attention_mask is not None and attention_mask.dim() == 4:
-        _refuse_chunks(chunk, kv_len)
     common = dict(dropout_p=float(dropout), softmax_scale=scaling, causal=causal, window_size=window,
-                  softcap=float(softcap or 0.0), learnable_sink=s_aux)
+                  softcap=float(softcap or 0.0), learnable_sink=s_aux, attention_chunk=chunk or 0)
     if attention_mask is not None and attention_mask.dim() == 4:
         if attention_mask.dtype != torch.bool:
             raise NotImplementedError("flashtile: a 4-D float attention mask (a custom mask) is not supported by this "
@@ -119,13 +112,6 @@ def attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.T
         if packed is not None:
             cu_q = cu_k = packed[0]
             max_q = max_k = packed[1]
-    if chunk is not None and kv_len > chunk:
-        # the longest sequence, counted from its first real token (as transformers' chunks are)
-        if attention_mask is not None:
-            longest = int(attention_mask[:, -kv_len:].bool().sum(-1).max())
-        else:
-            longest = kv_len if cu_k is None else int(max_k)
-        _refuse_chunks(chunk, longest)
     if attention_mask is None and cu_q is not None:
         out = flashtile.flash_attn_varlen_func(
             q.reshape(-1, *q.shape[2:]), k.reshape(-1, *k.shape[2:]), v.reshape(-1, *v.shape[2:]),

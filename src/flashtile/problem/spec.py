@@ -12,6 +12,9 @@ the canonical call:
     s_ij = scale * q_i.k_j -> softcap * tanh(s / softcap) -> - slope[b, h] * |i + diag_offset - j|
            -> + float attn_mask[b, h, i, j];  out_i = softmax_j(s_ij) v;  lse_i = logsumexp_j s_ij.
     Rows that see no key get out 0 and lse -inf.
+    Chunked attention (chunk > 0, FA3's attention_chunk): key j is visible to query i only
+    if both lie in one chunk of ``chunk`` positions: c <= j < c + chunk with c =
+    floor((i + diag_offset) / chunk) * chunk (a row at a negative position sees no key).
     With a sink (a (H,) float32 logit per query head, natural units, not scaled), it joins
     only the denominator: lse_i = log(exp(sink[h]) + sum_j exp(s_ij)), out_i = sum_j
     exp(s_ij - lse_i) v_j; a row that sees no key gets out 0 and lse sink[h].
@@ -34,8 +37,9 @@ class Problem:
     """The scalars of a validated call (module docstring for their meaning).
 
     The window is normalised (``problem.window.effective_window``): a side that hides no
-    key is -1, so ``window_right == 0`` is exactly a causal diagonal that hides a key.
-    flash-attn's bottom-right causal is ``diag_offset = Sk - Sq``, SDPA's top-left 0.
+    key is -1, so ``window_right == 0`` is exactly a causal diagonal that hides a key;
+    so is the chunk (``effective_chunk``: 0 when it hides no key). flash-attn's
+    bottom-right causal is ``diag_offset = Sk - Sq``, SDPA's top-left 0.
     """
 
     scale: float
@@ -45,6 +49,7 @@ class Problem:
     softcap: float = 0.0
     dropout_p: float = 0.0
     deterministic: bool = False
+    chunk: int = 0
 
     @property
     def causal(self) -> bool:
@@ -88,7 +93,8 @@ class CacheSpec:
     ``batch_cache``: rows of a row cache; ``num_blocks``/``page``: a paged cache's pages
     (0 when not paged); ``new``: keys appended per sequence; ``queries``: seqlen_q;
     ``rotary_len``: positions of the rotary tables (-1: no rotary); ``rotary_local``: q
-    rotated at its own positions (causal or windowed calls) rather than at the cache end.
+    rotated at its own positions (causal or windowed calls) rather than at the cache end;
+    ``chunk``: chunked attention (0: off), chunks counted from each sequence's first key.
     """
 
     scale: float
@@ -105,3 +111,4 @@ class CacheSpec:
     num_blocks: int
     page: int
     rotary_len: int
+    chunk: int = 0

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from flashtile.problem.spec import CacheSpec, Problem, Varlen
-from flashtile.problem.window import effective_window
+from flashtile.problem.window import effective_chunk, effective_window
 
 MAX_HEAD_DIM = 256
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -115,6 +115,15 @@ def causal_window(causal, window_size, name: str = "causal") -> tuple[int, int]:
     if flag(name, causal):
         right = 0
     return left, right
+
+
+def attention_chunk(value) -> int:
+    """Chunked attention's chunk size: an int >= 1, or 0 (off: FA3's default)."""
+    value = integer("attention_chunk", value)
+    if not 0 <= value <= 2**31 - 1:
+        raise ValueError(f"attention_chunk must be >= 1 (a chunk of that many positions; 0 = off) and fit int32, "
+                         f"got {value}")
+    return value
 
 
 def max_seqlen(name: str, value) -> int:
@@ -300,7 +309,7 @@ class FlashCall(NamedTuple):
 
 
 def flash_call(q, k, v, dropout_p, softmax_scale_, causal, window_size, softcap_, alibi_slopes, deterministic,
-               return_attn_probs, learnable_sink=None, names=("q", "k", "v")) -> FlashCall:
+               return_attn_probs, learnable_sink=None, attention_chunk_=0, names=("q", "k", "v")) -> FlashCall:
     """Every check of a ``flash_attn_func`` call (q, k, v (batch, seqlen, heads, dim))."""
     shapes = qkv_shapes(q, k, v, names, "bshd")
     p = dropout(dropout_p)
@@ -309,9 +318,11 @@ def flash_call(q, k, v, dropout_p, softmax_scale_, causal, window_size, softcap_
     cap = softcap(softcap_)
     slopes = alibi(alibi_slopes, shapes.batch, shapes.nheads, q.device)
     sink(learnable_sink, shapes.nheads, q.device)
+    chunk = attention_chunk(attention_chunk_)
     diag = shapes.seqlen_k - shapes.seqlen_q
     left, right = effective_window(left, right, shapes.seqlen_q, shapes.seqlen_k, diag)
-    problem = Problem(scale, diag, left, right, cap, p, flag("deterministic", deterministic))
+    chunk = effective_chunk(chunk, right, shapes.seqlen_q, shapes.seqlen_k, diag)
+    problem = Problem(scale, diag, left, right, cap, p, flag("deterministic", deterministic), chunk)
     return FlashCall(problem, flag("return_attn_probs", return_attn_probs), slopes is not alibi_slopes)
 
 
@@ -328,7 +339,8 @@ class VarlenCall(NamedTuple):
 
 def varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale_,
                 causal, window_size, softcap_, alibi_slopes, deterministic, return_attn_probs, block_table,
-                seqused_q, seqused_k, names=("q", "k", "v"), learnable_sink=None) -> VarlenCall:
+                seqused_q, seqused_k, names=("q", "k", "v"), learnable_sink=None,
+                attention_chunk_=0) -> VarlenCall:
     """Every check of a packed call, metadata values included (one host copy per set of
     tensors: ``varlen_values``). The window is normalised against the longest sequences:
     a side that hides no key of them hides none of any."""
@@ -359,12 +371,14 @@ def varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     cap = softcap(softcap_)
     slopes = alibi(alibi_slopes, batch, shapes.nheads, device)
     sink(learnable_sink, shapes.nheads, device)
+    chunk = attention_chunk(attention_chunk_)
     det = flag("deterministic", deterministic)
     want_probs = flag("return_attn_probs", return_attn_probs)
     varlen_values(cu_q, cu_k, used_q, used_k, max_q, max_k, shapes.seqlen_q, None if paged else k.shape[0], table,
                   page_size, num_blocks)
     left, right = effective_window(left, right, max_q, max_k, max_k - max_q)
-    problem = Problem(scale, 0, left, right, cap, p, det)
+    chunk = effective_chunk(chunk, right, max_q, max_k, max_k - max_q, varlen=True)
+    problem = Problem(scale, 0, left, right, cap, p, det, chunk)
     return VarlenCall(problem, Varlen(cu_q, cu_k, used_q, used_k, max_q, max_k), table, slopes, want_probs)
 
 
@@ -539,7 +553,7 @@ class CacheCall(NamedTuple):
 
 def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                  block_table, softmax_scale_, causal, window_size, softcap_, rotary_interleaved, alibi_slopes,
-                 num_splits, return_softmax_lse, learnable_sink=None) -> CacheCall:
+                 num_splits, return_softmax_lse, learnable_sink=None, attention_chunk_=0) -> CacheCall:
     """Every check of a kv-cache call but those of the metadata values (``cache_values``)."""
     qkv_shapes(q, k_cache, v_cache, ("q", "k_cache", "v_cache"), "bshd", "cache")
     batch, seqlen_q, nheads, dim = q.shape
@@ -602,6 +616,10 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     # Sides that hide no key of any sequence (len_k <= capacity) become -1 (unbounded), for
     # both paths: a raw 2**31 - 1 would overflow the decode kernel's int32 bounds.
     left, right = effective_window(left, right, seqlen_q, capacity, capacity - seqlen_q)
+    # Every sequence has len_k <= capacity keys; rows at negative positions (seqlen_q >
+    # len_k) exist in any sequence unless a single query is asked.
+    chunk = effective_chunk(attention_chunk(attention_chunk_), right, seqlen_q, capacity, capacity - seqlen_q,
+                            varlen=seqlen_q > 1)
     cap = softcap(softcap_)
     slopes = alibi(alibi_slopes, batch, nheads, device)
     sink(learnable_sink, nheads, device)
@@ -611,7 +629,7 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
         raise ValueError(f"num_splits must be >= 0 (0 = choose), got {splits}")
     want_lse = flag("return_softmax_lse", return_softmax_lse)
     spec = CacheSpec(scale, cap, left, right, interleaved, local, splits, new, seqlen_q, capacity, batch_cache,
-                     num_blocks, page, rotary_cos.shape[0] if rotary_dim else -1)
+                     num_blocks, page, rotary_cos.shape[0] if rotary_dim else -1, chunk)
     return CacheCall(seqlens, leftpad, batch_idx, table, slopes, bool(rotary_dim), spec, want_lse, learnable_sink)
 
 

@@ -30,3 +30,27 @@ def launch_window(left: int, right: int, seqlen_q: int, seqlen_k: int, diag_offs
         seqlen_q, seqlen_k = varlen.max_seqlen_q, varlen.max_seqlen_k
         diag_offset = seqlen_k - seqlen_q
     return effective_window(left, right, seqlen_q, seqlen_k, diag_offset)
+
+
+def effective_chunk(chunk: int, right: int, seqlen_q: int, seqlen_k: int, diag_offset: int,
+                    varlen: bool = False) -> int:
+    """0 (off) where chunked attention (``problem.spec``: query i sees only keys of its own
+    chunk of ``chunk`` positions, [c, c + chunk) with c = floor((i + diag_offset) / chunk)
+    * chunk) cannot hide a key, else ``chunk``.
+
+    Exact: rows at positions p >= 0 and every key lie in chunk 0 once chunk > max(p, Sk - 1);
+    rows at p < 0 (seqlen_q > seqlen_k, bottom-right) are in a chunk with no keys, which
+    hides keys from them unless the window already does (right side < -p: causal). A
+    packed call (``varlen``; the lengths are the longest sequences') may have such rows in
+    any sequence: only a causal one can drop its chunk.
+    """
+    if chunk <= 0:
+        return 0
+    if varlen:
+        negative_rows_see_keys = right != 0
+    else:
+        last_negative = min(-1, seqlen_q - 1 + diag_offset)  # the negative row nearest the keys
+        negative_rows_see_keys = diag_offset < 0 and (right < 0 or last_negative + right >= 0)
+    if not negative_rows_see_keys and max(seqlen_q - 1 + diag_offset, seqlen_k - 1) < chunk:
+        return 0
+    return chunk

@@ -36,17 +36,18 @@ def explain(seqlen_q: int, seqlen_k: Optional[int] = None, head_dim: int = 128, 
             causal: bool = False, window: tuple = (-1, -1), softcap: float = 0.0, alibi: bool = False,
             mask: bool = False, dropout_p: float = 0.0, varlen: bool = False, seqused: bool = False,
             device: str = "cuda", capability: tuple = (9, 0), ws_env: bool = True,
-            deterministic: bool = False) -> Explanation:
+            deterministic: bool = False, sink: bool = False, chunk: int = 0) -> Explanation:
     """The kernels of a flash-attn-style call (``varlen``: a packed call, seqlen = the
     longest sequence; ``seqused``: with seqused_q/k or paged keys) on a GPU of
     ``capability``, or on CPU tensors (``device="cpu"``). ``ws_env=False`` stands for
     FLASHTILE_WS=0; ``deterministic`` for the call's flag (or
-    torch.use_deterministic_algorithms). FLASHTILE_BWD_DQ is read from the environment."""
+    torch.use_deterministic_algorithms); ``sink``: learnable sinks; ``chunk``: chunked
+    attention (0: off). FLASHTILE_BWD_DQ is read from the environment."""
     import os
     from unittest import mock
 
     from flashtile.backends import registry
-    from flashtile.problem.window import effective_window
+    from flashtile.problem.window import effective_chunk, effective_window
 
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
@@ -59,6 +60,7 @@ def explain(seqlen_q: int, seqlen_k: Optional[int] = None, head_dim: int = 128, 
     if causal:
         right = 0
     reasons = []
+    chunk = effective_chunk(chunk, right, seqlen_q, seqlen_k, seqlen_k - seqlen_q, varlen=varlen)
     if not varlen:
         left, right = effective_window(left, right, seqlen_q, seqlen_k, seqlen_k - seqlen_q)
         if causal and right < 0:
@@ -67,7 +69,8 @@ def explain(seqlen_q: int, seqlen_k: Optional[int] = None, head_dim: int = 128, 
     call = registry.Call(capability=tuple(capability), dtype=_DTYPES[dtype], head_dim=head_dim, seqlen_q=seqlen_q,
                          scale=head_dim ** -0.5, window_left=left, window_right=right, softcap=softcap,
                          alibi=alibi, mask=mask, dropout=dropout_p > 0.0, varlen=varlen, seqused=varlen and seqused,
-                         deterministic=deterministic, aligned=head_dim * 2 % 16 == 0 and dtype != "fp32")
+                         deterministic=deterministic, aligned=head_dim * 2 % 16 == 0 and dtype != "fp32", sink=sink,
+                         chunk=chunk > 0)
     with mock.patch.dict(os.environ, {"FLASHTILE_WS": "1" if ws_env else "0"}):
         fwd, bwd = registry.forward(call), registry.backward(call)
     backend = "gluon-sm90" if "sm90" in (fwd.family, bwd.family) else "triton"

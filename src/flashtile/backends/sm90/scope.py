@@ -18,7 +18,7 @@ VARLEN_BACKWARD_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d not in SPLIT_HEAD_DI
 
 def kernels_scope(call) -> Optional[str]:
     """The forward's scope, which the backward kernels share: fp16/bf16, head dim 64, 128
-    or 256, plain or causal (no other window side), no softcap, ALiBi, mask or dropout, a
+    or 256, plain or causal (no other window side), no softcap, ALiBi, mask, dropout or chunk, a
     scale the exponent's FFMA keeps normal (1e-30 < scale < 1e30: m * scale with m = -inf
     must not become -inf * 0). ``call``: a ``registry.Call``."""
     if call.dtype not in ("float16", "bfloat16"):
@@ -28,7 +28,7 @@ def kernels_scope(call) -> Optional[str]:
     extras = [name for name, on in (("a left window", call.window_left >= 0),
                                     ("a right window other than causal", call.window_right > 0),
                                     ("softcap", call.softcap), ("ALiBi", call.alibi), ("a mask", call.mask),
-                                    ("dropout", call.dropout)) if on]
+                                    ("dropout", call.dropout), ("chunked attention", call.chunk)) if on]
     if extras:
         return "the Gluon kernels take plain or causal attention only, not " + " or ".join(extras)
     if not 1e-30 < call.scale < 1e30:

@@ -36,8 +36,8 @@ import triton
 import triton.language as tl
 
 from flashtile.backends.configs import BwdConfig
-from flashtile.backends.triton.scores import (C_LOG2E, LOG2E, dropout_keep, key_tiles, mask_arguments, row_lse2,
-                                              scores)
+from flashtile.backends.triton.scores import (C_LOG2E, LOG2E, chunk_start, dropout_keep, key_tiles, mask_arguments,
+                                              row_lse2, scores)
 from flashtile.backends.worklist import build_work_items, program_item, varlen_item
 from flashtile.problem.window import launch_window
 from flashtile.runtime.launch import Launcher
@@ -101,11 +101,11 @@ def _dq_tiles(
     offs_m, offs_n0, offs_d,
     stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
     qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
-    diag_offset, window_left, window_right, seed, bh, dropout_p,
+    diag_offset, window_left, window_right, chunk, seed, bh, dropout_p,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
-    DROPOUT: tl.constexpr,
+    DROPOUT: tl.constexpr, CHUNK: tl.constexpr,
 ):
     if EVEN_D:
         d_ok = offs_d < offs_d.shape[0]
@@ -126,7 +126,7 @@ def _dq_tiles(
         s, dfac = scores(
             raw, offs_m[:, None], offs_n[None, :], None, mask_base + offs_n0[None, :] * stride_mn, None, 0,
             seqlen_q, seqlen_k, qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left,
-            window_right, BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE)
+            window_right, chunk, BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, CHUNK)
         if MASK_MODE == 2:
             p = tl.exp2((s - lse2[:, None]) - tail[:, None])
         else:
@@ -158,11 +158,11 @@ def dq_kernel(
     stride_ab, stride_ah, stride_lb, stride_lh,
     nheads, group_size, seqlen_q, seqlen_k, head_dim, num_m_blocks, item_cap,
     qk_scale, sm_scale, softcap_in, softcap_out,
-    diag_offset, window_left, window_right, dropout_p,
+    diag_offset, window_left, window_right, dropout_p, chunk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
-    DROPOUT: tl.constexpr, VARLEN: tl.constexpr,
+    DROPOUT: tl.constexpr, VARLEN: tl.constexpr, CHUNK: tl.constexpr,
 ):
     pid = tl.program_id(0)
     count = 0
@@ -203,26 +203,29 @@ def dq_kernel(
 
     # The same key range and interior split as the forward kernel.
     lo_tile, inner_lo, inner_hi, hi = key_tiles(
-        m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
-        BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT)
+        m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right, chunk,
+        BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT, CHUNK)
 
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-    if WINDOW_LEFT:
+    if WINDOW_LEFT or CHUNK:
         dq = _dq_tiles(dq, q, do, lse2, tail, delta, k_base, v_base, mask_base + tl.cast(lo_tile, tl.int64) * stride_mn, lo_tile, inner_lo,
                        offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
                        qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
-                       diag_offset, window_left, window_right, seed, bh, dropout_p,
-                       BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
+                       diag_offset, window_left, window_right, chunk, seed, bh, dropout_p,
+                       BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT,
+                       CHUNK)
     dq = _dq_tiles(dq, q, do, lse2, tail, delta, k_base, v_base, mask_base + tl.cast(inner_lo, tl.int64) * stride_mn, inner_lo, inner_hi,
                    offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
                    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
-                   diag_offset, window_left, window_right, seed, bh, dropout_p,
-                   BLOCK_N, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
+                   diag_offset, window_left, window_right, chunk, seed, bh, dropout_p,
+                   BLOCK_N, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT,
+                       CHUNK)
     dq = _dq_tiles(dq, q, do, lse2, tail, delta, k_base, v_base, mask_base + tl.cast(inner_hi, tl.int64) * stride_mn, inner_hi, hi,
                    offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
                    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
-                   diag_offset, window_left, window_right, seed, bh, dropout_p,
-                   BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT)
+                   diag_offset, window_left, window_right, chunk, seed, bh, dropout_p,
+                   BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT,
+                       CHUNK)
     if not SOFTCAP:
         dq = dq * sm_scale
     tl.store(DQ + b_ptr * stride_dqb + h64 * stride_dqh + row0 * stride_dqm + offs_m0[:, None] * stride_dqm
@@ -236,11 +239,11 @@ def _dkdv_tiles(
     offs_n, offs_m0, offs_d,
     stride_qm, stride_dom, stride_mm, stride_dqm, seqlen_q, seqlen_k, head_dim,
     qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
-    diag_offset, window_left, window_right, seed, bh, dropout_p,
+    diag_offset, window_left, window_right, chunk, seed, bh, dropout_p,
     BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
-    DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr,
+    DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr, CHUNK: tl.constexpr,
 ):
     if EVEN_D:
         d_ok = offs_d < offs_d.shape[0]
@@ -265,8 +268,8 @@ def _dkdv_tiles(
         s_t, dfac = scores(
             raw_t, offs_m[None, :], offs_n[:, None], None,
             mask_base + row * stride_mm + offs_m0[None, :] * stride_mm, None, 0, seqlen_q, seqlen_k,
-            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-            BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE)
+            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, chunk,
+            BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, CHUNK)
         if MASK_MODE == 2:
             p_t = tl.exp2((s_t - lse2[None, :]) - tail[None, :])
         else:
@@ -315,11 +318,12 @@ def dkdv_kernel(
     stride_qab, stride_qah, stride_qam, stride_lb, stride_lh,
     nheads, nheads_k, group_size, seqlen_q, seqlen_k, head_dim, num_n_blocks, item_cap,
     qk_scale, sm_scale, softcap_in, softcap_out,
-    diag_offset, window_left, window_right, dropout_p,
+    diag_offset, window_left, window_right, dropout_p, chunk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
     DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr, SPLIT_PHASES: tl.constexpr, VARLEN: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     # One program per (batch, key/value head, key block), or (key/value head, work item
     # over key blocks) of a packed call (``program_item``).
@@ -357,6 +361,15 @@ def dkdv_kernel(
     if WINDOW_LEFT:
         hi = tl.minimum(n_last - diag_offset + window_left + 1, seqlen_q)
         full_hi = tl.minimum(n0 - diag_offset + window_left + 1, seqlen_q)
+    if CHUNK:
+        # Queries at positions (i + diag_offset) in the chunks of keys n0 .. n_last; every
+        # key of the block only for those in its one chunk (none if it spans two).
+        first = chunk_start(n0, chunk)
+        last = chunk_start(n_last, chunk)
+        lo = tl.maximum(lo, first - diag_offset)
+        hi = tl.minimum(hi, last + chunk - diag_offset)
+        full_lo = tl.maximum(full_lo, first - diag_offset)
+        full_hi = tl.minimum(full_hi, tl.where(first == last, first + chunk - diag_offset, 0))
     hi = tl.maximum(hi, 0)
     full_hi = tl.maximum(full_hi, 0)
     lo_tile = (lo // BLOCK_M) * BLOCK_M
@@ -396,21 +409,21 @@ def dkdv_kernel(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, lo_tile, first_end,
             offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
             qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-            seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
-            IEEE_DOT, DROPOUT, FUSED_DQ)
+            chunk, seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+            IEEE_DOT, DROPOUT, FUSED_DQ, CHUNK)
         if SPLIT_PHASES:
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, inner_lo, inner_hi,
                 offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
                 qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-                seed, bh64, dropout_p, BLOCK_M, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
-                IEEE_DOT, DROPOUT, FUSED_DQ)
+                chunk, seed, bh64, dropout_p, BLOCK_M, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+                IEEE_DOT, DROPOUT, FUSED_DQ, CHUNK)
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, inner_hi, hi,
                 offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
                 qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-                seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
-                IEEE_DOT, DROPOUT, FUSED_DQ)
+                chunk, seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+                IEEE_DOT, DROPOUT, FUSED_DQ, CHUNK)
     if not SOFTCAP:
         dk = dk * sm_scale
     local_n = tl.arange(0, BLOCK_N)
@@ -535,13 +548,13 @@ def attention_backward(q, k, v, lse, delta, dout, dq, dk, dv, problem, *, config
         BLOCK_D=block_d, EVEN_D=block_d == head_dim,
         WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
         SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, IEEE_DOT=q.dtype == torch.float32,
-        DROPOUT=dropout_p > 0.0,
+        DROPOUT=dropout_p > 0.0, CHUNK=problem.chunk > 0,
     )
     mask_mode, mask_arg, mstrides = mask_arguments(mask, q)
     alibi_arg, astrides = (q, (0, 0)) if alibi is None else (alibi, alibi.stride())
     scalars = (scale * LOG2E, scale,
                scale / softcap if softcap_on else 0.0, softcap * LOG2E if softcap_on else 0.0,
-               problem.diag_offset, window_left, window_right, float(dropout_p))
+               problem.diag_offset, window_left, window_right, float(dropout_p), problem.chunk)
     seed_arg = seed if dropout_p > 0.0 else q
 
     fused = config.fused_dq

@@ -35,7 +35,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.backends.triton.scores import C_LN2, C_LOG2E, LOG2E, add_sink, scores
+from flashtile.backends.triton.scores import C_LN2, C_LOG2E, LOG2E, add_sink, chunk_start, scores
 from flashtile.problem.window import effective_window
 from flashtile.runtime.device import device_context, device_index, sm_count
 from flashtile.runtime.launch import Launcher
@@ -232,13 +232,14 @@ def decode_kernel(
     stride_table, stride_ab, stride_ah, stride_cos,
     nheads_k, group, seqlen_q, head_dim, new, capacity, page_size, num_blocks, batch_cache,
     num_splits, split_size, num_m_blocks, rotary_dim, rotary_max,
-    qk_scale, softcap_in, softcap_out, window_left, window_right,
+    qk_scale, softcap_in, softcap_out, window_left, window_right, chunk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     PAGED: tl.constexpr, PAGE_TILE: tl.constexpr, PAGE_SLICE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, ROTARY_LOCAL: tl.constexpr,
     SPLIT: tl.constexpr, CHECKED: tl.constexpr, IEEE_DOT: tl.constexpr, HAS_SINK: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """Program (b, hk, block of rows, split): rows r = t * group + g of KV head hk against
     keys [split * split_size, (split + 1) * split_size) of sequence b (module docstring).
@@ -284,6 +285,9 @@ def decode_kernel(
         lo = tl.maximum(t_first + diag - window_left, 0)
     if WINDOW_RIGHT:
         hi = tl.minimum(t_last + diag + window_right + 1, len_k)
+    if CHUNK:
+        lo = tl.maximum(lo, chunk_start(t_first + diag, chunk))
+        hi = tl.minimum(hi, chunk_start(t_last + diag, chunk) + chunk)
     lo = tl.maximum(lo, split * split_size)
     hi = tl.minimum(hi, split * split_size + split_size)
     if CHECKED:
@@ -345,7 +349,7 @@ def decode_kernel(
             s = tl.dot(q, kt)
         s, _ = scores(s, t[:, None], j[None, :], j_ok[None, :] & row_ok[:, None], K, None, 0, 0, 0,
                       qk_scale, qk_scale, softcap_in, softcap_out, slope[:, None], diag, window_left, window_right,
-                      True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, 0)  # no explicit mask
+                      chunk, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, 0, CHUNK)  # no explicit mask
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         p = tl.exp2(s - m_use[:, None])
@@ -551,13 +555,14 @@ def scratch(q, k_cache, table, num_splits: int, checked: bool):
 
 def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, alibi, cos, sin, *,
            new: int, scale: float, softcap: float, window_left: int, window_right: int, interleaved: bool,
-           rotary_local: bool, num_splits: int, status=None, parts=None, sink=None) -> None:
+           rotary_local: bool, num_splits: int, status=None, parts=None, sink=None, chunk: int = 0) -> None:
     """Attention of q (batch, seqlen_q, H, D) against the caches (after the append):
     out (batch, seqlen_q, H, D), lse (batch, H, seqlen_q) float32 (unit last stride).
     ``num_splits``: 0 chooses (``choose_splits``); with more than one split the partial
     results go to float32 buffers (``parts``: ``scratch``'s, made here when not given) and
     ``combine_kernel`` writes out and lse. ``sink``: None or (H,) float32 contiguous, one
-    logit per query head in the softmax's denominator, added once per row."""
+    logit per query head in the softmax's denominator, added once per row. ``chunk``:
+    chunked attention (0: off), chunks counted from each sequence's first key (leftpad)."""
     import torch
 
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -603,13 +608,13 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
              nheads_k, group, seqlen_q, head_dim, new, capacity, page, k_cache.shape[0], k_cache.shape[0],
              splits, split_size, num_m_blocks, 2 * cos.shape[1] if rotary else 0, cos.shape[0] - 1 if rotary else 0,
              scale * LOG2E, scale / softcap if softcap_on else 0.0, softcap * LOG2E if softcap_on else 0.0,
-             window_left, window_right),
+             window_left, window_right, chunk),
             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PAGED=paged,
                  PAGE_TILE=kind == "tile", PAGE_SLICE=page_slice, HAS_BATCH_IDX=batch_idx is not None,
                  HAS_LEFTPAD=leftpad is not None, WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
                  SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, ROTARY=rotary, INTERLEAVED=interleaved,
                  ROTARY_LOCAL=rotary_local, SPLIT=splits > 1, CHECKED=status is not None,
-                 IEEE_DOT=q.dtype == torch.float32, HAS_SINK=sink is not None),
+                 IEEE_DOT=q.dtype == torch.float32, HAS_SINK=sink is not None, CHUNK=chunk > 0),
             4, STAGES[kind])
         if splits > 1:
             combine(out_part, lse_part, out, lse, sink)

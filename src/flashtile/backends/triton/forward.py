@@ -36,11 +36,11 @@ def _fwd_tiles(
     stride_kn, stride_vn, stride_mn,
     seqlen_q, seqlen_k, head_dim,
     qk_scale, softcap_in, softcap_out, alibi_slope,
-    diag_offset, window_left, window_right, seed, bh, dropout_p,
+    diag_offset, window_left, window_right, chunk, seed, bh, dropout_p,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr,
-    IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
+    IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """Consume key tiles [n_start, n_end) into the running (acc, l_i, m_i)."""
     if EVEN_D:
@@ -66,8 +66,8 @@ def _fwd_tiles(
             s = tl.dot(q, kt)
         s, _ = scores(s, offs_m[:, None], offs_n[None, :], None, mask_base, offs_n0, stride_mn,
                       seqlen_q, seqlen_k, qk_scale, qk_scale, softcap_in, softcap_out, alibi_slope,
-                      diag_offset, window_left, window_right,
-                      BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE)
+                      diag_offset, window_left, window_right, chunk,
+                      BOUNDARY, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, CHUNK)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         if BOUNDARY or MASK_MODE != 0:
             # A row with nothing visible so far keeps m = -inf; exponentiate against 0
@@ -113,12 +113,12 @@ def fwd_kernel(
     stride_ab, stride_ah, stride_lb, stride_lh,
     nheads, group_size, seqlen_q, seqlen_k, head_dim, num_m_blocks, item_cap,
     qk_scale, softcap_in, softcap_out,
-    diag_offset, window_left, window_right, dropout_p,
+    diag_offset, window_left, window_right, dropout_p, chunk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr,
     IEEE_DOT: tl.constexpr, REVERSE_M: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
-    VARLEN: tl.constexpr, HAS_SINK: tl.constexpr,
+    VARLEN: tl.constexpr, HAS_SINK: tl.constexpr, CHUNK: tl.constexpr,
 ):
     # A flat 1-D grid: no 65,535 limit on batch x heads (``program_item``).
     pid = tl.program_id(0)
@@ -166,29 +166,35 @@ def fwd_kernel(
         seed = tl.load(Seed)
 
     lo_tile, inner_lo, inner_hi, hi = key_tiles(
-        m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
-        BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT)
+        m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right, chunk,
+        BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT, CHUNK)
 
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
-    if WINDOW_LEFT:
+    if WINDOW_LEFT or CHUNK:
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, k_base, v_base, mask_base + tl.cast(lo_tile, tl.int64) * stride_mn, desc_k, desc_v, b, kvh, lo_tile, inner_lo,
+            acc, l_i, m_i, q, k_base, v_base, mask_base + tl.cast(lo_tile, tl.int64) * stride_mn, desc_k, desc_v,
+            b, kvh, lo_tile, inner_lo,
             offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
-            qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, seed, bh, dropout_p,
-            BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA, DROPOUT)
+            qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, chunk, seed, bh,
+            dropout_p, BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+            IEEE_DOT, USE_TMA, DROPOUT, CHUNK)
     acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_base, v_base, mask_base + tl.cast(inner_lo, tl.int64) * stride_mn, desc_k, desc_v, b, kvh, inner_lo, inner_hi,
+        acc, l_i, m_i, q, k_base, v_base, mask_base + tl.cast(inner_lo, tl.int64) * stride_mn, desc_k, desc_v,
+        b, kvh, inner_lo, inner_hi,
         offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
-        qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, seed, bh, dropout_p,
-        BLOCK_N, BLOCK_D, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA, DROPOUT)
+        qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, chunk, seed, bh,
+        dropout_p, BLOCK_N, BLOCK_D, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+        IEEE_DOT, USE_TMA, DROPOUT, CHUNK)
     acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_base, v_base, mask_base + tl.cast(inner_hi, tl.int64) * stride_mn, desc_k, desc_v, b, kvh, inner_hi, hi,
+        acc, l_i, m_i, q, k_base, v_base, mask_base + tl.cast(inner_hi, tl.int64) * stride_mn, desc_k, desc_v,
+        b, kvh, inner_hi, hi,
         offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
-        qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, seed, bh, dropout_p,
-        BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, USE_TMA, DROPOUT)
+        qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, chunk, seed, bh,
+        dropout_p, BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+        IEEE_DOT, USE_TMA, DROPOUT, CHUNK)
 
     if HAS_SINK:
         acc, l_i, m_i = add_sink(acc, l_i, m_i, tl.load(Sink + h) * C_LOG2E)
@@ -226,7 +232,8 @@ def attention_forward(q, k, v, out, lse, problem, *, config: FwdConfig, alibi=No
         q: (B, H, Sq, D); k, v: (B, Hk, Sk, D); unit stride along D.
         out: (B, H, Sq, D) view to write, unit stride along D.
         lse: (B, H, Sq) float32, contiguous.
-        problem: the ``problem.spec.Problem`` (scale, diagonal, window, softcap, dropout).
+        problem: the ``problem.spec.Problem`` (scale, diagonal, window, softcap, dropout,
+            chunk).
         config: tiles, warps, stages; ``use_tma`` loads and stores through the bulk tensor
             copy engine (the registry sets it only for TMA-ready tensors on sm90+).
         alibi: None or float32 (B, H) slopes (any strides).
@@ -285,13 +292,13 @@ def attention_forward(q, k, v, out, lse, problem, *, config: FwdConfig, alibi=No
          scale * LOG2E,
          scale / softcap if softcap_on else 0.0,
          softcap * LOG2E if softcap_on else 0.0,
-         diag_offset, window_left, window_right, float(dropout_p)),
+         diag_offset, window_left, window_right, float(dropout_p), problem.chunk),
         dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
              EVEN_D=block_d == head_dim,
              WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
              SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, MASK_MODE=mask_mode,
              IEEE_DOT=q.dtype == torch.float32,
              REVERSE_M=window_right >= 0, USE_TMA=config.use_tma, DROPOUT=dropout_p > 0.0,
-             VARLEN=varlen is not None, HAS_SINK=sink is not None),
+             VARLEN=varlen is not None, HAS_SINK=sink is not None, CHUNK=problem.chunk > 0),
         config.num_warps, config.num_stages,
     )

@@ -6,8 +6,8 @@ on a (rows x keys) tile of raw products q_i.k_j, in this order (``problem.spec``
     s = scale * q.k                  (or softcap * tanh(scale * q.k / softcap))
     s = s - slope * |i + diag - j|   ALiBi, from the same diagonal as the window
     s = s + mask[i, j]               a float mask; a bool mask hides keys
-    s = -inf where j is outside the window (left, right) around the diagonal, or outside
-        the tile's bounds
+    s = -inf where j is outside the window (left, right) around the diagonal, outside the
+        query's chunk (chunked attention), or outside the tile's bounds
 
 Scores live in base 2 inside the kernels: the scale and log2(e) are folded into one
 multiply (``qk_scale = scale * LOG2E``), so exp2 replaces exp. A tile the caller knows to
@@ -74,11 +74,18 @@ def add_float_mask(s, bias):
 
 
 @triton.jit
+def chunk_start(p, chunk):
+    """floor(p / chunk) * chunk for any int p, negative too (``%`` may keep p's sign)."""
+    r = p % chunk
+    return p - tl.where(r < 0, r + chunk, r)
+
+
+@triton.jit
 def scores(raw, i2, j2, in_bounds, mask_ptrs, mask_cols, mask_stride, seqlen_q, seqlen_k,
            qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
-           diag_offset, window_left, window_right,
+           diag_offset, window_left, window_right, chunk,
            VISIBILITY: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
-           SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr):
+           SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, CHUNK: tl.constexpr):
     """(s, dfac) of a tile: scores in base 2, -inf where the key is hidden, and d s / d(q.k).
 
     ``raw``: the tile of q_i.k_j; ``i2``/``j2``: query and key indices broadcast to the
@@ -91,8 +98,9 @@ def scores(raw, i2, j2, in_bounds, mask_ptrs, mask_cols, mask_stride, seqlen_q, 
     ``mask_cols[None, :] * mask_stride``
     (read only where i2 < seqlen_q and j2 < seqlen_k; where the address is formed decides
     the order ptxas schedules a spilling d256 forward in); ``alibi_slope``: in base 2, a
-    scalar or one per row. ``VISIBILITY``: apply ``in_bounds`` and the window (else the
-    caller knows every element of the tile is visible).
+    scalar or one per row. ``VISIBILITY``: apply ``in_bounds``, the window and the chunk
+    (``CHUNK``: query i sees keys in [c, c + chunk), c = chunk_start(i + diag_offset))
+    (else the caller knows every element of the tile is visible).
     """
     if SOFTCAP:
         t = tanh(raw * softcap_in)
@@ -121,6 +129,9 @@ def scores(raw, i2, j2, in_bounds, mask_ptrs, mask_cols, mask_stride, seqlen_q, 
             visible = visible & (j2 <= i2 + diag_offset + window_right)
         if WINDOW_LEFT:
             visible = visible & (j2 >= i2 + diag_offset - window_left)
+        if CHUNK:
+            start = chunk_start(i2 + diag_offset, chunk)
+            visible = visible & (j2 >= start) & (j2 < start + chunk)
         s = tl.where(visible, s, float("-inf"))
     return s, dfac
 
@@ -138,16 +149,17 @@ def add_sink(acc, l_i, m_i, sink2):
 
 
 @triton.jit
-def key_tiles(m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
+def key_tiles(m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right, chunk,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr):
+              WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, CHUNK: tl.constexpr):
     """Key tiles of the query block starting at m0: (lo_tile, inner_lo, inner_hi, hi).
 
     Tiles outside [lo_tile, hi) see no key of the block and are never loaded;
-    [lo_tile, inner_lo) and [inner_hi, hi) straddle a window edge or the end of the keys
-    and need element masks; the interior [inner_lo, inner_hi) holds whole BLOCK_N tiles
-    that every row of the block sees entirely. All bounds but hi are multiples of
-    BLOCK_N; values that could go negative are clamped before any division.
+    [lo_tile, inner_lo) and [inner_hi, hi) straddle a window or chunk edge or the end of
+    the keys and need element masks; the interior [inner_lo, inner_hi) holds whole BLOCK_N
+    tiles that every row of the block sees entirely (none when the block's rows lie in
+    two chunks). All bounds but hi are multiples of BLOCK_N; values that could go negative
+    are clamped before any division.
     """
     m_last = tl.minimum(m0 + BLOCK_M, seqlen_q) - 1
     lo = 0
@@ -160,6 +172,13 @@ def key_tiles(m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right,
     if WINDOW_RIGHT:
         hi = tl.minimum(m_last + diag_offset + window_right + 1, seqlen_k)
         full_hi = tl.minimum(m0 + diag_offset + window_right + 1, seqlen_k)
+    if CHUNK:
+        first = chunk_start(m0 + diag_offset, chunk)  # the first row's chunk
+        last = chunk_start(m_last + diag_offset, chunk)  # the last row's
+        lo = tl.maximum(lo, first)
+        hi = tl.minimum(hi, last + chunk)
+        full_lo = tl.maximum(full_lo, last)
+        full_hi = tl.minimum(full_hi, first + chunk)
     hi = tl.maximum(hi, 0)
     full_hi = tl.maximum(full_hi, 0)
     lo_tile = (lo // BLOCK_N) * BLOCK_N

@@ -31,6 +31,7 @@ def visible_mask_rows(
     window_left: int,
     window_right: int,
     device: torch.device | str | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """Visibility of every key for query rows ``row_start <= i < row_end``.
 
@@ -45,6 +46,9 @@ def visible_mask_rows(
         i=1  x x x x .
         i=2  x x x x x
 
+    With ``chunk`` > 0 (chunked attention), also ``c <= j < c + chunk`` for c =
+    floor((i + diag_offset) / chunk) * chunk: query and key in one chunk of positions.
+
     Returns:
         bool tensor of shape (row_end - row_start, seqlen_k), True = visible.
     """
@@ -57,6 +61,9 @@ def visible_mask_rows(
         visible = visible & (rel >= -window_left)
     if window_right >= 0:
         visible = visible & (rel <= window_right)
+    if chunk > 0:
+        start = torch.div(rows + diag_offset, chunk, rounding_mode="floor")[:, None] * chunk
+        visible = visible & (cols[None, :] >= start) & (cols[None, :] < start + chunk)
     return visible
 
 
@@ -67,13 +74,14 @@ def visible_mask(
     window_left: int,
     window_right: int,
     device: torch.device | str | None = None,
+    chunk: int = 0,
 ) -> torch.Tensor:
     """The full (Sq, Sk) bool visibility matrix; see :func:`visible_mask_rows`.
 
     For tests and small shapes only: it is O(Sq * Sk). The chunked forward builds the rows
     of one chunk at a time with :func:`visible_mask_rows` instead.
     """
-    return visible_mask_rows(0, seqlen_q, seqlen_k, diag_offset, window_left, window_right, device)
+    return visible_mask_rows(0, seqlen_q, seqlen_k, diag_offset, window_left, window_right, device, chunk)
 
 
 def chunked_attention_forward(
@@ -93,6 +101,7 @@ def chunked_attention_forward(
     dropout_seed: int | None = None,
     batch_offset: int = 0,
     sink: torch.Tensor | None = None,
+    chunk: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Exact attention forward in torch ops, ``chunk_size`` query rows at a time.
 
@@ -124,6 +133,8 @@ def chunked_attention_forward(
             denominator (natural units, not scaled): ``lse_i = log(exp(sink_h) + sum_j
             exp(s_ij))``; a row that sees no key then gets out 0 and lse sink_h.
             Differentiable.
+        chunk: chunked attention (0: off): query i sees only keys in its own chunk of
+            ``chunk`` positions (:func:`visible_mask_rows`).
 
     The score of a visible key is, in this order,
     ``s = scale * (q_i . k_j)``; softcap; ``+ alibi``; ``+ float mask``. Then
@@ -193,7 +204,7 @@ def chunked_attention_forward(
     lse_chunks: list[torch.Tensor] = []
     neg_inf = torch.tensor(float("-inf"), dtype=compute_dtype, device=q.device)
 
-    def chunk(row_start: int, row_end: int, q_grouped, k_c, v_c, slopes, mask_grouped, sinks):
+    def attend_rows(row_start: int, row_end: int, q_grouped, k_c, v_c, slopes, mask_grouped, sinks):
         rows = row_end - row_start
 
         # (B, Hk, G, R, D) -> (B, Hk, G*R, D): the G heads of a group become extra rows of
@@ -216,7 +227,7 @@ def chunked_attention_forward(
             scores = scores - slopes * distance.to(compute_dtype)
 
         visible = visible_mask_rows(
-            row_start, row_end, seqlen_k, diag_offset, window_left, window_right, q.device
+            row_start, row_end, seqlen_k, diag_offset, window_left, window_right, q.device, chunk
         )
         if mask_grouped is not None:
             mask_rows = mask_grouped[:, :, :, row_start:row_end, :]
@@ -269,9 +280,9 @@ def chunked_attention_forward(
         row_end = min(row_start + chunk_size, seqlen_q)
         if recompute:
             out_rows, lse_rows = torch.utils.checkpoint.checkpoint(
-                chunk, row_start, row_end, *tensors, use_reentrant=False)
+                attend_rows, row_start, row_end, *tensors, use_reentrant=False)
         else:
-            out_rows, lse_rows = chunk(row_start, row_end, *tensors)
+            out_rows, lse_rows = attend_rows(row_start, row_end, *tensors)
         out_chunks.append(out_rows)
         lse_chunks.append(lse_rows)
 
@@ -290,7 +301,8 @@ def forward(q4, k4, v4, problem, alibi, mask, seed=None, sink=None) -> tuple[tor
     out, lse = chunked_attention_forward(
         q4, k4, v4, scale=problem.scale, diag_offset=problem.diag_offset, window_left=problem.window_left,
         window_right=problem.window_right, softcap=problem.softcap, alibi_slopes=alibi, attn_mask=mask,
-        dropout_p=problem.dropout_p, dropout_seed=None if seed is None else int(seed.item()), sink=sink)
+        dropout_p=problem.dropout_p, dropout_seed=None if seed is None else int(seed.item()), sink=sink,
+        chunk=problem.chunk)
     if torch.is_grad_enabled() and (out.requires_grad or lse.requires_grad):
         return out.to(q4.dtype).transpose(1, 2).contiguous().transpose(1, 2), lse.to(torch.float32)
     out4 = layout.bshd_view(q4)
@@ -347,7 +359,7 @@ def varlen_forward(q4, k4, v4, problem, alibi, varlen, seed=None, sink=None) -> 
             scale=problem.scale, diag_offset=len_k - len_q, window_left=problem.window_left,
             window_right=problem.window_right, softcap=problem.softcap,
             alibi_slopes=None if alibi is None else alibi[b:b + 1], dropout_p=problem.dropout_p,
-            dropout_seed=dropout_seed, batch_offset=b, sink=sink)
+            dropout_seed=dropout_seed, batch_offset=b, sink=sink, chunk=problem.chunk)
         outs.append(out.to(q4.dtype))
         lses.append(lse.to(torch.float32))
         row = start_q + len_q

@@ -87,7 +87,7 @@ def kvcache(q, k_cache, v_cache, k, v, cos, sin, call) -> tuple[torch.Tensor, to
     cu_k = (torch.arange(batch + 1, device=device) * capacity).to(torch.int32)
     cu_k[:-1] += pads.to(torch.int32)
     qp = unit_last_stride(q).reshape(batch * seqlen_q, nheads, head_dim)
-    problem = Problem(spec.scale, 0, spec.window_left, spec.window_right, spec.softcap)
+    problem = Problem(spec.scale, 0, spec.window_left, spec.window_right, spec.softcap, chunk=spec.chunk)
     varlen = Varlen(cu_q, cu_k, None, lengths, seqlen_q, capacity)
     out4, lse = varlen_forward(qp.unsqueeze(0).transpose(1, 2), keys.unsqueeze(0).transpose(1, 2),
                                values.unsqueeze(0).transpose(1, 2), problem, call.alibi, varlen,
