@@ -37,6 +37,11 @@ class Case:
     scale: Optional[float] = None
     sink: Optional[str] = None  # None, "small" (below most rows' LSE), "large" (above many)
     chunk: int = 0  # attention_chunk (0: off)
+    head_dim_v: int = 0  # v's head dim (0: head_dim)
+
+    @property
+    def dv(self) -> int:
+        return self.head_dim_v or self.head_dim
 
     @property
     def id(self) -> str:
@@ -58,6 +63,8 @@ class Case:
             parts.append(f"sink-{self.sink}")
         if self.chunk:
             parts.append(f"chunk{self.chunk}")
+        if self.head_dim_v:
+            parts.append(f"V{self.head_dim_v}")
         return "-".join(parts)
 
 
@@ -71,7 +78,13 @@ def make_inputs(case: Case, device: str = "cpu", seed: int = 0):
     """q (B, Sq, H, D), k/v (B, Sk, Hk, D) in the case's layout, and ALiBi slopes."""
     g = torch.Generator(device=device).manual_seed(seed)
     B, Sq, Sk, H, Hk, D = case.batch, case.seqlen_q, case.seqlen_k, case.nheads, case.nheads_k, case.head_dim
-    if case.layout == "packed" and Sq == Sk and H == Hk:
+    if case.dv != D:  # v of its own head dim: no packed qkv/kv tensor
+        q = _draw((B, Sq, H, D), case.dtype, device, case.dist, g)
+        k = _draw((B, Sk, Hk, D), case.dtype, device, case.dist, g)
+        v = _draw((B, Sk, Hk, case.dv), case.dtype, device, case.dist, g)
+        if case.layout == "transposed":
+            q, k, v = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v))
+    elif case.layout == "packed" and Sq == Sk and H == Hk:
         qkv = _draw((B, Sq, 3, H, D), case.dtype, device, case.dist, g)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     elif case.layout == "packed":
@@ -136,7 +149,7 @@ def check_flash_case(case: Case, device: str = "cpu", seed: int = 0):
         attention_chunk=case.chunk,
     )
     assert probs is None
-    assert out.shape == q.shape and out.dtype == q.dtype
+    assert out.shape == (*q.shape[:3], case.dv) and out.dtype == q.dtype
     assert lse.shape == (case.batch, case.nheads, case.seqlen_q) and lse.dtype == torch.float32
     ref_out, ref_lse = reference(case, q, k, v, alibi, torch.float64, sink)
     base_out, base_lse = reference(case, q, k, v, alibi, case.dtype, sink)
@@ -161,7 +174,7 @@ def check_flash_grads(case: Case, device: str = "cpu", seed: int = 0, noncontigu
     q, k, v, alibi = make_inputs(case, device, seed)
     sink = make_sink(case, device, seed)
     g = torch.Generator(device=device).manual_seed(seed + 1)
-    dout = torch.randn((case.batch, case.nheads, case.seqlen_q, case.head_dim), generator=g, device=device,
+    dout = torch.randn((case.batch, case.nheads, case.seqlen_q, case.dv), generator=g, device=device,
                        dtype=torch.float32).to(case.dtype)
     dout = dout.transpose(1, 2) if noncontiguous_dout else dout.transpose(1, 2).contiguous()
 

@@ -52,8 +52,8 @@ def poison_outputs(monkeypatch):
     for name in ("bshd_view", "new_lse"):
         original = getattr(layout, name)
 
-        def poisoned(t, _original=original):
-            return _original(t).fill_(float("nan"))
+        def poisoned(t, *args, _original=original):
+            return _original(t, *args).fill_(float("nan"))
 
         monkeypatch.setattr(layout, name, poisoned)
     yield

@@ -54,8 +54,8 @@ def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, wi
 def _attn_fwd_fake(q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask,
                    dropout_p=0.0, seed=None, deterministic=False, cu_seqlens_q=None, cu_seqlens_k=None,
                    seqused_q=None, seqused_k=None, max_seqlen_q=0, max_seqlen_k=0, sink=None, attention_chunk=0):
-    batch, nheads, seqlen_q, head_dim = q.shape
-    return (q.new_empty((batch, seqlen_q, nheads, head_dim)),
+    batch, nheads, seqlen_q, _ = q.shape
+    return (q.new_empty((batch, seqlen_q, nheads, v.shape[-1])),
             q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
 
 
@@ -248,9 +248,9 @@ def kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
 
 @kvcache_op.register_fake
 def _kvcache_fake(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, sink, *rest):
-    batch, seqlen_q, nheads, head_dim = q.shape
-    return q.new_empty((batch, seqlen_q, nheads, head_dim)), q.new_empty((batch, nheads, seqlen_q),
-                                                                          dtype=torch.float32)
+    batch, seqlen_q, nheads, _ = q.shape
+    return (q.new_empty((batch, seqlen_q, nheads, v_cache.shape[-1])),
+            q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32))
 
 
 def kvcache(*args, hint=None) -> tuple[Tensor, Tensor]:

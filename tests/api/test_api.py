@@ -143,7 +143,7 @@ def _qkv(dtype=torch.float16, B=1, Sq=4, Sk=5, H=2, Hk=2, D=8):
     (lambda q, k, v: (q.repeat(2, 1, 1, 1), k, v), ValueError, "batch"),
     (lambda q, k, v: (q.repeat(1, 1, 3, 1)[:, :, :3], k, v), ValueError, "divisible"),
     (lambda q, k, v: (torch.zeros(1, 4, 2, 0, dtype=q.dtype),) * 3, ValueError, "head dim of q"),
-    (lambda q, k, v: (torch.zeros(1, 4, 2, 257, dtype=q.dtype),) * 3, ValueError, r"\[1, 256\], got 257"),
+        (lambda q, k, v: (torch.zeros(1, 4, 2, 513, dtype=q.dtype),) * 3, ValueError, r"\[1, 512\], got 513"),
     (lambda q, k, v: ("q", k, v), TypeError, "q must be a torch.Tensor"),
 ])
 def test_flash_attn_bad_tensors(mutate, exc, match):

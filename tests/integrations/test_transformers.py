@@ -47,8 +47,15 @@ def _gemma2():
                                      final_logit_softcapping=None, query_pre_attn_scalar=16)
 
 
+def _qwen3():
+    return transformers.Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    max_position_embeddings=256)
+
+
 CAUSAL_LMS = {"llama": (_llama, transformers.LlamaForCausalLM), "qwen2-sliding": (_qwen2, transformers.Qwen2ForCausalLM),
-              "gemma2-softcap": (_gemma2, transformers.Gemma2ForCausalLM)}
+              "gemma2-softcap": (_gemma2, transformers.Gemma2ForCausalLM),
+              "qwen3": (_qwen3, transformers.Qwen3ForCausalLM)}
 
 
 def _inputs(batch=3, seqlen=20):
@@ -210,6 +217,56 @@ def test_gpt_oss_training_step_and_generation_match_eager():
         a = models["eager"].generate(ids, attention_mask=left, max_new_tokens=12, do_sample=False)
         b = models[ft.NAME].generate(ids, attention_mask=left, max_new_tokens=12, do_sample=False)
         assert torch.equal(a, b)
+
+
+def _deepseek_v3():
+    """MLA in its prefill form: q and k of 24 (16 without rope + 8 rope), v of 16."""
+    return transformers.DeepseekV3Config(vocab_size=97, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                         n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+                                         qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256, n_group=1,
+                                         topk_group=1)
+
+
+def _gemma4(k_eq_v=False):
+    """Gemma 4's text layers: a sliding layer of head dim 32 and a full one of 512."""
+    return transformers.Gemma4TextConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                                         layer_types=["sliding_attention", "full_attention"], sliding_window=6,
+                                         max_position_embeddings=256, vocab_size_per_layer_input=97,
+                                         hidden_size_per_layer_input=16, per_layer_config={"01": {"head_dim": 512}},
+                                         attention_k_eq_v=k_eq_v)
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "gemma4", "gemma4-k-eq-v"])
+def test_value_head_dims_and_head_dim_512_match_eager(name):
+    """Models whose attention flashtile refused before issue 36: DeepSeek-V3 (v's head dim
+    differs from q's: 'k and v must have the same shape'), Gemma 4 (head dim 512 on its
+    full layers: 'head dim of q must be in [1, 256]'). Padded batches, a training step,
+    greedy generation."""
+    make, cls = {"deepseek-v3": (_deepseek_v3, transformers.DeepseekV3ForCausalLM),
+                 "gemma4": (_gemma4, transformers.Gemma4ForCausalLM),
+                 "gemma4-k-eq-v": (lambda: _gemma4(True), transformers.Gemma4ForCausalLM)}[name]
+    models = _pair(make(), cls)
+    ids, right, left = _inputs()
+    with torch.no_grad():
+        for mask in (None, right, left):
+            ref = models["eager"](ids, attention_mask=mask).logits
+            got = models[ft.NAME](ids, attention_mask=mask).logits
+            keep = torch.ones_like(ids, dtype=torch.bool) if mask is None else mask.bool()
+            assert (ref - got)[keep].abs().max() < TOL
+        a = models["eager"].generate(ids, attention_mask=left, max_new_tokens=8, do_sample=False)
+        b = models[ft.NAME].generate(ids, attention_mask=left, max_new_tokens=8, do_sample=False)
+        assert torch.equal(a, b)
+    grads = {}
+    for impl, model in models.items():
+        model.train()
+        model(ids, attention_mask=right, labels=ids.masked_fill(right == 0, -100)).loss.backward()
+        grads[impl] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert grads["eager"].keys() == grads[ft.NAME].keys() and grads["eager"]
+    for n, g in grads["eager"].items():
+        assert (g - grads[ft.NAME][n]).abs().max() <= 1e-4 * max(1.0, g.abs().max().item()), n
 
 
 def _llama4(chunk=8):

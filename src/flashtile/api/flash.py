@@ -63,8 +63,9 @@ def flash_attn_func(
     """Exact attention with flash-attn 2's interface and semantics.
 
     Args:
-        q: (batch, seqlen_q, nheads, headdim), float16/bfloat16/float32.
-        k, v: (batch, seqlen_k, nheads_k, headdim); nheads % nheads_k == 0 (MQA/GQA:
+        q: (batch, seqlen_q, nheads, headdim), float16/bfloat16/float32; headdim <= 512.
+        k, v: (batch, seqlen_k, nheads_k, headdim) and (..., headdim_v): v's head dim may
+            differ (DeepSeek's 192 / 128), <= 512; nheads % nheads_k == 0 (MQA/GQA:
             query head h reads key/value head h // (nheads // nheads_k)).
             Any strides with unit stride along headdim (views of a packed qkv tensor,
             transposes) run without copies; other layouts are copied once.
@@ -120,7 +121,7 @@ def flash_attn_func(
             recomputed densely, O(seqlen_q * seqlen_k) memory.
 
     Returns:
-        out (batch, seqlen_q, nheads, headdim) in q's dtype; with ``return_attn_probs``,
+        out (batch, seqlen_q, nheads, headdim_v) in q's dtype; with ``return_attn_probs``,
         ``(out, softmax_lse, S_dmask)`` where softmax_lse is (batch, nheads, seqlen_q) float32,
         natural log, -inf for rows that see no key (whose output is 0).
 

@@ -62,13 +62,18 @@ def flash_attn_with_kvcache(
     """Attention of new queries against a KV cache, appending new keys/values in place.
 
     Args:
-        q: (batch, seqlen_q, nheads, headdim); seqlen_q = 1 for plain decoding.
-        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim), or paged
-            (num_blocks, page_block_size, nheads_k, headdim) with ``block_table``; any
-            page size >= 1. Modified in place when k, v are given.
-        k, v: None, or (batch, seqlen_new, nheads_k, headdim): written into the cache at
-            positions cache_seqlens .. cache_seqlens + seqlen_new (rotated first when
-            rotary tables are given), then attended to in the same call.
+        q: (batch, seqlen_q, nheads, headdim); seqlen_q = 1 for plain decoding; headdim
+            <= 576 (MLA's absorbed decode: 512 latent + 64 rope columns).
+        k_cache, v_cache: (batch_cache, seqlen_cache, nheads_k, headdim) and (...,
+            headdim_v), or paged (num_blocks, page_block_size, nheads_k, ...) with
+            ``block_table``; any page size >= 1; v_cache may be a view of k_cache's first
+            headdim_v columns (MLA's latent cache: ``v_cache = k_cache[..., :512]``, no
+            copy). Modified in place when k, v are given.
+        k, v: None, or (batch, seqlen_new, nheads_k, headdim) and (..., headdim_v): written
+            into the caches at positions cache_seqlens .. cache_seqlens + seqlen_new
+            (rotated first when rotary tables are given), then attended to in the same
+            call. Where v_cache shares k_cache's memory, v is written last (pass v =
+            k[..., :headdim_v]), and rotary tables are refused (they would rotate v).
         rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2): k is rotated at
             positions cache_seqlens + i (its index in the cache row, leftpad included, as
             flash-attn does); q at the same positions when causal or windowed, else all of
@@ -99,7 +104,7 @@ def flash_attn_with_kvcache(
             from leftpad; 0 (the default) is off.
 
     Returns:
-        out (batch, seqlen_q, nheads, headdim), or (out, lse). Not differentiable (as in
+        out (batch, seqlen_q, nheads, headdim_v), or (out, lse). Not differentiable (as in
         flash-attn): use the other functions to train.
 
     Every check runs before the cache is touched: a call that raises leaves the cache

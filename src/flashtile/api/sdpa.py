@@ -26,8 +26,9 @@ def scaled_dot_product_attention(
 
     Args:
         query: (batch, heads, L, E) or (batch, L, E); float16/bfloat16/float32.
-        key, value: (batch, heads_kv, S, E) / (batch, S, E). heads_kv must equal heads
-            unless ``enable_gqa`` (then heads % heads_kv == 0). value's E must equal E.
+        key, value: (batch, heads_kv, S, E) and (batch, heads_kv, S, Ev) / (batch, S, ...).
+            heads_kv must equal heads unless ``enable_gqa`` (then heads % heads_kv == 0);
+            Ev may differ from E (as in torch); E, Ev <= 512.
         attn_mask: broadcastable to (batch, heads, L, S). bool: True = take part;
             float (query's dtype or float32): added to the scores. Evaluated inside the
             kernel tile by tile, never expanded in memory. Huge negative biases
@@ -45,7 +46,7 @@ def scaled_dot_product_attention(
             natural-log units, not scaled. Differentiable.
 
     Returns:
-        (batch, heads, L, E) in query's dtype (a transposed view of a (batch, L, heads, E)
+        (batch, heads, L, Ev) in query's dtype (a transposed view of a (batch, L, heads, Ev)
         buffer, as torch's flash backend returns). Rows with no visible key give 0.
     """
     call = validate.sdpa_call(query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa, learnable_sink)

@@ -60,8 +60,9 @@ def flash_attn_varlen_func(
 
     Args:
         q: (total_q, nheads, headdim), the queries of every sequence one after another.
-        k, v: (total_k, nheads_k, headdim); nheads % nheads_k == 0 (GQA/MQA). With
-            ``block_table``: paged, (num_blocks, page_block_size, nheads_k, headdim).
+        k, v: (total_k, nheads_k, headdim) and (..., headdim_v) (v's head dim may differ,
+            as in ``flash_attn_func``); nheads % nheads_k == 0 (GQA/MQA). With
+            ``block_table``: paged, (num_blocks, page_block_size, nheads_k, ...).
         cu_seqlens_q, cu_seqlens_k: int32 (batch + 1,), starting at 0, non-decreasing,
             ending at total_q / total_k (paged: cu_seqlens_k still gives the key lengths).
             Sequence b owns rows cu[b] .. cu[b + 1]; empty sequences are allowed.
@@ -90,7 +91,7 @@ def flash_attn_varlen_func(
             key (used keys: from cu_seqlens_k[b]).
 
     Returns:
-        out (total_q, nheads, headdim); with ``return_attn_probs`` ``(out, softmax_lse,
+        out (total_q, nheads, headdim_v); with ``return_attn_probs`` ``(out, softmax_lse,
         S_dmask)``. Differentiable with respect to q, k and v (dq, dk, dv in their layouts).
 
     The metadata values are checked on the host once per set of tensors (one copy; cached

@@ -60,6 +60,9 @@ _SM90_FWD[(128, True, True)] = FwdConfig(128, 128, 8, 3, True)
 for _causal in (False, True):
     for _long in (False, True):
         _SM90_FWD[(256, _causal, _long)] = FwdConfig(128, 64, 8, 2, True)
+        # d512 (Gemma 4's full layers, DeepSeek-V4): unmeasured. The 64 x 512 fp32
+        # accumulator is 128 registers a thread at 8 warps; TMA boxes stop at 256 columns.
+        _SM90_FWD[(512, _causal, _long)] = FwdConfig(64, 32, 8, 2, False)
 # d64/d128/d256 in fp16/bf16 without extras: the warp-specialized Gluon kernel, except
 # short causal calls at d64, where the Triton kernel's 64-row tiles waste less on the
 # diagonal (H200 runs 22-23 and 26, bf16, TF/s Gluon vs Triton: d128 S4096 612 vs 481,
@@ -77,6 +80,7 @@ _GENERIC_FWD = {
     64: FwdConfig(128, 64, 4, 3),
     128: FwdConfig(128, 32, 4, 2),
     256: FwdConfig(64, 32, 4, 1),
+    512: FwdConfig(32, 16, 4, 1),
 }
 
 # Under TRITON_INTERPRET=1 every element is numpy work: small tiles are faster and still
@@ -194,6 +198,7 @@ _SM90_BWD = {
     64: BwdConfig(64, 64, 64, 64, 4, 3),
     128: BwdConfig(64, 64, 64, 64, 4, 2),
     256: BwdConfig(64, 64, 64, 64, 8, 2),
+    512: BwdConfig(32, 16, 32, 16, 8, 1),  # unmeasured: dK and dV accumulators 16 x 512 each
 }
 _GENERIC_BWD = {
     16: BwdConfig(32, 64, 64, 32, 4, 2),
@@ -201,6 +206,7 @@ _GENERIC_BWD = {
     64: BwdConfig(32, 64, 64, 32, 4, 2),
     128: BwdConfig(32, 64, 64, 32, 4, 1),
     256: BwdConfig(16, 32, 32, 16, 4, 1),
+    512: BwdConfig(16, 16, 16, 16, 4, 1),
 }
 # Without tile masks the one-loop dk/dv kernel (spills ~4x less) beats the three phases by
 # 4-10% here; with a causal diagonal the three phases win (H200 runs 11-12, bf16):

@@ -42,11 +42,12 @@ def from_bshd(t: torch.Tensor, layout: str) -> torch.Tensor:
     return t.transpose(1, 2)
 
 
-def bshd_view(t: torch.Tensor) -> torch.Tensor:
-    """(B, H, S, D) view of a new (B, S, H, D) buffer shaped like ``t`` (B, H, S, D): the
-    layout every output and gradient of the kernels is written in."""
+def bshd_view(t: torch.Tensor, head_dim: int = 0) -> torch.Tensor:
+    """(B, H, S, D) view of a new (B, S, H, D) buffer shaped like ``t`` (B, H, S, D), its
+    head dim ``head_dim`` when given (out of a call whose v has another head dim than q):
+    the layout every output and gradient of the kernels is written in."""
     b, h, s, d = t.shape
-    return t.new_empty((b, s, h, d)).transpose(1, 2)
+    return t.new_empty((b, s, h, head_dim or d)).transpose(1, 2)
 
 
 def new_lse(t: torch.Tensor) -> torch.Tensor:

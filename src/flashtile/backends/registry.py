@@ -55,7 +55,8 @@ class Call:
     with seqused_q/k (or paged keys). ``aligned``: every tensor of the pass can be read by
     TMA (fp16/bf16, 16-byte aligned bases and strides; ``backends.run.tma_ready``).
     ``sink``: a learnable sink per head (only the forward reads it; the backward sees it
-    through the LSE). ``chunk``: chunked attention.
+    through the LSE). ``chunk``: chunked attention. ``head_dim_v``: v's head dim when it
+    differs from q's (0: the same).
     """
 
     capability: Optional[tuple[int, int]]
@@ -75,6 +76,12 @@ class Call:
     aligned: bool = True
     sink: bool = False
     chunk: bool = False
+    head_dim_v: int = 0
+
+    @property
+    def widest(self) -> int:
+        """The larger of the q/k and v head dims (``head_dim_v`` 0: the same as q's)."""
+        return max(self.head_dim, self.head_dim_v)
 
 
 @dataclass(frozen=True)
@@ -127,14 +134,15 @@ def forward(call: Call, config: Optional[configs.FwdConfig] = None) -> Choice:
     if call.capability is None:
         return Choice("triton", "triton.forward", configs.INTERPRETER_FWD,
                       ("CPU tensors: the Triton kernels under TRITON_INTERPRET=1",))
-    cfg = config or configs.default_fwd_config(call.capability, call.head_dim, call.dtype, call.window_right >= 0,
+    cfg = config or configs.default_fwd_config(call.capability, call.widest, call.dtype, call.window_right >= 0,
                                                call.seqlen_q, call.mask)
     if cfg.use_ws:
         reason = _gluon_reason(call, sm90_scope.forward_scope)
         if reason is None:
             return Choice("sm90", "sm90.forward")
     elif call.capability[0] == 9:
-        reason = "the sm90 table sends this shape to the Triton kernel (short causal d64: 64-row tiles)"
+        reason = (_gluon_reason(call, sm90_scope.forward_scope)
+                  or "the sm90 table sends this shape to the Triton kernel (short causal d64: 64-row tiles)")
     else:
         reason = "the Gluon kernels need Hopper (sm90)"
     cfg = replace(cfg, use_ws=False, use_tma=cfg.use_tma and call.aligned and not call.varlen)
@@ -156,7 +164,7 @@ def backward(call: Call) -> Choice:
         split = "sm90.backward_split_d256" if call.head_dim in sm90_scope.SPLIT_HEAD_DIMS else "sm90.backward_split"
         return Choice("sm90", split, None, (onepass,))
     tile_masks = call.window_left >= 0 or call.window_right >= 0 or call.mask or call.chunk
-    cfg = configs.default_bwd_config(call.capability, call.head_dim, call.dtype, call.deterministic,
+    cfg = configs.default_bwd_config(call.capability, call.widest, call.dtype, call.deterministic,
                                      tile_masks=tile_masks)
     return Choice("triton", "triton.backward_atomic" if cfg.fused_dq else "triton.backward", cfg, (reason,))
 

@@ -137,16 +137,17 @@ def _refuse_interpreted_bf16(q: Tensor) -> None:
         raise TypeError("bfloat16 cannot run under TRITON_INTERPRET=1 (triton 3.6's interpreter has no bf16 arithmetic)")
 
 
-def _call(q: Tensor, problem: Problem, alibi, mask, varlen: Optional[Varlen], *tensors, sink=None) -> registry.Call:
-    """The registry's description of a pass over q (B, H, Sq, D) and ``tensors``."""
+def _call(q: Tensor, problem: Problem, alibi, mask, varlen: Optional[Varlen], k: Tensor, v: Tensor, *tensors,
+          sink=None) -> registry.Call:
+    """The registry's description of a pass over q (B, H, Sq, D), k, v and ``tensors``."""
     return registry.Call(
         capability=capability_of(q), dtype=str(q.dtype).replace("torch.", ""), head_dim=q.shape[-1],
         seqlen_q=q.shape[2] if varlen is None else varlen.max_seqlen_q, scale=problem.scale,
         window_left=problem.window_left, window_right=problem.window_right, softcap=problem.softcap,
         alibi=alibi is not None, mask=mask is not None, dropout=problem.dropout_p > 0.0, varlen=varlen is not None,
-        chunk=problem.chunk > 0,
+        chunk=problem.chunk > 0, head_dim_v=v.shape[-1] if v.shape[-1] != q.shape[-1] else 0,
         seqused=varlen is not None and varlen.seqused, deterministic=problem.deterministic,
-        aligned=layout.tma_ready(q, *tensors), sink=sink is not None)
+        aligned=layout.tma_ready(q, k, v, *tensors), sink=sink is not None)
 
 
 # --------------------------------------------------------------------------- forward
@@ -174,9 +175,9 @@ def _forward_run(a: FwdArgs) -> tuple[Tensor, Tensor]:
     """The forward's ordinary path: buffers, the registry's choice, launches."""
     q, k, v = a.q, a.k, a.v
     _refuse_interpreted_bf16(q)
-    batch, nheads, seqlen_q, head_dim = q.shape
+    batch, nheads, seqlen_q, _ = q.shape
     varlen = _varlen(a)
-    out = q.new_empty((batch, seqlen_q, nheads, head_dim))  # returned as it is: not a view
+    out = q.new_empty((batch, seqlen_q, nheads, v.shape[-1]))  # returned as it is: not a view
     out4 = out.transpose(1, 2)
     lse = layout.new_lse(q)
     no_keys = k.shape[2] == 0
@@ -438,13 +439,13 @@ def _kvcache_run(a: KVCacheArgs) -> tuple[Tensor, Tensor]:
 
     q = a.q
     _refuse_interpreted_bf16(q)
-    batch, seqlen_q, nheads, head_dim = q.shape
+    batch, seqlen_q, nheads, _ = q.shape
     new = 0 if a.k is None else a.k.shape[1]
-    out = q.new_empty((batch, seqlen_q, nheads, head_dim))
+    out = q.new_empty((batch, seqlen_q, nheads, a.v_cache.shape[-1]))
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
-    status, parts = decode.scratch(q, a.k_cache, a.table, a.num_splits, a.device_check)
+    status, parts = decode.scratch(q, a.k_cache, a.table, a.num_splits, a.device_check, a.v_cache.shape[-1])
     if a.device_check:
         paged = a.table is not None
         page = a.k_cache.shape[1] if paged else 0

@@ -4,7 +4,8 @@ Every public function (``flash_attn_func``, the varlen and kv-cache functions, S
 context-parallel layers) checks its arguments (``problem.validate``) and reduces them to
 the canonical call:
 
-    q (B, H, Sq, D), k and v (B, Hk, Sk, D), any strides with unit stride along D;
+    q and k (B, H/Hk, S, D), v (B, Hk, Sk, Dv) (Dv may differ from D), any strides with unit
+    stride along the head dim; out (B, Sq, H, Dv);
     query head h reads key/value head h // (H // Hk). Key j is visible to query i iff
         (window_left  < 0 or j >= i + diag_offset - window_left) and
         (window_right < 0 or j <= i + diag_offset + window_right) and
@@ -22,8 +23,7 @@ the canonical call:
 A packed (varlen) call is that problem with B = 1 over the packed token axis, each
 sequence with its own diagonal len_k - len_q (``Varlen``). ``Problem`` holds the scalars;
 the tensors (q, k, v, ALiBi slopes, a mask, the sinks, the varlen metadata) travel beside
-it. New score and mask functions, a value head dim and FP8 scales are fields to come
-(their issues).
+it. New score and mask functions and FP8 scales are fields to come (their issues).
 """
 
 from __future__ import annotations

@@ -26,7 +26,8 @@ import torch
 from flashtile.problem.spec import CacheSpec, Problem, Varlen
 from flashtile.problem.window import effective_chunk, effective_window
 
-MAX_HEAD_DIM = 256
+MAX_HEAD_DIM = 512
+MAX_DECODE_HEAD_DIM = 576  # q and k of a kv-cache call: MLA's absorbed decode (512 latent + 64 rope)
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
@@ -160,9 +161,9 @@ def heads(nheads: int, nheads_k: int, qname: str = "q", kname: str = "k") -> Non
         )
 
 
-def head_dim(name: str, value: int) -> None:
-    if not (1 <= value <= MAX_HEAD_DIM):
-        raise ValueError(f"head dim of {name} must be in [1, {MAX_HEAD_DIM}], got {value}")
+def head_dim(name: str, value: int, limit: int = MAX_HEAD_DIM) -> None:
+    if not (1 <= value <= limit):
+        raise ValueError(f"head dim of {name} must be in [1, {limit}], got {value}")
 
 
 class Shapes(NamedTuple):
@@ -174,6 +175,7 @@ class Shapes(NamedTuple):
     nheads: int
     nheads_k: int
     head_dim: int
+    head_dim_v: int
 
 
 # Where the batch, sequence and head axes are in each layout (None: no such axis).
@@ -184,9 +186,11 @@ _KV_DOCS = {"bshd": " (batch, seqlen_k, nheads_k, headdim)", "bhsd": " (batch, n
                      "headdim)"}
 
 
-def qkv_shapes(q, k, v, names=("q", "k", "v"), layout: str = "bshd", kv_layout: Optional[str] = None) -> Shapes:
+def qkv_shapes(q, k, v, names=("q", "k", "v"), layout: str = "bshd", kv_layout: Optional[str] = None,
+               max_qk: int = MAX_HEAD_DIM) -> Shapes:
     """The one check of q, k, v for every entry point: tensors of the layout's rank, one
-    dtype and device, k and v of one shape, one batch, one head dim in [1, MAX_HEAD_DIM],
+    dtype and device, k and v of one shape but the head dim, one batch, q and k of one head
+    dim in [1, ``max_qk``], v's in [1, MAX_HEAD_DIM] (it may differ: DeepSeek's 192 / 128),
     query heads a multiple of key/value heads.
 
     ``layout``: "bshd" (flash-attn), "bhsd" (SDPA) or "thd" (packed); ``kv_layout``: k and
@@ -206,16 +210,17 @@ def qkv_shapes(q, k, v, names=("q", "k", "v"), layout: str = "bshd", kv_layout: 
         if k.shape[kb] != q.shape[qb] or v.shape[kb] != q.shape[qb]:
             raise ValueError(f"batch of {qn}, {kn}, {vn} must match, got {q.shape[qb]}, {k.shape[kb]}, "
                              f"{v.shape[kb]}")
-    if k.shape != v.shape:
-        raise ValueError(f"{kn} and {vn} must have the same shape{_KV_DOCS[kv_layout]}, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+    if k.shape[:-1] != v.shape[:-1]:
+        raise ValueError(f"{kn} and {vn} must have the same shape{_KV_DOCS[kv_layout]} but for the head dim, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
     dim = q.shape[-1]
     if k.shape[-1] != dim:
         raise ValueError(f"head dim of {kn} ({k.shape[-1]}) must equal head dim of {qn} ({dim})")
-    head_dim(qn, dim)
+    head_dim(qn, dim, max_qk)
+    head_dim(vn, v.shape[-1])
     nheads, nheads_k = q.shape[qh], k.shape[kh]
     heads(nheads, nheads_k, qn, kn)
-    return Shapes(1 if qb is None else q.shape[qb], q.shape[qs], k.shape[ks], nheads, nheads_k, dim)
+    return Shapes(1 if qb is None else q.shape[qb], q.shape[qs], k.shape[ks], nheads, nheads_k, dim, v.shape[-1])
 
 
 def alibi(alibi_slopes, batch: int, nheads: int, device) -> Optional[torch.Tensor]:
@@ -555,7 +560,7 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
                  block_table, softmax_scale_, causal, window_size, softcap_, rotary_interleaved, alibi_slopes,
                  num_splits, return_softmax_lse, learnable_sink=None, attention_chunk_=0) -> CacheCall:
     """Every check of a kv-cache call but those of the metadata values (``cache_values``)."""
-    qkv_shapes(q, k_cache, v_cache, ("q", "k_cache", "v_cache"), "bshd", "cache")
+    shapes = qkv_shapes(q, k_cache, v_cache, ("q", "k_cache", "v_cache"), "bshd", "cache", MAX_DECODE_HEAD_DIM)
     batch, seqlen_q, nheads, dim = q.shape
     nheads_k = k_cache.shape[2]
     device = q.device
@@ -582,9 +587,11 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
         tensor("k", k, 4)
         tensor("v", v, 4)
         same_dtype_and_device(q, k, v, ("q", "k", "v"))
-        if k.shape != v.shape or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]:
-            raise ValueError(f"k and v must have shape ({batch}, seqlen_new, {nheads_k}, {dim}), got "
-                             f"{tuple(k.shape)} and {tuple(v.shape)}")
+        if (k.shape[:-1] != v.shape[:-1] or k.shape[0] != batch or k.shape[2:] != k_cache.shape[2:]
+                or v.shape[-1] != shapes.head_dim_v):
+            raise ValueError(f"k and v must have shape ({batch}, seqlen_new, {nheads_k}, {dim}) and ({batch}, "
+                             f"seqlen_new, {nheads_k}, {shapes.head_dim_v}), got {tuple(k.shape)} and "
+                             f"{tuple(v.shape)}")
         new = k.shape[1]
     if cache_seqlens is None:
         if k is not None:
@@ -608,6 +615,9 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     rotary_dim = rotary_tables(rotary_cos, rotary_sin, q, dim)
     if rotary_dim and k is None:
         raise ValueError("rotary_cos/rotary_sin apply only when k and v are appended (as in flash-attn)")
+    if rotary_dim and k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr():
+        raise ValueError("rotary_cos/rotary_sin cannot be used with a v_cache that shares k_cache's memory (a latent "
+                         "cache): rotating k would rotate v too; apply the rotary embedding before the call")
     scale = softmax_scale("softmax_scale", softmax_scale_, dim)
     left, right = causal_window(causal, window_size)
     # q is rotated at its own positions when some side bounds the keys, as flash-attn
@@ -688,6 +698,9 @@ def parallel_call(q, k, v, causal, window_size, softcap_, softmax_scale_) -> Pro
     """The local shards of a context-parallel call: q, k, v (batch, local_seqlen, heads,
     dim) of one length, and the flash-attn scalars. The diagonal is per pair of shards."""
     shapes = qkv_shapes(q, k, v)
+    if shapes.head_dim_v != shapes.head_dim:
+        raise ValueError(f"the context-parallel layer takes one head dim for q, k and v; v's is {shapes.head_dim_v}, "
+                         f"q's {shapes.head_dim}")
     if shapes.seqlen_k != shapes.seqlen_q:
         raise ValueError(f"k and v must have shape (batch, local_seqlen, nheads_k, headdim) matching q "
                          f"{tuple(q.shape)}, got {tuple(k.shape)} and {tuple(v.shape)}")

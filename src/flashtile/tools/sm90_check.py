@@ -10,6 +10,7 @@ TRITON_INTERPRET (under the interpreter ``@triton.jit`` builds no compilable fun
     python -m flashtile.tools.sm90_check --regs     # plus registers and spills (ptxas -v)
     python -m flashtile.tools.sm90_check --headdim 128   # one head dim of the table
     python -m flashtile.tools.sm90_check --decode   # the KV-cache kernels (backends/triton/decode.py)
+    python -m flashtile.tools.sm90_check --wide     # head dims to 512, v's own head dim, MLA decode
 
 Registers per thread and spill bytes come from running Triton's bundled ptxas with
 ``-v`` on the generated PTX: a kernel at the 255-register cap that spills to local
@@ -194,14 +195,21 @@ def compile_tma_reduce_rate(use_tma: bool, num_buf: int = 2, rows: int = 64, col
                          {(1,): [["tt.divisibility", 16]]}, num_warps=4)
 
 
+def _block(head_dim: int) -> int:
+    return max(16, 1 << (head_dim - 1).bit_length())
+
+
 def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: int = 0, extras: bool = False,
-                    varlen: bool = False) -> Compiled:
+                    varlen: bool = False, head_dim_v: int = 0) -> Compiled:
     """The forward kernel with ``cfg`` (a FwdConfig); ``extras`` turns on every option;
-    ``varlen``: the packed-sequence variant (work list from backends/worklist.py)."""
+    ``varlen``: the packed-sequence variant (work list from backends/worklist.py);
+    ``head_dim_v``: v's head dim (0: head_dim)."""
     from flashtile.backends.triton.forward import fwd_kernel
 
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
+    dv = head_dim_v or head_dim
+    block_d, block_dv = _block(head_dim), _block(dv)
     c = dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_D=block_d, EVEN_D=block_d == head_dim,
+             BLOCK_DV=block_dv, EVEN_DV=block_dv == dv, SAME_DV=dv == head_dim,
              WINDOW_LEFT=extras, WINDOW_RIGHT=causal or extras, SOFTCAP=extras, HAS_ALIBI=extras,
              MASK_MODE=mask_mode, IEEE_DOT=dtype == "fp32", REVERSE_M=causal, USE_TMA=cfg.use_tma, DROPOUT=extras,
              VARLEN=varlen, HAS_SINK=extras, CHUNK=extras)
@@ -209,9 +217,11 @@ def compile_forward(cfg, dtype: str, head_dim: int, *, causal: bool, mask_mode: 
     ptrs.update(Lse="*fp32", Mask="*u8" if mask_mode == 1 else f"*{dtype}", Alibi="*fp32", Seed="*i64",
                 Items="*i32", Sink="*fp32")
     if cfg.use_tma:
-        for n, rows in (("desc_q", cfg.block_m), ("desc_k", cfg.block_n), ("desc_v", cfg.block_n), ("desc_o", cfg.block_m)):
-            ptrs[n] = f"tensordesc<{dtype}[1,1,{rows},{block_d}]>"
-    name = f"fwd {dtype} d{head_dim} causal={causal} mask={mask_mode} extras={extras} varlen={varlen} {cfg}"
+        for n, rows, cols in (("desc_q", cfg.block_m, block_d), ("desc_k", cfg.block_n, block_d),
+                              ("desc_v", cfg.block_n, block_dv), ("desc_o", cfg.block_m, block_dv)):
+            ptrs[n] = f"tensordesc<{dtype}[1,1,{rows},{cols}]>"
+    dims = f"d{head_dim}" + (f"-{dv}" if dv != head_dim else "")
+    name = f"fwd {dtype} {dims} causal={causal} mask={mask_mode} extras={extras} varlen={varlen} {cfg}"
     return _compile(name, fwd_kernel, ptrs, c, cfg.num_warps, cfg.num_stages)
 
 
@@ -318,12 +328,16 @@ def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf
 
 
 def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extras: bool = False,
-                     varlen: bool = False) -> list[Compiled]:
-    """The dq and dk/dv kernels with ``cfg`` (a BwdConfig); ``varlen``: packed sequences."""
+                     varlen: bool = False, head_dim_v: int = 0) -> list[Compiled]:
+    """The dq and dk/dv kernels with ``cfg`` (a BwdConfig); ``varlen``: packed sequences;
+    ``head_dim_v``: v's head dim (0: head_dim)."""
     from flashtile.backends.triton.backward import dkdv_kernel, dq_kernel
 
-    block_d = max(16, 1 << (head_dim - 1).bit_length())
-    common = dict(BLOCK_D=block_d, EVEN_D=block_d == head_dim, WINDOW_LEFT=extras, WINDOW_RIGHT=True,
+    dv = head_dim_v or head_dim
+    block_d, block_dv = _block(head_dim), _block(dv)
+    common = dict(BLOCK_D=block_d, EVEN_D=block_d == head_dim, BLOCK_DV=block_dv, EVEN_DV=block_dv == dv,
+                  SAME_DV=dv == head_dim,
+                  WINDOW_LEFT=extras, WINDOW_RIGHT=True,
                   SOFTCAP=extras, HAS_ALIBI=extras, MASK_MODE=mask_mode, IEEE_DOT=dtype == "fp32", DROPOUT=extras,
                   VARLEN=varlen, CHUNK=extras)
     ptrs = {n: f"*{dtype}" for n in ("Q", "K", "V", "DO", "DQ", "DK", "DV")}
@@ -336,13 +350,14 @@ def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extr
         kernels.append(("dq", dq_kernel, cfg.block_m_q, cfg.block_n_q, {}))
     for kname, fn, bm, bn, extra in kernels:
         c = dict(common, BLOCK_M=bm, BLOCK_N=bn, **extra)
-        name = f"bwd-{kname} {dtype} d{head_dim} mask={mask_mode} extras={extras} varlen={varlen} {cfg}"
+        dims = f"d{head_dim}" + (f"-{dv}" if dv != head_dim else "")
+        name = f"bwd-{kname} {dtype} {dims} mask={mask_mode} extras={extras} varlen={varlen} {cfg}"
         out.append(_compile(name, fn, ptrs, c, cfg.num_warps, cfg.num_stages))
     return out
 
 
 def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, extras: bool = False,
-                   split: bool = True, page_slice: int = 0) -> list[Compiled]:
+                   split: bool = True, page_slice: int = 0, head_dim_v: int = 0) -> list[Compiled]:
     """The KV-cache kernels of ``backends/triton/decode.py`` as a decode step launches them: the check,
     the append and the decode kernel (``rows`` packed query rows, seqlen_q x group; ``paged``:
     the page size, 0 for a row cache, a multiple of the key tile reads one table entry per
@@ -351,8 +366,9 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
     gather's table slice in registers (``decode.PAGE_SLICE_MAX``)."""
     from flashtile.backends.triton import decode
 
-    block_m, block_n, block_d = decode.block_sizes(head_dim, rows)
-    tag = f"{dtype} d{head_dim} rows={rows} paged={paged} extras={extras}" + (f" slice={page_slice}" if page_slice else "")
+    block_m, block_n, block_d, block_dv = decode.block_sizes(head_dim, rows, head_dim_v)
+    dims = f"d{head_dim}" + (f"-{head_dim_v}" if head_dim_v and head_dim_v != head_dim else "")
+    tag = f"{dtype} {dims} rows={rows} paged={paged} extras={extras}" + (f" slice={page_slice}" if page_slice else "")
     ints = ("SeqLens", "LeftPad", "BatchIdx", "Table", "Status")
     ptrs = {n: "*i32" for n in ints}
     ptrs.update({n: f"*{dtype}" for n in ("Q", "K", "V", "KCache", "VCache", "Out")})
@@ -363,19 +379,22 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
                     dict(HAS_LEFTPAD=extras, HAS_BATCH_IDX=extras and not paged, PAGED=paged > 0, ROTARY=extras,
                          ROTARY_LOCAL=False, BLOCK=16), 4, 1),
            _compile(f"decode-append {tag}", decode.append_kernel, ptrs,
-                    dict(BLOCK_T=16, BLOCK_D=block_d, PAGED=paged > 0, HAS_BATCH_IDX=extras and not paged,
+                    dict(BLOCK_T=16, BLOCK_D=block_d, BLOCK_DV=block_dv, SAME_DV=not head_dim_v or head_dim_v == head_dim,
+                         PAGED=paged > 0,
+                         HAS_BATCH_IDX=extras and not paged,
                          ROTARY=extras, INTERLEAVED=False, CHECKED=True), 4, 1),
            _compile(f"decode {tag} split={split}", decode.decode_kernel, ptrs,
-                    dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PAGED=paged > 0,
+                    dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                         SAME_DV=not head_dim_v or head_dim_v == head_dim, PAGED=paged > 0,
                          PAGE_TILE=kind == "tile", PAGE_SLICE=page_slice,
                          HAS_BATCH_IDX=extras and not paged,
                          HAS_LEFTPAD=extras, WINDOW_LEFT=extras, WINDOW_RIGHT=extras, SOFTCAP=extras,
                          HAS_ALIBI=extras, ROTARY=extras, INTERLEAVED=False, ROTARY_LOCAL=extras, SPLIT=split,
                          CHECKED=True, IEEE_DOT=dtype == "fp32", HAS_SINK=extras, CHUNK=extras), 4,
-                    decode.STAGES[kind])]
+                    decode.stages(kind, block_d, block_dv))]
     if split:
         out.append(_compile(f"decode-combine {tag}", decode.combine_kernel, ptrs,
-                            dict(BLOCK_S=16, BLOCK_D=block_d, HAS_SINK=extras), 4, 1))
+                            dict(BLOCK_S=16, BLOCK_D=block_dv, HAS_SINK=extras), 4, 1))
     return out
 
 
@@ -423,6 +442,25 @@ def table_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
             yield lambda plain=plain, head_dim=head_dim: compile_backward(plain, dtype, head_dim)
 
 
+def wide_checks(head_dims=(), dtype: str = "bf16"):
+    """Head dims past the Gluon kernels' (issue 36): the Triton forward and backward at
+    (512, 512) and (192, 128) (DeepSeek's q/k and v), the fused-dQ backward at 512, and MLA's
+    absorbed decode (q/k 576, v 512) over row and paged caches. ``head_dims`` is ignored."""
+    from flashtile.backends import configs
+
+    for d, dv in ((512, 512), (192, 128)):
+        for causal in (False, True):
+            cfg = configs.default_fwd_config((9, 0), max(d, dv), "bfloat16", causal, 8192)
+            yield lambda cfg=cfg, causal=causal, d=d, dv=dv: [compile_forward(cfg, dtype, d, causal=causal,
+                                                                               head_dim_v=dv)]
+        bwd = configs.default_bwd_config((9, 0), max(d, dv), "bfloat16")
+        yield lambda bwd=bwd, d=d, dv=dv: compile_backward(bwd, dtype, d, head_dim_v=dv)
+    fused = configs.default_bwd_config((9, 0), 512, "bfloat16", dq_mode="atomic")
+    yield lambda: compile_backward(fused, dtype, 512)
+    for paged in (0, 16, 64):
+        yield lambda paged=paged: compile_decode(dtype, 576, rows=128, head_dim_v=512, paged=paged)
+
+
 def main(argv=None) -> int:
     """``python -m flashtile.tools.sm90_check [--regs] [--headdim N ...]``: compile the table
     (every head dim, or those given) and print one line per kernel."""
@@ -432,14 +470,17 @@ def main(argv=None) -> int:
     p.add_argument("--regs", action="store_true", help="also report registers and spills")
     p.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--decode", action="store_true", help="the KV-cache decode kernels instead of the table")
+    p.add_argument("--wide", action="store_true", help="head dims past 256 and a v head dim of its own instead")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     regs = args.regs
     failures = 0
-    checks = (decode_checks if args.decode else table_checks)(head_dims=tuple(args.headdim))
+    checks = (decode_checks if args.decode else wide_checks if args.wide else table_checks)(
+        head_dims=tuple(args.headdim))
     for check in checks:
         for result in check():
-            # the decode kernels' products are small (16-64 rows): Triton may pick mma.sync there
-            ok = result.shared <= SM90_SHARED_LIMIT and (result.wgmma or args.decode)
+            # the decode kernels' products are small (16-64 rows), and so are the d512
+            # backward's 16-key tiles: Triton may pick mma.sync there
+            ok = result.shared <= SM90_SHARED_LIMIT and (result.wgmma or args.decode or args.wide)
             failures += not ok
             extra = ""
             if regs:

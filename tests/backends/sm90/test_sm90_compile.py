@@ -201,6 +201,21 @@ def test_decode_kernels_compile_for_sm90(tmp_path):
         assert smem[("16 slice=128", d)] >= smem[("0", d)] > smem[("16", d)], smem
 
 
+@pytest.mark.slow(seconds=30)
+def test_wide_head_dims_compile_and_fit(tmp_path):
+    """Issue 36's shapes build for sm_90a and fit shared memory: the forward and backward at
+    head dim 512 and at (192, 128), the fused-dQ backward at 512, MLA's absorbed decode (576
+    / 512) over row and paged caches. The plain forward at (192, 128) keeps its tiles in
+    registers; the rest spill (unmeasured on a device: docs/perf-notes.md)."""
+    out = _compile_run(tmp_path, "-m", "flashtile.tools.sm90_check", "--wide", "--regs")
+    lines = [line for line in out.splitlines() if line.startswith(("ok  ", "FAIL"))]
+    assert len(lines) == 4 + 2 * 2 + 1 + 3 * 4 and all(line.startswith("ok  ") for line in lines), out
+    for dims in (" d512 ", " d192-128 ", " d576-512 "):
+        assert any(dims in line for line in lines), out
+    plain = [line for line in lines if " fwd bf16 d192-128 " in line]
+    assert len(plain) == 2 and all(" spill=    0B" in line for line in plain), "\n".join(plain)
+
+
 def test_gluon_tma_reduce_compiles_to_a_bulk_reduction(tmp_path):
     """Issue 17's first fact: triton 3.6's libtriton builds a bulk tensor reduction from shared
     memory for Gluon (``backends.sm90.tma_reduce``, the builder the public ``tma`` module does not

@@ -25,6 +25,8 @@ def kernels_scope(call) -> Optional[str]:
         return f"the Gluon kernels take fp16/bf16, not {call.dtype}"
     if call.head_dim not in HEAD_DIMS:
         return f"the Gluon kernels take head dims {HEAD_DIMS}, not {call.head_dim}"
+    if call.head_dim_v not in (0, call.head_dim):
+        return f"the Gluon kernels take one head dim for q, k and v, not {call.head_dim} and {call.head_dim_v}"
     extras = [name for name, on in (("a left window", call.window_left >= 0),
                                     ("a right window other than causal", call.window_right > 0),
                                     ("softcap", call.softcap), ("ALiBi", call.alibi), ("a mask", call.mask),

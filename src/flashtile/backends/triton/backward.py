@@ -98,11 +98,12 @@ def preprocess_kernel(
 def _dq_tiles(
     dq, q, do, lse2, tail, delta,
     k_base, v_base, mask_base, n_start, n_end,
-    offs_m, offs_n0, offs_d,
-    stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+    offs_m, offs_n0, offs_d, offs_dv,
+    stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim, head_dim_v,
     qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
     diag_offset, window_left, window_right, chunk, seed, bh, dropout_p,
-    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, SAME_DV: tl.constexpr,
+    BOUNDARY: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
     DROPOUT: tl.constexpr, CHUNK: tl.constexpr,
@@ -111,12 +112,20 @@ def _dq_tiles(
         d_ok = offs_d < offs_d.shape[0]
     else:
         d_ok = offs_d < head_dim
+    if EVEN_DV:
+        dv_ok = offs_dv < offs_dv.shape[0]
+    else:
+        dv_ok = offs_dv < head_dim_v
     for n0 in range(n_start, n_end, BLOCK_N):
         offs_n = n0 + offs_n0
         row = tl.cast(n0, tl.int64)
         kv_ok = (offs_n[:, None] < seqlen_k) & d_ok[None, :]
         k = tl.load(k_base + row * stride_kn + offs_n0[:, None] * stride_kn + offs_d[None, :], mask=kv_ok, other=0.0)
-        v = tl.load(v_base + row * stride_vn + offs_n0[:, None] * stride_vn + offs_d[None, :], mask=kv_ok, other=0.0)
+        if SAME_DV:  # v's head dim is q's: the same mask (and the machine code of before)
+            v_ok = kv_ok
+        else:
+            v_ok = (offs_n[:, None] < seqlen_k) & dv_ok[None, :]
+        v = tl.load(v_base + row * stride_vn + offs_n0[:, None] * stride_vn + offs_dv[None, :], mask=v_ok, other=0.0)
         if IEEE_DOT:
             raw = tl.dot(q, tl.trans(k), input_precision="ieee")
             dp = tl.dot(do, tl.trans(v), input_precision="ieee")
@@ -156,11 +165,12 @@ def dq_kernel(
     stride_dqb, stride_dqh, stride_dqm,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ab, stride_ah, stride_lb, stride_lh,
-    nheads, group_size, seqlen_q, seqlen_k, head_dim, num_m_blocks, item_cap,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v, num_m_blocks, item_cap,
     qk_scale, sm_scale, softcap_in, softcap_out,
     diag_offset, window_left, window_right, dropout_p, chunk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, SAME_DV: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
     DROPOUT: tl.constexpr, VARLEN: tl.constexpr, CHUNK: tl.constexpr,
 ):
@@ -180,11 +190,17 @@ def dq_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     m_ok = offs_m < seqlen_q
     ok = m_ok[:, None] & (offs_d[None, :] < head_dim)
+    if SAME_DV:
+        offs_dv = offs_d
+        ok_v = ok
+    else:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        ok_v = m_ok[:, None] & (offs_dv[None, :] < head_dim_v)
     row0 = q_row + m0
     q = tl.load(Q + b_ptr * stride_qb + h64 * stride_qh + row0 * stride_qm + offs_m0[:, None] * stride_qm
                 + offs_d[None, :], mask=ok, other=0.0)
     do = tl.load(DO + b_ptr * stride_dob + h64 * stride_doh + row0 * stride_dom + offs_m0[:, None] * stride_dom
-                 + offs_d[None, :], mask=ok, other=0.0)
+                 + offs_dv[None, :], mask=ok_v, other=0.0)
     lse_row = b_ptr * stride_lb + h64 * stride_lh + q_row
     lse = tl.load(Lse + lse_row + offs_m, mask=m_ok, other=float("inf"))
     lse2, tail = row_lse2(lse, MASK_MODE)
@@ -209,22 +225,25 @@ def dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     if WINDOW_LEFT or CHUNK:
         dq = _dq_tiles(dq, q, do, lse2, tail, delta, k_base, v_base, mask_base + tl.cast(lo_tile, tl.int64) * stride_mn, lo_tile, inner_lo,
-                       offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+                       offs_m, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k,
+                       head_dim, head_dim_v,
                        qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
                        diag_offset, window_left, window_right, chunk, seed, bh, dropout_p,
-                       BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT,
+                       BLOCK_N, EVEN_D, EVEN_DV, SAME_DV, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT,
                        CHUNK)
     dq = _dq_tiles(dq, q, do, lse2, tail, delta, k_base, v_base, mask_base + tl.cast(inner_lo, tl.int64) * stride_mn, inner_lo, inner_hi,
-                   offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+                   offs_m, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k,
+                       head_dim, head_dim_v,
                    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
                    diag_offset, window_left, window_right, chunk, seed, bh, dropout_p,
-                   BLOCK_N, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT,
+                   BLOCK_N, EVEN_D, EVEN_DV, SAME_DV, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT,
                        CHUNK)
     dq = _dq_tiles(dq, q, do, lse2, tail, delta, k_base, v_base, mask_base + tl.cast(inner_hi, tl.int64) * stride_mn, inner_hi, hi,
-                   offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+                   offs_m, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k,
+                       head_dim, head_dim_v,
                    qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
                    diag_offset, window_left, window_right, chunk, seed, bh, dropout_p,
-                   BLOCK_N, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT,
+                   BLOCK_N, EVEN_D, EVEN_DV, SAME_DV, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE, IEEE_DOT, DROPOUT,
                        CHUNK)
     if not SOFTCAP:
         dq = dq * sm_scale
@@ -236,11 +255,12 @@ def dq_kernel(
 def _dkdv_tiles(
     dk, dv, k, v,
     q_base, do_base, lse_base, delta_base, mask_base, dq_base, m_start, m_end,
-    offs_n, offs_m0, offs_d,
-    stride_qm, stride_dom, stride_mm, stride_dqm, seqlen_q, seqlen_k, head_dim,
+    offs_n, offs_m0, offs_d, offs_dv,
+    stride_qm, stride_dom, stride_mm, stride_dqm, seqlen_q, seqlen_k, head_dim, head_dim_v,
     qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope,
     diag_offset, window_left, window_right, chunk, seed, bh, dropout_p,
-    BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
+    BLOCK_M: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, SAME_DV: tl.constexpr,
+    BOUNDARY: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
     DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr, CHUNK: tl.constexpr,
@@ -249,13 +269,22 @@ def _dkdv_tiles(
         d_ok = offs_d < offs_d.shape[0]
     else:
         d_ok = offs_d < head_dim
+    if EVEN_DV:
+        dv_ok = offs_dv < offs_dv.shape[0]
+    else:
+        dv_ok = offs_dv < head_dim_v
     for m0 in range(m_start, m_end, BLOCK_M):
         offs_m = m0 + offs_m0
         row = tl.cast(m0, tl.int64)
         m_ok = offs_m < seqlen_q
         ok = m_ok[:, None] & d_ok[None, :]
         q = tl.load(q_base + row * stride_qm + offs_m0[:, None] * stride_qm + offs_d[None, :], mask=ok, other=0.0)
-        do = tl.load(do_base + row * stride_dom + offs_m0[:, None] * stride_dom + offs_d[None, :], mask=ok, other=0.0)
+        if SAME_DV:
+            do_ok = ok
+        else:
+            do_ok = m_ok[:, None] & dv_ok[None, :]
+        do = tl.load(do_base + row * stride_dom + offs_m0[:, None] * stride_dom + offs_dv[None, :], mask=do_ok,
+                     other=0.0)
         lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("inf"))
         lse2, tail = row_lse2(lse, MASK_MODE)
         delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
@@ -316,11 +345,12 @@ def dkdv_kernel(
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ab, stride_ah,
     stride_qab, stride_qah, stride_qam, stride_lb, stride_lh,
-    nheads, nheads_k, group_size, seqlen_q, seqlen_k, head_dim, num_n_blocks, item_cap,
+    nheads, nheads_k, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v, num_n_blocks, item_cap,
     qk_scale, sm_scale, softcap_in, softcap_out,
     diag_offset, window_left, window_right, dropout_p, chunk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, SAME_DV: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr, IEEE_DOT: tl.constexpr,
     DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr, SPLIT_PHASES: tl.constexpr, VARLEN: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -342,11 +372,17 @@ def dkdv_kernel(
     offs_d = tl.arange(0, BLOCK_D)
     n_ok = offs_n < seqlen_k
     ok = n_ok[:, None] & (offs_d[None, :] < head_dim)
+    if SAME_DV:
+        offs_dv = offs_d
+        ok_v = ok
+    else:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        ok_v = n_ok[:, None] & (offs_dv[None, :] < head_dim_v)
     row0 = k_row + n0
     k = tl.load(K + b_ptr * stride_kb + kvh64 * stride_kh + row0 * stride_kn
                 + tl.arange(0, BLOCK_N)[:, None] * stride_kn + offs_d[None, :], mask=ok, other=0.0)
     v = tl.load(V + b_ptr * stride_vb + kvh64 * stride_vh + row0 * stride_vn
-                + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_d[None, :], mask=ok, other=0.0)
+                + tl.arange(0, BLOCK_N)[:, None] * stride_vn + offs_dv[None, :], mask=ok_v, other=0.0)
 
     # Query range that sees any key of [n0, n_last]; its interior sees all of them.
     # Key j is visible to query i iff j - diag_offset - right <= i <= j - diag_offset + left.
@@ -384,7 +420,7 @@ def dkdv_kernel(
     if DROPOUT:
         seed = tl.load(Seed)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], dtype=tl.float32)
     for g in range(0, group_size):
         h = kvh * group_size + g
         h64 = h.to(tl.int64)
@@ -407,22 +443,25 @@ def dkdv_kernel(
             first_end = inner_lo
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, lo_tile, first_end,
-            offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
+            offs_n, offs_m0, offs_d, offs_dv, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k,
+            head_dim, head_dim_v,
             qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-            chunk, seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+            chunk, seed, bh64, dropout_p, BLOCK_M, EVEN_D, EVEN_DV, SAME_DV, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
             IEEE_DOT, DROPOUT, FUSED_DQ, CHUNK)
         if SPLIT_PHASES:
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, inner_lo, inner_hi,
-                offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
+                offs_n, offs_m0, offs_d, offs_dv, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k,
+            head_dim, head_dim_v,
                 qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-                chunk, seed, bh64, dropout_p, BLOCK_M, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+                chunk, seed, bh64, dropout_p, BLOCK_M, EVEN_D, EVEN_DV, SAME_DV, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
                 IEEE_DOT, DROPOUT, FUSED_DQ, CHUNK)
             dk, dv = _dkdv_tiles(
                 dk, dv, k, v, q_base, do_base, lse_base, delta_base, mask_base, dq_base, inner_hi, hi,
-                offs_n, offs_m0, offs_d, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k, head_dim,
+                offs_n, offs_m0, offs_d, offs_dv, stride_qm, stride_dom, stride_mm, stride_qam, seqlen_q, seqlen_k,
+            head_dim, head_dim_v,
                 qk_scale, sm_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right,
-                chunk, seed, bh64, dropout_p, BLOCK_M, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+                chunk, seed, bh64, dropout_p, BLOCK_M, EVEN_D, EVEN_DV, SAME_DV, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
                 IEEE_DOT, DROPOUT, FUSED_DQ, CHUNK)
     if not SOFTCAP:
         dk = dk * sm_scale
@@ -430,7 +469,7 @@ def dkdv_kernel(
     tl.store(DK + b_ptr * stride_dkb + kvh64 * stride_dkh + row0 * stride_dkn + local_n[:, None] * stride_dkn
              + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=ok)
     tl.store(DV + b_ptr * stride_dvb + kvh64 * stride_dvh + row0 * stride_dvn + local_n[:, None] * stride_dvn
-             + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=ok)
+             + offs_dv[None, :], dv.to(DV.dtype.element_ty), mask=ok_v)
 
 
 @triton.jit
@@ -522,8 +561,8 @@ def attention_backward(q, k, v, lse, delta, dout, dq, dk, dv, problem, *, config
     ``preprocess``).
 
     Args:
-        q, dout, dq: (B, H, Sq, D) views with unit stride along D.
-        k, v, dk, dv: (B, Hk, Sk, D) views with unit stride along D.
+        q, dq: (B, H, Sq, D) and dout: (B, H, Sq, Dv) views with unit stride along the head dim.
+        k, dk: (B, Hk, Sk, D) and v, dv: (B, Hk, Sk, Dv) views with unit stride along it.
         lse: (B, H, Sq) float32 contiguous, natural log, as the forward saved it.
         delta: ``preprocess``'s (B, H, Sq) float32.
         problem: the ``problem.spec.Problem``; dropout redraws the forward's mask from
@@ -541,11 +580,14 @@ def attention_backward(q, k, v, lse, delta, dout, dq, dk, dv, problem, *, config
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     window_left, window_right = launch_window(problem.window_left, problem.window_right, seqlen_q, seqlen_k,
                                               problem.diag_offset, varlen)
+    head_dim_v = v.shape[-1]
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_dv = max(16, triton.next_power_of_2(head_dim_v))
     scale, softcap, dropout_p = problem.scale, problem.softcap, problem.dropout_p
     softcap_on = softcap > 0.0
     common = dict(
-        BLOCK_D=block_d, EVEN_D=block_d == head_dim,
+        BLOCK_D=block_d, EVEN_D=block_d == head_dim, BLOCK_DV=block_dv, EVEN_DV=block_dv == head_dim_v,
+        SAME_DV=head_dim_v == head_dim,
         WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
         SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, IEEE_DOT=q.dtype == torch.float32,
         DROPOUT=dropout_p > 0.0, CHUNK=problem.chunk > 0,
@@ -577,7 +619,7 @@ def attention_backward(q, k, v, lse, delta, dout, dq, dk, dv, problem, *, config
         (q, k, v, dout, lse, delta, dk, dv, mask_arg, alibi_arg, seed_arg, dq_acc, kv_items,
          *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3],
          *dk.stride()[:3], *dv.stride()[:3], *mstrides, *astrides, *dq_acc.stride()[:3], *lstrides,
-         nheads, nheads_k, nheads // nheads_k, *sizes, head_dim, num_n_blocks, kv_cap, *scalars),
+         nheads, nheads_k, nheads // nheads_k, *sizes, head_dim, head_dim_v, num_n_blocks, kv_cap, *scalars),
         dict(BLOCK_M=config.block_m_kv, BLOCK_N=config.block_n_kv, MASK_MODE=mask_mode, FUSED_DQ=fused,
              SPLIT_PHASES=config.split_phases, VARLEN=varlen is not None, **common),
         config.num_warps, config.num_stages)
@@ -590,7 +632,7 @@ def attention_backward(q, k, v, lse, delta, dout, dq, dk, dv, problem, *, config
         (q, k, v, dout, lse, delta, dq, mask_arg, alibi_arg, seed_arg, q_items,
          *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *dout.stride()[:3], *dq.stride()[:3],
          *mstrides, *astrides, *lstrides,
-         nheads, nheads // nheads_k, *sizes, head_dim, num_m_blocks, q_cap, *scalars),
+         nheads, nheads // nheads_k, *sizes, head_dim, head_dim_v, num_m_blocks, q_cap, *scalars),
         dict(BLOCK_M=config.block_m_q, BLOCK_N=config.block_n_q, MASK_MODE=mask_mode, VARLEN=varlen is not None,
              **common),
         config.num_warps, config.num_stages)

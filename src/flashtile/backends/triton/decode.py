@@ -179,8 +179,9 @@ def append_kernel(
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
     stride_cb, stride_cs, stride_ch, stride_db, stride_ds, stride_dh,
     stride_table, stride_cos,
-    nheads_k, new, capacity, page_size, num_blocks, batch_cache, head_dim, rotary_dim, rotary_max,
-    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    nheads_k, new, capacity, page_size, num_blocks, batch_cache, head_dim, head_dim_v, rotary_dim, rotary_max,
+    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SAME_DV: tl.constexpr,
+    PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
     ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, CHECKED: tl.constexpr,
 ):
     """Program (b * nheads_k + hk, token block): k, v rows t of sequence b, head hk, into
@@ -194,6 +195,12 @@ def append_kernel(
         t_ok = t_ok & (tl.load(Status) == 0)  # a failed check: write nothing
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
+    if SAME_DV:  # v's head dim is k's: the same masks (and the machine code of before)
+        offs_dv = offs_d
+        dv_ok = d_ok
+    else:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dv_ok = offs_dv < head_dim_v
     n = tl.minimum(tl.maximum(tl.load(SeqLens + b), 0), capacity - new)
     pos = n + t
     b64 = b.to(tl.int64)
@@ -201,8 +208,8 @@ def append_kernel(
     t64 = t.to(tl.int64)
     k = _rotary_tile(K + b64 * stride_kb + hk64 * stride_kh, t64 * stride_ks, t_ok, offs_d, d_ok,
                      tl.minimum(pos, rotary_max), Cos, Sin, stride_cos, rotary_dim, ROTARY, INTERLEAVED)
-    v = tl.load(V + b64 * stride_vb + hk64 * stride_vh + t64[:, None] * stride_vs + offs_d[None, :],
-                mask=t_ok[:, None] & d_ok[None, :], other=0.0)
+    v = tl.load(V + b64 * stride_vb + hk64 * stride_vh + t64[:, None] * stride_vs + offs_dv[None, :],
+                mask=t_ok[:, None] & dv_ok[None, :], other=0.0)
     if PAGED:
         blk = tl.load(Table + b64 * stride_table + pos // page_size, mask=t_ok, other=0)
         blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
@@ -214,9 +221,15 @@ def append_kernel(
             row = tl.minimum(tl.maximum(tl.load(BatchIdx + b), 0), batch_cache - 1).to(tl.int64)
         row_k = row * stride_cb + pos.to(tl.int64) * stride_cs
         row_v = row * stride_db + pos.to(tl.int64) * stride_ds
+    # k, then v: where v_cache is a view of k_cache's first columns (MLA's latent cache, v =
+    # k[..., :Dv]), v's store writes those columns last, with the same values.
     ok = t_ok[:, None] & d_ok[None, :]
     tl.store(KCache + hk64 * stride_ch + row_k[:, None] + offs_d[None, :], k, mask=ok)
-    tl.store(VCache + hk64 * stride_dh + row_v[:, None] + offs_d[None, :], v, mask=ok)
+    if SAME_DV:
+        ok_v = ok
+    else:
+        ok_v = t_ok[:, None] & dv_ok[None, :]
+    tl.store(VCache + hk64 * stride_dh + row_v[:, None] + offs_dv[None, :], v, mask=ok_v)
 
 
 @triton.jit
@@ -230,11 +243,11 @@ def decode_kernel(
     stride_lp, stride_lpb, stride_lph,
     stride_lb, stride_lh,
     stride_table, stride_ab, stride_ah, stride_cos,
-    nheads_k, group, seqlen_q, head_dim, new, capacity, page_size, num_blocks, batch_cache,
+    nheads_k, group, seqlen_q, head_dim, head_dim_v, new, capacity, page_size, num_blocks, batch_cache,
     num_splits, split_size, num_m_blocks, rotary_dim, rotary_max,
     qk_scale, softcap_in, softcap_out, window_left, window_right, chunk,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_TILE: tl.constexpr, PAGE_SLICE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    SAME_DV: tl.constexpr, PAGED: tl.constexpr, PAGE_TILE: tl.constexpr, PAGE_SLICE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, ROTARY_LOCAL: tl.constexpr,
@@ -261,6 +274,12 @@ def decode_kernel(
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
+    if SAME_DV:
+        offs_dv = offs_d
+        dv_ok = d_ok
+    else:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        dv_ok = offs_dv < head_dim_v
 
     n, pad = _seq_bounds(SeqLens, LeftPad, b, new, capacity, HAS_LEFTPAD)
     len_k = n + new - pad
@@ -316,7 +335,7 @@ def decode_kernel(
     if HAS_ALIBI:
         slope = tl.load(Alibi + b64 * stride_ab + h.to(tl.int64) * stride_ah, mask=row_ok, other=0.0) * C_LOG2E
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     for n0 in range(start, hi, BLOCK_N):
@@ -355,7 +374,7 @@ def decode_kernel(
         p = tl.exp2(s - m_use[:, None])
         alpha = tl.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_base + v_rows[:, None] + offs_d[None, :], mask=j_ok[:, None] & d_ok[None, :], other=0.0)
+        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :], mask=j_ok[:, None] & dv_ok[None, :], other=0.0)
         if IEEE_DOT:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
         else:
@@ -371,16 +390,16 @@ def decode_kernel(
     if CHECKED:
         out = tl.where(bad, float("nan"), out)
         lse = tl.where(bad, float("nan"), lse)
-    ok = row_ok[:, None] & d_ok[None, :]
+    ok = row_ok[:, None] & dv_ok[None, :]
     t64 = t.to(tl.int64)
     h64 = h.to(tl.int64)
     if SPLIT:
         s64 = split.to(tl.int64)
         tl.store(OutPart + s64 * stride_pp + b64 * stride_pb + t64[:, None] * stride_ps + h64[:, None] * stride_ph
-                 + offs_d[None, :], out, mask=ok)
+                 + offs_dv[None, :], out, mask=ok)
         tl.store(LsePart + s64 * stride_lp + b64 * stride_lpb + h64 * stride_lph + t, lse, mask=row_ok)
     else:
-        tl.store(Out + b64 * stride_ob + t64[:, None] * stride_os + h64[:, None] * stride_oh + offs_d[None, :],
+        tl.store(Out + b64 * stride_ob + t64[:, None] * stride_os + h64[:, None] * stride_oh + offs_dv[None, :],
                  out.to(Out.dtype.element_ty), mask=ok)
         tl.store(Lse + b64 * stride_lb + h64 * stride_lh + t, lse, mask=row_ok)
 
@@ -436,13 +455,23 @@ _launch_decode = Launcher(decode_kernel)
 _launch_combine = Launcher(combine_kernel)
 
 
-def block_sizes(head_dim: int, rows: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, BLOCK_D) of the decode kernel: rows = seqlen_q * group packed
-    rows, at least 16 (the smallest tl.dot), at most 64 per program."""
+def block_sizes(head_dim: int, rows: int, head_dim_v: int = 0) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_D, BLOCK_DV) of the decode kernel: rows = seqlen_q * group
+    packed rows, at least 16 (the smallest tl.dot), at most 64 per program; ``head_dim_v``
+    (0: head_dim) sizes the value and output tiles."""
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_m = min(64, max(16, triton.next_power_of_2(rows)))
-    block_n = 64 if block_d <= 128 else 32
-    return block_m, block_n, block_d
+    block_dv = max(16, triton.next_power_of_2(head_dim_v or head_dim))
+    widest = max(block_d, block_dv)
+    # Past 256 columns (MLA's 576 pads to 1024) the query and key tiles fill shared memory:
+    # 32 rows, 16 keys (sm_90a compile check: 64 rows do not fit). Unmeasured.
+    block_m = min(64 if widest <= 256 else 32, max(16, triton.next_power_of_2(rows)))
+    block_n = 64 if widest <= 128 else 32 if widest <= 256 else 16
+    return block_m, block_n, block_d, block_dv
+
+
+def stages(kind: str, block_d: int, block_dv: int) -> int:
+    """The decode kernel's pipeline depth: ``STAGES[kind]``, 2 past 256 columns (shared memory)."""
+    return STAGES[kind] if max(block_d, block_dv) <= 256 else min(STAGES[kind], 2)
 
 
 def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, device, *,
@@ -486,9 +515,11 @@ def append(k_cache, v_cache, k, v, seqlens, batch_idx, table, cos, sin, *, inter
     """Write k, v (batch, new, Hk, D) into the caches at cache_seqlens[b] + t, k rotated
     there first when cos/sin are given (``append_kernel``)."""
     batch, new, nheads_k, head_dim = k.shape
+    head_dim_v = v.shape[-1]
     paged = table is not None
     capacity = table.shape[1] * k_cache.shape[1] if paged else k_cache.shape[1]
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_dv = max(16, triton.next_power_of_2(head_dim_v))
     block_t = min(64, max(16, triton.next_power_of_2(new)))
     rotary = cos is not None
     with device_context(k):
@@ -502,8 +533,8 @@ def append(k_cache, v_cache, k, v, seqlens, batch_idx, table, cos, sin, *, inter
              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
              table.stride(0) if paged else 0, cos.stride(0) if rotary else 0,
              nheads_k, new, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0], k_cache.shape[0],
-             head_dim, 2 * cos.shape[1] if rotary else 0, cos.shape[0] - 1 if rotary else 0),
-            dict(BLOCK_T=block_t, BLOCK_D=block_d, PAGED=paged, HAS_BATCH_IDX=batch_idx is not None,
+             head_dim, head_dim_v, 2 * cos.shape[1] if rotary else 0, cos.shape[0] - 1 if rotary else 0),
+            dict(BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv, SAME_DV=head_dim_v == head_dim, PAGED=paged, HAS_BATCH_IDX=batch_idx is not None,
                  ROTARY=rotary, INTERLEAVED=interleaved, CHECKED=status is not None),
             4, 1)
 
@@ -515,7 +546,7 @@ def layout(paged: bool, page: int, block_n: int) -> str:
     return "rows" if not paged else "tile" if page % block_n == 0 else "gather"
 
 
-def split_plan(q, k_cache, table, num_splits: int) -> tuple[int, int]:
+def split_plan(q, k_cache, table, num_splits: int, head_dim_v: int = 0) -> tuple[int, int]:
     """(splits, split_size) of a decode call: ``choose_splits``, then split_size a multiple
     of the key tile and no split without keys."""
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -523,7 +554,7 @@ def split_plan(q, k_cache, table, num_splits: int) -> tuple[int, int]:
     paged = table is not None
     page = k_cache.shape[1] if paged else 1
     capacity = table.shape[1] * page if paged else k_cache.shape[1]
-    block_m, block_n, _ = block_sizes(head_dim, seqlen_q * (nheads // nheads_k))
+    block_m, block_n, _, _ = block_sizes(head_dim, seqlen_q * (nheads // nheads_k), head_dim_v)
     programs = batch * nheads_k * triton.cdiv(seqlen_q * (nheads // nheads_k), block_m)
     splits = choose_splits(num_splits, programs, capacity, block_n, q.device,
                            gather=layout(paged, page, block_n) == "gather")
@@ -531,14 +562,16 @@ def split_plan(q, k_cache, table, num_splits: int) -> tuple[int, int]:
     return triton.cdiv(capacity, split_size), split_size
 
 
-def scratch(q, k_cache, table, num_splits: int, checked: bool):
+def scratch(q, k_cache, table, num_splits: int, checked: bool, head_dim_v: int = 0):
     """(status, parts) of a decode call in one float32 allocation (a call's host time is a
     few allocations and launches): status int32 (4,) when ``checked`` else None; parts
-    (out_part (S, B, Sq, H, D), lse_part (S, B, H, Sq)) when it splits, else None."""
+    (out_part (S, B, Sq, H, Dv), lse_part (S, B, H, Sq)) when it splits, else None.
+    ``head_dim_v``: v's head dim (0: q's)."""
     import torch
 
-    splits, _ = split_plan(q, k_cache, table, num_splits)
+    splits, _ = split_plan(q, k_cache, table, num_splits, head_dim_v)
     batch, seqlen_q, nheads, head_dim = q.shape
+    head_dim = head_dim_v or head_dim  # the partial outputs' width
     n_out = splits * batch * seqlen_q * nheads * head_dim if splits > 1 else 0
     n_lse = splits * batch * nheads * seqlen_q if splits > 1 else 0
     head = 4 if checked else 0  # 16 bytes: the partials stay 16-byte aligned
@@ -556,8 +589,9 @@ def scratch(q, k_cache, table, num_splits: int, checked: bool):
 def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, alibi, cos, sin, *,
            new: int, scale: float, softcap: float, window_left: int, window_right: int, interleaved: bool,
            rotary_local: bool, num_splits: int, status=None, parts=None, sink=None, chunk: int = 0) -> None:
-    """Attention of q (batch, seqlen_q, H, D) against the caches (after the append):
-    out (batch, seqlen_q, H, D), lse (batch, H, seqlen_q) float32 (unit last stride).
+    """Attention of q (batch, seqlen_q, H, D) against the caches (after the append; k_cache
+    of head dim D, v_cache of Dv, which may be a view of k_cache's first Dv columns):
+    out (batch, seqlen_q, H, Dv), lse (batch, H, seqlen_q) float32 (unit last stride).
     ``num_splits``: 0 chooses (``choose_splits``); with more than one split the partial
     results go to float32 buffers (``parts``: ``scratch``'s, made here when not given) and
     ``combine_kernel`` writes out and lse. ``sink``: None or (H,) float32 contiguous, one
@@ -574,9 +608,10 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
     # Every sequence has len_k <= capacity: a side that hides none of its keys is unbounded,
     # and a huge one (2**31 - 1) would overflow the kernel's int32 bounds.
     window_left, window_right = effective_window(window_left, window_right, seqlen_q, capacity, capacity - seqlen_q)
-    block_m, block_n, block_d = block_sizes(head_dim, seqlen_q * group)
+    head_dim_v = v_cache.shape[-1]
+    block_m, block_n, block_d, block_dv = block_sizes(head_dim, seqlen_q * group, head_dim_v)
     num_m_blocks = triton.cdiv(seqlen_q * group, block_m)
-    splits, split_size = split_plan(q, k_cache, table, num_splits)
+    splits, split_size = split_plan(q, k_cache, table, num_splits, head_dim_v)
     kind = layout(paged, page, block_n)
     rotary = cos is not None
     softcap_on = softcap > 0.0
@@ -586,7 +621,8 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
         if spanned <= PAGE_SLICE_MAX:
             page_slice = max(16, triton.next_power_of_2(spanned))
     if splits > 1:
-        out_part, lse_part = parts if parts is not None else scratch(q, k_cache, table, num_splits, False)[1]
+        out_part, lse_part = (parts if parts is not None
+                              else scratch(q, k_cache, table, num_splits, False, head_dim_v)[1])
     else:
         out_part, lse_part = out, lse
     with device_context(q):
@@ -605,17 +641,18 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
              lse.stride(0), lse.stride(1),
              table.stride(0) if paged else 0, *(alibi.stride() if alibi is not None else (0, 0)),
              cos.stride(0) if rotary else 0,
-             nheads_k, group, seqlen_q, head_dim, new, capacity, page, k_cache.shape[0], k_cache.shape[0],
+             nheads_k, group, seqlen_q, head_dim, head_dim_v, new, capacity, page, k_cache.shape[0], k_cache.shape[0],
              splits, split_size, num_m_blocks, 2 * cos.shape[1] if rotary else 0, cos.shape[0] - 1 if rotary else 0,
              scale * LOG2E, scale / softcap if softcap_on else 0.0, softcap * LOG2E if softcap_on else 0.0,
              window_left, window_right, chunk),
-            dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, PAGED=paged,
+            dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, SAME_DV=head_dim_v == head_dim,
+                 PAGED=paged,
                  PAGE_TILE=kind == "tile", PAGE_SLICE=page_slice, HAS_BATCH_IDX=batch_idx is not None,
                  HAS_LEFTPAD=leftpad is not None, WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
                  SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, ROTARY=rotary, INTERLEAVED=interleaved,
                  ROTARY_LOCAL=rotary_local, SPLIT=splits > 1, CHECKED=status is not None,
                  IEEE_DOT=q.dtype == torch.float32, HAS_SINK=sink is not None, CHUNK=chunk > 0),
-            4, STAGES[kind])
+            4, stages(kind, block_d, block_dv))
         if splits > 1:
             combine(out_part, lse_part, out, lse, sink)
 

@@ -32,12 +32,13 @@ def _fwd_tiles(
     acc, l_i, m_i, q,
     k_base, v_base, mask_base, desc_k, desc_v, b, kvh,
     n_start, n_end,
-    offs_m, offs_n0, offs_d,
+    offs_m, offs_n0, offs_d, offs_dv,
     stride_kn, stride_vn, stride_mn,
-    seqlen_q, seqlen_k, head_dim,
+    seqlen_q, seqlen_k, head_dim, head_dim_v,
     qk_scale, softcap_in, softcap_out, alibi_slope,
     diag_offset, window_left, window_right, chunk, seed, bh, dropout_p,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BOUNDARY: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr,
+    EVEN_DV: tl.constexpr, SAME_DV: tl.constexpr, BOUNDARY: tl.constexpr,
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr,
     IEEE_DOT: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr, CHUNK: tl.constexpr,
@@ -47,6 +48,12 @@ def _fwd_tiles(
         d_ok = offs_d < BLOCK_D  # all true, and known to be: keeps loads 16 bytes wide
     else:
         d_ok = offs_d < head_dim
+    if SAME_DV:  # v's head dim is q's: the same masks (and the same machine code as before v had its own)
+        dv_ok = d_ok
+    elif EVEN_DV:
+        dv_ok = offs_dv < BLOCK_DV
+    else:
+        dv_ok = offs_dv < head_dim_v
     for n0 in range(n_start, n_end, BLOCK_N):
         offs_n = n0 + offs_n0
         kv_row = tl.cast(n0, tl.int64)
@@ -82,15 +89,15 @@ def _fwd_tiles(
             # l_i keeps the undropped sum (the LSE is of the full softmax); only P @ V drops.
             p = tl.where(dropout_keep(seed, bh, offs_m[:, None], offs_n[None, :], dropout_p), p, 0.0)
         acc = acc * alpha[:, None]
-        v_ptrs = v_base + kv_row * stride_vn + offs_n0[:, None] * stride_vn + offs_d[None, :]
+        v_ptrs = v_base + kv_row * stride_vn + offs_n0[:, None] * stride_vn + offs_dv[None, :]
         if USE_TMA:
-            v = desc_v.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_D)
+            v = desc_v.load([b, kvh, n0, 0]).reshape(BLOCK_N, BLOCK_DV)
         elif BOUNDARY:
-            v = tl.load(v_ptrs, mask=(offs_n[:, None] < seqlen_k) & d_ok[None, :], other=0.0)
-        elif EVEN_D:
+            v = tl.load(v_ptrs, mask=(offs_n[:, None] < seqlen_k) & dv_ok[None, :], other=0.0)
+        elif EVEN_DV:
             v = tl.load(v_ptrs)
         else:
-            v = tl.load(v_ptrs, mask=d_ok[None, :], other=0.0)
+            v = tl.load(v_ptrs, mask=dv_ok[None, :], other=0.0)
         if IEEE_DOT:
             acc = tl.dot(p.to(v.dtype), v, acc, input_precision="ieee")
         else:
@@ -111,11 +118,12 @@ def fwd_kernel(
     stride_ob, stride_oh, stride_om,
     stride_mb, stride_mh, stride_mm, stride_mn,
     stride_ab, stride_ah, stride_lb, stride_lh,
-    nheads, group_size, seqlen_q, seqlen_k, head_dim, num_m_blocks, item_cap,
+    nheads, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v, num_m_blocks, item_cap,
     qk_scale, softcap_in, softcap_out,
     diag_offset, window_left, window_right, dropout_p, chunk,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    EVEN_D: tl.constexpr, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+    EVEN_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_DV: tl.constexpr, SAME_DV: tl.constexpr,
+    WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, MASK_MODE: tl.constexpr,
     IEEE_DOT: tl.constexpr, REVERSE_M: tl.constexpr, USE_TMA: tl.constexpr, DROPOUT: tl.constexpr,
     VARLEN: tl.constexpr, HAS_SINK: tl.constexpr, CHUNK: tl.constexpr,
@@ -144,6 +152,15 @@ def fwd_kernel(
         d_ok = offs_d < BLOCK_D
     else:
         d_ok = offs_d < head_dim
+    if SAME_DV:
+        offs_dv = offs_d
+        dv_ok = d_ok
+    else:
+        offs_dv = tl.arange(0, BLOCK_DV)
+        if EVEN_DV:
+            dv_ok = offs_dv < BLOCK_DV
+        else:
+            dv_ok = offs_dv < head_dim_v
 
     q_ptrs = (Q + b_ptr * stride_qb + h64 * stride_qh + (q_row + m0) * stride_qm
               + offs_m0[:, None] * stride_qm + offs_d[None, :])
@@ -169,7 +186,7 @@ def fwd_kernel(
         m0, seqlen_q, seqlen_k, diag_offset, window_left, window_right, chunk,
         BLOCK_M, BLOCK_N, WINDOW_LEFT, WINDOW_RIGHT, CHUNK)
 
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
 
@@ -177,23 +194,26 @@ def fwd_kernel(
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base, v_base, mask_base + tl.cast(lo_tile, tl.int64) * stride_mn, desc_k, desc_v,
             b, kvh, lo_tile, inner_lo,
-            offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+            offs_m, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+            head_dim_v,
             qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, chunk, seed, bh,
-            dropout_p, BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+            dropout_p, BLOCK_N, BLOCK_D, EVEN_D, BLOCK_DV, EVEN_DV, SAME_DV, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
             IEEE_DOT, USE_TMA, DROPOUT, CHUNK)
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, mask_base + tl.cast(inner_lo, tl.int64) * stride_mn, desc_k, desc_v,
         b, kvh, inner_lo, inner_hi,
-        offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+        offs_m, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+        head_dim_v,
         qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, chunk, seed, bh,
-        dropout_p, BLOCK_N, BLOCK_D, EVEN_D, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+        dropout_p, BLOCK_N, BLOCK_D, EVEN_D, BLOCK_DV, EVEN_DV, SAME_DV, False, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
         IEEE_DOT, USE_TMA, DROPOUT, CHUNK)
     acc, l_i, m_i = _fwd_tiles(
         acc, l_i, m_i, q, k_base, v_base, mask_base + tl.cast(inner_hi, tl.int64) * stride_mn, desc_k, desc_v,
         b, kvh, inner_hi, hi,
-        offs_m, offs_n0, offs_d, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+        offs_m, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, stride_mn, seqlen_q, seqlen_k, head_dim,
+        head_dim_v,
         qk_scale, softcap_in, softcap_out, alibi_slope, diag_offset, window_left, window_right, chunk, seed, bh,
-        dropout_p, BLOCK_N, BLOCK_D, EVEN_D, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
+        dropout_p, BLOCK_N, BLOCK_D, EVEN_D, BLOCK_DV, EVEN_DV, SAME_DV, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, MASK_MODE,
         IEEE_DOT, USE_TMA, DROPOUT, CHUNK)
 
     if HAS_SINK:
@@ -212,11 +232,11 @@ def fwd_kernel(
         lse = tl.where(hidden_row, HIDDEN2 * (1.0 + tl.log2(tl.where(seen, l_i, 1.0)) / 32.0) * C_LN2,
                        lse)
     o_ptrs = (Out + b_ptr * stride_ob + h64 * stride_oh + (q_row + m0) * stride_om
-              + offs_m0[:, None] * stride_om + offs_d[None, :])
+              + offs_m0[:, None] * stride_om + offs_dv[None, :])
     if USE_TMA:
-        desc_o.store([b, h, m0, 0], out.to(Out.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_D))
+        desc_o.store([b, h, m0, 0], out.to(Out.dtype.element_ty).reshape(1, 1, BLOCK_M, BLOCK_DV))
     else:
-        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
+        tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=m_ok[:, None] & dv_ok[None, :])
     lse_ptrs = Lse + b_ptr * stride_lb + h64 * stride_lh + q_row + offs_m
     tl.store(lse_ptrs, lse, mask=m_ok)
 
@@ -229,8 +249,8 @@ def attention_forward(q, k, v, out, lse, problem, *, config: FwdConfig, alibi=No
     """Launch the forward kernel on a validated call (``backends.run`` chose it).
 
     Args:
-        q: (B, H, Sq, D); k, v: (B, Hk, Sk, D); unit stride along D.
-        out: (B, H, Sq, D) view to write, unit stride along D.
+        q: (B, H, Sq, D); k: (B, Hk, Sk, D); v: (B, Hk, Sk, Dv); unit stride along D.
+        out: (B, H, Sq, Dv) view to write, unit stride along Dv.
         lse: (B, H, Sq) float32, contiguous.
         problem: the ``problem.spec.Problem`` (scale, diagonal, window, softcap, dropout,
             chunk).
@@ -250,7 +270,9 @@ def attention_forward(q, k, v, out, lse, problem, *, config: FwdConfig, alibi=No
 
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
+    head_dim_v = v.shape[-1]
     block_d = max(16, triton.next_power_of_2(head_dim))
+    block_dv = max(16, triton.next_power_of_2(head_dim_v))
     diag_offset = problem.diag_offset
     window_left, window_right = launch_window(problem.window_left, problem.window_right, seqlen_q, seqlen_k,
                                               diag_offset, varlen)
@@ -273,10 +295,11 @@ def attention_forward(q, k, v, out, lse, problem, *, config: FwdConfig, alibi=No
     if config.use_tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
-        def desc(t, rows):
-            return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, block_d])
+        def desc(t, rows, cols):
+            return TensorDescriptor(t, list(t.shape), list(t.stride()), [1, 1, rows, cols])
 
-        descs = (desc(q, config.block_m), desc(k, config.block_n), desc(v, config.block_n), desc(out, config.block_m))
+        descs = (desc(q, config.block_m, block_d), desc(k, config.block_n, block_d), desc(v, config.block_n, block_dv),
+                 desc(out, config.block_m, block_dv))
     else:
         descs = (q, k, v, out)
     _launch_fwd(
@@ -288,13 +311,14 @@ def attention_forward(q, k, v, out, lse, problem, *, config: FwdConfig, alibi=No
          v.stride(0), v.stride(1), v.stride(2),
          out.stride(0), out.stride(1), out.stride(2),
          *mstrides, *astrides, lse.stride(0), lse.stride(1),
-         nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, num_m_blocks, item_cap,
+         nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, head_dim_v, num_m_blocks, item_cap,
          scale * LOG2E,
          scale / softcap if softcap_on else 0.0,
          softcap * LOG2E if softcap_on else 0.0,
          diag_offset, window_left, window_right, float(dropout_p), problem.chunk),
         dict(BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_D=block_d,
-             EVEN_D=block_d == head_dim,
+             EVEN_D=block_d == head_dim, BLOCK_DV=block_dv, EVEN_DV=block_dv == head_dim_v,
+             SAME_DV=head_dim_v == head_dim,
              WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
              SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, MASK_MODE=mask_mode,
              IEEE_DOT=q.dtype == torch.float32,

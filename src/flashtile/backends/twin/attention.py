@@ -305,7 +305,7 @@ def forward(q4, k4, v4, problem, alibi, mask, seed=None, sink=None) -> tuple[tor
         chunk=problem.chunk)
     if torch.is_grad_enabled() and (out.requires_grad or lse.requires_grad):
         return out.to(q4.dtype).transpose(1, 2).contiguous().transpose(1, 2), lse.to(torch.float32)
-    out4 = layout.bshd_view(q4)
+    out4 = layout.bshd_view(q4, v4.shape[-1])
     lse_out = layout.new_lse(q4)
     out4.copy_(out)
     lse_out.copy_(lse)
@@ -344,7 +344,7 @@ def varlen_forward(q4, k4, v4, problem, alibi, varlen, seed=None, sink=None) -> 
 
     def gap(start, end):
         # Rows that see no key: 0 / -inf, still in q's graph (zero gradient, as the kernels).
-        rows = q4[:, :, start:end]
+        rows = q4[:, :, start:end, :1].expand(-1, -1, -1, v4.shape[-1])
         outs.append(torch.where(torch.zeros((), dtype=torch.bool, device=q4.device), rows, 0.0))
         lses.append(torch.full((1, heads, end - start), float("-inf"), device=q4.device))
 

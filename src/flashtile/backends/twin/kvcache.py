@@ -50,13 +50,13 @@ def append(k_cache, v_cache, k, v, seqlens, batch_idx, table, capacity: int) -> 
                 else batch_idx.long().clamp(0, k_cache.shape[0] - 1))
         index = (rows[:, None].expand(batch, new), pos)
     k_cache.index_put_(index, k)
-    v_cache.index_put_(index, v)
+    v_cache.index_put_(index, v)  # last, as the kernels: where v_cache is a view of k_cache, v's values stay
 
 
 @torch.no_grad()
 def kvcache(q, k_cache, v_cache, k, v, cos, sin, call) -> tuple[torch.Tensor, torch.Tensor]:
     """A validated kv-cache call (``problem.validate.CacheCall``): the caches get k, v;
-    returns out (batch, seqlen_q, H, D) and lse (batch, H, seqlen_q) float32."""
+    returns out (batch, seqlen_q, H, Dv) and lse (batch, H, seqlen_q) float32."""
     spec = call.spec
     batch, seqlen_q, nheads, head_dim = q.shape
     nheads_k = k_cache.shape[2]
@@ -82,7 +82,9 @@ def kvcache(q, k_cache, v_cache, k, v, cos, sin, call) -> tuple[torch.Tensor, to
         keys, values = k_cache[rows], v_cache[rows]
     else:
         keys, values = k_cache[:batch], v_cache[:batch]
-    keys, values = (unit_last_stride(t.reshape(batch * capacity, nheads_k, head_dim)) for t in (keys, values))
+    head_dim_v = v_cache.shape[-1]
+    keys = unit_last_stride(keys.reshape(batch * capacity, nheads_k, head_dim))
+    values = unit_last_stride(values.reshape(batch * capacity, nheads_k, head_dim_v))
     cu_q = torch.arange(batch + 1, dtype=torch.int32, device=device) * seqlen_q
     cu_k = (torch.arange(batch + 1, device=device) * capacity).to(torch.int32)
     cu_k[:-1] += pads.to(torch.int32)
@@ -92,7 +94,7 @@ def kvcache(q, k_cache, v_cache, k, v, cos, sin, call) -> tuple[torch.Tensor, to
     out4, lse = varlen_forward(qp.unsqueeze(0).transpose(1, 2), keys.unsqueeze(0).transpose(1, 2),
                                values.unsqueeze(0).transpose(1, 2), problem, call.alibi, varlen,
                                sink=None if call.sink is None else call.sink.float())
-    out = out4.transpose(1, 2)[0].reshape(batch, seqlen_q, nheads, head_dim)
+    out = out4.transpose(1, 2)[0].reshape(batch, seqlen_q, nheads, head_dim_v)
     return out, lse[0].reshape(nheads, batch, seqlen_q).transpose(0, 1)
 
 
