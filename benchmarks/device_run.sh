@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|bench|varlen|decode|transformers|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|varlen|decode|transformers|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -10,15 +10,18 @@ what=${1:-all}
 (nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
  python3 -c "import torch, triton; print(torch.__version__, triton.__version__)") > "$OUT/env.txt" 2>&1
 
-if [[ $what == tests || $what == all || $what == tests-1 || $what == tests-2 ]]; then
+if [[ $what == tests || $what == all || $what == tests-1 || $what == tests-2 || $what == tests-3 ]]; then
   # -n 8: compiles run in parallel on the host's cores; the GPU work per case is small.
   # -v: each result is logged as it comes (run 78 hit the limit at 95% with 3 failures that
   # -q would only have named at the end). The whole suite is ~1450 tests and runs past one
-  # call's 600 s: `tests-1` (the backward and varlen files) and `tests-2` (the rest) split it.
+  # call's 600 s: `tests-1` (the backward and varlen files), `tests-2` (the rest but issue 36's
+  # files) and `tests-3` (issue 36's: sinks, chunks, head dims) split it.
   part1="tests/backends/test_backward_gpu.py tests/backends/sm90/test_sm90_backward_gpu.py tests/api/test_varlen_gpu.py"
+  part3="tests/api/test_sinks_gpu.py tests/api/test_chunks_gpu.py tests/api/test_head_dims_gpu.py"
   case $what in
     tests-1) sel="$part1"; dsl="" ;;
-    tests-2) sel="tests"; dsl=$(for f in $part1; do printf -- "--deselect %s " "$f"; done) ;;
+    tests-2) sel="tests"; dsl=$(for f in $part1 $part3; do printf -- "--deselect %s " "$f"; done) ;;
+    tests-3) sel="$part3"; dsl="" ;;
     *) sel="tests"; dsl="" ;;
   esac
   timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -m gpu $sel $dsl -v -rf -n ${TESTS_WORKERS:-8} \
@@ -38,6 +41,22 @@ if [[ $what == bench || $what == all ]]; then
   echo "train block rc=$?"; tail -6 "$OUT/train-block.log"
   tar czf "$OUT/bench.tgz" -C /tmp/bench .
   grep "| fwd \|| bwd " "$OUT/bench.log" | awk -F'|' '{print $2,$3,$5,$6,$7,$8,$9,$10,$12,$13}' | tail -40
+fi
+if [[ $what == bench-d128 ]]; then
+  # Issue 34's check: d128 bf16 forward and backward against run 100's rows, host cost included.
+  timeout 60 python3 benchmarks/host_overhead.py > "$OUT/host-overhead.log" 2>&1
+  echo "host overhead rc=$?"; grep -v Warn "$OUT/host-overhead.log" | tail -12
+  timeout ${BENCH_TIMEOUT:-200} python3 -m flashtile.tools.bench --dtype bf16 --pass fwd bwd --headdim 128 \
+    --impl flashtile sdpa-cudnn --out /tmp/bench --tag h200-bf16-d128 > "$OUT/bench.log" 2>&1
+  echo "bench rc=$?"
+  grep "| fwd \|| bwd " "$OUT/bench.log" | awk -F'|' '{print $2,$3,$5,$6,$7,$8,$9,$10,$12,$13}' | tail -24
+  tar czf "$OUT/bench.tgz" -C /tmp/bench .
+fi
+if [[ $what == features ]]; then
+  # Issue 36: sinks and chunks against the same call without them, head dim 512 and (192, 128).
+  timeout ${FEATURES_TIMEOUT:-240} python3 benchmarks/features.py ${FEATURES_ARGS:-} --out "$OUT/features.jsonl" \
+    > "$OUT/features.log" 2>&1
+  echo "features rc=$?"; tail -40 "$OUT/features.log" | cut -c1-260
 fi
 if [[ $what == varlen ]]; then
   # Packed sequences: their GPU tests first (a fault ends here), then the varlen benchmark.

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[2] / "benchmarks"
 
 @pytest.mark.parametrize("name", ["sweep_fwd", "sweep_bwd", "train_block", "host_overhead", "host_profile",
                                   "context_parallel", "varlen_profile", "tma_reduce_rate",
-                                  "varlen_same_documents", "experiments/gluon_fwd"])
+                                  "varlen_same_documents", "experiments/gluon_fwd", "features"])
 def test_script_imports_and_shows_help(name, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))  # as when run as a script: benchmarks/ holds sweep_common
     spec = importlib.util.spec_from_file_location(f"bench_{name.replace('/', '_')}", ROOT / f"{name}.py")
