@@ -261,3 +261,47 @@ def kvcache(*args, hint=None) -> tuple[Tensor, Tensor]:
         return torch.ops.flashtile.kvcache(*args)
     return run.kvcache(*args, hint=hint)
 
+
+
+# --------------------------------------------------------------------------- flex_attention
+class _Flex(torch.autograd.Function):
+    """The flex kernels' autograd node: out and lse from ``flex.forward``, the three
+    gradients from ``flex.backward`` (the LSE's gradient included)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, launch):
+        from flashtile.backends.triton import flex
+
+        out, lse = flex.forward(q, k, v, launch)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.launch = launch
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from flashtile.backends.triton import flex
+
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = flex.backward(dout, q, k, v, out, lse, dlse, ctx.launch)
+        return dq, dk, dv, None
+
+
+def flex(q: Tensor, k: Tensor, v: Tensor, score_mod, sparsity, scale: float, deterministic: bool,
+         options: dict) -> tuple[Tensor, Tensor]:
+    """``flex_attention`` on the kernels: (out (B, Hq, L, Ev), lse (B, Hq, L) float32),
+    differentiable in q, k, v. The kernels never use float atomics, so ``deterministic``
+    changes nothing; a mod's captured tensors that require grad are refused (the kernels
+    do not differentiate them yet; the twin does, on CPU tensors)."""
+    del deterministic  # both backward kernels write each gradient element once
+    _refuse_forward_ad(q, k, v)
+    launch = run.flex_launch(q, k, v, score_mod, sparsity, scale, options)
+    if torch.is_grad_enabled() and launch.score is not None and launch.score.requires_grad:
+        raise NotImplementedError(
+            f"score_mod {launch.score.name!r} reads tensors that require grad (learned biases): the flex kernels do "
+            f"not compute their gradients yet; detach them, or run on CPU tensors (the twin differentiates them)")
+    q, k, v = (layout.unit_last_stride(t) for t in (q, k, v))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return _Flex.apply(q, k, v, launch)
+    from flashtile.backends.triton import flex as flex_kernels
+
+    return flex_kernels.forward(q, k, v, launch)

@@ -135,3 +135,17 @@ def combine(out_partial, lse_partial, out_dtype) -> tuple[torch.Tensor, torch.Te
     lse = lse_partial.new_empty((b, h, n), dtype=torch.float32)
     decode.combine(layout.unit_last_stride(out_partial), layout.unit_last_stride(lse_partial.float()), out, lse)
     return out, lse
+
+
+def flex(query, key, value, score_mod, call) -> tuple[torch.Tensor, torch.Tensor]:
+    """A validated ``flex_attention`` call (``problem.validate.FlexCall``): (out (B, Hq, L,
+    Ev) in query's dtype, lse (B, Hq, L) float32). CPU tensors run the twin
+    (``backends/twin/flex.py``), CUDA tensors the Triton flex kernels through
+    ``autograd.flex``; both differentiable in query, key, value and the mods' captured
+    tensors where they can (the kernels refuse what they cannot differentiate)."""
+    if registry.backend(query.device) == "twin":
+        from flashtile.backends.twin import flex as twin_flex
+
+        return twin_flex.forward(query, key, value, score_mod, call.sparsity, call.scale)
+    deterministic = call.deterministic or torch.are_deterministic_algorithms_enabled()
+    return autograd.flex(query, key, value, score_mod, call.sparsity, call.scale, deterministic, call.options)

@@ -17,6 +17,9 @@ API_NAMES = (
     "scaled_dot_product_attention",
     "unpad_input",
     "pad_input",
+    "flex_attention",
+    "create_block_mask",
+    "mods",
 )
 # Numpy-only submodules loaded on first access: a lazy import keeps `import flashtile`
 # working even where one fails to import.

@@ -13,6 +13,8 @@ on CPU tensors under ``TRITON_INTERPRET=1``).
                   flash_attn_combine
     sdpa.py       scaled_dot_product_attention
     padding.py    unpad_input / pad_input
+    flex.py       flex_attention, create_block_mask (torch's FlexAttention API)
+    mods.py       ready-made score and mask functions for flex_attention
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from __future__ import annotations
 from flashtile.problem.validate import MAX_HEAD_DIM
 from flashtile.api.flash import flash_attn_func, flash_attn_kvpacked_func, flash_attn_qkvpacked_func
 from flashtile.api.kvcache import flash_attn_combine, flash_attn_with_kvcache
+from flashtile.api import mods
+from flashtile.api.flex import create_block_mask, flex_attention
 from flashtile.api.padding import pad_input, unpad_input
 from flashtile.api.sdpa import scaled_dot_product_attention
 from flashtile.api.varlen import (flash_attn_varlen_func, flash_attn_varlen_kvpacked_func,

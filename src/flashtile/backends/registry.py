@@ -16,6 +16,8 @@ Order of preference, per pass:
               ``sm90.scope``; else the Triton dK/dV and dQ kernels (dQ by atomics only with
               FLASHTILE_BWD_DQ=atomic and not deterministic).
     decode    the Triton kv-cache kernels (the only family).
+    flex      the Triton flex kernels (FlexAttention's score_mod/mask_mod/BlockMask); the
+              Gluon kernels take no user functions yet.
 
 The backward does not consult the forward's table: a short causal d64 forward runs on
 Triton (its 64-row tiles waste less on the diagonal) while its backward runs on Gluon.
@@ -37,6 +39,8 @@ KERNELS = {
     "triton.backward_atomic": "Triton dK/dV kernel with dQ by float32 atomics (backends/triton/backward.py: "
                               "FA2's single pass, not bitwise reproducible)",
     "triton.decode": "Triton kv-cache kernels (backends/triton/decode.py): check, append, split-KV decode, combine",
+    "triton.flex": "Triton flex kernels (backends/triton/flex.py): translated score_mod/mask_mod, block-sparse "
+                   "forward, dQ and dK/dV (deterministic)",
     "sm90.forward": "Gluon warp-specialized forward (backends/sm90/forward.py)",
     "sm90.backward_split": "Gluon dK/dV + dQ kernels (backends/sm90/backward_split.py)",
     "sm90.backward_split_d256": "Gluon dV, dK and dQ kernels (backends/sm90/backward_split.py, d256 split)",
@@ -172,3 +176,11 @@ def backward(call: Call) -> Choice:
 def decode() -> Choice:
     """The kv-cache kernels (one family: the Triton kernels)."""
     return Choice("triton", "triton.decode")
+
+
+def flex(capability: Optional[tuple[int, int]]) -> Choice:
+    """The kernels of a ``flex_attention`` call (forward and backward)."""
+    if capability is None:
+        return Choice("triton", "triton.flex", None, ("CPU tensors: the Triton kernels under TRITON_INTERPRET=1",))
+    return Choice("triton", "triton.flex", None,
+                  ("the Gluon kernels take no score_mod/mask_mod (FlexAttention) yet",))

@@ -461,3 +461,20 @@ def _kvcache_run(a: KVCacheArgs) -> tuple[Tensor, Tensor]:
                   window_right=a.window_right, interleaved=a.interleaved, rotary_local=a.rotary_local,
                   num_splits=a.num_splits, status=status, parts=parts, sink=a.sink, chunk=a.attention_chunk)
     return out, lse
+
+
+# --------------------------------------------------------------------------- flex_attention
+def flex_launch(q: Tensor, k: Tensor, v: Tensor, score_mod, sparsity, scale: float, options: dict):
+    """The flex kernels' launch for a validated call: the mods translated
+    (``triton/modgen.py``: refused with an error naming what does not translate), the
+    registry's choice, the tiles (``triton/flex.FlexLaunch``)."""
+    from torch.nn.attention.flex_attention import noop_mask
+
+    from flashtile.backends.triton import flex, modgen
+
+    _refuse_interpreted_bf16(q)
+    registry.flex(capability_of(q))
+    score = None if score_mod is None else modgen.translate(score_mod, "score", q.device)
+    mask_mod = None if sparsity is None else sparsity.mask_mod
+    mask = None if mask_mod is None or mask_mod is noop_mask else modgen.translate(mask_mod, "mask", q.device)
+    return flex.FlexLaunch(q, k, v, score, mask, sparsity, scale, options, interpret=settings.interpret())

@@ -516,6 +516,77 @@ def sdpa_call(query, key, value, attn_mask_, dropout_p, is_causal, scale, enable
     return SdpaCall(query, key, value, mask, Problem(scale, 0, left, right, 0.0, p), squeeze)
 
 
+# --------------------------------------------------------------------------- flex_attention
+# kernel_options keys: flashtile's, and torch's (tuning hints of torch's own kernel: accepted
+# so that Flex code runs unchanged; BLOCK_M, BLOCK_N, num_warps and num_stages size the
+# Triton flex kernels' tiles, the rest are ignored).
+FLEX_OPTIONS = ("deterministic",)
+TORCH_FLEX_OPTIONS = ("num_warps", "num_stages", "BLOCK_M", "BLOCK_N", "BLOCK_M1", "BLOCK_N1", "BLOCK_M2",
+                      "BLOCK_N2", "PRESCALE_QK", "ROWS_GUARANTEED_SAFE", "BLOCKS_ARE_CONTIGUOUS", "WRITE_DQ",
+                      "FORCE_USE_FLEX_ATTENTION", "USE_TMA", "kpack", "matrix_instr_nonkdim", "waves_per_eu",
+                      "BACKEND")
+
+
+class FlexCall(NamedTuple):
+    """A validated ``flex_attention`` call: the scale, the block sparsity
+    (``problem.blockmask.Sparsity`` or None), whether the LSE is returned (and how:
+    "tuple" for return_lse, "aux" for return_aux), and the kernel options."""
+
+    scale: float
+    sparsity: object
+    want_lse: str
+    deterministic: bool
+    options: dict
+
+
+def flex_call(query, key, value, score_mod, block_mask, scale, enable_gqa, return_lse, kernel_options,
+              return_aux) -> FlexCall:
+    """Every check of a ``flex_attention`` call (torch's semantics: query (B, Hq, L, E),
+    key (B, Hkv, S, E), value (B, Hkv, S, Ev); Hq == Hkv unless ``enable_gqa``)."""
+    from flashtile.problem import blockmask
+
+    names = ("query", "key", "value")
+    shapes = qkv_shapes(query, key, value, names, "bhsd")
+    if shapes.nheads_k != shapes.nheads and not flag("enable_gqa", enable_gqa):
+        raise ValueError(f"query has {shapes.nheads} heads and key {shapes.nheads_k}: pass enable_gqa=True for "
+                         f"grouped-query attention")
+    scale = softmax_scale("scale", scale, shapes.head_dim)
+    if score_mod is not None:
+        blockmask.mod_arity("score_mod", score_mod, 5)
+    sparsity = blockmask.sparsity(block_mask, shapes.batch, shapes.nheads, shapes.seqlen_q, shapes.seqlen_k,
+                                  query.device)
+    if sparsity is not None and sparsity.mask_mod is not None:
+        blockmask.mod_arity("block_mask.mask_mod", sparsity.mask_mod, 4)
+    want = "tuple" if flag("return_lse", return_lse) else ""
+    if return_aux is not None:
+        if want:
+            raise ValueError("return_lse and return_aux cannot be given together (as in torch): use "
+                             "return_aux=AuxRequest(lse=True)")
+        if not hasattr(return_aux, "lse"):
+            raise TypeError(f"return_aux must be a torch AuxRequest or None, got {type(return_aux).__name__}")
+        if getattr(return_aux, "max_scores", False):
+            raise NotImplementedError("return_aux=AuxRequest(max_scores=True): flashtile's flex_attention returns "
+                                      "the LSE only")
+        want = "aux"
+        aux_lse = bool(return_aux.lse)
+    options = {} if kernel_options is None else kernel_options
+    if not isinstance(options, dict):
+        raise TypeError(f"kernel_options must be a dict or None, got {type(options).__name__}")
+    unknown = sorted(set(options) - set(FLEX_OPTIONS) - set(TORCH_FLEX_OPTIONS))
+    if unknown:
+        raise ValueError(f"kernel_options has unknown keys {unknown}: flashtile takes {list(FLEX_OPTIONS)} and "
+                         f"torch's {list(TORCH_FLEX_OPTIONS)}")
+    for name in ("BLOCK_M", "BLOCK_N"):
+        if name in options:
+            value = integer(f"kernel_options[{name!r}]", options[name])
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"kernel_options[{name!r}] must be a power of two >= 16, got {value}")
+    deterministic = flag("kernel_options['deterministic']", options.get("deterministic", False))
+    if want == "aux" and not aux_lse:
+        want = "aux-none"
+    return FlexCall(scale, sparsity, want, deterministic, dict(options))
+
+
 # --------------------------------------------------------------------------- flash_attn_with_kvcache
 def rotary_tables(cos, sin, q, dim: int) -> int:
     """rotary_dim of the tables (0: no rotary)."""

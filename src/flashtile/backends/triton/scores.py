@@ -16,8 +16,9 @@ be inside the window and the bounds (``VISIBILITY=False``) skips the element mas
 the forward and decode kernels drop it and the compiler removes its arithmetic.
 
 A sink (one logit per head that joins only the softmax's denominator) enters the running
-state once, after the key tiles (``add_sink``). User-defined score and mask functions and
-FP8 scales plug in here.
+state once, after the key tiles (``add_sink``). User-defined score and mask functions
+(FlexAttention's, translated by ``modgen.py``) go through ``flex_scores``, the flex
+kernels' stage of the same pipeline. FP8 scales plug in here.
 """
 
 from __future__ import annotations
@@ -133,6 +134,33 @@ def scores(raw, i2, j2, in_bounds, mask_ptrs, mask_cols, mask_stride, seqlen_q, 
             start = chunk_start(i2 + diag_offset, chunk)
             visible = visible & (j2 >= start) & (j2 < start + chunk)
         s = tl.where(visible, s, float("-inf"))
+    return s, dfac
+
+
+@triton.jit
+def flex_scores(raw, b, h, i2, j2, seqlen_q, seqlen_k, sm_scale, SCORE_ARGS, MASK_ARGS,
+                SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, APPLY_MASK: tl.constexpr):
+    """(s, dfac) of a flex tile (``backends/triton/flex.py``): FlexAttention's order, in
+    natural units until the end:
+
+        s = score_mod(scale * q.k, b, h, i, j)      (a translated mod: ``modgen.py``)
+        s = -inf where mask_mod(b, h, i, j) is False (partial blocks: ``APPLY_MASK``)
+              or where i or j is past its sequence
+        s = s * log2(e)                               (base 2, as every kernel's)
+
+    ``dfac`` = d s / d(q.k) in natural units: scale times score_mod's derivative (the
+    backward's chain rule). ``i2``/``j2``: query and key indices broadcast to the tile's
+    orientation; b, h: the program's batch and query head.
+    """
+    s = raw * sm_scale
+    dfac = sm_scale
+    if SCORE_MOD is not None:
+        s, ds = SCORE_MOD(s, b, h, i2, j2, SCORE_ARGS)
+        dfac = ds * sm_scale
+    visible = (j2 < seqlen_k) & (i2 < seqlen_q)
+    if APPLY_MASK:
+        visible = visible & MASK_MOD(b, h, i2, j2, MASK_ARGS)
+    s = tl.where(visible, s * C_LOG2E, float("-inf"))
     return s, dfac
 
 

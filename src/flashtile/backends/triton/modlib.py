@@ -1,0 +1,49 @@
+"""Triton helpers the translated score and mask functions call (``modgen.py``): torch's
+integer semantics where Triton's differ, and math without libdevice (so the same code runs
+under TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def floordiv(a, b):
+    """torch's floor division of integers (Triton's ``//`` truncates toward zero)."""
+    q = a // b
+    return q - ((q * b != a) & ((a < 0) != (b < 0))).to(q.dtype)
+
+
+@triton.jit
+def remainder(a, b):
+    """torch's ``%`` (the sign of the divisor) for integers and floats."""
+    r = a % b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
+
+
+@triton.jit
+def tanh(x):
+    """tanh, accurate near 0 and exactly +-1 far from it (as ``scores.tanh``)."""
+    big = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
+    x2 = x * x
+    small = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333
+                 + x2 * (-0.05396825396825397 + x2 * 0.021869488536155203))))
+    return tl.where(tl.abs(x) < 0.25, small, big)
+
+
+@triton.jit
+def sigmoid(x):
+    return 1.0 / (1.0 + tl.exp(-x))
+
+
+@triton.jit
+def sign(x):
+    return (x > 0).to(x.dtype) - (x < 0).to(x.dtype)
+
+
+@triton.jit
+def gather(ptr, offset, ok):
+    """One element per lane of a captured tensor, 0 where the index is out of its bounds
+    (a padded row or column past the sequence: its score is never used)."""
+    return tl.load(ptr + offset, mask=ok, other=0)
