@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|varlen|decode|transformers|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|decode|transformers|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -51,6 +51,16 @@ if [[ $what == bench-d128 ]]; then
   echo "bench rc=$?"
   grep "| fwd \|| bwd " "$OUT/bench.log" | awk -F'|' '{print $2,$3,$5,$6,$7,$8,$9,$10,$12,$13}' | tail -24
   tar czf "$OUT/bench.tgz" -C /tmp/bench .
+fi
+if [[ $what == flex ]]; then
+  # Issue 35: the flex GPU tests, then flex_attention against torch's compiled Flex.
+  timeout ${FLEX_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu tests/api/test_flex_gpu.py -q -n ${TESTS_WORKERS:-8} \
+    --maxfail=20 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-flex.log" 2>&1
+  echo "flex gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-flex.log" | cut -c1-300 | tail -25
+  timeout ${FLEX_BENCH_TIMEOUT:-300} python3 -m flashtile.tools.bench --flex ${FLEX_BENCH_ARGS:-} --out /tmp/bench \
+    --tag h200-flex > "$OUT/bench-flex.log" 2>&1
+  echo "flex bench rc=$?"; grep "^|" "$OUT/bench-flex.log" | tail -60
+  cp /tmp/bench/h200-flex* "$OUT/" 2>/dev/null
 fi
 if [[ $what == features ]]; then
   # Issue 36: sinks and chunks against the same call without them, head dim 512 and (192, 128).

@@ -311,6 +311,11 @@ def flex_dkdv_kernel(
 
 
 # --------------------------------------------------------------------------- host side
+def alloc(shape, like, dtype=None):
+    """An output buffer (one place, so that the GPU tests can poison them with NaN)."""
+    return like.new_empty(shape, dtype=dtype or like.dtype)
+
+
 class FlexLaunch:
     """What the three kernels share for one call: the translated mods, the block lists, tiles."""
 
@@ -375,8 +380,8 @@ def forward(q, k, v, launch: FlexLaunch):
 
     batch, nheads, seqlen_q, head_dim = q.shape
     seqlen_k, head_dim_v = k.shape[2], v.shape[-1]
-    out = q.new_empty((batch, nheads, seqlen_q, head_dim_v))
-    lse = torch.empty((batch, nheads, seqlen_q), dtype=torch.float32, device=q.device)
+    out = alloc((batch, nheads, seqlen_q, head_dim_v), q)
+    lse = alloc((batch, nheads, seqlen_q), q, torch.float32)
     if out.numel() == 0:
         lse.fill_(float("-inf"))
         return out.zero_(), lse
@@ -394,13 +399,11 @@ def forward(q, k, v, launch: FlexLaunch):
 
 def backward(dout, q, k, v, out, lse, dlse, launch: FlexLaunch):
     """(dq, dk, dv) of the forward's (out, lse) given dout and dlse (None: 0)."""
-    import torch
-
     from flashtile.backends.triton.backward import preprocess
 
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
-    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    dq, dk, dv = alloc(q.shape, q), alloc(k.shape, k), alloc(v.shape, v)
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
