@@ -105,6 +105,10 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--deterministic", action="store_true", help="the call asks for bitwise reproducible gradients")
     explain.add_argument("--sink", action="store_true", help="learnable attention sinks (learnable_sink)")
     explain.add_argument("--chunk", type=_positive_int, help="chunked attention (attention_chunk)")
+    explain.add_argument("--flex-score", choices=("alibi", "softcap", "relative_bias", "bias"),
+                         help="a flex_attention call with this ready-made score_mod: its kernels and generated source")
+    explain.add_argument("--flex-mask", choices=("causal", "sliding_window", "chunked", "document", "prefix_lm"),
+                         help="a flex_attention call with this ready-made mask_mod: its kernels and generated source")
 
     check = sub.add_parser(
         "check",
@@ -218,6 +222,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from flashtile.tools.demo import run_demo
 
         return run_demo()
+    if args.command == "explain" and (args.flex_score or args.flex_mask):
+        from flashtile.tools.explain import _example_mod, explain_flex
+
+        nheads = 16
+        seqlen_k = args.seqlen_k or args.seqlen_q
+        score = args.flex_score and _example_mod(args.flex_score, args.seqlen_q, seqlen_k, nheads)
+        mask = args.flex_mask and _example_mod(args.flex_mask, args.seqlen_q, seqlen_k, nheads)
+        print(explain_flex(score or None, mask or None, device=args.device, capability=tuple(args.capability)))
+        return 0
     if args.command == "explain":
         from flashtile.tools.explain import explain
 

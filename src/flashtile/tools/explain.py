@@ -79,3 +79,51 @@ def explain(seqlen_q: int, seqlen_k: Optional[int] = None, head_dim: int = 128, 
         reasons += [r for r in choice.why if r not in reasons]
     return Explanation(backend, fwd.description + work, asdict(fwd.config) if fwd.config else None,
                        bwd.description + work, asdict(bwd.config) if bwd.config else None, reasons)
+
+
+# Ready-made mods by name, with example arguments (``flashtile explain --flex-score/--flex-mask``).
+FLEX_SCORES = ("alibi", "softcap", "relative_bias", "bias")
+FLEX_MASKS = ("causal", "sliding_window", "chunked", "document", "prefix_lm")
+
+
+def _example_mod(name: str, seqlen_q: int, seqlen_k: int, nheads: int):
+    import torch
+
+    from flashtile.api import mods
+
+    return {"alibi": lambda: mods.alibi(torch.rand(nheads)), "softcap": lambda: mods.softcap(30.0),
+            "relative_bias": lambda: mods.relative_bias(torch.zeros(nheads, seqlen_q + seqlen_k - 1), seqlen_k),
+            "bias": lambda: mods.bias(torch.zeros(seqlen_q, seqlen_k)), "causal": lambda: mods.causal,
+            "sliding_window": lambda: mods.sliding_window(1024), "chunked": lambda: mods.chunked(8192),
+            "document": lambda: mods.document(torch.zeros(seqlen_k, dtype=torch.long)),
+            "prefix_lm": lambda: mods.prefix_lm(256)}[name]()
+
+
+def explain_flex(score_mod=None, mask_mod=None, *, device: str = "cuda", capability: tuple = (9, 0)) -> str:
+    """What a ``flex_attention`` call compiles to: the kernels (the registry's choice and
+    reasons) and the Triton source of each translated mod (``backends/triton/modgen.py``),
+    or the error that refuses a mod. ``score_mod``/``mask_mod``: the user's functions."""
+    import torch
+
+    from flashtile.backends import registry
+    from flashtile.backends.triton import modgen
+
+    if device == "cpu":
+        lines = [f"forward and backward: {registry.KERNELS['twin']} (backends/twin/flex.py)",
+                 "  - CPU tensors run the torch twin: the mods run as written, autograd differentiates them "
+                 "(captured tensors too)"]
+    else:
+        choice = registry.flex(tuple(capability))
+        lines = [f"forward and backward: {choice.description}"] + [f"  - {r}" for r in choice.why]
+    for kind, fn in (("score", score_mod), ("mask", mask_mod)):
+        if fn is None:
+            continue
+        try:
+            translated = modgen.translate(fn, kind, torch.device("cpu"))
+        except modgen.UntranslatableMod as err:
+            lines.append(f"{kind}_mod: refused by the kernels: {err}")
+            continue
+        captured = ", ".join(f"{tuple(t.shape)} {str(t.dtype).replace('torch.', '')}" for t in translated.captured)
+        lines.append(f"{kind}_mod {translated.name!r}: reads {captured or 'no tensors'}; translated to:")
+        lines += ["    " + line for line in translated.source.splitlines()]
+    return "\n".join(lines)

@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     writer = RowWriter(Path(args.out) / f"{args.tag}.jsonl")
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float16
     device = "cuda"
-    print(f"| pattern | d | S | B | pass | impl | ms | TFLOP/s | vs torch-flex | first call ms |")
+    print("| pattern | d | S | B | pass | impl | ms | TFLOP/s | vs torch-flex | first call ms |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for headdim in args.headdim:
         nheads = HIDDEN // headdim
@@ -162,7 +162,8 @@ def main(argv=None) -> int:
                             else:
                                 out = fn(*leaves)
                                 ms = triton.testing.do_bench(
-                                    lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True),
+                                    lambda out=out, leaves=leaves, dout=dout: torch.autograd.grad(
+                                        out, leaves, dout, retain_graph=True),
                                     warmup=args.warmup, rep=args.rep, return_mode="median")
                         except Exception as err:
                             writer.write(dict(row, error=reason(err), **{"pass": pass_}))
@@ -179,8 +180,8 @@ def main(argv=None) -> int:
                                           **{"pass": pass_}))
                         print(f"| {pattern} | {headdim} | {seqlen} | {batch} | {pass_} | {impl} | {ms:.3f} | "
                               f"{tflops:.0f} | {ratio:.2f} | {first:.0f} |", flush=True)
-                    del out
-                del q, k, v, dout, dense
+                    out = leaves = None
+                q = k = v = dout = dense = None
                 torch.cuda.empty_cache()
     return 0
 
