@@ -265,43 +265,57 @@ def kvcache(*args, hint=None) -> tuple[Tensor, Tensor]:
 
 # --------------------------------------------------------------------------- flex_attention
 class _Flex(torch.autograd.Function):
-    """The flex kernels' autograd node: out and lse from ``flex.forward``, the three
-    gradients from ``flex.backward`` (the LSE's gradient included)."""
+    """The flex kernels' autograd node: out and lse from ``flex.forward``, the gradients of
+    q, k, v from ``flex.backward`` (the LSE's gradient included), and those of a score_mod's
+    captured tensors that require grad (learned biases) from a plain-torch pass over slabs
+    of rows (``twin.flex.captured_grads``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, launch):
+    def forward(ctx, q, k, v, launch, score_mod, *captured):
         from flashtile.backends.triton import flex
 
         out, lse = flex.forward(q, k, v, launch)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.launch = launch
+        ctx.save_for_backward(q, k, v, out, lse, *captured)
+        ctx.launch, ctx.score_mod = launch, score_mod
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         from flashtile.backends.triton import flex
 
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = flex.backward(dout, q, k, v, out, lse, dlse, ctx.launch)
-        return dq, dk, dv, None
+        q, k, v, out, lse, *captured = ctx.saved_tensors
+        dq, dk, dv, delta = flex.backward(dout, q, k, v, out, lse, dlse, ctx.launch)
+        dcaptured = ()
+        if captured and delta is None:
+            dcaptured = tuple(torch.zeros_like(t) for t in captured)
+        elif captured:
+            from flashtile.backends.twin.flex import captured_grads
+
+            before, warn_only = torch.are_deterministic_algorithms_enabled(), \
+                torch.is_deterministic_algorithms_warn_only_enabled()
+            if ctx.launch.deterministic:  # torch's index backward accumulates by sorting, not atomics
+                torch.use_deterministic_algorithms(True)
+            try:
+                dcaptured = captured_grads(q, k, v, dout, lse, delta, ctx.score_mod, ctx.launch.sparsity,
+                                           ctx.launch.scale, tuple(captured))
+            finally:
+                torch.use_deterministic_algorithms(before, warn_only=warn_only)
+        return (dq, dk, dv, None, None, *dcaptured)
 
 
 def flex(q: Tensor, k: Tensor, v: Tensor, score_mod, sparsity, scale: float, deterministic: bool,
          options: dict) -> tuple[Tensor, Tensor]:
     """``flex_attention`` on the kernels: (out (B, Hq, L, Ev), lse (B, Hq, L) float32),
-    differentiable in q, k, v. The kernels never use float atomics, so ``deterministic``
-    changes nothing; a mod's captured tensors that require grad are refused (the kernels
-    do not differentiate them yet; the twin does, on CPU tensors)."""
-    del deterministic  # both backward kernels write each gradient element once
+    differentiable in q, k, v and in the score_mod's captured tensors that require grad.
+    The kernels never use float atomics; under ``deterministic`` the captured tensors'
+    gradients run with torch's deterministic algorithms (their index backward)."""
     _refuse_forward_ad(q, k, v)
     launch = run.flex_launch(q, k, v, score_mod, sparsity, scale, options)
-    if torch.is_grad_enabled() and launch.score is not None and launch.score.requires_grad:
-        raise NotImplementedError(
-            f"score_mod {launch.score.name!r} reads tensors that require grad (learned biases): the flex kernels do "
-            f"not compute their gradients yet; detach them, or run on CPU tensors (the twin differentiates them)")
     q, k, v = (layout.unit_last_stride(t) for t in (q, k, v))
-    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
-        return _Flex.apply(q, k, v, launch)
+    captured = launch.score.requires_grad if launch.score is not None else ()
+    if torch.is_grad_enabled() and (captured or any(t.requires_grad for t in (q, k, v))):
+        launch.deterministic = deterministic
+        return _Flex.apply(q, k, v, launch, score_mod, *captured)
     from flashtile.backends.triton import flex as flex_kernels
 
     return flex_kernels.forward(q, k, v, launch)

@@ -323,6 +323,7 @@ class FlexLaunch:
         import torch
 
         self.score, self.mask, self.sparsity, self.scale = score, mask, sparsity, float(scale)
+        self.deterministic = False  # the captured tensors' gradients under torch's deterministic algorithms
         self.block_d = max(16, triton.next_power_of_2(q.shape[-1]))
         self.block_dv = max(16, triton.next_power_of_2(v.shape[-1]))
         if interpret:
@@ -398,14 +399,15 @@ def forward(q, k, v, launch: FlexLaunch):
 
 
 def backward(dout, q, k, v, out, lse, dlse, launch: FlexLaunch):
-    """(dq, dk, dv) of the forward's (out, lse) given dout and dlse (None: 0)."""
+    """(dq, dk, dv, delta) of the forward's (out, lse) given dout and dlse (None: 0);
+    delta (B, Hq, L) float32 = rowsum(dO * O) - dlse (None for an empty call)."""
     from flashtile.backends.triton.backward import preprocess
 
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
     dq, dk, dv = alloc(q.shape, q), alloc(k.shape, k), alloc(v.shape, v)
     if q.numel() == 0 or k.numel() == 0:
-        return dq.zero_(), dk.zero_(), dv.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_(), None
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     delta, _ = preprocess(out, dout, dlse, None, (), -1, -1, seqlen_k)
     num, idx, fnum, fidx, num_sb, num_sh, n_idx = launch.lists(False)
@@ -428,4 +430,4 @@ def backward(dout, q, k, v, out, lse, dlse, launch: FlexLaunch):
         lse.stride(0), lse.stride(1),
         num_sb, num_sh, n_idx, nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, head_dim_v, launch.scale,
         **launch.constexprs(launch.block_m, launch.block_n))
-    return dq, dk, dv
+    return dq, dk, dv, delta

@@ -80,3 +80,45 @@ def forward(q, k, v, score_mod: Optional[Callable], sparsity: Optional[Sparsity]
     out = torch.cat(outs, dim=2).to(q.dtype)
     lse = torch.cat(lses, dim=2).float()
     return out, lse
+
+
+def captured_grads(q, k, v, dout, lse, delta, score_mod: Callable, sparsity: Optional[Sparsity], scale: float,
+                   tensors: tuple) -> tuple:
+    """Gradients of ``tensors`` (a score_mod's captured tensors that require grad) for the
+    flex kernels' backward, a slab of query rows at a time, in plain torch: the scores are
+    recomputed (float32) and differentiated through ``score_mod`` against dS = P * (dP -
+    delta), with P from the forward's ``lse`` and delta = rowsum(dO * O) - dlse. Memory:
+    one slab of (B, Hq, rows, S) scores. Returns one gradient per tensor (None where the
+    mod does not reach it)."""
+    batch, nheads, seqlen_q, _ = q.shape
+    seqlen_k = k.shape[2]
+    group = nheads // k.shape[1]
+    kw = k.float().repeat_interleave(group, dim=1) if group > 1 else k.float()
+    vw = v.float().repeat_interleave(group, dim=1) if group > 1 else v.float()
+    device = q.device
+    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
+    h = torch.arange(nheads, device=device).view(1, -1, 1, 1)
+    kv_idx = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
+    state = sparsity.block_state() if sparsity is not None else None
+    slab = max(1, _SLAB_ELEMENTS // max(1, batch * nheads * seqlen_k))
+    grads = [None] * len(tensors)
+    for first in range(0, seqlen_q, slab):
+        last = min(seqlen_q, first + slab)
+        rows = torch.arange(first, last, device=device)
+        with torch.no_grad():
+            raw = torch.matmul(q[:, :, first:last].float(), kw.transpose(-1, -2)) * scale
+            dp = torch.matmul(dout[:, :, first:last].float(), vw.transpose(-1, -2))
+        with torch.enable_grad():
+            s = score_mod(raw, b, h, rows.view(1, 1, -1, 1), kv_idx)
+            s = torch.as_tensor(s, device=device).float().expand(batch, nheads, last - first, seqlen_k)
+            with torch.no_grad():
+                visible = _visible(sparsity, state, b, h, rows, seqlen_k, device)
+                row_lse = lse[:, :, first:last, None]
+                p = torch.exp(s.detach() - torch.where(torch.isinf(row_lse), torch.zeros_like(row_lse), row_lse))
+                p = torch.where(torch.isinf(row_lse), torch.zeros_like(p), p)
+                if visible is not None:
+                    p = p.masked_fill(~visible, 0.0)
+                ds = p * (dp - delta[:, :, first:last, None])
+            parts = torch.autograd.grad(s, tensors, ds, allow_unused=True)
+        grads = [g if part is None else (part if g is None else g + part) for g, part in zip(grads, parts)]
+    return tuple(grads)

@@ -1,0 +1,611 @@
+"""flex_attention (torch's FlexAttention API) on CPU.
+
+- The torch twin (``backends/twin/flex.py``, the default on CPU tensors) against torch's own
+  flex_attention, which runs the forward on CPU tensors (eager): out and LSE for the
+  ready-made mods (``flashtile.mods``) and hand-written ones, GQA, E != Ev, L != S, lengths
+  1 to 300, block masks from torch's create_block_mask and flashtile's, broadcast over
+  batch and heads or given per batch / per head, blocks of 16 to 128 (skipped, partial
+  and full blocks).
+- flashtile.create_block_mask against torch's: the same block lists.
+- The twin's gradients: float64 gradcheck in q, k, v and in learned biases a score_mod
+  captures (torch's flex_attention has no CPU backward); rows that see no key.
+- The Triton kernels under TRITON_INTERPRET=1 against the twin in float64: out, LSE and
+  dq, dk, dv with a loss on the LSE too (NaN-poisoned buffers); mods the translator refuses;
+  the translation cache.
+- Bad arguments refused before anything runs, naming the argument.
+"""
+
+from __future__ import annotations
+
+import collections
+import sys
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import pytest
+import torch
+from torch.nn.attention import flex_attention as torch_flex
+
+import flashtile
+from flashtile import mods
+from flashtile.backends.twin import flex as twin_flex
+from flashtile.problem.blockmask import sparsity as read_sparsity
+
+# torch's flex_attention on CPU tensors runs eagerly and says so at every call.
+pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+
+
+# --------------------------------------------------------------------------- cases
+def _drawn(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) * scale
+
+
+def _doc_ids(*lengths: int) -> torch.Tensor:
+    return torch.cat([torch.full((n,), i) for i, n in enumerate(lengths)])
+
+
+DOCS = _doc_ids(40, 1, 59, 30)  # 130 tokens, a one-token document among them
+DOCS_PER_BATCH = torch.stack([DOCS, _doc_ids(10, 100, 20)])
+WINDOWS = torch.tensor([2, 9, 33, 1000])  # one window per query head
+
+
+def per_head_window(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx).abs() <= WINDOWS[h]
+
+
+def key_prefix(b, h, q_idx, kv_idx):
+    return kv_idx < 4
+
+
+def every_other(b, h, q_idx, kv_idx):
+    return (q_idx - kv_idx) % 2 == 0
+
+
+def rows_from_5(b, h, q_idx, kv_idx):
+    """Rows 0..4 see no key."""
+    return (q_idx >= 5) & (q_idx >= kv_idx)
+
+
+@dataclass(frozen=True)
+class FlexCase:
+    id: str
+    seqlen_q: int = 130
+    seqlen_k: int = 130
+    mask: Optional[Callable] = None
+    score: Optional[Callable] = None
+    batch: int = 2
+    nheads: int = 2
+    nheads_k: int = 2
+    head_dim: int = 16
+    head_dim_v: int = 16
+    mask_batch: Optional[int] = None  # create_block_mask's B (None: broadcast)
+    mask_heads: Optional[int] = None  # and H
+    block_size: object = 128
+    scale: Optional[float] = None
+
+    def inputs(self, seed: int):
+        q = _drawn(self.batch, self.nheads, self.seqlen_q, self.head_dim, seed=seed)
+        k = _drawn(self.batch, self.nheads_k, self.seqlen_k, self.head_dim, seed=seed + 1)
+        v = _drawn(self.batch, self.nheads_k, self.seqlen_k, self.head_dim_v, seed=seed + 2)
+        return q, k, v
+
+    def block_mask(self, maker: str):
+        if self.mask is None:
+            return None
+        make = torch_flex.create_block_mask if maker == "torch" else flashtile.create_block_mask
+        return make(self.mask, self.mask_batch, self.mask_heads, self.seqlen_q, self.seqlen_k, device="cpu",
+                    BLOCK_SIZE=self.block_size)
+
+    @property
+    def kwargs(self) -> dict:
+        return dict(score_mod=self.score, scale=self.scale, enable_gqa=self.nheads != self.nheads_k)
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.head_dim ** -0.5 if self.scale is None else self.scale
+
+
+SLOPES2 = torch.tensor([0.5, 0.125])
+SLOPES4 = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+
+CASES = [
+    FlexCase("plain"),
+    FlexCase("causal", mask=mods.causal),
+    FlexCase("causal-blocks16", mask=mods.causal, block_size=16),
+    FlexCase("causal-B2-H2-given", mask=mods.causal, mask_batch=2, mask_heads=2, block_size=32),
+    FlexCase("sliding_window", 300, 300, mask=mods.sliding_window(24, 8), batch=1, block_size=16),
+    FlexCase("sliding_window-128", mask=mods.sliding_window(20)),
+    FlexCase("document", mask=mods.document(DOCS), block_size=16),
+    FlexCase("document-causal", mask=mods.and_masks(mods.document(DOCS), mods.causal), block_size=(32, 16)),
+    FlexCase("prefix_lm", mask=mods.prefix_lm(25), block_size=16),
+    FlexCase("global_tokens", mask=mods.or_masks(mods.sliding_window(6, 6), key_prefix), block_size=16),
+    FlexCase("dilated", mask=mods.and_masks(mods.causal, every_other), block_size=16),
+    FlexCase("rows_masked", 17, 17, mask=rows_from_5, block_size=16),
+    FlexCase("rows_masked-130", mask=rows_from_5),
+    FlexCase("alibi", score=mods.alibi(SLOPES2)),
+    FlexCase("alibi-causal", mask=mods.causal, score=mods.alibi(SLOPES2), block_size=32),
+    FlexCase("softcap", mask=mods.sliding_window(40, 40), score=mods.softcap(2.0), scale=1.0, block_size=16),
+    FlexCase("relative_bias", 17, 70, score=mods.relative_bias(_drawn(2, 17 + 70 - 1, seed=10), 70)),
+    FlexCase("bias", 70, 40, score=mods.bias(_drawn(70, 40, seed=11, scale=2.0)), mask=mods.causal),
+    FlexCase("gqa", mask=mods.causal, score=mods.alibi(SLOPES4), nheads=4, nheads_k=2, block_size=16),
+    FlexCase("mqa-per-head", mask=per_head_window, nheads=4, nheads_k=1, mask_heads=4, block_size=16),
+    FlexCase("e32-ev16", mask=mods.document(DOCS), head_dim=32, head_dim_v=16, block_size=32),
+    FlexCase("e16-ev32", 17, 70, mask=mods.prefix_lm(5), head_dim=16, head_dim_v=32),
+    FlexCase("l17-s130", 17, 130, mask=mods.causal, block_size=16),
+    FlexCase("l300-s17", 300, 17, mask=mods.sliding_window(100), batch=1, block_size=16),
+    FlexCase("l130-s300", 130, 300, mask=mods.prefix_lm(200), batch=1, block_size=(16, 64)),
+    FlexCase("per-batch-document", mask=mods.document(DOCS_PER_BATCH), mask_batch=2, block_size=16),
+    FlexCase("per-batch-prefix", mask=mods.prefix_lm(torch.tensor([10, 90])), mask_batch=2, block_size=32),
+    FlexCase("per-head", mask=per_head_window, nheads=4, nheads_k=2, mask_heads=4, block_size=16),
+    FlexCase("per-batch-and-head", mask=mods.and_masks(mods.document(DOCS_PER_BATCH), per_head_window),
+             nheads=4, nheads_k=4, mask_batch=2, mask_heads=4, block_size=16,
+             score=mods.alibi(SLOPES4)),
+]
+
+
+def assert_out_and_lse(out, lse, want_out, want_lse, atol, rtol=1e-5):
+    """out and LSE within (atol, rtol); -inf exactly where the reference has it."""
+    assert out.shape == want_out.shape and lse.shape == want_lse.shape
+    torch.testing.assert_close(out.double(), want_out.double(), atol=atol, rtol=rtol, msg="out")
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(want_lse)), "lse -inf rows"
+    finite = torch.isfinite(want_lse)
+    torch.testing.assert_close(lse.double()[finite], want_lse.double()[finite], atol=atol, rtol=rtol, msg="lse")
+
+
+# --------------------------------------------------------------------------- the twin against torch
+@pytest.mark.parametrize("maker", ["torch", "flashtile"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_twin_against_torch_flex_attention(case, maker):
+    q, k, v = case.inputs(seed=len(case.id))
+    block_mask = case.block_mask(maker)
+    out, lse = flashtile.flex_attention(q, k, v, block_mask=block_mask, return_lse=True, **case.kwargs)
+    want_out, want_lse = torch_flex.flex_attention(q, k, v, block_mask=block_mask, return_lse=True, **case.kwargs)
+    assert out.dtype == q.dtype and lse.dtype == torch.float32
+    assert_out_and_lse(out, lse, want_out, want_lse, atol=2e-5)
+    if case.mask is not None or case.score is not None:  # the mods matter in every case
+        plain = flashtile.flex_attention(q, k, v, scale=case.scale, enable_gqa=case.nheads != case.nheads_k)
+        assert (out - plain).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("seqlens", [(1, 1), (17, 17), (130, 130), (300, 300), (1, 300), (300, 1), (17, 130),
+                                     (130, 17)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("maker", ["torch", "flashtile"])
+def test_twin_lengths_against_torch(seqlens, maker):
+    sq, sk = seqlens
+    case = FlexCase(f"{sq}x{sk}", sq, sk, mask=mods.sliding_window(40, 3), score=mods.alibi(SLOPES2),
+                    block_size=16 if max(sq, sk) < 200 else 128)
+    q, k, v = case.inputs(seed=sq + 3 * sk)
+    block_mask = case.block_mask(maker)
+    got = flashtile.flex_attention(q, k, v, block_mask=block_mask, return_lse=True, **case.kwargs)
+    want = torch_flex.flex_attention(q, k, v, block_mask=block_mask, return_lse=True, **case.kwargs)
+    assert_out_and_lse(*got, *want, atol=2e-5)
+
+
+def _listed(num: torch.Tensor, idx: torch.Tensor) -> list:
+    """The set of block indices each row of a BlockMask's lists names (its first num entries)."""
+    counts = num.flatten().tolist()
+    rows = idx.flatten(0, -2)
+    return [set(rows[i, :n].tolist()) for i, n in enumerate(counts)]
+
+
+@pytest.mark.parametrize("mask,batch,heads,sq,sk,block", [
+    (mods.causal, None, None, 300, 200, 128),
+    (mods.causal, None, None, 130, 130, 16),
+    (mods.sliding_window(20, 5), None, None, 130, 97, (32, 16)),
+    (mods.document(DOCS), None, None, 130, 130, 16),
+    (mods.document(DOCS_PER_BATCH), 2, None, 130, 130, 32),
+    (per_head_window, None, 4, 130, 130, 16),
+    (mods.and_masks(mods.document(DOCS_PER_BATCH), per_head_window), 2, 4, 130, 130, 16),
+    (rows_from_5, None, None, 17, 17, 16),
+    (mods.or_masks(mods.sliding_window(6, 6), key_prefix), None, None, 200, 200, (16, 32)),
+], ids=["causal-300x200", "causal-b16", "window-ragged", "document", "per-batch", "per-head", "per-batch-head",
+        "rows-masked", "global-tokens"])
+def test_create_block_mask_matches_torch(mask, batch, heads, sq, sk, block):
+    ours = flashtile.create_block_mask(mask, batch, heads, sq, sk, device="cpu", BLOCK_SIZE=block)
+    want = torch_flex.create_block_mask(mask, batch, heads, sq, sk, device="cpu", BLOCK_SIZE=block)
+    assert isinstance(ours, torch_flex.BlockMask)
+    assert ours.BLOCK_SIZE == want.BLOCK_SIZE and tuple(ours.seq_lengths) == tuple(want.seq_lengths)
+    assert int(want.full_kv_num_blocks.sum()) > 0 or int(want.kv_num_blocks.sum()) > 0
+    for num, idx in (("kv_num_blocks", "kv_indices"), ("full_kv_num_blocks", "full_kv_indices"),
+                     ("q_num_blocks", "q_indices"), ("full_q_num_blocks", "full_q_indices")):
+        a_num, b_num = getattr(ours, num), getattr(want, num)
+        assert a_num.shape == b_num.shape and torch.equal(a_num.to(torch.int32), b_num.to(torch.int32)), num
+        assert _listed(a_num, getattr(ours, idx)) == _listed(b_num, getattr(want, idx)), idx
+    assert ours.mask_mod is mask
+
+
+# --------------------------------------------------------------------------- the twin's gradients
+def _sparsity(mask, batch, heads, sq, sk, mask_heads=None, block=16):
+    bm = None if mask is None else flashtile.create_block_mask(mask, None, mask_heads, sq, sk, device="cpu",
+                                                                BLOCK_SIZE=block)
+    return read_sparsity(bm, batch, heads, sq, sk, "cpu")
+
+
+def _leaves64(batch, hq, hk, sq, sk, e, ev, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(shape, generator=g, dtype=torch.float64).requires_grad_(True)
+            for shape in ((batch, hq, sq, e), (batch, hk, sk, e), (batch, hk, sk, ev))]
+
+
+@pytest.mark.parametrize("mask,score,hk,ev", [
+    (None, None, 2, 4),
+    (rows_from_5, mods.alibi(torch.tensor([0.5, 0.25], dtype=torch.float64)), 1, 3),
+    (mods.and_masks(mods.causal, every_other), mods.softcap(1.5), 2, 5),
+    (mods.or_masks(mods.sliding_window(1, 1), key_prefix), None, 1, 4),
+], ids=["plain", "masked-rows-alibi-gqa", "dilated-softcap", "global-window"])
+def test_twin_gradcheck_qkv(mask, score, hk, ev):
+    sq, sk = 7, 9
+    sp = _sparsity(mask, 1, 2, sq, sk, block=16)
+    leaves = _leaves64(1, 2, hk, sq, sk, 4, ev, seed=sq + hk + ev)
+
+    def out_of(q, k, v):
+        out, lse = twin_flex.forward(q, k, v, score, sp, 0.7)
+        assert out.dtype == torch.float64
+        return out
+
+    assert torch.autograd.gradcheck(out_of, leaves, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["relative_bias", "bias"])
+def test_twin_gradcheck_learned_bias(kind):
+    """A bias table the score_mod captures is a leaf: its gradient sums dS over the elements
+    that read each entry (none for masked elements)."""
+    sq, sk = 6, 8
+    g = torch.Generator().manual_seed(5)
+    shape = (2, sq + sk - 1) if kind == "relative_bias" else (sq, sk)
+    table = torch.randn(shape, generator=g, dtype=torch.float64).requires_grad_(True)
+    sp = _sparsity(mods.prefix_lm(2), 1, 2, sq, sk)
+    leaves = _leaves64(1, 2, 2, sq, sk, 4, 4, seed=7)
+
+    def out_of(q, k, v, t):
+        mod = mods.relative_bias(t, sk) if kind == "relative_bias" else mods.bias(t)
+        return twin_flex.forward(q, k, v, mod, sp, 0.5)[0]
+
+    assert torch.autograd.gradcheck(out_of, (*leaves, table), eps=1e-6, atol=1e-7, rtol=1e-5)
+    # entries read only by masked elements get no gradient
+    (grad,) = torch.autograd.grad(out_of(*leaves, table).sum(), table)
+    if kind == "bias":
+        hidden = ~((torch.arange(sk)[None, :] < 2) | (torch.arange(sq)[:, None] >= torch.arange(sk)[None, :]))
+        assert hidden.any() and torch.equal(grad[hidden], torch.zeros_like(grad[hidden]))
+        assert (grad[~hidden] != 0).all()
+
+
+def _dense64(q, k, v, score_mod, mask_mod, scale):
+    """Plain float64 attention on full index grids: (out, lse) and no blocks at all."""
+    batch, hq, sq, _ = q.shape
+    sk, group = k.shape[2], hq // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    b = torch.arange(batch).view(-1, 1, 1, 1)
+    h = torch.arange(hq).view(1, -1, 1, 1)
+    i = torch.arange(sq).view(1, 1, -1, 1)
+    j = torch.arange(sk).view(1, 1, 1, -1)
+    s = scale * q @ k.transpose(-1, -2)
+    if score_mod is not None:
+        s = score_mod(s, b, h, i, j)
+    if mask_mod is not None:
+        s = s.masked_fill(~mask_mod(b, h, i, j).expand(s.shape), float("-inf"))
+    return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
+
+
+def test_twin_lse_gradient_against_a_dense_reference():
+    """The LSE (float32 even from float64 inputs) is differentiable: a loss on out and LSE
+    gives the gradients of plain dense float64 attention (every row sees a key)."""
+    sq, sk = 21, 37
+    mask, score = mods.and_masks(mods.sliding_window(9, 2), every_other), mods.alibi(SLOPES4.double())
+    sp = _sparsity(mask, 2, 4, sq, sk)
+    leaves = _leaves64(2, 4, 2, sq, sk, 8, 6, seed=3)
+    g = torch.Generator().manual_seed(4)
+    dout, dlse = torch.randn(2, 4, sq, 6, generator=g, dtype=torch.float64), torch.randn(2, 4, sq, generator=g)
+    out, lse = twin_flex.forward(*leaves, score, sp, 0.3)
+    got = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), leaves)
+    want_out, want_lse = _dense64(*leaves, score, mask, 0.3)
+    want = torch.autograd.grad((want_out * dout).sum() + (want_lse * dlse).sum(), leaves)
+    torch.testing.assert_close(out, want_out, atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(lse.double(), want_lse, atol=1e-6, rtol=1e-7)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10, msg=name)
+
+
+def test_rows_that_see_no_key(backend):
+    """out 0, LSE -inf and zero (finite) gradients for rows 0..4, on the twin and the kernels."""
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(1, 2, 17, 16, generator=g).requires_grad_(True) for _ in range(3))
+    block_mask = flashtile.create_block_mask(rows_from_5, None, None, 17, 17, device="cpu", BLOCK_SIZE=16)
+    out, lse = flashtile.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+    assert torch.equal(out[:, :, :5], torch.zeros_like(out[:, :, :5]))
+    assert torch.isneginf(lse[:, :, :5]).all() and torch.isfinite(lse[:, :, 5:]).all()
+    assert torch.isfinite(out).all()
+    loss = out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum()
+    dq, dk, dv = torch.autograd.grad(loss, (q, k, v))
+    assert all(torch.isfinite(t).all() for t in (dq, dk, dv))
+    assert torch.equal(dq[:, :, :5], torch.zeros_like(dq[:, :, :5]))
+    assert dq[:, :, 5:].abs().amax(-1).min() > 0
+
+
+def test_rows_that_see_no_key_give_a_learned_bias_no_gradient():
+    g = torch.Generator().manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 17, 16, generator=g) for _ in range(3))
+    table = torch.randn(17, 17, generator=g, requires_grad=True)
+    block_mask = flashtile.create_block_mask(rows_from_5, None, None, 17, 17, device="cpu", BLOCK_SIZE=16)
+    out, lse = flashtile.flex_attention(q, k, v, score_mod=mods.bias(table), block_mask=block_mask, return_lse=True)
+    (grad,) = torch.autograd.grad(out.square().sum() + torch.where(torch.isfinite(lse), lse, 0.0).sum(), table)
+    assert torch.isfinite(grad).all() and torch.equal(grad[:5], torch.zeros_like(grad[:5]))
+    assert (grad[5:].tril() != 0).sum() > 0 and torch.equal(grad.triu(1), torch.zeros_like(grad))
+
+
+# --------------------------------------------------------------------------- the kernels (interpreter)
+@pytest.fixture
+def poison_flex_outputs(monkeypatch):
+    """The flex kernels' out, lse, dq, dk, dv start as NaN: unwritten elements fail."""
+    from flashtile.backends.triton import flex as flex_kernels
+
+    if hasattr(flex_kernels, "alloc"):
+        original = flex_kernels.alloc
+        monkeypatch.setattr(flex_kernels, "alloc", lambda *args, **kw: original(*args, **kw).fill_(float("nan")))
+    yield
+
+
+KERNEL_CASES = [
+    (FlexCase("plain", 64, 64, batch=1), "flashtile"),
+    (FlexCase("causal-alibi", mask=mods.causal, score=mods.alibi(SLOPES2), batch=1), "flashtile"),
+    (FlexCase("document-gqa", 96, 96, mask=mods.document(DOCS_PER_BATCH[:, :96]), mask_batch=2, nheads=4,
+              nheads_k=2, block_size=32), "torch"),
+    (FlexCase("prefix-softcap-ragged", 17, 70, mask=mods.prefix_lm(5), score=mods.softcap(2.0), scale=1.0,
+              head_dim=32, head_dim_v=16, block_size=16), "flashtile"),
+    (FlexCase("per-head-gqa", 80, 80, mask=per_head_window, nheads=4, nheads_k=2, mask_heads=4, batch=1,
+              block_size=16), "torch"),
+]
+
+
+@pytest.mark.parametrize("case,maker", KERNEL_CASES, ids=[c.id for c, _ in KERNEL_CASES])
+def test_kernels_against_the_twin_in_float64(triton_backend, poison_flex_outputs, case, maker):
+    q, k, v = case.inputs(seed=len(case.id) + 100)
+    block_mask = case.block_mask(maker)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out, lse = flashtile.flex_attention(*leaves, block_mask=block_mask, return_lse=True, **case.kwargs)
+    sp = read_sparsity(block_mask, case.batch, case.nheads, case.seqlen_q, case.seqlen_k, "cpu")
+    ref_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+    want_out, want_lse = twin_flex.forward(*ref_leaves, case.score, sp, case.softmax_scale)
+    assert out.dtype == torch.float32 and want_out.dtype == torch.float64
+    assert_out_and_lse(out, lse, want_out, want_lse, atol=1e-4, rtol=1e-4)
+
+    g = torch.Generator().manual_seed(11)
+    dout, dlse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+
+    def loss(o, l):  # noqa: E741
+        return (o * dout).sum() + (torch.where(torch.isfinite(l), l, 0.0) * dlse).sum()
+
+    got = torch.autograd.grad(loss(out, lse), leaves)
+    want = torch.autograd.grad(loss(want_out, want_lse), ref_leaves)
+    for name, a, b in zip(("dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def erf_score(score, b, h, q_idx, kv_idx):
+    return torch.erf(score)
+
+
+def cumsum_score(score, b, h, q_idx, kv_idx):
+    return torch.cumsum(score, dim=0)
+
+
+def branchy_score(score, b, h, q_idx, kv_idx):
+    if q_idx >= kv_idx:  # Python control flow on a tensor value
+        return score
+    return score - 100.0
+
+
+def branchy_mask(b, h, q_idx, kv_idx):
+    return torch.tensor(bool(q_idx >= kv_idx))
+
+
+@pytest.mark.parametrize("score,mask,match", [
+    (erf_score, None, r"score_mod 'erf_score' uses the op aten\.erf"),
+    (cumsum_score, None, r"score_mod 'cumsum_score' uses the op aten\.cumsum"),
+    (branchy_score, None, r"score_mod 'branchy_score' cannot be traced"),
+    (None, branchy_mask, r"mask_mod 'branchy_mask' cannot be traced"),
+], ids=["erf", "cumsum", "python-if", "mask-python-if"])
+def test_untranslatable_mods_are_refused(triton_backend, score, mask, match):
+    from flashtile.backends.triton import modgen
+
+    q = torch.randn(1, 2, 20, 16)
+    block_mask = None
+    if mask is not None:  # the twin-side block mask builder evaluates the mod on real tensors
+        block_mask = torch_flex.BlockMask.from_kv_blocks(
+            torch.ones(1, 1, 2, dtype=torch.int32), torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32),
+            BLOCK_SIZE=16, mask_mod=mask, seq_lengths=(20, 20))
+    with pytest.raises(modgen.UntranslatableMod, match=match) as err:
+        flashtile.flex_attention(q, q, q, score_mod=score, block_mask=block_mask)
+    assert isinstance(err.value, NotImplementedError)
+
+
+def test_a_learned_bias_is_refused_by_the_kernels_with_grad(triton_backend):
+    g = torch.Generator().manual_seed(12)
+    q, k, v = (torch.randn(1, 2, 24, 16, generator=g) for _ in range(3))
+    table = torch.randn(24, 24, generator=g, requires_grad=True)
+    with pytest.raises(NotImplementedError, match="requires? grad"):
+        flashtile.flex_attention(q, k, v, score_mod=mods.bias(table))
+    with torch.no_grad():  # nothing to differentiate: it runs
+        out = flashtile.flex_attention(q, k, v, score_mod=mods.bias(table))
+    want, _ = twin_flex.forward(q.double(), k.double(), v.double(), mods.bias(table.detach().double()), None, 0.25)
+    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- return_aux
+def test_return_aux_gives_the_lse():
+    q, k, v = FlexCase("aux").inputs(seed=13)
+    block_mask = flashtile.create_block_mask(rows_from_5, None, None, 130, 130, device="cpu", BLOCK_SIZE=16)
+    out, lse = flashtile.flex_attention(q, k, v, block_mask=block_mask, return_lse=True)
+    got = flashtile.flex_attention(q, k, v, block_mask=block_mask, return_aux=torch_flex.AuxRequest(lse=True))
+    assert isinstance(got, tuple) and len(got) == 2 and isinstance(got[1], torch_flex.AuxOutput)
+    assert torch.equal(got[0], out) and torch.equal(got[1].lse, lse)
+    out_none, aux = flashtile.flex_attention(q, k, v, block_mask=block_mask, return_aux=torch_flex.AuxRequest())
+    assert torch.equal(out_none, out) and aux.lse is None
+    assert torch.equal(flashtile.flex_attention(q, k, v, block_mask=block_mask), out)
+
+
+# --------------------------------------------------------------------------- the translation cache
+@pytest.fixture
+def traces(monkeypatch):
+    """Count the translator's traces, by mod name."""
+    from flashtile.backends.triton import modgen
+
+    count = collections.Counter()
+    original = modgen._trace
+
+    def counting(fn, kind, device):
+        count[getattr(fn, "__name__", "?")] += 1
+        return original(fn, kind, device)
+
+    monkeypatch.setattr(modgen, "_trace", counting)
+    return count
+
+
+def _twin(q, k, v, score_mod, block_mask=None):
+    sp = read_sparsity(block_mask, q.shape[0], q.shape[1], q.shape[2], k.shape[2], "cpu")
+    return twin_flex.forward(q.double(), k.double(), v.double(), score_mod, sp, q.shape[-1] ** -0.5)[0]
+
+
+def test_the_translation_is_cached(triton_backend, traces):
+    q, k, v = FlexCase("cache", 33, 33, batch=1).inputs(seed=14)
+    score = mods.alibi(SLOPES2.clone())
+    block_mask = flashtile.create_block_mask(mods.sliding_window(5), None, None, 33, 33, device="cpu", BLOCK_SIZE=16)
+    first = flashtile.flex_attention(q, k, v, score_mod=score, block_mask=block_mask)
+    second = flashtile.flex_attention(q, k, v, score_mod=score, block_mask=block_mask)
+    assert traces == {"alibi_score": 1, "sliding_window_mask": 1}
+    assert torch.equal(first, second)
+    torch.testing.assert_close(first.double(), _twin(q, k, v, score, block_mask), atol=1e-4, rtol=1e-4)
+
+
+def test_a_rebound_tensor_is_traced_again(triton_backend, traces):
+    """A closure over a mutable holder: the mod reads whichever tensor the holder has now."""
+    q, k, v = FlexCase("holder", 33, 33, batch=1).inputs(seed=15)
+    holder = {"slopes": torch.tensor([0.5, 0.25])}
+
+    def holder_alibi(score, b, h, q_idx, kv_idx):
+        return score - holder["slopes"][h] * (q_idx - kv_idx).abs()
+
+    first = flashtile.flex_attention(q, k, v, score_mod=holder_alibi)
+    old = holder["slopes"]  # kept alive: a new tensor cannot reuse its id
+    holder["slopes"] = torch.tensor([2.0, 0.0])
+    second = flashtile.flex_attention(q, k, v, score_mod=holder_alibi)
+    assert traces["holder_alibi"] == 2 and old is not holder["slopes"]
+    torch.testing.assert_close(second.double(), _twin(q, k, v, holder_alibi), atol=1e-4, rtol=1e-4)
+    assert (second - first).abs().max() > 1e-2
+    # the same tensor changed in place: no new trace, the new values are read
+    holder["slopes"].mul_(0.5)
+    third = flashtile.flex_attention(q, k, v, score_mod=holder_alibi)
+    assert traces["holder_alibi"] == 2
+    torch.testing.assert_close(third.double(), _twin(q, k, v, holder_alibi), atol=1e-4, rtol=1e-4)
+    assert (third - second).abs().max() > 1e-2
+
+
+GLOBAL_SLOPES = torch.tensor([0.5, 0.25])
+
+
+def global_alibi(score, b, h, q_idx, kv_idx):
+    return score - GLOBAL_SLOPES[h] * (q_idx - kv_idx).abs()
+
+
+def test_a_reassigned_global_is_traced_again(triton_backend, traces, monkeypatch):
+    q, k, v = FlexCase("global", 33, 33, batch=1).inputs(seed=16)
+    first = flashtile.flex_attention(q, k, v, score_mod=global_alibi)
+    monkeypatch.setattr(sys.modules[__name__], "GLOBAL_SLOPES", torch.tensor([0.0, 3.0]))
+    second = flashtile.flex_attention(q, k, v, score_mod=global_alibi)
+    assert traces["global_alibi"] == 2
+    torch.testing.assert_close(second.double(), _twin(q, k, v, global_alibi), atol=1e-4, rtol=1e-4)
+    assert (second - first).abs().max() > 1e-2
+
+
+# --------------------------------------------------------------------------- bad arguments
+class Recorder:
+    """A score_mod that counts its calls: a refused call never reaches it."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, score, b, h, q_idx, kv_idx):
+        self.calls += 1
+        return score
+
+
+def test_score_mod_with_the_wrong_arity():
+    q = torch.randn(1, 2, 20, 16)
+    with pytest.raises(TypeError, match=r"score_mod must take 5 arguments"):
+        flashtile.flex_attention(q, q, q, score_mod=lambda score, b, h, q_idx: score)
+    with pytest.raises(TypeError, match=r"score_mod must take 5 arguments"):
+        flashtile.flex_attention(q, q, q, score_mod=lambda score, b, h, q_idx, kv_idx, extra: score)
+
+
+def test_mask_mod_with_the_wrong_arity():
+    with pytest.raises(TypeError, match=r"mask_mod must take 4 arguments"):
+        flashtile.create_block_mask(lambda b, h, q_idx: q_idx >= 0, None, None, 20, 20, device="cpu")
+    good = torch_flex.create_block_mask(mods.causal, None, None, 20, 20, device="cpu")
+    bad = torch_flex.BlockMask.from_kv_blocks(good.kv_num_blocks, good.kv_indices, good.full_kv_num_blocks,
+                                              good.full_kv_indices, BLOCK_SIZE=good.BLOCK_SIZE,
+                                              mask_mod=lambda b, h, q_idx: q_idx >= 0, seq_lengths=(20, 20))
+    q, score = torch.randn(1, 2, 20, 16), Recorder()
+    with pytest.raises(TypeError, match=r"block_mask\.mask_mod must take 4 arguments"):
+        flashtile.flex_attention(q, q, q, score_mod=score, block_mask=bad)
+    assert score.calls == 0
+
+
+@pytest.mark.parametrize("maker", ["torch", "flashtile"])
+def test_a_block_mask_for_other_lengths(maker):
+    make = torch_flex.create_block_mask if maker == "torch" else flashtile.create_block_mask
+    block_mask = make(mods.causal, None, None, 20, 20, device="cpu")
+    q, k, score = torch.randn(1, 2, 21, 16), torch.randn(1, 2, 20, 16), Recorder()
+    with pytest.raises(ValueError, match=r"block_mask was created for \(Q_LEN, KV_LEN\) = \(20, 20\)"):
+        flashtile.flex_attention(q, k, k, score_mod=score, block_mask=block_mask)
+    with pytest.raises(ValueError, match=r"block_mask was created for"):
+        flashtile.flex_attention(k, q, q, score_mod=score, block_mask=block_mask)
+    assert score.calls == 0
+
+
+def test_block_mask_batch_or_heads_that_do_not_broadcast():
+    block_mask = flashtile.create_block_mask(mods.causal, 3, None, 20, 20, device="cpu")
+    q = torch.randn(2, 2, 20, 16)
+    with pytest.raises(ValueError, match=r"block_mask's batch \(3\)"):
+        flashtile.flex_attention(q, q, q, block_mask=block_mask)
+    block_mask = flashtile.create_block_mask(mods.causal, None, 3, 20, 20, device="cpu")
+    with pytest.raises(ValueError, match=r"block_mask's heads \(3\)"):
+        flashtile.flex_attention(q, q, q, block_mask=block_mask)
+
+
+def test_query_heads_not_a_multiple_of_key_heads():
+    k, score = torch.randn(1, 2, 20, 16), Recorder()
+    with pytest.raises(ValueError, match=r"enable_gqa"):
+        flashtile.flex_attention(torch.randn(1, 4, 20, 16), k, k, score_mod=score)
+    for enable_gqa in (False, True):
+        with pytest.raises(ValueError, match=r"query heads \(3\) must be divisible .* key/value heads \(2\)"):
+            flashtile.flex_attention(torch.randn(1, 3, 20, 16), k, k, score_mod=score, enable_gqa=enable_gqa)
+    assert score.calls == 0
+
+
+def test_block_size_not_a_multiple_of_16():
+    with pytest.raises(ValueError, match=r"BLOCK_SIZE must be a positive multiple of 16.*24"):
+        flashtile.create_block_mask(mods.causal, None, None, 20, 20, device="cpu", BLOCK_SIZE=24)
+    with pytest.raises(ValueError, match=r"BLOCK_SIZE must be a positive multiple of 16"):
+        flashtile.create_block_mask(mods.causal, None, None, 20, 20, device="cpu", BLOCK_SIZE=(16, 8))
+    block_mask = torch_flex.create_block_mask(mods.causal, None, None, 20, 20, device="cpu", BLOCK_SIZE=8)
+    q, score = torch.randn(1, 2, 20, 16), Recorder()
+    with pytest.raises(ValueError, match=r"block_mask's BLOCK_SIZE must be a positive multiple of 16"):
+        flashtile.flex_attention(q, q, q, score_mod=score, block_mask=block_mask)
+    assert score.calls == 0
+
+
+def test_unknown_kernel_options():
+    q, score = torch.randn(1, 2, 20, 16), Recorder()
+    with pytest.raises(ValueError, match=r"kernel_options has unknown keys \['BLOCK_Q'\]"):
+        flashtile.flex_attention(q, q, q, score_mod=score, kernel_options={"BLOCK_Q": 64})
+    assert score.calls == 0
+    flashtile.flex_attention(q, q, q, score_mod=score, kernel_options={"PRESCALE_QK": False})  # torch's: accepted
+    assert score.calls == 1
+
+
+def test_return_lse_with_return_aux():
+    q, score = torch.randn(1, 2, 20, 16), Recorder()
+    with pytest.raises(ValueError, match=r"return_lse and return_aux"):
+        flashtile.flex_attention(q, q, q, score_mod=score, return_lse=True,
+                                 return_aux=torch_flex.AuxRequest(lse=True))
+    assert score.calls == 0
