@@ -419,16 +419,37 @@ def test_untranslatable_mods_are_refused(triton_backend, score, mask, match):
     assert isinstance(err.value, NotImplementedError)
 
 
-def test_a_learned_bias_is_refused_by_the_kernels_with_grad(triton_backend):
-    g = torch.Generator().manual_seed(12)
-    q, k, v = (torch.randn(1, 2, 24, 16, generator=g) for _ in range(3))
-    table = torch.randn(24, 24, generator=g, requires_grad=True)
-    with pytest.raises(NotImplementedError, match="requires? grad"):
-        flashtile.flex_attention(q, k, v, score_mod=mods.bias(table))
-    with torch.no_grad():  # nothing to differentiate: it runs
-        out = flashtile.flex_attention(q, k, v, score_mod=mods.bias(table))
-    want, _ = twin_flex.forward(q.double(), k.double(), v.double(), mods.bias(table.detach().double()), None, 0.25)
-    torch.testing.assert_close(out.double(), want, atol=1e-4, rtol=1e-4)
+@pytest.mark.parametrize("kind", ["bias", "relative_bias"])
+def test_kernels_differentiate_a_learned_bias(triton_backend, poison_flex_outputs, kind):
+    """A captured tensor that requires grad (a learned bias) gets its gradient on the kernel
+    path too, the LSE's included: against the twin in float64. Entries that only masked
+    elements read get none."""
+    sq, sk = 24, 40
+    case = FlexCase(kind, sq, sk, batch=2, nheads=2, nheads_k=1)
+    q, k, v = case.inputs(seed=17)
+    shape = (sq, sk) if kind == "bias" else (2, sq + sk - 1)
+    table = _drawn(*shape, seed=18)
+
+    def mod(t):
+        return mods.bias(t) if kind == "bias" else mods.relative_bias(t, sk)
+
+    block_mask = flashtile.create_block_mask(mods.prefix_lm(3), None, None, sq, sk, device="cpu", BLOCK_SIZE=16)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v, table)]
+    out, lse = flashtile.flex_attention(*leaves[:3], score_mod=mod(leaves[3]), block_mask=block_mask,
+                                        enable_gqa=True, return_lse=True)
+    sp = read_sparsity(block_mask, 2, 2, sq, sk, "cpu")
+    ref_leaves = [t.double().requires_grad_(True) for t in (q, k, v, table)]
+    want_out, want_lse = twin_flex.forward(*ref_leaves[:3], mod(ref_leaves[3]), sp, case.softmax_scale)
+    assert_out_and_lse(out, lse, want_out, want_lse, atol=1e-4, rtol=1e-4)
+    g = torch.Generator().manual_seed(19)
+    dout, dlse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    got = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), leaves)
+    want = torch.autograd.grad((want_out * dout).sum() + (want_lse * dlse).sum(), ref_leaves)
+    for name, a, b in zip(("dq", "dk", "dv", "dtable"), got, want):
+        torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4, msg=name)
+    if kind == "bias":
+        hidden = ~((torch.arange(sk)[None, :] < 3) | (torch.arange(sq)[:, None] >= torch.arange(sk)[None, :]))
+        assert torch.equal(got[3][hidden], torch.zeros_like(got[3][hidden])) and got[3][~hidden].abs().min() > 0
 
 
 # --------------------------------------------------------------------------- return_aux

@@ -67,10 +67,14 @@ def flex_fwd_kernel(
     num_sb, num_sh, n_idx, nheads, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale,
     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr, HAS_FULL: tl.constexpr,
     Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE_DOT: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):
     m0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
+    # Head dims that fill their blocks: the masks along d fold to true (16-byte loads).
+    head_dim = BLOCK_D if EVEN_D else head_dim
+    head_dim_v = BLOCK_DV if EVEN_DV else head_dim_v
     b = bh // nheads
     h = bh % nheads
     kvh = h // group_size
@@ -154,10 +158,14 @@ def flex_dq_kernel(
     num_sb, num_sh, n_idx, nheads, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale,
     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr, HAS_FULL: tl.constexpr,
     Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE_DOT: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):
     m0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
+    # Head dims that fill their blocks: the masks along d fold to true (16-byte loads).
+    head_dim = BLOCK_D if EVEN_D else head_dim
+    head_dim_v = BLOCK_DV if EVEN_DV else head_dim_v
     b = bh // nheads
     h = bh % nheads
     kvh = h // group_size
@@ -253,10 +261,14 @@ def flex_dkdv_kernel(
     num_sb, num_sh, n_idx, nheads, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale,
     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr, HAS_FULL: tl.constexpr,
     Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IEEE_DOT: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+    IEEE_DOT: tl.constexpr,
 ):
     n0 = tl.program_id(0) * BLOCK_N
     bkv = tl.program_id(1)
+    # Head dims that fill their blocks: the masks along d fold to true (16-byte loads).
+    head_dim = BLOCK_D if EVEN_D else head_dim
+    head_dim_v = BLOCK_DV if EVEN_DV else head_dim_v
     nheads_k = nheads // group_size
     b = bkv // nheads_k
     kvh = bkv % nheads_k
@@ -326,23 +338,30 @@ class FlexLaunch:
         self.deterministic = False  # the captured tensors' gradients under torch's deterministic algorithms
         self.block_d = max(16, triton.next_power_of_2(q.shape[-1]))
         self.block_dv = max(16, triton.next_power_of_2(v.shape[-1]))
+        wide = max(self.block_d, self.block_dv)
         if interpret:
-            bm, bn, warps, stages = 16, 16, 4, 1
-        else:
-            wide = max(self.block_d, self.block_dv)
-            bm, bn = (128, 64) if wide <= 128 else (64, 32)
-            warps, stages = (8 if bm == 128 else 4), (3 if wide <= 64 else 2)
-        self.block_m = int(options.get("BLOCK_M", bm))
-        self.block_n = int(options.get("BLOCK_N", bn))
-        self.num_warps = int(options.get("num_warps", warps))
-        self.num_stages = int(options.get("num_stages", stages))
+            fwd, bwd = (16, 16, 4, 1), (16, 16, 4, 1)
+        else:  # (BLOCK_M, BLOCK_N, warps, stages), after the Triton tables' sm90 entries (configs.py)
+            fwd = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 128, 8, 3),
+                   256: (128, 64, 8, 2)}.get(wide, (64, 32, 8, 2))
+            bwd = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2),
+                   256: (64, 64, 8, 2)}.get(wide, (32, 16, 8, 1))
+        self.block_m = int(options.get("BLOCK_M", fwd[0]))
+        self.block_n = int(options.get("BLOCK_N", fwd[1]))
+        self.num_warps = int(options.get("num_warps", fwd[2]))
+        self.num_stages = int(options.get("num_stages", fwd[3]))
+        self.bwd_block_m, self.bwd_block_n, self.bwd_warps, self.bwd_stages = bwd
         if sparsity is not None:
             # Kernel tiles divide the mask's blocks.
             self.block_m = min(self.block_m, sparsity.q_block)
             self.block_n = min(self.block_n, sparsity.kv_block)
+            self.bwd_block_m = min(self.bwd_block_m, sparsity.q_block)
+            self.bwd_block_n = min(self.bwd_block_n, sparsity.kv_block)
             if sparsity.q_block % self.block_m or sparsity.kv_block % self.block_n:
                 raise ValueError(f"kernel_options BLOCK_M/BLOCK_N ({self.block_m}, {self.block_n}) must divide the "
                                  f"block mask's BLOCK_SIZE ({sparsity.q_block}, {sparsity.kv_block})")
+        self.even_d = self.block_d == q.shape[-1]
+        self.even_dv = self.block_dv == v.shape[-1]
         self.ieee = q.dtype == torch.float32
         self.dummy = torch.empty(1, dtype=torch.int32, device=q.device)
         self.score_args = score.args(q.device) if score is not None else (self.dummy,)
@@ -364,7 +383,7 @@ class FlexLaunch:
             fnum, fidx = self.dummy, self.dummy
         return num, idx, fnum, fidx, num_sb, num_sh, idx.shape[-1]
 
-    def constexprs(self, block_m: int, block_n: int) -> dict:
+    def constexprs(self, block_m: int, block_n: int, backward: bool = False) -> dict:
         sp = self.sparsity
         return dict(SCORE_MOD=None if self.score is None else self.score.fn,
                     MASK_MOD=None if self.mask is None else self.mask.fn,
@@ -372,7 +391,9 @@ class FlexLaunch:
                     Q_BLOCK=sp.q_block if sp is not None else block_m,
                     KV_BLOCK=sp.kv_block if sp is not None else block_n,
                     BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
-                    IEEE_DOT=self.ieee, num_warps=self.num_warps, num_stages=self.num_stages)
+                    EVEN_D=self.even_d, EVEN_DV=self.even_dv, IEEE_DOT=self.ieee,
+                    num_warps=self.bwd_warps if backward else self.num_warps,
+                    num_stages=self.bwd_stages if backward else self.num_stages)
 
 
 def forward(q, k, v, launch: FlexLaunch):
@@ -411,17 +432,17 @@ def backward(dout, q, k, v, out, lse, dlse, launch: FlexLaunch):
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     delta, _ = preprocess(out, dout, dlse, None, (), -1, -1, seqlen_k)
     num, idx, fnum, fidx, num_sb, num_sh, n_idx = launch.lists(False)
-    grid = (triton.cdiv(seqlen_q, launch.block_m), batch * nheads)
+    grid = (triton.cdiv(seqlen_q, launch.bwd_block_m), batch * nheads)
     flex_dq_kernel[grid](
         q, k, v, dout, dq, lse, delta, num, idx, fnum, fidx, launch.score_args, launch.mask_args,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1),
         num_sb, num_sh, n_idx, nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, head_dim_v, launch.scale,
-        **launch.constexprs(launch.block_m, launch.block_n))
+        **launch.constexprs(launch.bwd_block_m, launch.bwd_block_n, backward=True))
     num, idx, fnum, fidx, num_sb, num_sh, n_idx = launch.lists(True)
     # The dK/dV kernel's tiles: BLOCK_N keys by BLOCK_M queries, the same tile sizes.
-    grid = (triton.cdiv(seqlen_k, launch.block_n), batch * nheads_k)
+    grid = (triton.cdiv(seqlen_k, launch.bwd_block_n), batch * nheads_k)
     flex_dkdv_kernel[grid](
         q, k, v, dout, dk, dv, lse, delta, num, idx, fnum, fidx, launch.score_args, launch.mask_args,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -429,5 +450,5 @@ def backward(dout, q, k, v, out, lse, dlse, launch: FlexLaunch):
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1),
         num_sb, num_sh, n_idx, nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, head_dim_v, launch.scale,
-        **launch.constexprs(launch.block_m, launch.block_n))
+        **launch.constexprs(launch.bwd_block_m, launch.bwd_block_n, backward=True))
     return dq, dk, dv, delta
