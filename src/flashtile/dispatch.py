@@ -148,4 +148,42 @@ def flex(query, key, value, score_mod, call) -> tuple[torch.Tensor, torch.Tensor
 
         return twin_flex.forward(query, key, value, score_mod, call.sparsity, call.scale)
     deterministic = call.deterministic or torch.are_deterministic_algorithms_enabled()
+    builtin = flex_builtin(query, key, score_mod, call)
+    if builtin is not None:
+        problem, alibi = builtin
+        return attention(query, key, value, problem, alibi)
     return autograd.flex(query, key, value, score_mod, call.sparsity, call.scale, deterministic, call.options)
+
+
+def flex_builtin(query, key, score_mod, call):
+    """(Problem, ALiBi slopes or None) of a flex call that flashtile's built-in kernels compute
+    exactly, else None: ready-made mods alone (``api/mods.py``'s ``flashtile_builtin``: a
+    causal or sliding-window mask_mod, an ALiBi or softcap score_mod), a block mask built
+    by ``flashtile.create_block_mask`` from that mask_mod (its blocks agree with it), the
+    top-left diagonal of torch's q_idx/kv_idx. The built-in kernels (the Gluon ones on
+    Hopper where they take the call) are faster than the flex kernels for the same
+    attention."""
+    from flashtile.problem.window import effective_window
+
+    sp = call.sparsity
+    left, right, softcap, alibi = -1, -1, 0.0, None
+    if sp is not None:
+        mask_info = getattr(sp.mask_mod, "flashtile_builtin", None)
+        if not sp.exact or mask_info is None:
+            return None
+        left, right = mask_info["window"]
+    if score_mod is not None:
+        info = getattr(score_mod, "flashtile_builtin", None)
+        if info is None:
+            return None
+        softcap = info.get("softcap", 0.0)
+        slopes = info.get("alibi")
+        if slopes is not None:
+            nheads = query.shape[1]
+            if (slopes.dtype != torch.float32 or tuple(slopes.shape) != (nheads,) or slopes.device != query.device
+                    or (slopes.requires_grad and torch.is_grad_enabled())):
+                return None
+            alibi = slopes.unsqueeze(0).expand(query.shape[0], nheads)
+    seqlen_q, seqlen_k = query.shape[2], key.shape[2]
+    left, right = effective_window(left, right, seqlen_q, seqlen_k, 0)
+    return Problem(call.scale, 0, left, right, softcap, 0.0, call.deterministic), alibi

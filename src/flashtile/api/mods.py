@@ -21,7 +21,10 @@ Score functions (``score_mod(score, b, h, q_idx, kv_idx) -> score``):
 
 Every one is written with the torch ops the kernels' translator takes
 (``backends/triton/modgen.py``), so they run on the twin, on torch's flex_attention and on
-flashtile's kernels alike.
+flashtile's kernels alike. Those with a built-in equivalent (causal, sliding_window,
+alibi, softcap) carry it as ``flashtile_builtin``: a flex call made of them alone, with a
+block mask from ``flashtile.create_block_mask``, runs flashtile's built-in kernels (the
+same attention; ``dispatch.flex_builtin``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,9 @@ def causal(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx
 
 
+causal.flashtile_builtin = {"window": (-1, 0)}
+
+
 def sliding_window(left: int, right: int = 0) -> Callable:
     """Query i sees keys j with i - left <= j <= i + right (right=0: causal)."""
     if left < 0 or right < 0:
@@ -47,6 +53,7 @@ def sliding_window(left: int, right: int = 0) -> Callable:
     def sliding_window_mask(b, h, q_idx, kv_idx):
         return (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
 
+    sliding_window_mask.flashtile_builtin = {"window": (left, right)}
     return sliding_window_mask
 
 
@@ -122,6 +129,7 @@ def alibi(slopes: torch.Tensor) -> Callable:
     def alibi_score(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx - kv_idx).abs()
 
+    alibi_score.flashtile_builtin = {"alibi": slopes}
     return alibi_score
 
 
@@ -133,6 +141,7 @@ def softcap(cap: float) -> Callable:
     def softcap_score(score, b, h, q_idx, kv_idx):
         return cap * torch.tanh(score / cap)
 
+    softcap_score.flashtile_builtin = {"softcap": float(cap)}
     return softcap_score
 
 

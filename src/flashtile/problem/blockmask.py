@@ -35,6 +35,8 @@ class Sparsity(NamedTuple):
     ``q_num``/``q_idx``/``full_q_num``/``full_q_idx``: the same lists transposed (for each
     key block, the query blocks that visit it): the backward's dK/dV walks them.
     ``mask_mod``: evaluated on partial blocks (None: a partial block hides nothing).
+    ``exact``: the lists are exactly ``mask_mod``'s (built by ``create_block_mask`` here),
+    so the element mask alone says what is visible (``dispatch.flex_builtin``).
     """
 
     q_block: int
@@ -49,6 +51,7 @@ class Sparsity(NamedTuple):
     full_q_num: Optional[torch.Tensor]
     full_q_idx: Optional[torch.Tensor]
     mask_mod: Optional[Callable]
+    exact: bool = False
 
     @property
     def batch(self) -> int:
@@ -156,8 +159,11 @@ def create_block_mask(mask_mod: Callable, B: Optional[int], H: Optional[int], Q_
     partial = torch.cat(any_blocks, dim=2) & ~full
     kv_num, kv_idx = _lists(partial)
     full_num, full_idx = _lists(full)
-    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(q_block, kv_block),
-                                    mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
+    block_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(q_block, kv_block),
+                                          mask_mod=mask_mod, seq_lengths=(Q_LEN, KV_LEN))
+    # Its blocks agree with mask_mod exactly (``Sparsity.exact``): a copy or a change drops it.
+    block_mask._flashtile_exact = (mask_mod, kv_num.data_ptr())
+    return block_mask
 
 
 def _lists(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -205,4 +211,5 @@ def sparsity(block_mask, batch: int, nheads: int, seqlen_q: int, seqlen_k: int, 
     return Sparsity(int(q_block), int(kv_block), lengths, i32(kv_num), i32(block_mask.kv_indices),
                     i32(block_mask.full_kv_num_blocks), i32(block_mask.full_kv_indices),
                     i32(block_mask.q_num_blocks), i32(block_mask.q_indices), i32(block_mask.full_q_num_blocks),
-                    i32(block_mask.full_q_indices), block_mask.mask_mod)
+                    i32(block_mask.full_q_indices), block_mask.mask_mod,
+                    getattr(block_mask, "_flashtile_exact", None) == (block_mask.mask_mod, kv_num.data_ptr()))

@@ -115,6 +115,10 @@ def explain_flex(score_mod=None, mask_mod=None, *, device: str = "cuda", capabil
     else:
         choice = registry.flex(tuple(capability))
         lines = [f"forward and backward: {choice.description}"] + [f"  - {r}" for r in choice.why]
+    if all(getattr(fn, "flashtile_builtin", None) is not None for fn in (score_mod, mask_mod) if fn is not None):
+        lines.append("  - ready-made mods with a built-in equivalent: with a block mask from "
+                     "flashtile.create_block_mask, the call runs the built-in kernels instead (the same attention; "
+                     "`flashtile explain --causal/--window/--alibi/--softcap` shows which)")
     for kind, fn in (("score", score_mod), ("mask", mask_mod)):
         if fn is None:
             continue
