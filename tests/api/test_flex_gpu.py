@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_block_mask
 
 import flashtile
 from flashtile.api import mods
@@ -80,7 +81,8 @@ def _base(q, k, v, score_mod, state_sp, scale):
     return p @ vd
 
 
-def _check(name, dtype, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim, head_dim_v, block=128):
+def _check(name, dtype, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim, head_dim_v, block=128,
+           builtin=False):
     device = "cuda"
     g = torch.Generator(device="cpu").manual_seed(11)
     q = torch.randn(batch, nheads, seqlen_q, head_dim, generator=g).to(device, dtype)
@@ -90,8 +92,11 @@ def _check(name, dtype, batch, nheads, nheads_k, seqlen_q, seqlen_k, head_dim, h
     score_mod, mask_mod = _mods(name, batch, nheads, seqlen_q, seqlen_k, device)
     bm = None
     if mask_mod is not None:
-        bm = flashtile.create_block_mask(mask_mod, batch if name == "prefix" else None, None, seqlen_q, seqlen_k,
-                                         device=device, BLOCK_SIZE=block)
+        # torch's builder: the flex kernels run (flashtile's would send ready-made mods to the
+        # built-in kernels, tested by test_ready_made_mods_take_the_builtin_kernels).
+        make = flashtile.create_block_mask if builtin else create_block_mask
+        bm = make(mask_mod, batch if name == "prefix" else None, None, seqlen_q, seqlen_k, device=device,
+                  BLOCK_SIZE=block)
     sp = read_sparsity(bm, batch, nheads, seqlen_q, seqlen_k, device)
     scale = head_dim ** -0.5
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -124,11 +129,48 @@ def test_shapes(head_dim, head_dim_v, seqs):
     _check("alibi", torch.bfloat16, 1, 4, 4, *seqs, head_dim, head_dim_v, block=64)
 
 
+@pytest.mark.parametrize("name", ["causal", "window", "alibi", "softcap"])
+def test_ready_made_mods_take_the_builtin_kernels(name, monkeypatch):
+    from flashtile import dispatch
+
+    calls = []
+    original = dispatch.attention
+    monkeypatch.setattr(dispatch, "attention", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    _check(name, torch.bfloat16, 2, 4, 2, 1000, 1300, 128, 128, builtin=True)
+    assert calls
+
+
+def test_learned_bias_gradients():
+    g = torch.Generator(device="cpu").manual_seed(5)
+    q, k, v = (torch.randn(2, 4, 700, 64, generator=g).cuda().bfloat16().requires_grad_(True) for _ in range(3))
+    table = (torch.randn(4, 1399, generator=g) * 0.1).cuda().requires_grad_(True)
+    bias = (torch.randn(700, 700, generator=g) * 0.1).cuda().requires_grad_(True)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 699] + bias[q_idx, kv_idx]
+
+    bm = create_block_mask(mods.causal, None, None, 700, 700, device="cuda")
+    out = flashtile.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
+                                   kernel_options={"deterministic": True})
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, table, bias), dout)
+    ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref, _ = twin.forward(*ref_in, score_mod, read_sparsity(bm, 2, 4, 700, 700, "cuda"), 64 ** -0.5)
+    want = torch.autograd.grad(ref, ref_in + [table, bias], dout.double())
+    for name, a, b in zip(("dq", "dk", "dv", "dtable", "dbias"), got, want):
+        err = (a.double() - b.double()).abs().max().item()
+        assert err <= 0.05 * b.abs().max().item() + 1e-3, (name, err)
+    again = torch.autograd.grad(flashtile.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm,
+                                                         kernel_options={"deterministic": True}),
+                                (table, bias), dout)
+    assert torch.equal(again[0], got[3]) and torch.equal(again[1], got[4])
+
+
 def test_deterministic_reruns_are_bitwise_equal():
     g = torch.Generator(device="cpu").manual_seed(3)
     q, k, v = (torch.randn(2, 8, 1500, 128, generator=g).cuda().bfloat16() for _ in range(3))
     dout = torch.randn_like(q)
-    bm = flashtile.create_block_mask(mods.causal, None, None, 1500, 1500, device="cuda")
+    bm = create_block_mask(mods.causal, None, None, 1500, 1500, device="cuda")
 
     def grads():
         leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
@@ -154,7 +196,7 @@ def test_one_compile_per_mod():
         q = torch.randn(batch, 4, seqlen_q, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         k = torch.randn(batch, 4, seqlen_k, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
         v = torch.randn(batch, 4, seqlen_k, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-        bm = flashtile.create_block_mask(mods.causal, None, None, seqlen_q, seqlen_k, device="cuda")
+        bm = create_block_mask(mods.causal, None, None, seqlen_q, seqlen_k, device="cuda")
         out = flashtile.flex_attention(q, k, v, score_mod=score_mod, block_mask=bm)
         out.sum().backward()
         torch.cuda.synchronize()

@@ -22,7 +22,7 @@ from pathlib import Path
 from flashtile.tools.bench.common import HIDDEN, TOKENS, RowWriter, compiled_flex, reason, run_info
 
 PATTERNS = ("causal", "window", "document", "prefix", "alibi", "softcap", "relbias")
-IMPLS = ("torch-flex", "flashtile-flex", "flashtile-builtin", "sdpa-cudnn-mask")  # torch-flex first: the ratios' base
+IMPLS = ("torch-flex", "flashtile-flex", "flashtile-flex-ready", "flashtile-builtin", "sdpa-cudnn-mask")  # torch-flex first: the ratios' base
 
 
 def _pattern(name: str, batch: int, nheads: int, seqlen: int, device):
@@ -101,7 +101,12 @@ def main(argv=None) -> int:
             for seqlen in seqlens:
                 batch = 1 if pattern == "document" else max(1, TOKENS // seqlen)
                 score_mod, mask_mod, builtin = _pattern(pattern, batch, nheads, seqlen, device)
-                block_mask = flashtile.create_block_mask(mask_mod, None, None, seqlen, seqlen, device=device)
+                from torch.nn.attention.flex_attention import create_block_mask
+
+                # torch's builder for both Flex calls: flashtile runs its flex kernels on it. flashtile's
+                # builder ("flashtile-flex-ready") sends ready-made mods to the built-in kernels.
+                block_mask = create_block_mask(mask_mod, None, None, seqlen, seqlen, device=device)
+                ready_mask = flashtile.create_block_mask(mask_mod, None, None, seqlen, seqlen, device=device)
                 density = _density(block_mask)
                 q, k, v = (torch.randn(batch, nheads, seqlen, headdim, device=device, dtype=dtype) for _ in range(3))
                 dout = torch.randn_like(q)
@@ -112,6 +117,9 @@ def main(argv=None) -> int:
                                                                                block_mask=block_mask),
                     "torch-flex": lambda q, k, v: torch_flex(q, k, v, score_mod=score_mod, block_mask=block_mask),
                 }
+                if getattr(mask_mod, "flashtile_builtin", None) and getattr(score_mod, "flashtile_builtin", True):
+                    calls["flashtile-flex-ready"] = lambda q, k, v: flashtile.flex_attention(
+                        q, k, v, score_mod=score_mod, block_mask=ready_mask)
                 if builtin is not None:
                     if "cu_seqlens" in builtin:
                         kw = dict(builtin)
