@@ -9,9 +9,11 @@
 - flashtile.create_block_mask against torch's: the same block lists.
 - The twin's gradients: float64 gradcheck in q, k, v and in learned biases a score_mod
   captures (torch's flex_attention has no CPU backward); rows that see no key.
-- The Triton kernels under TRITON_INTERPRET=1 against the twin in float64: out, LSE and
-  dq, dk, dv with a loss on the LSE too (NaN-poisoned buffers); mods the translator refuses;
-  the translation cache.
+- The kernels under TRITON_INTERPRET=1 against the twin in float64: out, LSE and dq, dk,
+  dv with a loss on the LSE too (NaN-poisoned buffers), on both routes a call can take (the
+  flex kernels with translated mods; the built-in kernels for the ready-made causal /
+  sliding_window / alibi / softcap with flashtile's block mask); learned biases' gradients;
+  mods the translator refuses; the translation cache.
 - Bad arguments refused before anything runs, naming the argument.
 """
 
@@ -47,6 +49,11 @@ def _doc_ids(*lengths: int) -> torch.Tensor:
 DOCS = _doc_ids(40, 1, 59, 30)  # 130 tokens, a one-token document among them
 DOCS_PER_BATCH = torch.stack([DOCS, _doc_ids(10, 100, 20)])
 WINDOWS = torch.tensor([2, 9, 33, 1000])  # one window per query head
+
+
+def neg_inf_score(score, b, h, q_idx, kv_idx):
+    """Masking by the score: -inf off a causal band, and everywhere in rows 0..2."""
+    return torch.where((q_idx >= 3) & (q_idx >= kv_idx) & (q_idx - kv_idx < 50), score, -float("inf"))
 
 
 def per_head_window(b, h, q_idx, kv_idx):
@@ -106,8 +113,8 @@ class FlexCase:
 
 
 SLOPES2 = torch.tensor([0.5, 0.125])
-LSE = torch_flex.AuxRequest(lse=True)  # torch's form (return_lse is deprecated there)
 SLOPES4 = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+LSE = torch_flex.AuxRequest(lse=True)  # torch's form (return_lse is deprecated there)
 
 CASES = [
     FlexCase("plain"),
@@ -128,6 +135,8 @@ CASES = [
     FlexCase("softcap", mask=mods.sliding_window(40, 40), score=mods.softcap(2.0), scale=1.0, block_size=16),
     FlexCase("relative_bias", 17, 70, score=mods.relative_bias(_drawn(2, 17 + 70 - 1, seed=10), 70)),
     FlexCase("bias", 70, 40, score=mods.bias(_drawn(70, 40, seed=11, scale=2.0)), mask=mods.causal),
+    FlexCase("score-neg-inf", score=neg_inf_score),
+    FlexCase("score-neg-inf-and-mask", 70, 90, score=neg_inf_score, mask=mods.document(DOCS[:90]), block_size=16),
     FlexCase("gqa", mask=mods.causal, score=mods.alibi(SLOPES4), nheads=4, nheads_k=2, block_size=16),
     FlexCase("mqa-per-head", mask=per_head_window, nheads=4, nheads_k=1, mask_heads=4, block_size=16),
     FlexCase("e32-ev16", mask=mods.document(DOCS), head_dim=32, head_dim_v=16, block_size=32),
@@ -290,7 +299,7 @@ def _dense64(q, k, v, score_mod, mask_mod, scale):
 
 
 def test_twin_lse_gradient_against_a_dense_reference():
-    """The LSE (float32 even from float64 inputs) is differentiable: a loss on out and LSE
+    """The LSE (float64 from float64 inputs) is differentiable: a loss on out and LSE
     gives the gradients of plain dense float64 attention (every row sees a key)."""
     sq, sk = 21, 37
     mask, score = mods.and_masks(mods.sliding_window(9, 2), every_other), mods.alibi(SLOPES4.double())
@@ -347,24 +356,64 @@ def poison_flex_outputs(monkeypatch):
     yield
 
 
+@pytest.fixture
+def routes(monkeypatch):
+    """Which kernels each flex call ran: "builtin" (flashtile's attention kernels, for the
+    ready-made mods with a flashtile block mask: ``dispatch.flex_builtin``) or "flex"."""
+    from flashtile import dispatch
+
+    taken = []
+    original = dispatch.flex_builtin
+
+    def recording(*args):
+        found = original(*args)
+        taken.append("flex" if found is None else "builtin")
+        return found
+
+    monkeypatch.setattr(dispatch, "flex_builtin", recording)
+    return taken
+
+
+def triangle(b, h, q_idx, kv_idx):
+    """mods.causal, written out: no built-in equivalent attached."""
+    return q_idx >= kv_idx
+
+
+def slope_bias(score, b, h, q_idx, kv_idx):
+    """mods.alibi(SLOPES2), written out."""
+    return score - SLOPES2[h] * (q_idx - kv_idx).abs()
+
+
+# (case, block mask maker, the kernels that run it)
 KERNEL_CASES = [
-    (FlexCase("plain", 64, 64, batch=1), "flashtile"),
-    (FlexCase("causal-alibi", mask=mods.causal, score=mods.alibi(SLOPES2), batch=1), "flashtile"),
+    (FlexCase("plain", 64, 64, batch=1, score=lambda score, b, h, q_idx, kv_idx: score), "flashtile", "flex"),
+    (FlexCase("causal-alibi", mask=mods.causal, score=mods.alibi(SLOPES2), batch=1), "torch", "flex"),
+    (FlexCase("causal-alibi-hand", 70, 70, mask=triangle, score=slope_bias, batch=1, block_size=32), "flashtile",
+     "flex"),
     (FlexCase("document-gqa", 96, 96, mask=mods.document(DOCS_PER_BATCH[:, :96]), mask_batch=2, nheads=4,
-              nheads_k=2, block_size=32), "torch"),
+              nheads_k=2, block_size=32), "torch", "flex"),
     (FlexCase("prefix-softcap-ragged", 17, 70, mask=mods.prefix_lm(5), score=mods.softcap(2.0), scale=1.0,
-              head_dim=32, head_dim_v=16, block_size=16), "flashtile"),
+              head_dim=32, head_dim_v=16, block_size=16), "flashtile", "flex"),
     (FlexCase("per-head-gqa", 80, 80, mask=per_head_window, nheads=4, nheads_k=2, mask_heads=4, batch=1,
-              block_size=16), "torch"),
+              block_size=16), "flashtile", "flex"),
+    (FlexCase("rows-masked", 17, 40, mask=rows_from_5, batch=1, block_size=16), "flashtile", "flex"),
+    # the ready-made mods with flashtile's block mask: the built-in kernels, top-left diagonal
+    (FlexCase("builtin-causal-alibi-17x70", 17, 70, mask=mods.causal, score=mods.alibi(SLOPES2), batch=1,
+              block_size=16), "flashtile", "builtin"),
+    (FlexCase("builtin-window-softcap-70x17", 70, 17, mask=mods.sliding_window(5, 3), score=mods.softcap(2.0),
+              scale=1.0, head_dim=32, head_dim_v=16, batch=1, block_size=16), "flashtile", "builtin"),
+    (FlexCase("builtin-alibi-gqa-70x40", 70, 40, score=mods.alibi(SLOPES4), nheads=4, nheads_k=2, batch=1), None,
+     "builtin"),
 ]
 
 
-@pytest.mark.parametrize("case,maker", KERNEL_CASES, ids=[c.id for c, _ in KERNEL_CASES])
-def test_kernels_against_the_twin_in_float64(triton_backend, poison_flex_outputs, case, maker):
+@pytest.mark.parametrize("case,maker,route", KERNEL_CASES, ids=[c.id for c, _, _ in KERNEL_CASES])
+def test_kernels_against_the_twin_in_float64(triton_backend, poison_flex_outputs, routes, case, maker, route):
     q, k, v = case.inputs(seed=len(case.id) + 100)
-    block_mask = case.block_mask(maker)
+    block_mask = case.block_mask(maker) if maker else None
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out, lse = flashtile.flex_attention(*leaves, block_mask=block_mask, return_lse=True, **case.kwargs)
+    assert routes == [route]
     sp = read_sparsity(block_mask, case.batch, case.nheads, case.seqlen_q, case.seqlen_k, "cpu")
     ref_leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
     want_out, want_lse = twin_flex.forward(*ref_leaves, case.score, sp, case.softmax_scale)
@@ -381,6 +430,18 @@ def test_kernels_against_the_twin_in_float64(triton_backend, poison_flex_outputs
     want = torch.autograd.grad(loss(want_out, want_lse), ref_leaves)
     for name, a, b in zip(("dq", "dk", "dv"), got, want):
         torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4, msg=name)
+
+
+def zero_rows_score(score, b, h, q_idx, kv_idx):
+    return torch.where(q_idx < 3, 0.0, score)
+
+
+@pytest.mark.parametrize("score", [neg_inf_score, zero_rows_score], ids=["neg-inf", "zero"])
+def test_kernels_take_a_python_scalar_in_where(triton_backend, poison_flex_outputs, score):
+    q, k, v = FlexCase("where", 40, 40, batch=1).inputs(seed=21)
+    out, lse = flashtile.flex_attention(q, k, v, score_mod=score, return_lse=True)
+    want_out, want_lse = twin_flex.forward(q.double(), k.double(), v.double(), score, None, 0.25)
+    assert_out_and_lse(out, lse, want_out, want_lse, atol=1e-4, rtol=1e-4)
 
 
 def erf_score(score, b, h, q_idx, kv_idx):
@@ -421,21 +482,24 @@ def test_untranslatable_mods_are_refused(triton_backend, score, mask, match):
     assert isinstance(err.value, NotImplementedError)
 
 
-@pytest.mark.parametrize("kind", ["bias", "relative_bias"])
-def test_kernels_differentiate_a_learned_bias(triton_backend, poison_flex_outputs, kind):
+@pytest.mark.parametrize("kind", ["bias", "relative_bias", "alibi_slopes"])
+def test_kernels_differentiate_a_learned_bias(triton_backend, poison_flex_outputs, routes, kind):
     """A captured tensor that requires grad (a learned bias) gets its gradient on the kernel
     path too, the LSE's included: against the twin in float64. Entries that only masked
     elements read get none."""
     sq, sk = 24, 40
     case = FlexCase(kind, sq, sk, batch=2, nheads=2, nheads_k=1)
     q, k, v = case.inputs(seed=17)
-    shape = (sq, sk) if kind == "bias" else (2, sq + sk - 1)
-    table = _drawn(*shape, seed=18)
+    shape = {"bias": (sq, sk), "relative_bias": (2, sq + sk - 1), "alibi_slopes": (2,)}[kind]
+    table = _drawn(*shape, seed=18).abs()
 
     def mod(t):
-        return mods.bias(t) if kind == "bias" else mods.relative_bias(t, sk)
+        return {"bias": mods.bias, "alibi_slopes": mods.alibi}.get(kind, lambda t: mods.relative_bias(t, sk))(t)
 
-    block_mask = flashtile.create_block_mask(mods.prefix_lm(3), None, None, sq, sk, device="cpu", BLOCK_SIZE=16)
+    # learned slopes: causal with flashtile's block mask would run the built-in kernels, which
+    # take no slope gradient: the flex kernels run it
+    mask = mods.causal if kind == "alibi_slopes" else mods.prefix_lm(3)
+    block_mask = flashtile.create_block_mask(mask, None, None, sq, sk, device="cpu", BLOCK_SIZE=16)
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v, table)]
     out, lse = flashtile.flex_attention(*leaves[:3], score_mod=mod(leaves[3]), block_mask=block_mask,
                                         enable_gqa=True, return_lse=True)
@@ -447,6 +511,7 @@ def test_kernels_differentiate_a_learned_bias(triton_backend, poison_flex_output
     dout, dlse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
     got = torch.autograd.grad((out * dout).sum() + (lse * dlse).sum(), leaves)
     want = torch.autograd.grad((want_out * dout).sum() + (want_lse * dlse).sum(), ref_leaves)
+    assert routes == ["flex"]
     for name, a, b in zip(("dq", "dk", "dv", "dtable"), got, want):
         torch.testing.assert_close(a.double(), b, atol=1e-4, rtol=1e-4, msg=name)
     if kind == "bias":
@@ -491,11 +556,15 @@ def _twin(q, k, v, score_mod, block_mask=None):
 
 def test_the_translation_is_cached(triton_backend, traces):
     q, k, v = FlexCase("cache", 33, 33, batch=1).inputs(seed=14)
-    score = mods.alibi(SLOPES2.clone())
-    block_mask = flashtile.create_block_mask(mods.sliding_window(5), None, None, 33, 33, device="cpu", BLOCK_SIZE=16)
+    score = mods.relative_bias(_drawn(2, 65, seed=20), 33)
+
+    def band(b, h, q_idx, kv_idx):  # a fresh function: no translation cached for it yet
+        return (q_idx - kv_idx).abs() <= 5
+
+    block_mask = flashtile.create_block_mask(band, None, None, 33, 33, device="cpu", BLOCK_SIZE=16)
     first = flashtile.flex_attention(q, k, v, score_mod=score, block_mask=block_mask)
     second = flashtile.flex_attention(q, k, v, score_mod=score, block_mask=block_mask)
-    assert traces == {"alibi_score": 1, "sliding_window_mask": 1}
+    assert traces == {"relative_bias_score": 1, "band": 1}
     assert torch.equal(first, second)
     torch.testing.assert_close(first.double(), _twin(q, k, v, score, block_mask), atol=1e-4, rtol=1e-4)
 
@@ -632,3 +701,25 @@ def test_return_lse_with_return_aux():
         flashtile.flex_attention(q, q, q, score_mod=score, return_lse=True,
                                  return_aux=torch_flex.AuxRequest(lse=True))
     assert score.calls == 0
+
+
+def test_max_scores_and_a_mask_mod_that_is_not_bool():
+    q, score = torch.randn(1, 2, 20, 16), Recorder()
+    with pytest.raises(NotImplementedError, match=r"max_scores"):
+        flashtile.flex_attention(q, q, q, score_mod=score, return_aux=torch_flex.AuxRequest(lse=True, max_scores=True))
+    assert score.calls == 0
+    with pytest.raises(TypeError, match=r"mask_mod must return a bool tensor, got torch.int64"):
+        flashtile.create_block_mask(lambda b, h, q_idx, kv_idx: q_idx - kv_idx, None, None, 20, 20, device="cpu")
+
+
+def test_a_direct_index_past_a_captured_tensor_is_refused(triton_backend):
+    """slopes[h] with fewer slopes than heads: torch raises an IndexError, so do the kernels
+    (before the launch), instead of reading 0 through their masked loads."""
+    slopes = torch.rand(2)
+
+    def short_alibi(score, b, h, q_idx, kv_idx):
+        return score - slopes[h] * (q_idx - kv_idx).abs()
+
+    q = torch.randn(1, 4, 20, 16)
+    with pytest.raises(IndexError, match="short_alibi.*by h"):
+        flashtile.flex_attention(q, q, q, score_mod=short_alibi)

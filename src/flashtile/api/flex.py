@@ -34,7 +34,7 @@ def flex_attention(
     """Attention with a user-defined score function and block-sparse mask (torch's FlexAttention).
 
     Args:
-        query: (B, Hq, L, E); float16/bfloat16/float32 (float64 too on CPU tensors).
+        query: (B, Hq, L, E); float16/bfloat16/float32.
         key: (B, Hkv, S, E); value: (B, Hkv, S, Ev), Ev may differ from E (E, Ev <= 512).
             Hq == Hkv, or a multiple of it with ``enable_gqa=True`` (query head h reads
             key/value head h // (Hq // Hkv)).

@@ -362,6 +362,10 @@ class FlexLaunch:
                                  f"block mask's BLOCK_SIZE ({sparsity.q_block}, {sparsity.kv_block})")
         self.even_d = self.block_d == q.shape[-1]
         self.even_dv = self.block_dv == v.shape[-1]
+        extents = {"b": q.shape[0], "h": q.shape[1], "q_idx": q.shape[2], "kv_idx": k.shape[2]}
+        for mod in (score, mask):
+            if mod is not None:
+                mod.check_bounds(extents)
         self.ieee = q.dtype == torch.float32
         self.dummy = torch.empty(1, dtype=torch.int32, device=q.device)
         self.score_args = score.args(q.device) if score is not None else (self.dummy,)

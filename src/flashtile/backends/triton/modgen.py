@@ -11,8 +11,11 @@ bias, a relative-position table, document ids) become pointer arguments, with th
 and strides in a small int64 tensor (``meta``), so that new values, or new shapes, never
 recompile the kernel; a load is masked to the tensor's bounds (padded rows and columns
 past the sequence read index 0 instead of faulting) and negative indices wrap as in
-torch. A score function's translation also returns d score_mod / d score, by forward-mode
-differentiation of the same lines: the backward's chain rule.
+torch. A tensor indexed by b, h, q_idx or kv_idx itself is checked against the call's
+extents before the launch (an IndexError, as torch raises); an index computed out of a
+tensor's bounds otherwise reads 0 where torch would raise. A score function's translation
+also returns d score_mod / d score, by forward-mode differentiation of the same lines: the
+backward's chain rule.
 
 Translated (aten ops)::
 
@@ -71,7 +74,19 @@ class Translated:
     captured: tuple
     uses_score: bool = True
     guard: tuple = ()
+    direct: tuple = ()  # (captured tensor, its dim, "b" | "h" | "q_idx" | "kv_idx"): indexed by an index itself
     _meta: dict = field(default_factory=dict)
+
+    def check_bounds(self, extents: dict) -> None:
+        """A captured tensor indexed directly by b, h, q_idx or kv_idx must cover the call's
+        extent of it (``extents``: {"b": B, "h": Hq, "q_idx": L, "kv_idx": S}): torch raises
+        an IndexError there, and the kernels would read 0 (their loads are masked)."""
+        for c, dim, name in self.direct:
+            size = self.captured[c].shape[dim]
+            if size < extents[name]:
+                raise IndexError(f"{self.kind}_mod {self.name!r} indexes dim {dim} of a captured tensor of shape "
+                                 f"{tuple(self.captured[c].shape)} by {name}, which reaches {extents[name] - 1}: "
+                                 f"out of bounds (torch raises here too)")
 
     def args(self, device) -> tuple:
         """(meta, *captured): meta the int64 sizes and strides of each captured tensor."""
@@ -222,6 +237,7 @@ class _Emitter:
         self.lines: list[str] = []
         self.env: dict = {}
         self.captured: list = []
+        self.direct: list = []
         self.n = 0
 
     # helpers
@@ -282,6 +298,14 @@ class _Emitter:
         tl_dtype = _TL_DTYPES.get(dtype)
         if tl_dtype is None:
             self.refuse(f"the dtype {dtype}")
+        literal = _literal(expr)
+        if literal is not None:  # a Python constant has no .to: keep it a literal of the dtype
+            if dtype == torch.bool:
+                return repr(bool(literal))
+            if dtype.is_floating_point:
+                value = float(literal)
+                return repr(value) if math.isfinite(value) else f'float("{value}")'
+            return repr(int(literal))
         return f"({expr}).to({tl_dtype})"
 
     # the walk
@@ -324,7 +348,8 @@ class _Emitter:
         source = "\n".join(["@triton.jit", head, f'    """{self.kind}_mod {self.name!r}, translated."""']
                            + self.lines) + "\n"
         fn = _compile_source(source, self.fn_name())
-        return Translated(self.kind, self.name, fn, source, tuple(self.captured), uses_score)
+        return Translated(self.kind, self.name, fn, source, tuple(self.captured), uses_score,
+                          direct=tuple(dict.fromkeys(self.direct)))
 
     def fn_name(self) -> str:
         clean = "".join(ch if ch.isalnum() else "_" for ch in self.name)
@@ -385,7 +410,8 @@ class _Emitter:
             if iv.dtype == torch.bool or iv.dtype.is_floating_point:
                 self.refuse(f"an index of dtype {iv.dtype}")
             size = self.size(ref, d)
-            if iv.expr in ("b", "h", "q_idx", "kv_idx"):  # never negative
+            if iv.expr in ("b", "h", "q_idx", "kv_idx"):  # never negative; bounds checked on the host
+                self.direct.append((ref.c, d, iv.expr))
                 wrapped = iv.expr
                 ok = self.fresh(f"({ok}) & ({wrapped} < {size})")
             else:  # torch wraps negative indices
@@ -394,6 +420,15 @@ class _Emitter:
             off = self.fresh(f"{off} + {wrapped}.to(tl.int64) * {self.stride(ref, d)}")
         var = self.fresh(f"gather(ARGS[{ref.c + 1}], {off}, {ok})")
         return _Val(self.cast(var, dtype) if dtype != self.captured[ref.c].dtype else var, dtype)
+
+
+def _literal(expr: str):
+    """The value of ``expr`` when it is a Python constant (a literal the emitter wrote), else None."""
+    try:
+        value = eval(expr, {"__builtins__": {}, "float": float, "True": True, "False": False})  # noqa: S307
+    except Exception:
+        return None
+    return value if isinstance(value, (bool, int, float)) else None
 
 
 def _compile_source(source: str, name: str):

@@ -45,7 +45,7 @@ def _visible(sparsity: Optional[Sparsity], state, b, h, rows, seqlen_k, device):
 
 def forward(q, k, v, score_mod: Optional[Callable], sparsity: Optional[Sparsity], scale: float):
     """q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev) -> (out (B, Hq, L, Ev) in q's
-    dtype, lse (B, Hq, L) float32). Differentiable in q, k, v and the mods' captured tensors."""
+    dtype, lse (B, Hq, L) float32, float64 for float64 inputs). Differentiable in q, k, v and the mods' captured tensors."""
     batch, nheads, seqlen_q, _ = q.shape
     seqlen_k = k.shape[2]
     group = nheads // k.shape[1]
@@ -78,7 +78,7 @@ def forward(q, k, v, score_mod: Optional[Callable], sparsity: Optional[Sparsity]
         outs.append(torch.matmul(e / safe, vw))
         lses.append(torch.where(empty, torch.full_like(total, float("-inf")), m + torch.log(safe)).squeeze(-1))
     out = torch.cat(outs, dim=2).to(q.dtype)
-    lse = torch.cat(lses, dim=2).float()
+    lse = torch.cat(lses, dim=2).to(torch.float64 if work == torch.float64 else torch.float32)
     return out, lse
 
 
