@@ -223,12 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_demo()
     if args.command == "explain" and (args.flex_score or args.flex_mask):
-        from flashtile.tools.explain import _example_mod, explain_flex
+        from flashtile.tools.explain import example_mod, explain_flex
 
         nheads = 16
         seqlen_k = args.seqlen_k or args.seqlen_q
-        score = args.flex_score and _example_mod(args.flex_score, args.seqlen_q, seqlen_k, nheads)
-        mask = args.flex_mask and _example_mod(args.flex_mask, args.seqlen_q, seqlen_k, nheads)
+        score = args.flex_score and example_mod(args.flex_score, args.seqlen_q, seqlen_k, nheads)
+        mask = args.flex_mask and example_mod(args.flex_mask, args.seqlen_q, seqlen_k, nheads)
         print(explain_flex(score or None, mask or None, device=args.device, capability=tuple(args.capability)))
         return 0
     if args.command == "explain":

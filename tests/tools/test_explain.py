@@ -66,3 +66,29 @@ def test_command_line_deterministic(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "Gluon one-pass" not in out and "Gluon dK/dV" in out
 
+
+
+def test_flex_shows_the_kernels_and_the_generated_source(capsys):
+    pytest.importorskip("triton")
+    assert main(["explain", "--flex-score", "relative_bias", "--flex-mask", "document"]) == 0
+    text = capsys.readouterr().out
+    assert "Triton flex kernels" in text and "the Gluon kernels take no score_mod/mask_mod" in text
+    assert "def score_mod_relative_bias_score(score, b, h, q_idx, kv_idx, ARGS):" in text
+    assert "def mask_mod_document_mask(b, h, q_idx, kv_idx, ARGS):" in text
+    assert "built-in kernels instead" not in text  # relative_bias has no built-in equivalent
+
+
+def test_flex_ready_made_mods_say_they_take_the_builtin_kernels(capsys):
+    pytest.importorskip("triton")
+    assert main(["explain", "--flex-score", "alibi", "--flex-mask", "causal"]) == 0
+    assert "the call runs the built-in kernels instead" in capsys.readouterr().out
+
+
+def test_flex_refused_mod_is_explained():
+    pytest.importorskip("triton")
+    import torch
+
+    from flashtile.tools.explain import explain_flex
+
+    text = explain_flex(lambda score, b, h, q_idx, kv_idx: torch.erf(score))
+    assert "score_mod: refused by the kernels" in text and "erf" in text

@@ -33,6 +33,8 @@ from typing import Callable
 
 import torch
 
+from flashtile.problem.validate import mod_parameter, mod_tensor
+
 __all__ = ["causal", "sliding_window", "chunked", "document", "document_from_cu_seqlens", "prefix_lm",
            "and_masks", "or_masks", "alibi", "softcap", "relative_bias", "bias"]
 
@@ -47,8 +49,8 @@ causal.flashtile_builtin = {"window": (-1, 0)}
 
 def sliding_window(left: int, right: int = 0) -> Callable:
     """Query i sees keys j with i - left <= j <= i + right (right=0: causal)."""
-    if left < 0 or right < 0:
-        raise ValueError(f"sliding_window sides must be >= 0, got ({left}, {right})")
+    mod_parameter("sliding_window's left", left, 0)
+    mod_parameter("sliding_window's right", right, 0)
 
     def sliding_window_mask(b, h, q_idx, kv_idx):
         return (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
@@ -59,8 +61,7 @@ def sliding_window(left: int, right: int = 0) -> Callable:
 
 def chunked(size: int) -> Callable:
     """Query i sees keys j of its chunk: i // size == j // size (and j <= i)."""
-    if size < 1:
-        raise ValueError(f"chunk size must be >= 1, got {size}")
+    mod_parameter("chunked's size", size, 1)
 
     def chunked_mask(b, h, q_idx, kv_idx):
         return (q_idx // size == kv_idx // size) & (q_idx >= kv_idx)
@@ -71,14 +72,13 @@ def chunked(size: int) -> Callable:
 def document(doc_ids: torch.Tensor) -> Callable:
     """Query i sees the keys of its own document: doc_ids[i] == doc_ids[j] (doc_ids (L,) or
     (B, L): one id per token of a packed sequence). Combine with ``causal`` by ``and_masks``."""
+    mod_tensor("doc_ids", doc_ids, (1, 2))
     if doc_ids.dim() == 1:
         def document_mask(b, h, q_idx, kv_idx):
             return doc_ids[q_idx] == doc_ids[kv_idx]
-    elif doc_ids.dim() == 2:
+    else:
         def document_mask(b, h, q_idx, kv_idx):
             return doc_ids[b, q_idx] == doc_ids[b, kv_idx]
-    else:
-        raise ValueError(f"doc_ids must be (L,) or (B, L), got shape {tuple(doc_ids.shape)}")
     return document_mask
 
 
@@ -135,8 +135,7 @@ def alibi(slopes: torch.Tensor) -> Callable:
 
 def softcap(cap: float) -> Callable:
     """Gemma 2's soft cap: cap * tanh(score / cap)."""
-    if cap <= 0:
-        raise ValueError(f"softcap must be > 0, got {cap}")
+    mod_parameter("softcap", cap, 0, strict=True)
 
     def softcap_score(score, b, h, q_idx, kv_idx):
         return cap * torch.tanh(score / cap)

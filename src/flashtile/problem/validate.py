@@ -527,6 +527,22 @@ TORCH_FLEX_OPTIONS = ("num_warps", "num_stages", "BLOCK_M", "BLOCK_N", "BLOCK_M1
                       "BACKEND")
 
 
+def mod_parameter(what: str, value, minimum: float, strict: bool = False) -> None:
+    """A ready-made mod's parameter (``api/mods.py``): a number >= ``minimum`` (> with ``strict``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number, got {type(value).__name__}")
+    if value < minimum or (strict and value == minimum):
+        raise ValueError(f"{what} must be {'>' if strict else '>='} {minimum}, got {value}")
+
+
+def mod_tensor(what: str, t, ndims: tuple) -> None:
+    """A tensor a ready-made mod captures: a torch.Tensor of one of ``ndims`` dimensions."""
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dim() not in ndims:
+        raise ValueError(f"{what} must have {' or '.join(map(str, ndims))} dimensions, got shape {tuple(t.shape)}")
+
+
 class FlexCall(NamedTuple):
     """A validated ``flex_attention`` call: the scale, the block sparsity
     (``problem.blockmask.Sparsity`` or None), whether the LSE is returned (and how:

@@ -86,7 +86,7 @@ FLEX_SCORES = ("alibi", "softcap", "relative_bias", "bias")
 FLEX_MASKS = ("causal", "sliding_window", "chunked", "document", "prefix_lm")
 
 
-def _example_mod(name: str, seqlen_q: int, seqlen_k: int, nheads: int):
+def example_mod(name: str, seqlen_q: int, seqlen_k: int, nheads: int):
     import torch
 
     from flashtile.api import mods

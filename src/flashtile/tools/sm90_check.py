@@ -11,6 +11,7 @@ TRITON_INTERPRET (under the interpreter ``@triton.jit`` builds no compilable fun
     python -m flashtile.tools.sm90_check --headdim 128   # one head dim of the table
     python -m flashtile.tools.sm90_check --decode   # the KV-cache kernels (backends/triton/decode.py)
     python -m flashtile.tools.sm90_check --wide     # head dims to 512, v's own head dim, MLA decode
+    python -m flashtile.tools.sm90_check --flex     # the flex kernels with translated mods
 
 Registers per thread and spill bytes come from running Triton's bundled ptxas with
 ``-v`` on the generated PTX: a kernel at the 255-register cap that spills to local
@@ -461,6 +462,65 @@ def wide_checks(head_dims=(), dtype: str = "bf16"):
         yield lambda paged=paged: compile_decode(dtype, 576, rows=128, head_dim_v=512, paged=paged)
 
 
+def compile_flex(kernel: str, dtype: str, head_dim: int, score_mod=None, mask_mod=None, head_dim_v=None,
+                 ) -> list[Compiled]:
+    """A flex kernel ("fwd", "dq" or "dkdv", ``backends/triton/flex.py``) with translated
+    mods at its default tiles (``flex.FlexLaunch``): a block mask of 128 x 128 blocks when
+    ``mask_mod`` is given."""
+    import torch
+
+    from flashtile.backends.triton import flex, modgen
+
+    head_dim_v = head_dim_v or head_dim
+    score = modgen.translate(score_mod, "score", torch.device("cpu")) if score_mod is not None else None
+    mask = modgen.translate(mask_mod, "mask", torch.device("cpu")) if mask_mod is not None else None
+    t = {"bf16": "*bf16", "fp16": "*fp16"}[dtype]
+    block_d, block_dv = max(16, 1 << (head_dim - 1).bit_length()), max(16, 1 << (head_dim_v - 1).bit_length())
+    heavy = sum(m.tile_gathers for m in (score, mask) if m is not None) > 0
+    fwd, dq, dkdv = flex.tiles(block_d, block_dv, heavy)
+    bm, bn, warps, stages = {"fwd": fwd, "dq": dq, "dkdv": dkdv}[kernel]
+    fn = {"fwd": flex.flex_fwd_kernel, "dq": flex.flex_dq_kernel, "dkdv": flex.flex_dkdv_kernel}[kernel]
+    constexprs = dict(SCORE_MOD=None if score is None else score.fn, MASK_MOD=None if mask is None else mask.fn,
+                      SPARSE=mask is not None, HAS_FULL=mask is not None, Q_BLOCK=128, KV_BLOCK=128,
+                      BLOCK_M=bm, BLOCK_N=bn, BLOCK_D=block_d, BLOCK_DV=block_dv, EVEN_D=block_d == head_dim,
+                      EVEN_DV=block_dv == head_dim_v, IEEE_DOT=False)
+
+    def args_of(mod):
+        return ("*i32",) + tuple("*" + {torch.float32: "fp32", torch.int64: "i64", torch.int32: "i32",
+                                        torch.bool: "i8", torch.bfloat16: "bf16", torch.float16: "fp16"}[c.dtype]
+                                 for c in mod.captured) if mod is not None else ("*i32",)
+
+    pointers = {n: t for n in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV")}
+    pointers.update({n: "*fp32" for n in ("Lse", "Delta")})
+    pointers.update({n: "*i32" for n in ("KvNum", "KvIdx", "QNum", "QIdx", "FullNum", "FullIdx")})
+    pointers.update(SCORE_ARGS=args_of(score), MASK_ARGS=args_of(mask))
+    sig = _signature(fn, pointers, constexprs)
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if (isinstance(sig[name], str) and sig[name].startswith("*")) or name.startswith("stride_")}
+    from triton.compiler import ASTSource
+
+    src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
+    names = "-".join(m.name for m in (score, mask) if m is not None) or "plain"
+    return [_build(f"flex-{kernel} {dtype} d{head_dim}" + (f"-{head_dim_v}" if head_dim_v != head_dim else "")
+                   + f" {names}", src, num_warps=warps, num_stages=stages)]
+
+
+def flex_checks(head_dims=(64, 128), dtype: str = "bf16"):
+    """The flex kernels (issue 35) with the ready-made mods that take them (ALiBi and a
+    relative-position table as score_mods, a document mask) at each head dim."""
+    import torch
+
+    from flashtile.api import mods
+
+    cases = (("alibi", lambda: mods.alibi(torch.rand(16)), lambda: mods.causal),
+             ("relative", lambda: mods.relative_bias(torch.zeros(16, 8191), 4096),
+              lambda: mods.and_masks(mods.document(torch.zeros(4096, dtype=torch.long)), mods.causal)))
+    for head_dim in head_dims:
+        for kernel in ("fwd", "dq", "dkdv"):
+            for _, score, mask in cases:
+                yield lambda k=kernel, d=head_dim, s=score, m=mask: compile_flex(k, dtype, d, s(), m())
+
+
 def main(argv=None) -> int:
     """``python -m flashtile.tools.sm90_check [--regs] [--headdim N ...]``: compile the table
     (every head dim, or those given) and print one line per kernel."""
@@ -471,11 +531,12 @@ def main(argv=None) -> int:
     p.add_argument("--headdim", type=int, nargs="+", default=[64, 128, 256])
     p.add_argument("--decode", action="store_true", help="the KV-cache decode kernels instead of the table")
     p.add_argument("--wide", action="store_true", help="head dims past 256 and a v head dim of its own instead")
+    p.add_argument("--flex", action="store_true", help="the flex kernels with translated mods instead")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     regs = args.regs
     failures = 0
-    checks = (decode_checks if args.decode else wide_checks if args.wide else table_checks)(
-        head_dims=tuple(args.headdim))
+    checks = (decode_checks if args.decode else wide_checks if args.wide else flex_checks if args.flex
+              else table_checks)(head_dims=tuple(args.headdim) if not args.flex else (64, 128))
     for check in checks:
         for result in check():
             # the decode kernels' products are small (16-64 rows), and so are the d512

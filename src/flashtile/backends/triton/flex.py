@@ -328,6 +328,30 @@ def alloc(shape, like, dtype=None):
     return like.new_empty(shape, dtype=dtype or like.dtype)
 
 
+def tiles(block_d: int, block_dv: int, heavy: bool, interpret: bool = False) -> tuple:
+    """(forward, dQ, dK/dV) tiles, each (BLOCK_M, BLOCK_N, warps, stages), for padded head
+    dims ``block_d``/``block_dv``. ``heavy``: a mod loads a whole (queries x keys) tile from
+    a captured tensor (an (L, S) bias, a relative table): it holds that tile in registers and
+    the pipeliner buffers it, so narrower key tiles and 2 stages. From sm_90a compiles
+    (``tools/sm90_check --flex``: shared memory, spills); unmeasured on a device."""
+    if interpret:
+        return (16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1)
+    wide = max(block_d, block_dv)
+    if heavy:
+        fwd = {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 2)}.get(
+            wide, (64, 32, 8, 1))
+    else:
+        fwd = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 128, 8, 3),
+               256: (128, 64, 8, 2)}.get(wide, (64, 32, 8, 2))
+    dq = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2),
+          256: (64, 64, 8, 2)}.get(wide, (32, 16, 8, 1))
+    # dK/dV: BLOCK_M queries per step of a BLOCK_N-key program; 32 queries keep the
+    # accumulators' spills small (d128: 340 B against 1.3 KB at 64; d64: none against 1 KB).
+    dkdv = {16: (32, 64, 4, 2), 32: (32, 64, 4, 2), 64: (32, 64, 4, 2), 128: (32, 64, 4, 2),
+            256: (32, 64, 8, 2)}.get(wide, (16, 32, 8, 1))
+    return fwd, dq, dkdv
+
+
 class FlexLaunch:
     """What the three kernels share for one call: the translated mods, the block lists, tiles."""
 
@@ -338,25 +362,20 @@ class FlexLaunch:
         self.deterministic = False  # the captured tensors' gradients under torch's deterministic algorithms
         self.block_d = max(16, triton.next_power_of_2(q.shape[-1]))
         self.block_dv = max(16, triton.next_power_of_2(v.shape[-1]))
-        wide = max(self.block_d, self.block_dv)
-        if interpret:
-            fwd, bwd = (16, 16, 4, 1), (16, 16, 4, 1)
-        else:  # (BLOCK_M, BLOCK_N, warps, stages), after the Triton tables' sm90 entries (configs.py)
-            fwd = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 128, 8, 3),
-                   256: (128, 64, 8, 2)}.get(wide, (64, 32, 8, 2))
-            bwd = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2),
-                   256: (64, 64, 8, 2)}.get(wide, (32, 16, 8, 1))
+        heavy = sum(m.tile_gathers for m in (score, mask) if m is not None) > 0
+        fwd, dq, dkdv = tiles(self.block_d, self.block_dv, heavy, interpret)
         self.block_m = int(options.get("BLOCK_M", fwd[0]))
         self.block_n = int(options.get("BLOCK_N", fwd[1]))
         self.num_warps = int(options.get("num_warps", fwd[2]))
         self.num_stages = int(options.get("num_stages", fwd[3]))
-        self.bwd_block_m, self.bwd_block_n, self.bwd_warps, self.bwd_stages = bwd
+        self.dq_tiles, self.dkdv_tiles = list(dq), list(dkdv)
         if sparsity is not None:
             # Kernel tiles divide the mask's blocks.
             self.block_m = min(self.block_m, sparsity.q_block)
             self.block_n = min(self.block_n, sparsity.kv_block)
-            self.bwd_block_m = min(self.bwd_block_m, sparsity.q_block)
-            self.bwd_block_n = min(self.bwd_block_n, sparsity.kv_block)
+            for pass_tiles in (self.dq_tiles, self.dkdv_tiles):
+                pass_tiles[0] = min(pass_tiles[0], sparsity.q_block)
+                pass_tiles[1] = min(pass_tiles[1], sparsity.kv_block)
             if sparsity.q_block % self.block_m or sparsity.kv_block % self.block_n:
                 raise ValueError(f"kernel_options BLOCK_M/BLOCK_N ({self.block_m}, {self.block_n}) must divide the "
                                  f"block mask's BLOCK_SIZE ({sparsity.q_block}, {sparsity.kv_block})")
@@ -387,7 +406,10 @@ class FlexLaunch:
             fnum, fidx = self.dummy, self.dummy
         return num, idx, fnum, fidx, num_sb, num_sh, idx.shape[-1]
 
-    def constexprs(self, block_m: int, block_n: int, backward: bool = False) -> dict:
+    def constexprs(self, block_m: int, block_n: int, tiles=None) -> dict:
+        """The kernels' constexprs and launch options; ``tiles``: a backward kernel's
+        (BLOCK_M, BLOCK_N, warps, stages) (None: the forward's)."""
+        warps, stages = (self.num_warps, self.num_stages) if tiles is None else tiles[2:]
         sp = self.sparsity
         return dict(SCORE_MOD=None if self.score is None else self.score.fn,
                     MASK_MOD=None if self.mask is None else self.mask.fn,
@@ -396,8 +418,7 @@ class FlexLaunch:
                     KV_BLOCK=sp.kv_block if sp is not None else block_n,
                     BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=self.block_d, BLOCK_DV=self.block_dv,
                     EVEN_D=self.even_d, EVEN_DV=self.even_dv, IEEE_DOT=self.ieee,
-                    num_warps=self.bwd_warps if backward else self.num_warps,
-                    num_stages=self.bwd_stages if backward else self.num_stages)
+                    num_warps=warps, num_stages=stages)
 
 
 def forward(q, k, v, launch: FlexLaunch):
@@ -436,17 +457,19 @@ def backward(dout, q, k, v, out, lse, dlse, launch: FlexLaunch):
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
     delta, _ = preprocess(out, dout, dlse, None, (), -1, -1, seqlen_k)
     num, idx, fnum, fidx, num_sb, num_sh, n_idx = launch.lists(False)
-    grid = (triton.cdiv(seqlen_q, launch.bwd_block_m), batch * nheads)
+    bm, bn = launch.dq_tiles[:2]
+    grid = (triton.cdiv(seqlen_q, bm), batch * nheads)
     flex_dq_kernel[grid](
         q, k, v, dout, dq, lse, delta, num, idx, fnum, fidx, launch.score_args, launch.mask_args,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1),
         num_sb, num_sh, n_idx, nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, head_dim_v, launch.scale,
-        **launch.constexprs(launch.bwd_block_m, launch.bwd_block_n, backward=True))
+        **launch.constexprs(bm, bn, launch.dq_tiles))
     num, idx, fnum, fidx, num_sb, num_sh, n_idx = launch.lists(True)
     # The dK/dV kernel's tiles: BLOCK_N keys by BLOCK_M queries, the same tile sizes.
-    grid = (triton.cdiv(seqlen_k, launch.bwd_block_n), batch * nheads_k)
+    bm, bn = launch.dkdv_tiles[:2]
+    grid = (triton.cdiv(seqlen_k, bn), batch * nheads_k)
     flex_dkdv_kernel[grid](
         q, k, v, dout, dk, dv, lse, delta, num, idx, fnum, fidx, launch.score_args, launch.mask_args,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -454,5 +477,5 @@ def backward(dout, q, k, v, out, lse, dlse, launch: FlexLaunch):
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         lse.stride(0), lse.stride(1),
         num_sb, num_sh, n_idx, nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, head_dim_v, launch.scale,
-        **launch.constexprs(launch.bwd_block_m, launch.bwd_block_n, backward=True))
+        **launch.constexprs(bm, bn, launch.dkdv_tiles))
     return dq, dk, dv, delta

@@ -9,7 +9,8 @@ scalars, q_idx a column and kv_idx a row of indices.
 Tensors the mod reads (captured in its closure or globals: per-head slopes, an (L, S)
 bias, a relative-position table, document ids) become pointer arguments, with their sizes
 and strides in a small int64 tensor (``meta``), so that new values, or new shapes, never
-recompile the kernel; a load is masked to the tensor's bounds (padded rows and columns
+recompile the kernel (its offsets are int32, int64 for a tensor past 2^31 elements: a
+second compile); a load is masked to the tensor's bounds (padded rows and columns
 past the sequence read index 0 instead of faulting) and negative indices wrap as in
 torch. A tensor indexed by b, h, q_idx or kv_idx itself is checked against the call's
 extents before the launch (an IndexError, as torch raises); an index computed out of a
@@ -41,6 +42,7 @@ import functools
 import hashlib
 import linecache
 import math
+import re
 import types
 import weakref
 from dataclasses import dataclass, field
@@ -75,6 +77,7 @@ class Translated:
     uses_score: bool = True
     guard: tuple = ()
     direct: tuple = ()  # (captured tensor, its dim, "b" | "h" | "q_idx" | "kv_idx"): indexed by an index itself
+    tile_gathers: int = 0  # loads of a whole (queries x keys) tile from captured tensors (an (L, S) bias)
     _meta: dict = field(default_factory=dict)
 
     def check_bounds(self, extents: dict) -> None:
@@ -96,7 +99,10 @@ class Translated:
             values = []
             for t in self.captured:
                 values += list(t.shape) + list(t.stride())
-            meta = torch.tensor(values or [0], dtype=torch.int64, device=device)
+            # int32 offsets (fewer registers in the kernels' tiles) unless a tensor needs 64 bits.
+            wide = any(t.numel() > 0 and t.storage_offset() + sum((n - 1) * st for n, st in zip(t.shape, t.stride()))
+                       >= 2**31 for t in self.captured)
+            meta = torch.tensor(values or [0], dtype=torch.int64 if wide else torch.int32, device=device)
             self._meta[key] = meta
         return (meta,) + tuple(self.captured)
 
@@ -238,6 +244,8 @@ class _Emitter:
         self.env: dict = {}
         self.captured: list = []
         self.direct: list = []
+        self.deps: dict = {"q_idx": {"q"}, "kv_idx": {"kv"}}
+        self.tile_gathers = 0
         self.n = 0
 
     # helpers
@@ -245,6 +253,13 @@ class _Emitter:
         self.n += 1
         var = f"v{self.n}"
         self.lines.append(f"    {var} = {expr}")
+        # Which of the tile's axes the value varies along (a gather along both loads a tile).
+        deps = set()
+        for name in re.findall(r"\b(v\d+|q_idx|kv_idx)\b", expr):
+            deps |= self.deps.get(name, set())
+        self.deps[var] = deps
+        if expr.startswith("gather(") and deps == {"q", "kv"}:
+            self.tile_gathers += 1
         return var
 
     def refuse(self, what: str):
@@ -349,7 +364,7 @@ class _Emitter:
                            + self.lines) + "\n"
         fn = _compile_source(source, self.fn_name())
         return Translated(self.kind, self.name, fn, source, tuple(self.captured), uses_score,
-                          direct=tuple(dict.fromkeys(self.direct)))
+                          direct=tuple(dict.fromkeys(self.direct)), tile_gathers=self.tile_gathers)
 
     def fn_name(self) -> str:
         clean = "".join(ch if ch.isalnum() else "_" for ch in self.name)
@@ -396,7 +411,7 @@ class _Emitter:
         dim = dim % len(ref.dims)
         d = ref.dims[dim]
         idx = self.fresh(f"{index} + tl.where({index} < 0, {self.size(ref, d)}, 0)")
-        off = self.fresh(f"{ref.offset} + {idx}.to(tl.int64) * {self.stride(ref, d)}")
+        off = self.fresh(f"{ref.offset} + {idx} * {self.stride(ref, d)}")
         return _Ref(ref.c, ref.dims[:dim] + ref.dims[dim + 1:], off, ref.ok)
 
     def index(self, base, indices, dtype):
@@ -417,7 +432,7 @@ class _Emitter:
             else:  # torch wraps negative indices
                 wrapped = self.fresh(f"{iv.expr} + tl.where({iv.expr} < 0, {size}, 0)")
                 ok = self.fresh(f"({ok}) & ({wrapped} >= 0) & ({wrapped} < {size})")
-            off = self.fresh(f"{off} + {wrapped}.to(tl.int64) * {self.stride(ref, d)}")
+            off = self.fresh(f"{off} + {wrapped} * {self.stride(ref, d)}")
         var = self.fresh(f"gather(ARGS[{ref.c + 1}], {off}, {ok})")
         return _Val(self.cast(var, dtype) if dtype != self.captured[ref.c].dtype else var, dtype)
 
