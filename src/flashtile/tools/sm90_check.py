@@ -490,8 +490,10 @@ def compile_flex(kernel: str, dtype: str, head_dim: int, score_mod=None, mask_mo
                                         torch.bool: "i8", torch.bfloat16: "bf16", torch.float16: "fp16"}[c.dtype]
                                  for c in mod.captured) if mod is not None else ("*i32",)
 
-    pointers = {n: t for n in ("Q", "K", "V", "Out", "DO", "DQ", "DK", "DV")}
-    pointers.update({n: "*fp32" for n in ("Lse", "Delta")})
+    pointers = {n: t for n in ("Q", "K", "V", "O", "Out", "DO", "DQ", "DK", "DV")}
+    pointers.update({n: "*fp32" for n in ("Lse", "DLse", "Delta")})
+    if kernel == "dq":
+        constexprs["HAS_DLSE"] = True
     pointers.update({n: "*i32" for n in ("KvNum", "KvIdx", "QNum", "QIdx", "FullNum", "FullIdx")})
     pointers.update(SCORE_ARGS=args_of(score), MASK_ARGS=args_of(mask))
     sig = _signature(fn, pointers, constexprs)

@@ -28,7 +28,8 @@ import triton.language as tl
 
 from flashtile.backends.triton.scores import C_LN2, C_LOG2E, flex_scores
 
-_LENGTHS = ["seqlen_q", "seqlen_k", "num_sb", "num_sh", "n_idx", "nheads", "group_size"]
+# Ints that change with B, L, S (the LSE's strides are L and H * L): never specialised on.
+_LENGTHS = ["seqlen_q", "seqlen_k", "num_sb", "num_sh", "n_idx", "nheads", "group_size", "stride_lb", "stride_lh"]
 
 
 @triton.jit
@@ -152,14 +153,15 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, n0, b, h, offs_m, offs_n0, 
 
 @triton.jit(do_not_specialize=_LENGTHS)
 def flex_dq_kernel(
-    Q, K, V, DO, DQ, Lse, Delta, KvNum, KvIdx, FullNum, FullIdx, SCORE_ARGS, MASK_ARGS,
+    Q, K, V, O, DO, DQ, Lse, DLse, Delta, KvNum, KvIdx, FullNum, FullIdx, SCORE_ARGS, MASK_ARGS,
     stride_qb, stride_qh, stride_qm, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_om,
     stride_dob, stride_doh, stride_dom, stride_dqb, stride_dqh, stride_dqm, stride_lb, stride_lh,
     num_sb, num_sh, n_idx, nheads, group_size, seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale,
     SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, SPARSE: tl.constexpr, HAS_FULL: tl.constexpr,
     Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
-    IEEE_DOT: tl.constexpr,
+    IEEE_DOT: tl.constexpr, HAS_DLSE: tl.constexpr,
 ):
     m0 = tl.program_id(0) * BLOCK_M
     bh = tl.program_id(1)
@@ -182,7 +184,14 @@ def flex_dq_kernel(
                  mask=m_ok[:, None] & (offs_dv[None, :] < head_dim_v), other=0.0)
     lse = tl.load(Lse + b64 * stride_lb + h64 * stride_lh + offs_m, mask=m_ok, other=float("-inf"))
     lse2 = tl.where(lse == float("-inf"), float("inf"), lse * C_LOG2E)  # an empty row: P = 0
-    delta = tl.load(Delta + b64 * stride_lb + h64 * stride_lh + offs_m, mask=m_ok, other=0.0)
+    # Delta = rowsum(dO * O) - dLSE, for this kernel and for the dK/dV kernel after it (no
+    # separate launch: its lengths would be specialised on).
+    o = tl.load(O + b64 * stride_ob + h64 * stride_oh + rows * stride_om + offs_dv[None, :],
+                mask=m_ok[:, None] & (offs_dv[None, :] < head_dim_v), other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    if HAS_DLSE:
+        delta -= tl.load(DLse + b64 * stride_lb + h64 * stride_lh + offs_m, mask=m_ok, other=0.0)
+    tl.store(Delta + b64 * stride_lb + h64 * stride_lh + offs_m, delta, mask=m_ok)
     k_base = K + b64 * stride_kb + kvh64 * stride_kh
     v_base = V + b64 * stride_vb + kvh64 * stride_vh
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
@@ -447,7 +456,7 @@ def forward(q, k, v, launch: FlexLaunch):
 def backward(dout, q, k, v, out, lse, dlse, launch: FlexLaunch):
     """(dq, dk, dv, delta) of the forward's (out, lse) given dout and dlse (None: 0);
     delta (B, Hq, L) float32 = rowsum(dO * O) - dlse (None for an empty call)."""
-    from flashtile.backends.triton.backward import preprocess
+    import torch
 
     batch, nheads, seqlen_q, head_dim = q.shape
     nheads_k, seqlen_k, head_dim_v = k.shape[1], k.shape[2], v.shape[-1]
@@ -455,17 +464,21 @@ def backward(dout, q, k, v, out, lse, dlse, launch: FlexLaunch):
     if q.numel() == 0 or k.numel() == 0:
         return dq.zero_(), dk.zero_(), dv.zero_(), None
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
-    delta, _ = preprocess(out, dout, dlse, None, (), -1, -1, seqlen_k)
+    delta = alloc((batch, nheads, seqlen_q), q, torch.float32)  # written by the dQ kernel
+    if dlse is not None:
+        dlse = dlse.float().contiguous() if dlse.stride() != lse.stride() or dlse.dtype != torch.float32 else dlse
     num, idx, fnum, fidx, num_sb, num_sh, n_idx = launch.lists(False)
     bm, bn = launch.dq_tiles[:2]
     grid = (triton.cdiv(seqlen_q, bm), batch * nheads)
     flex_dq_kernel[grid](
-        q, k, v, dout, dq, lse, delta, num, idx, fnum, fidx, launch.score_args, launch.mask_args,
+        q, k, v, out, dout, dq, lse, lse if dlse is None else dlse, delta, num, idx, fnum, fidx, launch.score_args,
+        launch.mask_args,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        dout.stride(0), dout.stride(1), dout.stride(2),
         dq.stride(0), dq.stride(1), dq.stride(2), lse.stride(0), lse.stride(1),
         num_sb, num_sh, n_idx, nheads, nheads // nheads_k, seqlen_q, seqlen_k, head_dim, head_dim_v, launch.scale,
-        **launch.constexprs(bm, bn, launch.dq_tiles))
+        HAS_DLSE=dlse is not None, **launch.constexprs(bm, bn, launch.dq_tiles))
     num, idx, fnum, fidx, num_sb, num_sh, n_idx = launch.lists(True)
     # The dK/dV kernel's tiles: BLOCK_N keys by BLOCK_M queries, the same tile sizes.
     bm, bn = launch.dkdv_tiles[:2]
