@@ -146,6 +146,10 @@ def flex(query, key, value, score_mod, call) -> tuple[torch.Tensor, torch.Tensor
     if registry.backend(query.device) == "twin":
         from flashtile.backends.twin import flex as twin_flex
 
+        if _triton_mod(score_mod) or (call.sparsity is not None and _triton_mod(call.sparsity.mask_mod)):
+            raise TypeError("a triton.jit score_mod/mask_mod runs on the kernels only (CUDA tensors, or "
+                            "FLASHTILE_BACKEND=triton with TRITON_INTERPRET=1); the twin runs torch functions")
+
         return twin_flex.forward(query, key, value, score_mod, call.sparsity, call.scale)
     deterministic = call.deterministic or torch.are_deterministic_algorithms_enabled()
     builtin = flex_builtin(query, key, score_mod, call)
@@ -187,3 +191,12 @@ def flex_builtin(query, key, score_mod, call):
     seqlen_q, seqlen_k = query.shape[2], key.shape[2]
     left, right = effective_window(left, right, seqlen_q, seqlen_k, 0)
     return Problem(call.scale, 0, left, right, softcap, 0.0, call.deterministic), alibi
+
+
+def _triton_mod(fn) -> bool:
+    """Whether a mod is a ``triton.jit`` function (which only the kernels can run)."""
+    if fn is None or not hasattr(fn, "arg_names"):
+        return False
+    from flashtile.backends.triton.modgen import is_triton_function
+
+    return is_triton_function(fn)

@@ -723,3 +723,42 @@ def test_a_direct_index_past_a_captured_tensor_is_refused(triton_backend):
     q = torch.randn(1, 4, 20, 16)
     with pytest.raises(IndexError, match="short_alibi.*by h"):
         flashtile.flex_attention(q, q, q, score_mod=short_alibi)
+
+
+try:  # module globals: a triton.jit function reads triton.language from them
+    import triton
+    import triton.language as tl
+except ImportError:  # the tests that need it skip
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def triton_softcap_20(score, b, h, q_idx, kv_idx, ARGS):
+        t = 1.0 - 2.0 / (tl.exp(score / 10.0) + 1.0)  # tanh(score / 20)
+        return 20.0 * t, 1.0 - t * t
+
+
+def _triton_softcap():
+    pytest.importorskip("triton")
+    return triton_softcap_20
+
+
+def test_a_triton_function_as_score_mod(triton_backend):
+    """A user's own triton.jit score_mod (value and derivative) runs on the kernels, forward
+    and backward, as the translated torch function would."""
+    q, k, v = (torch.randn(1, 2, 40, 16, requires_grad=True) for _ in range(3))
+    out = flashtile.flex_attention(q, k, v, score_mod=_triton_softcap())
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref, _ = twin_flex.forward(*ref_in, mods.softcap(20.0), None, 0.25)
+    want = torch.autograd.grad(ref.sum(), ref_in)
+    assert (out.double() - ref).abs().max() < 1e-4
+    for got, exp in zip(grads, want):
+        assert (got.double() - exp).abs().max() < 1e-4
+
+
+def test_a_triton_function_is_refused_on_the_twin():
+    pytest.importorskip("triton")
+    q = torch.randn(1, 2, 40, 16)
+    with pytest.raises(TypeError, match="triton.jit score_mod/mask_mod runs on the kernels only"):
+        flashtile.flex_attention(q, q, q, score_mod=_triton_softcap())

@@ -42,7 +42,9 @@ def flex_attention(
             torch ops (as for torch): ``score`` is the scaled product ``scale * q.k``
             (float32); b, h, q_idx, kv_idx index tensors (h: the query head). It may read
             captured tensors (per-head slopes, an (L, S) bias, a relative-position table),
-            which are differentiable where they require grad.
+            which are differentiable where they require grad. Or a ``triton.jit`` function
+            ``(score, b, h, q_idx, kv_idx, ARGS) -> (score, d score / d input)`` (the
+            kernels only; ARGS unused): what the translator would generate.
         block_mask: None (every key visible) or a torch ``BlockMask`` (torch's
             ``create_block_mask`` or ``flashtile.create_block_mask``) built for (L, S): its
             skipped blocks are hidden, its full blocks visible, its partial blocks

@@ -79,6 +79,8 @@ def mod_arity(name: str, fn, count: int) -> None:
     """``fn`` is a callable of ``count`` positional arguments (score_mod: 5, mask_mod: 4)."""
     if not callable(fn):
         raise TypeError(f"{name} must be callable, got {type(fn).__name__}")
+    if type(fn).__module__.startswith("triton."):
+        return  # a triton.jit mod: (..., ARGS) -> its own contract (backends/triton/modgen.triton_mod)
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):

@@ -184,12 +184,17 @@ def _reachable(fn, depth: int = 4, seen=None) -> list:
     return found
 
 
+def is_triton_function(fn) -> bool:
+    """A ``triton.jit`` function (compiled, or the interpreter's)."""
+    from triton.runtime.jit import KernelInterface
+
+    return isinstance(fn, KernelInterface)
+
+
 def translate(fn, kind: str, device) -> Translated:
     """The translation of ``fn`` ("score" or "mask"), traced once per mod and reused while
     the tensors it can reach are the same objects."""
-    from triton.runtime.jit import JITFunction
-
-    if isinstance(fn, JITFunction):
+    if is_triton_function(fn):
         return triton_mod(fn, kind)
     reach = tuple(id(t) for t in _reachable(fn))
     key = (id(fn), kind)
