@@ -303,12 +303,15 @@ class _Flex(torch.autograd.Function):
         return (dq, dk, dv, None, None, *dcaptured)
 
 
+@torch.compiler.disable
 def flex(q: Tensor, k: Tensor, v: Tensor, score_mod, sparsity, scale: float, deterministic: bool,
          options: dict) -> tuple[Tensor, Tensor]:
     """``flex_attention`` on the kernels: (out (B, Hq, L, Ev), lse (B, Hq, L) float32),
     differentiable in q, k, v and in the score_mod's captured tensors that require grad.
     The kernels never use float atomics; under ``deterministic`` the captured tensors'
-    gradients run with torch's deterministic algorithms (their index backward)."""
+    gradients run with torch's deterministic algorithms (their index backward). Under
+    torch.compile the call is a graph break (the mods are Python functions the kernels
+    receive translated, not graph inputs)."""
     _refuse_forward_ad(q, k, v)
     launch = run.flex_launch(q, k, v, score_mod, sparsity, scale, options)
     q, k, v = (layout.unit_last_stride(t) for t in (q, k, v))

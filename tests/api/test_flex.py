@@ -762,3 +762,15 @@ def test_a_triton_function_is_refused_on_the_twin():
     q = torch.randn(1, 2, 40, 16)
     with pytest.raises(TypeError, match="triton.jit score_mod/mask_mod runs on the kernels only"):
         flashtile.flex_attention(q, q, q, score_mod=_triton_softcap())
+
+
+def test_torch_compile_runs_the_kernels_as_a_graph_break(triton_backend):
+    q = torch.randn(1, 2, 64, 16, requires_grad=True)
+    k, v = torch.randn(1, 2, 64, 16), torch.randn(1, 2, 64, 16)
+    bm = torch_flex.create_block_mask(mods.causal, None, None, 64, 64, device="cpu", BLOCK_SIZE=32)
+    compiled = torch.compile(flashtile.flex_attention)
+    out = compiled(q, k, v, score_mod=mods.softcap(5.0), block_mask=bm)
+    (grad,) = torch.autograd.grad(out.sum(), q)
+    want = flashtile.flex_attention(q, k, v, score_mod=mods.softcap(5.0), block_mask=bm)
+    (want_grad,) = torch.autograd.grad(want.sum(), q)
+    assert torch.equal(out, want) and torch.equal(grad, want_grad)
