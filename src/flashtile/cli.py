@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     explain.add_argument("--deterministic", action="store_true", help="the call asks for bitwise reproducible gradients")
     explain.add_argument("--sink", action="store_true", help="learnable attention sinks (learnable_sink)")
     explain.add_argument("--chunk", type=_positive_int, help="chunked attention (attention_chunk)")
+    explain.add_argument("--sdpa-provider", action="store_true",
+                         help="the SDPA provider's state and the calls it sent back to PyTorch's own kernels")
     explain.add_argument("--flex-score", choices=("alibi", "softcap", "relative_bias", "bias"),
                          help="a flex_attention call with this ready-made score_mod: its kernels and generated source")
     explain.add_argument("--flex-mask", choices=("causal", "sliding_window", "chunked", "document", "prefix_lm"),
@@ -222,6 +224,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from flashtile.tools.demo import run_demo
 
         return run_demo()
+    if args.command == "explain" and args.sdpa_provider:
+        from flashtile.integrations import torch_sdpa
+
+        print(torch_sdpa.report())
+        return 0
     if args.command == "explain" and (args.flex_score or args.flex_mask):
         from flashtile.tools.explain import example_mod, explain_flex
 

@@ -200,3 +200,35 @@ def _triton_mod(fn) -> bool:
     from flashtile.backends.triton.modgen import is_triton_function
 
     return is_triton_function(fn)
+
+
+# The dispatch keys excluded outside any kernel (torch's defaults: the autocast keys).
+_OUTSIDE_EXCLUDE = torch._C._dispatch_tls_local_exclude_set()
+
+
+def attention_grads(dout, q, k, v, out, lse, problem: Problem, alibi=None, varlen: Optional[Varlen] = None,
+                    qkv_layout: str = "bhsd") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) in ``qkv_layout`` of an ``attention`` call, given its saved out and lse (B,
+    H, Sq) and the gradient ``dout`` of out: what a backward outside flashtile's autograd
+    needs (PyTorch's flash ops, ``integrations/torch_sdpa.py``). No dropout. The kernels
+    run their backward op on the saved out and lse; the twin recomputes the forward under
+    autograd (its backward is torch's)."""
+    if registry.backend(q.device) == "twin":
+        leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+        # Called as an aten kernel, autograd's dispatch keys are excluded here: let them back in
+        # (keep only what is excluded outside any kernel, e.g. the autocast keys).
+        exclude = torch._C._dispatch_tls_local_exclude_set()
+        exclude = exclude - (exclude - _OUTSIDE_EXCLUDE)
+        with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude), \
+                torch.enable_grad():
+            again, _ = attention(*leaves, problem, alibi, None, varlen, qkv_layout=qkv_layout)
+            return torch.autograd.grad(again, leaves, dout)
+    q4, k4, v4 = (layout.canonical(layout.unit_last_stride(t), qkv_layout) for t in (q, k, v))
+    out_bshd = layout.to_bshd(out, qkv_layout)
+    dout_bshd = layout.to_bshd(layout.unit_last_stride(dout), qkv_layout)
+    tail = () if varlen is None else tuple(varlen)
+    dq, dk, dv, _ = torch.ops.flashtile.attn_bwd(
+        dout_bshd, q4, k4, v4, out_bshd, lse, problem.scale, problem.diag_offset, problem.window_left,
+        problem.window_right, problem.softcap, alibi, None, 0.0, None,
+        problem.deterministic or torch.are_deterministic_algorithms_enabled(), None, *tail)
+    return tuple(layout.from_bshd(g, qkv_layout) for g in (dq, dk, dv))

@@ -1,0 +1,290 @@
+"""flashtile behind PyTorch's own attention: a flash-attention provider.
+
+    import flashtile.integrations.torch_sdpa      # registers "flashtile" (does not activate it)
+    torch.nn.attention.activate_flash_attention_impl("flashtile")   # torch with the registry
+    flashtile.integrations.torch_sdpa.activate()  # the same on any torch (torch.library)
+    ...                                           # F.scaled_dot_product_attention's flash
+                                                  # backend and varlen_attn now run flashtile
+    flashtile.integrations.torch_sdpa.deactivate()  # PyTorch's own kernels again
+
+While active, the CUDA kernels of PyTorch's flash ops are flashtile's, forward and backward:
+
+    aten::_scaled_dot_product_flash_attention (+ _backward)   SDPA's flash backend
+    aten::_flash_attention_forward (+ _backward)              varlen_attn, packed or dense
+    aten::_flash_attention_forward_no_dropout_inplace          varlen_attn's out= form
+
+Each returns what the op's contract says (shapes and strides of PyTorch's meta kernels, the
+LSE as (B, H, L), or (H, total) packed, placeholder RNG state), so autograd, torch.compile
+and CUDA graphs see the ops they know. Calls flashtile does not take (dropout, whose mask
+is PyTorch's Philox stream; return_debug_mask; paged keys; ALiBi or seqused_k, which the
+ops' backward does not receive) run PyTorch's own kernel instead, fetched before the
+override (``torch.library.get_kernel``), and are counted in ``FALLBACKS`` ((op, reason) ->
+calls; ``flashtile explain --sdpa-provider`` prints them). Where the original kernel cannot
+be fetched (a torch without ``get_kernel``), such a call raises NotImplementedError naming
+the feature: never a different result.
+
+Versions: torch 2.13 has the provider registry (``torch.nn.attention.register_flash_attention_impl``,
+``activate_flash_attention_impl``, ``restore_flash_attention_impl``; FA3 and FA4 register
+through it) and ``torch.library.get_kernel``; on a torch without the registry ``activate()``
+installs the same kernels through ``torch.library.Library("aten", "IMPL")``.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import torch
+
+from flashtile import dispatch
+from flashtile.problem import validate
+
+NAME = "flashtile"
+FALLBACKS: collections.Counter = collections.Counter()
+_HANDLE: list = [None]  # the active handle when activated without the registry
+
+
+class Handle:
+    """What ``activate`` installed: the ``torch.library.Library`` holding the kernels (its
+    deletion removes them) and the original kernels the fallbacks call."""
+
+    def __init__(self, library, originals: dict):
+        self.library, self.originals = library, originals
+
+    def remove(self) -> None:
+        if self.library is not None:
+            self.library._destroy()
+        self.library = None
+
+
+# --------------------------------------------------------------------------- the kernels
+def _fallback(op: str, reason: str, original, keyset, args, kwargs):
+    FALLBACKS[(op, reason)] += 1
+    if original is None:
+        raise NotImplementedError(f"flashtile's provider does not take aten::{op} with {reason}, and PyTorch's own "
+                                  f"kernel could not be kept (torch.library.get_kernel is missing in torch "
+                                  f"{torch.__version__}): deactivate the provider for this call")
+    return original.call_boxed(keyset, *args, **kwargs)
+
+
+def _matching(t: torch.Tensor, like) -> torch.Tensor:
+    """``t`` with the strides the op's meta kernel gives (``like``): a copy only if they differ
+    (torch.compile plans later reads with those strides)."""
+    if t.stride() == like.stride():
+        return t
+    fixed = torch.empty_strided(like.shape, like.stride(), dtype=t.dtype, device=t.device)
+    return fixed.copy_(t)
+
+
+@functools.lru_cache(maxsize=256)
+def _meta_strides(op: str, shapes: tuple, args: tuple, kwargs: tuple) -> tuple:
+    """The strides of the outputs of ``op``'s meta kernel for tensors of ``shapes`` ((shape,
+    stride, dtype) or None) and the other arguments."""
+    tensors = [None if s is None else torch.empty_strided(s[0], s[1], dtype=s[2], device="meta") for s in shapes]
+    it = iter(tensors)
+    full = [next(it) if a == "<t>" else a for a in args]
+    outs = getattr(torch.ops.aten, op).default(*full, **dict(kwargs))
+    return tuple(o.stride() if isinstance(o, torch.Tensor) else None for o in outs)
+
+
+def _like_meta(op: str, results, args, kwargs):
+    """``results`` with the strides of ``op``'s meta kernel on ``args``."""
+    shapes = tuple((tuple(a.shape), tuple(a.stride()), a.dtype) for a in args if isinstance(a, torch.Tensor))
+    marked = tuple("<t>" if isinstance(a, torch.Tensor) else a for a in args)
+    strides = _meta_strides(op, shapes, marked, tuple(sorted(kwargs.items())))
+    fixed = []
+    for r, st in zip(results, strides):
+        if isinstance(r, torch.Tensor) and st is not None and r.stride() != st and r.numel() > 1:
+            r = _matching(r, torch.empty_strided(r.shape, st, device="meta"))
+        fixed.append(r)
+    return tuple(fixed)
+
+
+def _aux(query):
+    """rng_state, philox offset and debug mask of a call without dropout (placeholders)."""
+    return (torch.zeros((2,), dtype=torch.uint64, device=query.device),
+            torch.zeros((), dtype=torch.uint64, device=query.device),
+            torch.empty(0, dtype=query.dtype, device=query.device))
+
+
+def _side(value) -> int:
+    return -1 if value is None else int(value)
+
+
+def _problem(query, key, value, cum_q, cum_k, max_q, max_k, is_causal, scale, left, right):
+    """The validated problem (and Varlen) of a flash op's call, no dropout."""
+    window = (_side(left), _side(right))
+    if cum_q is None:
+        call = validate.flash_call(query, key, value, 0.0, scale, is_causal, window, 0.0, None, False, False)
+        return call.problem, None
+    call = validate.varlen_call(query, key, value, cum_q, cum_k, int(max_q), int(max_k), 0.0, scale, is_causal,
+                                window, 0.0, None, False, False, None, None, None)
+    return call.problem, call.varlen
+
+
+def _flash_forward(original, keyset, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
+                   return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None, seqused_k=None,
+                   alibi_slopes=None, block_table=None, num_splits=None, _op="_flash_attention_forward"):
+    args = (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask)
+    kwargs = dict(scale=scale, window_size_left=window_size_left, window_size_right=window_size_right,
+                  seqused_k=seqused_k, alibi_slopes=alibi_slopes)
+    if block_table is not None:
+        kwargs["block_table"] = block_table
+    if num_splits is not None:
+        kwargs["num_splits"] = num_splits
+    reason = ("dropout" if dropout_p > 0 else "return_debug_mask" if return_debug_mask
+              else "paged keys (block_table)" if block_table is not None
+              else "alibi_slopes (the backward op has none)" if alibi_slopes is not None
+              else "seqused_k (the backward op has none)" if seqused_k is not None else None)
+    if reason is not None:
+        return _fallback(_op, reason, original, keyset, args, kwargs)
+    problem, varlen = _problem(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
+                               window_size_left, window_size_right)
+    out, lse = dispatch.attention(query, key, value, problem, None, None, varlen,
+                                  qkv_layout="bshd" if varlen is None else "thd")
+    if varlen is not None:
+        lse = lse.squeeze(0)  # (H, total_q)
+    out = _like_meta("_flash_attention_forward", (out,), args, {})[0]
+    return (out, lse, *_aux(query))
+
+
+def _flash_forward_inplace(original, keyset, out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                           is_causal, return_debug_mask, **kwargs):
+    if dropout_p > 0 or return_debug_mask or any(kwargs.get(n) is not None
+                                                  for n in ("block_table", "alibi_slopes", "seqused_k")):
+        return _fallback("_flash_attention_forward_no_dropout_inplace", "an argument flashtile does not take",
+                         original, keyset, (out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                                            is_causal, return_debug_mask), kwargs)
+    result, lse, *_ = _flash_forward(None, keyset, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                                     is_causal, return_debug_mask, **kwargs)
+    out.copy_(result)
+    return lse
+
+
+def _flash_backward(original, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
+                    max_k, dropout_p, is_causal, rng_state, unused, *, scale=None, window_size_left=None,
+                    window_size_right=None):
+    if dropout_p > 0:
+        return _fallback("_flash_attention_backward", "dropout", original, keyset,
+                         (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                          is_causal, rng_state, unused),
+                         dict(scale=scale, window_size_left=window_size_left, window_size_right=window_size_right))
+    if cum_seq_q is not None and cum_seq_q.numel() == 0:
+        cum_seq_q = cum_seq_k = None  # a dense call's backward gets empty offsets
+    problem, varlen = _problem(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
+                               window_size_left, window_size_right)
+    lse = logsumexp if varlen is None else logsumexp.unsqueeze(0)
+    grads = dispatch.attention_grads(grad_out, query, key, value, out, lse, problem, None, varlen,
+                                     qkv_layout="bshd" if varlen is None else "thd")
+    return tuple(_matching(g, t) for g, t in zip(grads, (query, key, value)))
+
+
+def _sdpa_forward(original, keyset, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
+                  scale=None):
+    if dropout_p > 0 or return_debug_mask:
+        return _fallback("_scaled_dot_product_flash_attention", "dropout" if dropout_p > 0 else "return_debug_mask",
+                         original, keyset, (query, key, value, dropout_p, is_causal, return_debug_mask),
+                         dict(scale=scale))
+    call = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True)
+    out, lse = dispatch.attention(call.query, call.key, call.value, call.problem)
+    args = (query, key, value, dropout_p, is_causal, return_debug_mask)
+    out = _like_meta("_scaled_dot_product_flash_attention", (out,), args, {"scale": scale})[0]
+    rng, offset, debug = _aux(query)
+    return out, lse, None, None, query.shape[2], key.shape[2], rng, offset, debug
+
+
+def _sdpa_backward(original, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
+                   max_k, dropout_p, is_causal, philox_seed, philox_offset, *, scale=None):
+    if dropout_p > 0:
+        return _fallback("_scaled_dot_product_flash_attention_backward", "dropout", original, keyset,
+                         (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
+                          is_causal, philox_seed, philox_offset), dict(scale=scale))
+    call = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True)
+    grads = dispatch.attention_grads(grad_out, call.query, call.key, call.value, out, logsumexp, call.problem)
+    return tuple(_matching(g, t) for g, t in zip(grads, (query, key, value)))
+
+
+KERNELS = {
+    "_scaled_dot_product_flash_attention": _sdpa_forward,
+    "_scaled_dot_product_flash_attention_backward": _sdpa_backward,
+    "_flash_attention_forward": _flash_forward,
+    "_flash_attention_forward_no_dropout_inplace": _flash_forward_inplace,
+    "_flash_attention_backward": _flash_backward,
+}
+
+
+# --------------------------------------------------------------------------- install / activate
+def install(dispatch_key: str = "CUDA") -> Handle:
+    """Install flashtile's kernels for ``dispatch_key`` of every op of ``KERNELS`` that this
+    torch has (the registry's ``register_fn``; tests install them for "CPU" or "Meta")."""
+    keep = hasattr(torch.library, "get_kernel")
+    library = torch.library.Library("aten", "IMPL", dispatch_key)
+    originals = {}
+    for name, kernel in KERNELS.items():
+        if not hasattr(torch.ops.aten, name):
+            continue
+        original = None
+        if keep:
+            try:
+                original = torch.library.get_kernel(f"aten::{name}", dispatch_key)
+            except RuntimeError:
+                original = None
+        originals[name] = original
+        if keep:
+            library.impl(name, functools.partial(kernel, original), dispatch_key, with_keyset=True)
+        else:
+            library.impl(name, functools.partial(kernel, None, None), dispatch_key)
+    return Handle(library, originals)
+
+
+def _registry():
+    attention = torch.nn.attention
+    return attention if hasattr(attention, "register_flash_attention_impl") else None
+
+
+def activate() -> None:
+    """Route PyTorch's flash ops on CUDA tensors to flashtile (through the registry where this
+    torch has it, else directly)."""
+    registry = _registry()
+    if registry is not None:
+        registry.activate_flash_attention_impl(NAME)
+        return
+    deactivate()
+    _HANDLE[0] = install()
+
+
+def deactivate() -> None:
+    """PyTorch's own flash kernels again."""
+    registry = _registry()
+    if registry is not None:
+        if registry.current_flash_attention_impl() == NAME:
+            registry.restore_flash_attention_impl()
+        return
+    if _HANDLE[0] is not None:
+        _HANDLE[0].remove()
+        _HANDLE[0] = None
+
+
+def active() -> bool:
+    registry = _registry()
+    if registry is not None:
+        return registry.current_flash_attention_impl() == NAME
+    return _HANDLE[0] is not None
+
+
+def report() -> str:
+    """What ``flashtile explain --sdpa-provider`` prints: the state and the fallbacks so far."""
+    lines = [f"flashtile SDPA provider: {'active' if active() else 'registered, not active'} (torch "
+             f"{torch.__version__}, registry {'yes' if _registry() is not None else 'no'}, fallback kernels "
+             f"{'kept' if hasattr(torch.library, 'get_kernel') else 'unavailable'})"]
+    if not FALLBACKS:
+        lines.append("  no call went back to PyTorch's own kernels")
+    for (op, reason), count in sorted(FALLBACKS.items()):
+        lines.append(f"  aten::{op}: {count} call(s) ran PyTorch's own kernel ({reason})")
+    return "\n".join(lines)
+
+
+if _registry() is not None and NAME not in _registry().list_flash_attention_impls():
+    _registry().register_flash_attention_impl(NAME, register_fn=install)
+
+
+__all__ = ["activate", "deactivate", "active", "install", "report", "FALLBACKS", "NAME"]

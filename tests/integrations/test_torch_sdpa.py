@@ -1,0 +1,170 @@
+"""The SDPA provider (``flashtile.integrations.torch_sdpa``) on CPU: it registers with
+PyTorch's registry without activating, activation puts flashtile's kernels on the CUDA key
+of each flash op and restoring removes them; installed on the CPU key (the twin), every
+overridden op returns what its contract says (shapes, strides of the meta kernel, the LSE
+layout, placeholder RNG outputs) and the values and gradients of PyTorch's math
+implementation; calls flashtile does not take run PyTorch's own kernel and are counted."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import flashtile  # noqa: E402
+from flashtile.integrations import torch_sdpa  # noqa: E402
+
+OPS = tuple(torch_sdpa.KERNELS)
+
+
+def _has_python_kernel(op: str, key: str) -> bool:
+    dump = torch._C._dispatch_dump(f"aten::{op}")
+    return any(line.startswith(f"{key}:") for line in dump.splitlines())
+
+
+@pytest.fixture
+def on_cpu():
+    """flashtile's kernels on the CPU key (the twin behind them), removed after the test."""
+    handle = torch_sdpa.install("CPU")
+    yield handle
+    handle.remove()
+
+
+def test_registers_without_activating():
+    attention = torch.nn.attention
+    if not hasattr(attention, "register_flash_attention_impl"):
+        pytest.skip("this torch has no flash-attention registry")
+    assert "flashtile" in attention.list_flash_attention_impls()
+    assert attention.current_flash_attention_impl() != "flashtile"
+    assert not any(_has_python_kernel(op, "CUDA") for op in OPS)
+
+
+@pytest.mark.parametrize("how", ["registry", "helper"])
+def test_activate_and_restore(how):
+    attention = torch.nn.attention
+    if how == "registry" and not hasattr(attention, "activate_flash_attention_impl"):
+        pytest.skip("this torch has no flash-attention registry")
+    if how == "registry":
+        attention.activate_flash_attention_impl("flashtile")
+    else:
+        torch_sdpa.activate()
+    try:
+        assert torch_sdpa.active()
+        assert all(_has_python_kernel(op, "CUDA") for op in OPS)
+        assert "active" in torch_sdpa.report()
+    finally:
+        torch_sdpa.deactivate()
+    assert not torch_sdpa.active()
+    assert not any(_has_python_kernel(op, "CUDA") for op in OPS)
+
+
+def _math(q, k, v, causal, scale=None):
+    """PyTorch's math SDPA in float64, with its gradients (top-left causal, GQA)."""
+    leaves = [t.double().requires_grad_(True) for t in (q, k, v)]
+    group = q.shape[1] // k.shape[1]
+    kk, vv = (t.repeat_interleave(group, 1) for t in leaves[1:])
+    out = torch.ops.aten._scaled_dot_product_attention_math(leaves[0], kk, vv, None, 0.0, causal, scale=scale)[0]
+    return out, leaves
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads_k", [4, 2])
+def test_sdpa_op_contract(on_cpu, causal, heads_k):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 37, 16, generator=g)
+    k, v = (torch.randn(2, heads_k, 37 if causal else 50, 16, generator=g) for _ in range(2))
+    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=0.3)
+    meta = torch.ops.aten._scaled_dot_product_flash_attention(*(t.to("meta") for t in (q, k, v)), 0.0, causal,
+                                                                False, scale=0.3)
+    for got, want in zip(res, meta):
+        if isinstance(want, torch.Tensor):
+            assert got.shape == want.shape and got.dtype == want.dtype
+            assert got.stride() == want.stride() or got.numel() <= 1
+        else:
+            assert got == want
+    ref, leaves = _math(q, k, v, causal, scale=0.3)
+    assert (res[0].double() - ref).abs().max() < 1e-5
+    lse_ref = torch.logsumexp(_scores(q, k, causal, 0.3), -1)
+    assert (res[1].double() - lse_ref).abs().max() < 1e-5
+    dout = torch.randn(res[0].shape, generator=g)
+    grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, res[0], res[1], torch.empty(0), torch.empty(0), q.shape[2], k.shape[2], 0.0, causal,
+        res[6], res[7], scale=0.3)
+    want = torch.autograd.grad(ref, leaves, dout.double())
+    for got, exp, inp in zip(grads, want, (q, k, v)):
+        assert got.shape == inp.shape and got.stride() == inp.stride()
+        assert (got.double() - exp).abs().max() < 1e-5
+
+
+def _scores(q, k, causal, scale):
+    group = q.shape[1] // k.shape[1]
+    s = q.double() @ k.double().repeat_interleave(group, 1).transpose(-1, -2) * scale
+    if causal:
+        i = torch.arange(q.shape[2])[:, None]
+        s = s.masked_fill(torch.arange(k.shape[2])[None, :] > i, float("-inf"))
+    return s
+
+
+@pytest.mark.parametrize("window", [(None, None), (5, 0)])
+def test_flash_op_dense_and_packed_contract(on_cpu, window):
+    g = torch.Generator().manual_seed(1)
+    left, right = window
+    causal = right == 0
+    q = torch.randn(2, 30, 4, 16, generator=g)
+    k, v = (torch.randn(2, 30, 2, 16, generator=g) for _ in range(2))
+    out, lse, rng, offset, debug = torch.ops.aten._flash_attention_forward(
+        q, k, v, None, None, 30, 30, 0.0, causal, False, window_size_left=left, window_size_right=right)
+    ws = (-1 if left is None else left, -1 if right is None else right)
+    want, want_lse, _ = flashtile.flash_attn_func(q, k, v, causal=causal, window_size=ws, return_attn_probs=True)
+    assert torch.equal(out, want) and torch.equal(lse, want_lse)
+    assert rng.dtype == torch.uint64 and rng.shape == (2,) and debug.numel() == 0
+    # packed: the same two sequences, (total, H, D), LSE (H, total)
+    cu = torch.tensor([0, 30, 60], dtype=torch.int32)
+    pq, pk, pv = (t.reshape(60, *t.shape[2:]) for t in (q, k, v))
+    pout, plse, *_ = torch.ops.aten._flash_attention_forward(pq, pk, pv, cu, cu, 30, 30, 0.0, causal, False,
+                                                             window_size_left=left, window_size_right=right)
+    assert pout.shape == (60, 4, 16) and plse.shape == (4, 60)
+    assert (pout.reshape(2, 30, 4, 16) - out).abs().max() < 1e-6
+    assert (plse.reshape(4, 2, 30).transpose(0, 1) - lse).abs().max() < 1e-5
+    inplace = torch.empty_like(pout)
+    ilse = torch.ops.aten._flash_attention_forward_no_dropout_inplace(
+        inplace, pq, pk, pv, cu, cu, 30, 30, 0.0, causal, False, window_size_left=left, window_size_right=right)
+    assert torch.equal(inplace, pout) and torch.equal(ilse, plse)
+    # the backward of each against flashtile's own API's autograd
+    dout = torch.randn(out.shape, generator=g)
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    want_grads = torch.autograd.grad(flashtile.flash_attn_func(*leaves, causal=causal, window_size=ws), leaves, dout)
+    grads = torch.ops.aten._flash_attention_backward(dout, q, k, v, out, lse, torch.empty(0, dtype=torch.int32),
+                                                     torch.empty(0, dtype=torch.int32), 30, 30, 0.0, causal, rng,
+                                                     offset, window_size_left=left, window_size_right=right)
+    pgrads = torch.ops.aten._flash_attention_backward(dout.reshape(60, 4, 16), pq, pk, pv, pout, plse, cu, cu, 30,
+                                                      30, 0.0, causal, rng, offset, window_size_left=left,
+                                                      window_size_right=right)
+    for got, pgot, exp in zip(grads, pgrads, want_grads):
+        assert (got - exp).abs().max() < 1e-5
+        assert (pgot.reshape(exp.shape) - exp).abs().max() < 1e-5
+
+
+def test_what_flashtile_does_not_take_runs_pytorchs_kernel():
+    """Installed on the Meta key (whose original kernels exist everywhere): a call with dropout
+    goes to PyTorch's own kernel, counted; the report names it."""
+    if not hasattr(torch.library, "get_kernel"):
+        pytest.skip("this torch cannot keep the original kernels (torch.library.get_kernel)")
+    handle = torch_sdpa.install("Meta")
+    torch_sdpa.FALLBACKS.clear()
+    try:
+        q = torch.empty(2, 4, 64, 16, device="meta", dtype=torch.bfloat16)
+        out = torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.1, False, False)
+        assert out[0].shape == q.shape and out[0].device.type == "meta"
+        assert torch_sdpa.FALLBACKS[("_scaled_dot_product_flash_attention", "dropout")] == 1
+        assert "1 call(s) ran PyTorch's own kernel (dropout)" in torch_sdpa.report()
+    finally:
+        handle.remove()
+        torch_sdpa.FALLBACKS.clear()
+
+
+def test_explain_reports_the_provider(capsys):
+    from flashtile.cli import main
+
+    assert main(["explain", "--sdpa-provider"]) == 0
+    assert "flashtile SDPA provider: registered, not active" in capsys.readouterr().out

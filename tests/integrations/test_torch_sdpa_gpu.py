@@ -1,0 +1,92 @@
+"""The SDPA provider on the GPU (``pytest -m gpu``): with it active, PyTorch's flash backend
+of F.scaled_dot_product_attention and varlen_attn run flashtile's kernels, matching
+flashtile's own API and PyTorch's kernels under QUALITY.md's rule, forward and backward,
+eager and under torch.compile; what it cannot take goes back to PyTorch's kernel."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import flashtile
+from flashtile.integrations import torch_sdpa
+from flashtile.testing import FORWARD_FACTOR, GRAD_FACTOR, assert_close
+
+pytestmark = [pytest.mark.gpu]
+
+
+@pytest.fixture
+def provider():
+    torch_sdpa.activate()
+    torch_sdpa.FALLBACKS.clear()
+    yield
+    torch_sdpa.deactivate()
+
+
+def _inputs(batch, heads, heads_k, seqlen, dim, dtype, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(batch, heads, seqlen, dim, generator=g).to("cuda", dtype)
+    k, v = (torch.randn(batch, heads_k, seqlen, dim, generator=g).to("cuda", dtype) for _ in range(2))
+    return q, k, v, torch.randn(batch, heads, seqlen, dim, generator=g).to("cuda", dtype)
+
+
+def _run(fn, q, k, v, dout):
+    leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    out = fn(*leaves)
+    return (out, *torch.autograd.grad(out, leaves, dout))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("heads_k", [16, 4])
+@pytest.mark.parametrize("compiled", [False, True])
+def test_sdpa_flash_backend_runs_flashtile(provider, dtype, causal, heads_k, compiled):
+    q, k, v, dout = _inputs(2, 16, heads_k, 1027, 128, dtype)
+
+    def sdpa(q, k, v):
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                    enable_gqa=heads_k != 16)
+
+    fn = torch.compile(sdpa) if compiled else sdpa
+    got = _run(fn, q, k, v, dout)
+    own = _run(lambda q, k, v: flashtile.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                      enable_gqa=heads_k != 16), q, k, v, dout)
+    ref = _run(lambda q, k, v: flashtile.scaled_dot_product_attention(q, k, v, is_causal=causal,
+                                                                      enable_gqa=heads_k != 16),
+               *(t.float() for t in (q, k, v)), dout.float())
+    torch_sdpa.deactivate()
+    base = _run(sdpa, q, k, v, dout)
+    torch_sdpa.activate()
+    for name, a, b, r, p, factor in zip(("out", "dq", "dk", "dv"), got, own, ref, base,
+                                        (FORWARD_FACTOR, GRAD_FACTOR, GRAD_FACTOR, GRAD_FACTOR)):
+        assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max() + 1e-3, name
+        assert_close(name, a, r, p, factor)
+    assert not torch_sdpa.FALLBACKS
+
+
+def test_varlen_attn_runs_flashtile(provider):
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    g = torch.Generator(device="cpu").manual_seed(3)
+    cu = torch.tensor([0, 100, 1100, 1600], dtype=torch.int32, device="cuda")
+    q, k, v = (torch.randn(1600, 8, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
+               for _ in range(3))
+    out = varlen.varlen_attn(q, k, v, cu, cu, 1000, 1000, is_causal=True)
+    want = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 1000, 1000, causal=True)
+    assert (out.float() - want.float()).abs().max() < 1e-2
+    dout = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v), dout)
+    exp = torch.autograd.grad(want, (q, k, v), dout)
+    for a, b in zip(got, exp):
+        assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max() + 1e-3
+    assert not torch_sdpa.FALLBACKS
+
+
+def test_dropout_goes_back_to_pytorch(provider):
+    q, k, v, _ = _inputs(1, 4, 4, 256, 64, torch.bfloat16)
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
+    assert out.shape == q.shape
+    if hasattr(torch.library, "get_kernel"):
+        assert torch_sdpa.FALLBACKS[("_scaled_dot_product_flash_attention", "dropout")] == 1
