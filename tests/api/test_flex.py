@@ -774,3 +774,29 @@ def test_torch_compile_runs_the_kernels_as_a_graph_break(triton_backend):
     want = flashtile.flex_attention(q, k, v, score_mod=mods.softcap(5.0), block_mask=bm)
     (want_grad,) = torch.autograd.grad(want.sum(), q)
     assert torch.equal(out, want) and torch.equal(grad, want_grad)
+
+
+_ROW_BIAS = torch.linspace(-1.0, 1.0, 40)
+
+
+def _row_only(score, b, h, q_idx, kv_idx):
+    return _ROW_BIAS[q_idx] * 2.0
+
+
+def _column_only(score, b, h, q_idx, kv_idx):
+    return _ROW_BIAS[kv_idx]
+
+
+@pytest.mark.parametrize("score_mod", [_row_only, _column_only], ids=["rows", "columns"])
+def test_a_score_mod_of_the_indices_alone(triton_backend, score_mod):
+    """A score_mod that ignores the score and varies along one axis: the kernels broadcast it
+    to the tile (and q, k get no gradient)."""
+    q, k, v = (torch.randn(1, 2, 40, 16, requires_grad=True) for _ in range(3))
+    out = flashtile.flex_attention(q, k, v, score_mod=score_mod)
+    grads = torch.autograd.grad(out.sum(), (q, k, v))
+    ref_in = [t.detach().double().requires_grad_(True) for t in (q, k, v)]
+    ref, _ = twin_flex.forward(*ref_in, score_mod, None, 0.25)
+    (want_dv,) = torch.autograd.grad(ref.sum(), ref_in[2:])
+    assert (out.double() - ref).abs().max() < 1e-5
+    assert grads[0].abs().max() == 0 and grads[1].abs().max() == 0
+    assert (grads[2].double() - want_dv).abs().max() < 1e-5

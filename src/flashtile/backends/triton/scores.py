@@ -156,6 +156,7 @@ def flex_scores(raw, b, h, i2, j2, seqlen_q, seqlen_k, sm_scale, SCORE_ARGS, MAS
     dfac = sm_scale
     if SCORE_MOD is not None:
         s, ds = SCORE_MOD(s, b, h, i2, j2, SCORE_ARGS)
+        s = tl.broadcast_to(s, raw.shape)  # a mod of the indices alone gives a row or a column
         dfac = ds * sm_scale
     visible = (j2 < seqlen_k) & (i2 < seqlen_q)
     if APPLY_MASK:
