@@ -14,10 +14,11 @@ if [[ $what == tests || $what == all || $what == tests-1 || $what == tests-2 || 
   # -n 8: compiles run in parallel on the host's cores; the GPU work per case is small.
   # -v: each result is logged as it comes (run 78 hit the limit at 95% with 3 failures that
   # -q would only have named at the end). The whole suite is ~1450 tests and runs past one
-  # call's 600 s: `tests-1` (the backward and varlen files), `tests-2` (the rest but issue 36's
-  # files) and `tests-3` (issue 36's: sinks, chunks, head dims) split it.
+  # call's 600 s: `tests-1` (the backward and varlen files), `tests-2` (the rest but the newest
+  # files) and `tests-3` (issues 35-37: sinks, chunks, head dims, flex, the SDPA provider) split it.
   part1="tests/backends/test_backward_gpu.py tests/backends/sm90/test_sm90_backward_gpu.py tests/api/test_varlen_gpu.py"
-  part3="tests/api/test_sinks_gpu.py tests/api/test_chunks_gpu.py tests/api/test_head_dims_gpu.py"
+  part3="tests/api/test_sinks_gpu.py tests/api/test_chunks_gpu.py tests/api/test_head_dims_gpu.py
+         tests/api/test_flex_gpu.py tests/integrations/test_torch_sdpa_gpu.py"
   case $what in
     tests-1) sel="$part1"; dsl="" ;;
     tests-2) sel="tests"; dsl=$(for f in $part1 $part3; do printf -- "--deselect %s " "$f"; done) ;;
