@@ -26,7 +26,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from flashtile.backends.triton.scores import C_LN2, C_LOG2E, flex_scores
+from flashtile.backends.triton.scores import C_LN2, HIDDEN2, flex_scores, row_lse2
 
 # Ints that change with B, L, S (the LSE's strides are L and H * L): never specialised on.
 _LENGTHS = ["seqlen_q", "seqlen_k", "num_sb", "num_sh", "n_idx", "nheads", "group_size", "stride_lb", "stride_lh"]
@@ -118,13 +118,16 @@ def flex_fwd_kernel(
     seen = l_i != 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * C_LN2, float("-inf"))
+    # A row only HIDDEN2 scores reach (flex_scores): the count its LSE cannot hold, encoded as
+    # the float masks' (scores.row_lse2 decodes it).
+    lse = tl.where(seen & (m_i == HIDDEN2), HIDDEN2 * (1.0 + tl.log2(tl.where(seen, l_i, 1.0)) / 32.0) * C_LN2, lse)
     o_ptrs = Out + b64 * stride_ob + h64 * stride_oh + offs_m[:, None].to(tl.int64) * stride_om + offs_dv[None, :]
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < seqlen_q) & (offs_dv[None, :] < head_dim_v))
     tl.store(Lse + b64 * stride_lb + h64 * stride_lh + offs_m, lse, mask=offs_m < seqlen_q)
 
 
 @triton.jit
-def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, n0, b, h, offs_m, offs_n0, offs_d, offs_dv,
+def _dq_tile(dq, q, do, lse2, tail, delta, k_base, v_base, n0, b, h, offs_m, offs_n0, offs_d, offs_dv,
              stride_kn, stride_vn, seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale,
              SCORE_ARGS, MASK_ARGS, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, APPLY_MASK: tl.constexpr,
              IEEE_DOT: tl.constexpr):
@@ -141,7 +144,7 @@ def _dq_tile(dq, q, do, lse2, delta, k_base, v_base, n0, b, h, offs_m, offs_n0, 
         dp = tl.dot(do, vt)
     s, dfac = flex_scores(raw, b, h, offs_m[:, None], offs_n[None, :], seqlen_q, seqlen_k, sm_scale,
                           SCORE_ARGS, MASK_ARGS, SCORE_MOD, MASK_MOD, APPLY_MASK)
-    p = tl.exp2(s - lse2[:, None])
+    p = tl.exp2((s - lse2[:, None]) - tail[:, None])
     ds = p * (dp - delta[:, None]) * dfac
     ds = tl.where(p > 0.0, ds, 0.0)  # hidden keys: no gradient, even where dfac is not finite
     if IEEE_DOT:
@@ -183,7 +186,7 @@ def flex_dq_kernel(
     do = tl.load(DO + b64 * stride_dob + h64 * stride_doh + rows * stride_dom + offs_dv[None, :],
                  mask=m_ok[:, None] & (offs_dv[None, :] < head_dim_v), other=0.0)
     lse = tl.load(Lse + b64 * stride_lb + h64 * stride_lh + offs_m, mask=m_ok, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * C_LOG2E)  # an empty row: P = 0
+    lse2, tail = row_lse2(lse, 2)  # an empty row: P = 0; a row of HIDDEN2 scores: P = 1 / n
     # Delta = rowsum(dO * O) - dLSE, for this kernel and for the dK/dV kernel after it (no
     # separate launch: its lengths would be specialised on).
     o = tl.load(O + b64 * stride_ob + h64 * stride_oh + rows * stride_om + offs_dv[None, :],
@@ -201,7 +204,7 @@ def flex_dq_kernel(
         for i in range(0, tl.load(KvNum + row)):
             kb = tl.load(idx_base + i)
             for sub in tl.static_range(KV_BLOCK // BLOCK_N):
-                dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, kb * KV_BLOCK + sub * BLOCK_N, b, h, offs_m,
+                dq = _dq_tile(dq, q, do, lse2, tail, delta, k_base, v_base, kb * KV_BLOCK + sub * BLOCK_N, b, h, offs_m,
                               offs_n0, offs_d, offs_dv, stride_kn, stride_vn, seqlen_q, seqlen_k, head_dim,
                               head_dim_v, sm_scale, SCORE_ARGS, MASK_ARGS, SCORE_MOD, MASK_MOD,
                               MASK_MOD is not None, IEEE_DOT)
@@ -210,13 +213,13 @@ def flex_dq_kernel(
             for i in range(0, tl.load(FullNum + row)):
                 kb = tl.load(idx_base + i)
                 for sub in tl.static_range(KV_BLOCK // BLOCK_N):
-                    dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, kb * KV_BLOCK + sub * BLOCK_N, b, h,
+                    dq = _dq_tile(dq, q, do, lse2, tail, delta, k_base, v_base, kb * KV_BLOCK + sub * BLOCK_N, b, h,
                                   offs_m, offs_n0, offs_d, offs_dv, stride_kn, stride_vn, seqlen_q, seqlen_k,
                                   head_dim, head_dim_v, sm_scale, SCORE_ARGS, MASK_ARGS, SCORE_MOD, MASK_MOD,
                                   False, IEEE_DOT)
     else:
         for n0 in range(0, seqlen_k, BLOCK_N):
-            dq = _dq_tile(dq, q, do, lse2, delta, k_base, v_base, n0, b, h, offs_m, offs_n0, offs_d, offs_dv,
+            dq = _dq_tile(dq, q, do, lse2, tail, delta, k_base, v_base, n0, b, h, offs_m, offs_n0, offs_d, offs_dv,
                           stride_kn, stride_vn, seqlen_q, seqlen_k, head_dim, head_dim_v, sm_scale,
                           SCORE_ARGS, MASK_ARGS, SCORE_MOD, MASK_MOD, False, IEEE_DOT)
     tl.store(DQ + b64 * stride_dqb + h64 * stride_dqh + rows * stride_dqm + offs_d[None, :],
@@ -237,7 +240,7 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, b, h, of
     dot_ = tl.load(do_base + cols * stride_dom + offs_dv[:, None],
                    mask=m_ok[None, :] & (offs_dv[:, None] < head_dim_v), other=0.0)
     lse = tl.load(lse_base + offs_m, mask=m_ok, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * C_LOG2E)
+    lse2, tail = row_lse2(lse, 2)
     delta = tl.load(delta_base + offs_m, mask=m_ok, other=0.0)
     if IEEE_DOT:
         raw = tl.dot(k, qt, input_precision="ieee")
@@ -247,7 +250,7 @@ def _dkdv_tile(dk, dv, k, v, q_base, do_base, lse_base, delta_base, m0, b, h, of
         dpt = tl.dot(v, dot_)
     s, dfac = flex_scores(raw, b, h, offs_m[None, :], offs_n[:, None], seqlen_q, seqlen_k, sm_scale,
                           SCORE_ARGS, MASK_ARGS, SCORE_MOD, MASK_MOD, APPLY_MASK)
-    pt = tl.exp2(s - lse2[None, :])
+    pt = tl.exp2((s - lse2[None, :]) - tail[None, :])
     if IEEE_DOT:
         dv = tl.dot(pt.to(dot_.dtype), tl.trans(dot_), dv, input_precision="ieee")
     else:

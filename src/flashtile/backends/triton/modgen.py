@@ -31,9 +31,17 @@ Translated (aten ops)::
                  made inside the mod (torch.tensor(5))
     dtypes       _to_copy (casts), views and copies of one element (no-ops)
 
-Any other op is refused (``UntranslatableMod``, naming the op and the mod), and so is a
-mod whose result per element is not one value, never computed differently. A
+Any other op is refused (``UntranslatableMod``, naming the op and the mod), and so are a
+mod whose result per element is not one value, a view or reshape of a captured tensor and
+an integer constant beyond int32; never computed differently. Ops on constants alone are
+computed here with torch (Triton would fold Python literals with Python's semantics). A
 ``triton.jit`` function may be passed instead of a Python mod (``triton_mod``).
+
+Known differences from torch (tests/backends/triton/test_modgen.py): the indices are int32
+in the kernels (int64 in torch's calls), so integer arithmetic on them that passes 2^31
+wraps; a row that only scores below -2^126 / log2(e) reach (torch.finfo(float32).min)
+spreads evenly over them as in torch, but its LSE is the float masks' encoding of that
+case (``scores.row_lse2``), not torch's value.
 """
 
 from __future__ import annotations
@@ -135,12 +143,13 @@ _CACHE: dict = {}
 _COUNTER = [0]
 
 
-def _reachable(fn, depth: int = 4, seen=None) -> list:
-    """Tensors a mod can reach (its closure, the globals it names, a partial's arguments, a
-    bound method's object), recursing through functions and containers: the guard of a
-    cached translation (a mod rebound to another tensor is traced again)."""
+def _reachable(fn, depth: int = 4, seen=None) -> tuple:
+    """(tensors, Python numbers) a mod can reach (its closure, the globals it names, a
+    partial's arguments, a bound method's object), recursing through functions and
+    containers: the guard of a cached translation (a mod rebound to another tensor, or
+    reading a number that changed, is traced again)."""
     seen = set() if seen is None else seen
-    found = []
+    found, scalars = [], []
 
     def visit(obj, level):
         if id(obj) in seen or level < 0:
@@ -148,6 +157,8 @@ def _reachable(fn, depth: int = 4, seen=None) -> list:
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             found.append(obj)
+        elif isinstance(obj, (bool, int, float, complex)):
+            scalars.append(obj)  # read by value into the trace: a new value must trace again
         elif isinstance(obj, (list, tuple)):
             for x in obj:
                 visit(x, level - 1)
@@ -181,7 +192,7 @@ def _reachable(fn, depth: int = 4, seen=None) -> list:
             visit(vars(obj), level - 1)
 
     visit(fn, depth)
-    return found
+    return found, scalars
 
 
 def is_triton_function(fn) -> bool:
@@ -196,7 +207,8 @@ def translate(fn, kind: str, device) -> Translated:
     the tensors it can reach are the same objects."""
     if is_triton_function(fn):
         return triton_mod(fn, kind)
-    reach = tuple(id(t) for t in _reachable(fn))
+    tensors, scalars = _reachable(fn)
+    reach = (tuple(id(t) for t in tensors), tuple((type(x), x) for x in scalars))
     key = (id(fn), kind)
     hit = _CACHE.get(key)
     if hit is not None:
@@ -206,7 +218,7 @@ def translate(fn, kind: str, device) -> Translated:
     translated = _trace(fn, kind, device)
     traced_ids = {id(t) for t in translated.captured}
     # Tensors the trace read that the guard cannot see: trace again on every call.
-    translated.guard = reach if traced_ids <= set(reach) else None
+    translated.guard = reach if traced_ids <= set(reach[0]) else None
     try:
         _CACHE[key] = (weakref.ref(fn), translated)
     except TypeError:
@@ -305,6 +317,8 @@ class _Emitter:
         if isinstance(arg, bool):
             return _Val("True" if arg else "False", torch.bool)
         if isinstance(arg, int):
+            if not -2**31 <= arg < 2**31:
+                self.refuse(f"the integer constant {arg} (the kernels' indices are int32: it would wrap)")
             return _Val(str(arg), torch.int64)
         if isinstance(arg, float):
             if math.isinf(arg):
@@ -388,20 +402,63 @@ class _Emitter:
     def op(self, node):
         target, args, kwargs = node.target, node.args, node.kwargs
         val = node.meta.get("val")
-        if isinstance(val, torch.Tensor) and val.numel() != 1 and target not in _VIEWS:
+        dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
+        first = self.env.get(args[0]) if args and isinstance(args[0], torch.fx.Node) else None
+        if isinstance(first, _Ref):  # an op on a captured tensor itself, before any element is read
+            if target is aten.select.int:
+                return self.select(args[0], args[1], args[2])
+            if target is aten.index.Tensor:
+                return self.index(args[0], args[1], dtype)
+            if target in _SAME_TENSOR:
+                return first
+            if target in _VIEWS:
+                self.refuse(f"{target} of a captured tensor (index the tensor as it is, or capture the view)")
+        if isinstance(val, torch.Tensor) and val.numel() != 1:
             self.refuse(f"{target} giving a tensor of shape {tuple(val.shape)} per element (a mod must give one "
                         f"value per (b, h, q_idx, kv_idx))")
-        dtype = val.dtype if isinstance(val, torch.Tensor) else torch.float32
+        if target is aten.detach.default:  # a value without a derivative
+            v = self.value(args[0])
+            return _Val(v.expr, v.dtype)
         if target is aten.lift_fresh_copy.default or target in _VIEWS:
-            return self.env[args[0]] if isinstance(args[0], torch.fx.Node) else self.value(args[0])
+            return first if first is not None else self.value(args[0])
         if target is aten.index.Tensor:
             return self.index(args[0], args[1], dtype)
-        if target is aten.select.int:
-            return self.select(args[0], args[1], args[2])
+        folded = self.fold(node, dtype)
+        if folded is not None:
+            return folded
         handler = _OPS.get(target)
         if handler is None:
             self.refuse(f"the op {target}")
         return handler(self, args, kwargs, dtype)
+
+    def fold(self, node, dtype):
+        """An op whose inputs are all constants, computed here with torch's semantics (Triton
+        would fold Python literals with Python's)."""
+        values = []
+        for a in list(node.args) + list(node.kwargs.values()):
+            if isinstance(a, torch.fx.Node):
+                v = self.env.get(a)
+                if not isinstance(v, _Val) or _literal(v.expr) is None:
+                    return None
+                values.append(_literal(v.expr))
+        if not values:
+            return None
+        lits = iter(values)
+
+        def sub(a):
+            if isinstance(a, torch.fx.Node):
+                return torch.tensor(next(lits), dtype=self.env[a].dtype)
+            return a
+
+        args = [sub(a) for a in node.args]
+        kwargs = {k: sub(v) for k, v in node.kwargs.items()}
+        try:
+            result = node.target(*args, **kwargs)
+        except Exception:
+            return None
+        if not isinstance(result, torch.Tensor) or result.numel() != 1:
+            return None
+        return _Val(self.cast(repr(result.item()), dtype), dtype)
 
     def ref(self, arg) -> _Ref:
         v = self.env.get(arg) if isinstance(arg, torch.fx.Node) else None
@@ -456,7 +513,7 @@ def _compile_source(source: str, name: str):
     digest = hashlib.sha1(source.encode()).hexdigest()[:16]
     filename = f"<flashtile-mod-{digest}>"
     full = ("import triton\nimport triton.language as tl\n"
-            "from flashtile.backends.triton.modlib import floordiv, remainder, tanh, sigmoid, sign, gather\n\n"
+            "from flashtile.backends.triton.modlib import floordiv, floordiv_float, remainder, tanh, sigmoid, sign, gather\n\n"
             + source)
     linecache.cache[filename] = (len(full), None, full.splitlines(True), filename)
     namespace: dict = {"__name__": f"flashtile_mod_{digest}"}
@@ -468,6 +525,9 @@ def _compile_source(source: str, name: str):
 _VIEWS = {aten.view.default, aten._unsafe_view.default, aten.clone.default, aten.alias.default,
           aten.detach.default, aten.expand.default, aten.unsqueeze.default, aten.squeeze.dim,
           aten.squeeze.default, aten.reshape.default, aten.contiguous.default, aten.lift_fresh_copy.default}
+# Of those, the ones that leave a captured tensor's indexing as it is.
+_SAME_TENSOR = {aten.clone.default, aten.alias.default, aten.detach.default, aten.contiguous.default,
+                aten.lift_fresh_copy.default}
 
 
 def _binary(symbol: str, deriv: Optional[Callable] = None):
@@ -477,6 +537,8 @@ def _binary(symbol: str, deriv: Optional[Callable] = None):
         bexpr = b.expr if alpha in (None, 1) else f"({b.expr} * {alpha})"
         bd = b.d if alpha in (None, 1) or b.d is None else f"({b.d} * {alpha})"
         aexpr = a.expr
+        if dtype == torch.bool and symbol in ("+", "*"):  # torch: bool + bool is OR, bool * bool AND
+            return _Val(e.fresh(f"({aexpr} != 0) {'|' if symbol == '+' else '&'} ({bexpr} != 0)"), torch.bool)
         if symbol == "/" and not a.dtype.is_floating_point and not b.dtype.is_floating_point:
             aexpr, bexpr = f"({aexpr} * 1.0)", f"({bexpr} * 1.0)"  # torch's true division of integers
         var = e.fresh(e.cast(f"{aexpr} {symbol} {bexpr}", dtype))
@@ -518,7 +580,9 @@ def _rsub(e, args, kwargs, dtype):
     a, b = e.value(args[0]), e.value(args[1])
     alpha = kwargs.get("alpha", 1)
     var = e.fresh(e.cast(f"{b.expr} - {a.expr} * {alpha}", dtype))
-    d = f"(-({a.d}) * {alpha})" if a.d else None
+    d = None
+    if (a.d or b.d) and e.kind == "score":
+        d = e.fresh(f"{b.d or 0.0} - ({a.d or 0.0}) * {alpha}")
     return _Val(var, dtype, d)
 
 
@@ -558,24 +622,42 @@ def _unary(expr: str, deriv: Optional[str] = None, float_only: bool = True):
     return handler
 
 
+def _power(e, x: str, n: int) -> str:
+    """x ** n for an integer n by repeated squaring (a negative n: its reciprocal)."""
+    if n == 0:
+        return f"(tl.zeros_like({x}) + 1.0)"
+    result, base, k = None, x, abs(n)
+    while k:
+        if k & 1:
+            result = base if result is None else e.fresh(f"{result} * {base}")
+        k >>= 1
+        if k:
+            base = e.fresh(f"{base} * {base}")
+    return result if n > 0 else e.fresh(f"1.0 / {result}")
+
+
 def _pow(e, args, kwargs, dtype):
+    """x ** n for a constant n: integral exponents (2, 2.0, -1, 9) by multiplication (a
+    negative base is fine, as in torch), others through exp2/log2 (NaN for a negative base,
+    as torch). The derivative is n * x ** (n - 1), 0 at x == 0 for n > 1."""
     a, n = e.value(args[0]), args[1]
-    if not isinstance(n, (int, float)):
+    if not isinstance(n, (int, float)) or isinstance(n, bool):
         e.refuse("pow with a tensor exponent")
-    if isinstance(n, int) and 0 <= n <= 8:
-        expr = " * ".join([a.expr] * n) if n else f"({a.expr} * 0 + 1)"
+    integral = float(n).is_integer() and abs(n) <= 64
+    x = a.expr if a.dtype.is_floating_point or (integral and n >= 0) else e.cast(a.expr, torch.float32)
+    if integral:
+        expr = _power(e, x, int(n))
     else:
-        expr = f"tl.exp2({n} * tl.log2({e.cast(a.expr, torch.float32)}))"
+        expr = f"tl.exp2({float(n)} * tl.log2({e.cast(a.expr, torch.float32)}))"
     var = e.fresh(e.cast(expr, dtype))
     d = None
     if a.d is not None and e.kind == "score":
         if n == 0:
             d = "0.0"
-        elif isinstance(n, int) and n >= 1:
-            lower = " * ".join([a.expr] * (n - 1)) if n > 1 else "1.0"
-            d = e.fresh(f"{n} * ({lower}) * {a.d}")
+        elif integral:
+            d = e.fresh(f"{float(n)} * {_power(e, x, int(n) - 1)} * ({a.d})")
         else:
-            d = e.fresh(f"{n} * ({var} / {a.expr}) * {a.d}")
+            d = e.fresh(f"{float(n)} * tl.exp2({float(n) - 1.0} * tl.log2({x})) * ({a.d})")
     return _Val(var, dtype, d)
 
 
@@ -599,19 +681,23 @@ def _clamp(lo_pos: Optional[int], hi_pos: Optional[int]):
         a = e.value(args[0])
         lo = args[lo_pos] if lo_pos is not None and len(args) > lo_pos else kwargs.get("min")
         hi = args[hi_pos] if hi_pos is not None and len(args) > hi_pos else kwargs.get("max")
-        expr, ok = a.expr, []
+        expr = a.expr
+        lv = hv = None
         if lo is not None:
             lv = e.value(lo)
             expr = f"tl.maximum({expr}, {lv.expr})"
-            ok.append(f"({a.expr} >= {lv.expr})")
         if hi is not None:
             hv = e.value(hi)
             expr = f"tl.minimum({expr}, {hv.expr})"
-            ok.append(f"({a.expr} <= {hv.expr})")
         var = e.fresh(e.cast(expr, dtype))
         d = None
-        if a.d is not None and e.kind == "score":
-            d = e.fresh(f"tl.where({' & '.join(ok) or 'True'}, {a.d}, 0.0)")
+        if e.kind == "score" and (a.d or (lv is not None and lv.d) or (hv is not None and hv.d)):
+            # torch: the input's derivative where lo <= x <= hi, else the bound's that was taken
+            d = a.d or "0.0"
+            if lv is not None:
+                d = e.fresh(f"tl.where({a.expr} < {lv.expr}, {lv.d or 0.0}, {d})")
+            if hv is not None:
+                d = e.fresh(f"tl.where({a.expr} > {hv.expr}, {hv.d or 0.0}, {d})")
         return _Val(var, dtype, d)
     return handler
 
@@ -638,7 +724,7 @@ def _fill(value_pos: Optional[int], value=None):
         ref = e.value(args[0]) if value_pos != 0 else None
         lit = e.value(v)
         if ref is not None:
-            return _Val(e.fresh(e.cast(f"{ref.expr} * 0 + {lit.expr}", dtype)), dtype)
+            return _Val(e.fresh(e.cast(f"tl.zeros_like({ref.expr}) + {lit.expr}", dtype)), dtype)
         return _Val(e.fresh(e.cast(lit.expr, dtype)), dtype)
     return handler
 
@@ -646,7 +732,8 @@ def _fill(value_pos: Optional[int], value=None):
 def _floor_div(e, args, kwargs, dtype):
     a, b = e.value(args[0]), e.value(args[1])
     if dtype.is_floating_point:
-        return _Val(e.fresh(e.cast(f"tl.floor({a.expr} / {b.expr})", dtype)), dtype, None)
+        return _Val(e.fresh(e.cast(f"floordiv_float({e.cast(a.expr, dtype)}, {e.cast(b.expr, dtype)})", dtype)),
+                    dtype, None)
     return _Val(e.fresh(e.cast(f"floordiv({a.expr}, {b.expr})", dtype)), dtype)
 
 
@@ -663,14 +750,23 @@ def _div_mode(e, args, kwargs, dtype):
     return _binary("/", _d_div)(e, args, {}, dtype)
 
 
+def _mod_derivative(e, a, b, name):
+    """d (a mod b) / d score: a's (the quotient is piecewise constant); a divisor that depends
+    on the score is refused."""
+    if b.d is not None:
+        e.refuse(f"{name} by a value that depends on the score")
+    return a.d if e.kind == "score" else None
+
+
 def _remainder(e, args, kwargs, dtype):
     a, b = e.value(args[0]), e.value(args[1])
-    return _Val(e.fresh(e.cast(f"remainder({a.expr}, {b.expr})", dtype)), dtype)
+    return _Val(e.fresh(e.cast(f"remainder({a.expr}, {b.expr})", dtype)), dtype,
+                _mod_derivative(e, a, b, "remainder"))
 
 
 def _fmod(e, args, kwargs, dtype):
     a, b = e.value(args[0]), e.value(args[1])
-    return _Val(e.fresh(e.cast(f"{a.expr} % {b.expr}", dtype)), dtype)
+    return _Val(e.fresh(e.cast(f"{a.expr} % {b.expr}", dtype)), dtype, _mod_derivative(e, a, b, "fmod"))
 
 
 LN2 = 0.6931471805599453
@@ -686,7 +782,8 @@ _OPS = {
     aten.remainder.Tensor: _remainder, aten.remainder.Scalar: _remainder,
     aten.fmod.Tensor: _fmod, aten.fmod.Scalar: _fmod,
     aten.neg.default: _unary("-{x}", "-({dx})", float_only=False),
-    aten.abs.default: _unary("tl.abs({x})", "tl.where({x} >= 0, {dx}, -({dx}))", float_only=False),
+    aten.abs.default: _unary("tl.abs({x})", "tl.where({x} > 0, {dx}, tl.where({x} < 0, -({dx}), 0.0))",
+                             float_only=False),
     aten.reciprocal.default: _unary("1.0 / {x}", "-({dx}) * {y} * {y}"),
     aten.exp.default: _unary("tl.exp({x})", "{y} * ({dx})"),
     aten.exp2.default: _unary("tl.exp2({x})", f"{{y}} * {LN2} * ({{dx}})"),

@@ -16,6 +16,18 @@ def floordiv(a, b):
 
 
 @triton.jit
+def floordiv_float(a, b):
+    """torch's floor division of floats: the quotient of a - fmod(a, b), not floor(a / b)
+    (1.0 // 0.1 is 9.0)."""
+    mod = a % b  # fmod: the sign of a
+    div = (a - mod) / b
+    div = tl.where((mod != 0) & ((b < 0) != (mod < 0)), div - 1.0, div)
+    floored = tl.floor(div)
+    floored = tl.where(div - floored > 0.5, floored + 1.0, floored)
+    return tl.where(b == 0, a / b, floored)
+
+
+@triton.jit
 def remainder(a, b):
     """torch's ``%`` (the sign of the divisor) for integers and floats."""
     r = a % b

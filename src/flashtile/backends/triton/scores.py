@@ -146,7 +146,8 @@ def flex_scores(raw, b, h, i2, j2, seqlen_q, seqlen_k, sm_scale, SCORE_ARGS, MAS
         s = score_mod(scale * q.k, b, h, i, j)      (a translated mod: ``modgen.py``)
         s = -inf where mask_mod(b, h, i, j) is False (partial blocks: ``APPLY_MASK``)
               or where i or j is past its sequence
-        s = s * log2(e)                               (base 2, as every kernel's)
+        s = s * log2(e)                               (base 2, as every kernel's; below
+                                                      -2^126: HIDDEN2, as a float mask's)
 
     ``dfac`` = d s / d(q.k) in natural units: scale times score_mod's derivative (the
     backward's chain rule). ``i2``/``j2``: query and key indices broadcast to the tile's
@@ -161,7 +162,12 @@ def flex_scores(raw, b, h, i2, j2, seqlen_q, seqlen_k, sm_scale, SCORE_ARGS, MAS
     visible = (j2 < seqlen_k) & (i2 < seqlen_q)
     if APPLY_MASK:
         visible = visible & MASK_MOD(b, h, i2, j2, MASK_ARGS)
-    s = tl.where(visible, s * C_LOG2E, float("-inf"))
+    s2 = s * C_LOG2E
+    # Scores a mod pushes below -2^126 in base 2 (torch.finfo(float32).min: "hidden" as
+    # transformers writes it) all become HIDDEN2, as a float mask's do (add_float_mask): a
+    # row only such keys reach spreads evenly over them, as in torch.
+    s2 = tl.where(s2 < HUGE_BIAS2, tl.where(s == float("-inf"), float("-inf"), HIDDEN2), s2)
+    s = tl.where(visible, s2, float("-inf"))
     return s, dfac
 
 
