@@ -43,22 +43,30 @@ def _visible(sparsity: Optional[Sparsity], state, b, h, rows, seqlen_k, device):
     return visible | (partial & keep)
 
 
+def _setup(q, k, v, sparsity: Optional[Sparsity], work):
+    """What both passes share: k and v in ``work`` precision with the query heads' copies
+    (GQA), the broadcast index tensors b, h, kv_idx, the block states, the rows per slab."""
+    batch, nheads = q.shape[:2]
+    seqlen_k, group = k.shape[2], nheads // k.shape[1]
+    kw, vw = k.to(work), v.to(work)
+    if group > 1:
+        kw, vw = kw.repeat_interleave(group, dim=1), vw.repeat_interleave(group, dim=1)
+    b = torch.arange(batch, device=q.device).view(-1, 1, 1, 1)
+    h = torch.arange(nheads, device=q.device).view(1, -1, 1, 1)
+    kv_idx = torch.arange(seqlen_k, device=q.device).view(1, 1, 1, -1)
+    state = sparsity.block_state() if sparsity is not None else None
+    slab = max(1, _SLAB_ELEMENTS // max(1, batch * nheads * seqlen_k))
+    return kw, vw, b, h, kv_idx, state, slab
+
+
 def forward(q, k, v, score_mod: Optional[Callable], sparsity: Optional[Sparsity], scale: float):
     """q (B, Hq, L, E), k (B, Hkv, S, E), v (B, Hkv, S, Ev) -> (out (B, Hq, L, Ev) in q's
     dtype, lse (B, Hq, L) float32, float64 for float64 inputs). Differentiable in q, k, v and the mods' captured tensors."""
     batch, nheads, seqlen_q, _ = q.shape
-    seqlen_k = k.shape[2]
-    group = nheads // k.shape[1]
     work = torch.float64 if q.dtype == torch.float64 else torch.float32
-    kw = k.to(work).repeat_interleave(group, dim=1) if group > 1 else k.to(work)
-    vw = v.to(work).repeat_interleave(group, dim=1) if group > 1 else v.to(work)
+    kw, vw, b, h, kv_idx, state, slab = _setup(q, k, v, sparsity, work)
     qw = q.to(work)
-    device = q.device
-    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
-    h = torch.arange(nheads, device=device).view(1, -1, 1, 1)
-    kv_idx = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
-    state = sparsity.block_state() if sparsity is not None else None
-    slab = max(1, _SLAB_ELEMENTS // max(1, batch * nheads * seqlen_k))
+    seqlen_k, device = k.shape[2], q.device
     outs, lses = [], []
     for first in range(0, seqlen_q, slab):
         rows = torch.arange(first, min(seqlen_q, first + slab), device=device)
@@ -91,16 +99,8 @@ def captured_grads(q, k, v, dout, lse, delta, score_mod: Callable, sparsity: Opt
     one slab of (B, Hq, rows, S) scores. Returns one gradient per tensor (None where the
     mod does not reach it)."""
     batch, nheads, seqlen_q, _ = q.shape
-    seqlen_k = k.shape[2]
-    group = nheads // k.shape[1]
-    kw = k.float().repeat_interleave(group, dim=1) if group > 1 else k.float()
-    vw = v.float().repeat_interleave(group, dim=1) if group > 1 else v.float()
-    device = q.device
-    b = torch.arange(batch, device=device).view(-1, 1, 1, 1)
-    h = torch.arange(nheads, device=device).view(1, -1, 1, 1)
-    kv_idx = torch.arange(seqlen_k, device=device).view(1, 1, 1, -1)
-    state = sparsity.block_state() if sparsity is not None else None
-    slab = max(1, _SLAB_ELEMENTS // max(1, batch * nheads * seqlen_k))
+    kw, vw, b, h, kv_idx, state, slab = _setup(q, k, v, sparsity, torch.float32)
+    seqlen_k, device = k.shape[2], q.device
     grads = [None] * len(tensors)
     for first in range(0, seqlen_q, slab):
         last = min(seqlen_q, first + slab)
