@@ -16,8 +16,9 @@ def test_check_on_cpu_passes(capsys, monkeypatch):
     monkeypatch.delenv("FLASHTILE_BACKEND", raising=False)
     assert cli.main(["check", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
-    assert "9/9 cases pass" in out and "torch-twin" in out and "FAIL" not in out
-    for api in ("flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "flash_attn_with_kvcache"):
+    assert "10/10 cases pass" in out and "torch-twin" in out and "FAIL" not in out
+    for api in ("flash_attn_func", "flash_attn_varlen_func", "scaled_dot_product_attention", "flash_attn_with_kvcache",
+                "flex_attention"):
         assert f"ok    {api}" in out
 
 
@@ -28,7 +29,7 @@ def test_check_reports_a_wrong_result(capsys, monkeypatch):
     assert cli.main(["check", "--device", "cpu"]) == 1
     out = capsys.readouterr().out
     assert "FAIL  flash_attn_func [float32]" in out and "ok    flash_attn_varlen_func" in out
-    assert "4/9 cases pass, 5 fail" in out
+    assert "5/10 cases pass, 5 fail" in out
 
 
 def test_check_without_a_gpu_says_so(capsys, monkeypatch):

@@ -186,6 +186,52 @@ def _kvcache_case(device, dtype, *, page=0):
     return ok, worst, detail
 
 
+def _flex_case(device, dtype):
+    """flex_attention with a translated score_mod (a relative-position table) and a document
+    mask built by torch's create_block_mask: the flex kernels on a GPU, the twin on CPU."""
+    import torch
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    import flashtile
+    from flashtile.backends.twin.flex import forward as twin_forward
+    from flashtile.problem.blockmask import sparsity
+
+    g = torch.Generator(device="cpu").manual_seed(4)
+    b, h, hk, s, d = 2, 4, 2, 200, 64
+    q = torch.randn(b, h, s, d, generator=g).to(device, dtype)
+    k, v = (torch.randn(b, hk, s, d, generator=g).to(device, dtype) for _ in range(2))
+    dout = torch.randn(b, h, s, d, generator=g).to(device, dtype)
+    table = (torch.randn(h, 2 * s - 1, generator=g) * 0.5).to(device)
+    docs = (torch.arange(s, device=device) // 70)
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + (s - 1)]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return (docs[q_idx] == docs[kv_idx]) & (q_idx >= kv_idx)
+
+    block_mask = create_block_mask(mask_mod, None, None, s, s, device=device, BLOCK_SIZE=64)
+    out, grads = _with_grads(lambda q, k, v: flashtile.flex_attention(q, k, v, score_mod=score_mod,
+                                                                      block_mask=block_mask, enable_gqa=True),
+                             [q, k, v], dout)
+    sp = sparsity(block_mask, b, h, s, s, device)
+
+    def plain(q, k, v):
+        """Plain PyTorch in the input dtype (the rule's base): products and weights in it."""
+        kk, vv = (x.repeat_interleave(h // hk, 1) for x in (k, v))
+        i = torch.arange(s, device=device)
+        scores = score_mod((q @ kk.transpose(-1, -2)) * d ** -0.5, None, torch.arange(h, device=device).view(
+            1, -1, 1, 1), i.view(1, 1, -1, 1), i.view(1, 1, 1, -1)).to(q.dtype)
+        keep = mask_mod(None, None, i.view(-1, 1), i.view(1, -1))
+        p = torch.softmax(scores.float().masked_fill(~keep, float("-inf")), -1).to(q.dtype)
+        return p @ vv
+
+    ref, ref_g = _with_grads(lambda q, k, v: twin_forward(q, k, v, score_mod, sp, d ** -0.5)[0],
+                             [x.to(torch.float64) for x in (q, k, v)], dout.to(torch.float64))
+    base, base_g = _with_grads(plain, [q, k, v], dout)
+    return _verdicts(_out_and_grads(out, grads, ref, ref_g, base, base_g), _factor)
+
+
 def _cases(device, dtype) -> list[tuple[str, Callable]]:
     return [
         ("flash_attn_func", lambda: _flash_case(device, dtype)),
@@ -197,6 +243,7 @@ def _cases(device, dtype) -> list[tuple[str, Callable]]:
         ("scaled_dot_product_attention mask", lambda: _sdpa_case(device, dtype)),
         ("flash_attn_with_kvcache rows", lambda: _kvcache_case(device, dtype)),
         ("flash_attn_with_kvcache page 16", lambda: _kvcache_case(device, dtype, page=16)),
+        ("flex_attention relative bias, documents", lambda: _flex_case(device, dtype)),
     ]
 
 
