@@ -66,13 +66,12 @@ def _fallback(op: str, reason: str, original, keyset, args, kwargs):
     return original.call_boxed(keyset, *args, **kwargs)
 
 
-def _matching(t: torch.Tensor, like) -> torch.Tensor:
-    """``t`` with the strides the op's meta kernel gives (``like``): a copy only if they differ
-    (torch.compile plans later reads with those strides)."""
-    if t.stride() == like.stride():
+def _restrided(t: torch.Tensor, stride: tuple) -> torch.Tensor:
+    """``t`` with ``stride`` (what the op's meta kernel, or an input, has): a copy only if they
+    differ (torch.compile plans later reads with those strides)."""
+    if t.stride() == tuple(stride) or t.numel() <= 1:
         return t
-    fixed = torch.empty_strided(like.shape, like.stride(), dtype=t.dtype, device=t.device)
-    return fixed.copy_(t)
+    return torch.empty_strided(t.shape, stride, dtype=t.dtype, device=t.device).copy_(t)
 
 
 @functools.lru_cache(maxsize=256)
@@ -91,12 +90,8 @@ def _like_meta(op: str, results, args, kwargs):
     shapes = tuple((tuple(a.shape), tuple(a.stride()), a.dtype) for a in args if isinstance(a, torch.Tensor))
     marked = tuple("<t>" if isinstance(a, torch.Tensor) else a for a in args)
     strides = _meta_strides(op, shapes, marked, tuple(sorted(kwargs.items())))
-    fixed = []
-    for r, st in zip(results, strides):
-        if isinstance(r, torch.Tensor) and st is not None and r.stride() != st and r.numel() > 1:
-            r = _matching(r, torch.empty_strided(r.shape, st, device="meta"))
-        fixed.append(r)
-    return tuple(fixed)
+    return tuple(_restrided(r, st) if isinstance(r, torch.Tensor) and st is not None else r
+                 for r, st in zip(results, strides))
 
 
 def _aux(query):
@@ -175,7 +170,7 @@ def _flash_backward(original, keyset, grad_out, query, key, value, out, logsumex
     lse = logsumexp if varlen is None else logsumexp.unsqueeze(0)
     grads = dispatch.attention_grads(grad_out, query, key, value, out, lse, problem, None, varlen,
                                      qkv_layout="bshd" if varlen is None else "thd")
-    return tuple(_matching(g, t) for g, t in zip(grads, (query, key, value)))
+    return tuple(_restrided(g, t.stride()) for g, t in zip(grads, (query, key, value)))
 
 
 def _sdpa_forward(original, keyset, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
@@ -200,7 +195,7 @@ def _sdpa_backward(original, keyset, grad_out, query, key, value, out, logsumexp
                           is_causal, philox_seed, philox_offset), dict(scale=scale))
     call = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True)
     grads = dispatch.attention_grads(grad_out, call.query, call.key, call.value, out, logsumexp, call.problem)
-    return tuple(_matching(g, t) for g, t in zip(grads, (query, key, value)))
+    return tuple(_restrided(g, t.stride()) for g, t in zip(grads, (query, key, value)))
 
 
 KERNELS = {

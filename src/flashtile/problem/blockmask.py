@@ -63,15 +63,14 @@ class Sparsity(NamedTuple):
 
     def block_state(self) -> torch.Tensor:
         """(Bm, Hm, nQ, nK) uint8: 0 skipped, 1 partial, 2 full (the twin's view)."""
-        n_q, n_k = self.kv_idx.shape[-2], self.kv_idx.shape[-1]
+        n_k = self.kv_idx.shape[-1]
         state = torch.zeros(self.kv_num.shape + (n_k,), dtype=torch.uint8, device=self.kv_num.device)
         for num, idx, value in ((self.kv_num, self.kv_idx, 1), (self.full_kv_num, self.full_kv_idx, 2)):
             if num is None:
                 continue
-            taken = torch.arange(idx.shape[-1], device=idx.device) < num[..., None].long()
-            src = torch.where(taken, torch.full_like(state, value), state.gather(-1, idx.long()))
-            state.scatter_(-1, idx.long(), src)
-        assert state.shape[-2] == n_q
+            taken = (torch.arange(idx.shape[-1], device=idx.device) < num[..., None].long()).to(torch.uint8)
+            # amax: an index listed again past the count (padding) never clears a listed block
+            state.scatter_reduce_(-1, idx.long(), taken * value, reduce="amax")
         return state
 
 

@@ -335,6 +335,20 @@ def flex_dkdv_kernel(
 
 
 # --------------------------------------------------------------------------- host side
+_DUMMIES: dict = {}
+
+
+def _dummy(device):
+    """A one-element int32 tensor on ``device`` for the pointer arguments a call does not use
+    (made once per device, not per call)."""
+    import torch
+
+    t = _DUMMIES.get(device)
+    if t is None:
+        t = _DUMMIES[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
 def alloc(shape, like, dtype=None):
     """An output buffer (one place, so that the GPU tests can poison them with NaN)."""
     return like.new_empty(shape, dtype=dtype or like.dtype)
@@ -398,7 +412,7 @@ class FlexLaunch:
             if mod is not None:
                 mod.check_bounds(extents)
         self.ieee = q.dtype == torch.float32
-        self.dummy = torch.empty(1, dtype=torch.int32, device=q.device)
+        self.dummy = _dummy(q.device)
         self.score_args = score.args(q.device) if score is not None else (self.dummy,)
         self.mask_args = mask.args(q.device) if mask is not None else (self.dummy,)
 

@@ -82,7 +82,6 @@ class Translated:
     fn: object
     source: str
     captured: tuple
-    uses_score: bool = True
     guard: tuple = ()
     direct: tuple = ()  # (captured tensor, its dim, "b" | "h" | "q_idx" | "kv_idx"): indexed by an index itself
     tile_gathers: int = 0  # loads of a whole (queries x keys) tile from captured tensors (an (L, S) bias)
@@ -140,7 +139,6 @@ class _Val:
 
 # --------------------------------------------------------------------------- the cache
 _CACHE: dict = {}
-_COUNTER = [0]
 
 
 def _reachable(fn, depth: int = 4, seen=None) -> tuple:
@@ -230,7 +228,7 @@ def triton_mod(fn, kind: str) -> Translated:
     """A user's own ``triton.jit`` mod (score: ``fn(score, b, h, q_idx, kv_idx, ARGS) ->
     (score, d score / d input)``; mask: ``fn(b, h, q_idx, kv_idx, ARGS) -> keep``), called
     with ARGS = (meta,) (no captured tensors)."""
-    return Translated(kind, getattr(fn, "__name__", "triton_mod"), fn, getattr(fn, "src", ""), (), True, ())
+    return Translated(kind, getattr(fn, "__name__", "triton_mod"), fn, getattr(fn, "src", ""), ())
 
 
 # --------------------------------------------------------------------------- tracing
@@ -348,7 +346,6 @@ class _Emitter:
         names = (["score"] if self.kind == "score" else []) + ["b", "h", "q_idx", "kv_idx"]
         for node, nm in zip(placeholders, names):
             self.env[node] = _Val(nm, torch.float32 if nm == "score" else torch.int32, "1.0" if nm == "score" else None)
-        uses_score = self.kind == "score" and len(placeholders[0].users) > 0
         result = None
         for node in self.gm.graph.nodes:
             if node.op == "placeholder":
@@ -382,7 +379,7 @@ class _Emitter:
         source = "\n".join(["@triton.jit", head, f'    """{self.kind}_mod {self.name!r}, translated."""']
                            + self.lines) + "\n"
         fn = _compile_source(source, self.fn_name())
-        return Translated(self.kind, self.name, fn, source, tuple(self.captured), uses_score,
+        return Translated(self.kind, self.name, fn, source, tuple(self.captured),
                           direct=tuple(dict.fromkeys(self.direct)), tile_gathers=self.tile_gathers)
 
     def fn_name(self) -> str:
@@ -513,7 +510,8 @@ def _compile_source(source: str, name: str):
     digest = hashlib.sha1(source.encode()).hexdigest()[:16]
     filename = f"<flashtile-mod-{digest}>"
     full = ("import triton\nimport triton.language as tl\n"
-            "from flashtile.backends.triton.modlib import floordiv, floordiv_float, remainder, tanh, sigmoid, sign, gather\n\n"
+            "from flashtile.backends.triton.modlib import floordiv, floordiv_float, remainder, sigmoid, sign, gather\n"
+            "from flashtile.backends.triton.scores import tanh\n\n"
             + source)
     linecache.cache[filename] = (len(full), None, full.splitlines(True), filename)
     namespace: dict = {"__name__": f"flashtile_mod_{digest}"}

@@ -1,6 +1,6 @@
 """Triton helpers the translated score and mask functions call (``modgen.py``): torch's
 integer semantics where Triton's differ, and math without libdevice (so the same code runs
-under TRITON_INTERPRET=1)."""
+under TRITON_INTERPRET=1). tanh is the score pipeline's (``scores.tanh``)."""
 
 from __future__ import annotations
 
@@ -32,16 +32,6 @@ def remainder(a, b):
     """torch's ``%`` (the sign of the divisor) for integers and floats."""
     r = a % b
     return tl.where((r != 0) & ((r < 0) != (b < 0)), r + b, r)
-
-
-@triton.jit
-def tanh(x):
-    """tanh, accurate near 0 and exactly +-1 far from it (as ``scores.tanh``)."""
-    big = 1.0 - 2.0 / (tl.exp(2.0 * x) + 1.0)
-    x2 = x * x
-    small = x * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333
-                 + x2 * (-0.05396825396825397 + x2 * 0.021869488536155203))))
-    return tl.where(tl.abs(x) < 0.25, small, big)
 
 
 @triton.jit
