@@ -179,3 +179,16 @@ def test_gqa_forward_matches_the_reference_slice(impl: str) -> None:
     out = bench._first(bench.build_forward(impl, shape, *inputs)())
     got = out[-1, :, -1, :] if impl == "flashtile" else out[-1, -1]
     torch.testing.assert_close(got, bench._reference_slice(shape, *bshd), atol=1e-5, rtol=1e-5)
+
+
+def test_flex_bench_options(capsys):
+    """`flashtile bench --flex` is routed to the flex module, lists its patterns and peers, and
+    refuses an unknown pattern (it needs CUDA to run)."""
+    with pytest.raises(SystemExit) as ok:
+        bench_main(["--flex", "-h"])
+    assert ok.value.code == 0
+    text = capsys.readouterr().out
+    assert "relbias" in text and "torch-flex" in text and "flashtile-flex-ready" in text
+    with pytest.raises(SystemExit) as bad:
+        bench_main(["--flex", "--pattern", "nonsense"])
+    assert bad.value.code == 2
