@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|decode|transformers|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|decode|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -18,7 +18,8 @@ if [[ $what == tests || $what == all || $what == tests-1 || $what == tests-2 || 
   # files) and `tests-3` (issues 35-37: sinks, chunks, head dims, flex, the SDPA provider) split it.
   part1="tests/backends/test_backward_gpu.py tests/backends/sm90/test_sm90_backward_gpu.py tests/api/test_varlen_gpu.py"
   part3="tests/api/test_sinks_gpu.py tests/api/test_chunks_gpu.py tests/api/test_head_dims_gpu.py
-         tests/api/test_flex_gpu.py tests/integrations/test_torch_sdpa_gpu.py"
+         tests/api/test_flex_gpu.py tests/integrations/test_torch_sdpa_gpu.py
+         tests/integrations/test_continuous_batching_gpu.py"
   case $what in
     tests-1) sel="$part1"; dsl="" ;;
     tests-2) sel="tests"; dsl=$(for f in $part1 $part3; do printf -- "--deselect %s " "$f"; done) ;;
@@ -102,6 +103,23 @@ if [[ $what == transformers ]]; then
   timeout ${TF_BENCH_TIMEOUT:-400} python3 benchmarks/transformers_step.py --out "$OUT/transformers-step.jsonl" \
     ${TF_BENCH_ARGS:-} > "$OUT/transformers-step.log" 2>&1
   echo "transformers step rc=$?"; grep -v Warn "$OUT/transformers-step.log" | tail -14
+fi
+if [[ $what == provider ]]; then
+  # Issue 37: the SDPA provider (its host cost, its speed against flashtile's direct call and
+  # PyTorch's flash backend, a training step through transformers' "sdpa") and continuous
+  # batching (generate_batch on flashtile_fa2 against transformers' paged sdpa).
+  timeout 70 python3 benchmarks/host_overhead.py --impl flashtile sdpa-flash sdpa-flashtile \
+    > "$OUT/host-provider.log" 2>&1
+  echo "host overhead rc=$?"; grep -v Warn "$OUT/host-provider.log"
+  timeout 150 python3 -m flashtile.tools.bench --dtype bf16 --pass fwd bwd --impl flashtile sdpa-flash sdpa-flashtile \
+    --headdim 64 128 --seqlen 2048 8192 16384 --out /tmp/bench --tag h200-bf16-provider > "$OUT/bench-provider.log" 2>&1
+  echo "bench provider rc=$?"; cp /tmp/bench/h200-bf16-provider.jsonl /tmp/bench/h200-bf16-provider-summary.md "$OUT/" 2>/dev/null
+  timeout ${PROVIDER_TRAIN_TIMEOUT:-200} python3 benchmarks/transformers_step.py --impl sdpa "sdpa[flash]" sdpa+flashtile \
+    tiled_attention --workload train-full --steps 10 --out "$OUT/provider-train.jsonl" > "$OUT/provider-train.log" 2>&1
+  echo "provider train rc=$?"; grep -v Warn "$OUT/provider-train.log" | tail -6
+  timeout ${CB_TIMEOUT:-150} python3 benchmarks/transformers_step.py --impl flashtile_fa2 sdpa --workload cb \
+    --out "$OUT/cb.jsonl" > "$OUT/cb.log" 2>&1
+  echo "continuous batching rc=$?"; grep -v -i "warn\|psutil" "$OUT/cb.log" | tail -5
 fi
 if [[ $what == sweep ]]; then
   timeout 280 python3 benchmarks/sweep_bwd.py --out "$OUT/sweep-bwd.jsonl" > "$OUT/sweep-bwd.log" 2>&1

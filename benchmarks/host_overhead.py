@@ -7,7 +7,9 @@ For each workload and implementation: ``host`` is microseconds per call measured
 perf_counter over 200 calls enqueued back to back, the fastest of 5 such blocks (no sync
 inside a block: while the GPU queue is not full this is the CPU cost of one call), ``gpu`` is do_bench's median. When host > gpu,
 a loop of eager calls waits on Python, and do_bench of it times the host, not the kernel.
-Peers: sdpa-cudnn and sdpa-flash (torch SDPA with that backend forced). For varlen the
+Peers: sdpa-cudnn and sdpa-flash (torch SDPA with that backend forced), and sdpa-flashtile
+(SDPA's flash backend with flashtile's SDPA provider active: the provider's host cost next
+to the direct call's). For varlen the
 peers run the same tokens as one dense sequence; for decode they attend over the whole
 cache (SDPA has no per-sequence lengths). ``--plans-off`` sets FLASHTILE_PLANS=0 (every
 call takes the full path: validation, config, Triton's launcher).
@@ -23,6 +25,7 @@ catch a host-cost regression, not a timed test.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -32,7 +35,21 @@ import torch
 
 import flashtile
 
-IMPLS = ("flashtile", "sdpa-cudnn", "sdpa-flash")
+IMPLS = ("flashtile", "sdpa-cudnn", "sdpa-flash", "sdpa-flashtile")
+
+
+@contextlib.contextmanager
+def provider(on: bool):
+    """flashtile's SDPA provider active inside (for the sdpa-flashtile rows)."""
+    if not on:
+        yield
+        return
+    from flashtile.integrations import torch_sdpa
+    torch_sdpa.activate()
+    try:
+        yield
+    finally:
+        torch_sdpa.deactivate()
 
 
 def host_us(fn, n=200, warmup=1, sync=None, blocks=1):
@@ -91,13 +108,14 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
     qvt, kvt, vvt = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (qv, kv, vv))
     qdt = t(qd).contiguous()
     kdt, vdt = (t(x).repeat_interleave(Hq // Hk, dim=1).contiguous() for x in (kc, vc))
-    for impl, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION)):
+    for impl, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION),
+                          ("sdpa-flashtile", SDPBackend.FLASH_ATTENTION)):
         def forced(fn, backend=backend):
             def call():
                 with sdpa_kernel(backend):
                     return fn()
             return call
-        with sdpa_kernel(backend):
+        with sdpa_kernel(backend), provider(impl == "sdpa-flashtile"):
             o = sdpa(*lt, is_causal=True)
         do = torch.randn_like(o)
         rows["fwd, no grad"][impl] = forced(lambda: sdpa(qt, kt, vt, is_causal=True))
@@ -153,10 +171,11 @@ def main(argv=None) -> int:
         for impl in args.impl:
             try:
                 fn = impls[impl]
-                fn()
-                torch.cuda.synchronize()
-                gpu = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
-                cells.append(f"{impl}: host {host_us(fn, blocks=5):6.1f} gpu {gpu:7.1f}")
+                with provider(impl == "sdpa-flashtile"):
+                    fn()
+                    torch.cuda.synchronize()
+                    gpu = do_bench(fn, warmup=25, rep=100, return_mode="median") * 1e3
+                    cells.append(f"{impl}: host {host_us(fn, blocks=5):6.1f} gpu {gpu:7.1f}")
             except Exception as err:  # e.g. a backend that refuses the shape
                 cells.append(f"{impl}: failed ({type(err).__name__}: {str(err)[:60]})")
         print(f"{name:38s} " + " | ".join(cells), flush=True)

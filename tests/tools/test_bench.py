@@ -87,6 +87,19 @@ def test_summary_has_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
     assert summary.strip().splitlines()[-1] in capsys.readouterr().out  # the table ends the output
 
 
+def test_provider_rows_on_request_with_their_ratio(tmp_path: Path) -> None:
+    """sdpa-flashtile (SDPA's flash backend through flashtile's provider) is not a default
+    impl; asked for, the summary gives its speed as a share of flashtile's direct call."""
+    _dry_run(tmp_path, "--no-plot", "--headdim", "128", "--seqlen", "4096", "--dtype", "fp16")
+    assert "sdpa-flashtile" not in (tmp_path / "t-summary.md").read_text()
+    asked = tmp_path / "asked"
+    _dry_run(asked, "--no-plot", "--headdim", "128", "--seqlen", "4096", "--dtype", "fp16",
+             "--impl", "flashtile", "sdpa-flash", "sdpa-flashtile")
+    summary = (asked / "t-summary.md").read_text()
+    line = next(ln for ln in summary.splitlines() if ln.startswith("| 128 | 4096 | 4 | no | fp16 | fwd"))
+    assert "sdpa-flashtile/flashtile" in summary and line.count("x |") == 2, line
+
+
 def test_plots_written_and_plot_only(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     _dry_run(tmp_path, "--headdim", "64", "--seqlen", "1024", "4096", "--dtype", "fp16", "--pass", "fwd", "bwd")

@@ -107,6 +107,28 @@ def test_transformers_step_tiny_run(tmp_path, monkeypatch):
     assert ft["train-padded"] == pytest.approx(rows[("sdpa", "train-padded")]["losses"], rel=1e-4)
 
 
+def test_transformers_step_provider_and_continuous_batching_rows(tmp_path, monkeypatch):
+    """The workloads of issue 37 on CPU: train-full through "sdpa" with PyTorch's flash
+    backend forced and with the provider active (on CPU tensors the provider changes
+    nothing: the same losses), and continuous batching on flashtile_fa2 and paged sdpa."""
+    pytest.importorskip("transformers")
+    import json
+
+    monkeypatch.delenv("FLASHTILE_BACKEND", raising=False)
+    spec = importlib.util.spec_from_file_location("bench_transformers_step", ROOT / "transformers_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "rows.jsonl"
+    assert module.main(["--tiny", "--steps", "2", "--warmup", "0", "--impl", "sdpa", "sdpa+flashtile",
+                        "flashtile_fa2", "--workload", "train-full", "cb", "--out", str(out)]) == 0
+    rows = {(r["impl"], r["workload"]): r for r in map(json.loads, out.read_text().splitlines())}
+    assert len(rows) == 6 and all(r.get("tokens_per_s", 0) > 0 for r in rows.values()), rows
+    assert rows[("sdpa+flashtile", "train-full")]["losses"] == rows[("sdpa", "train-full")]["losses"]
+    assert rows[("flashtile_fa2", "cb")]["tokens"] == 6 * 8
+    from flashtile.integrations import torch_sdpa
+    assert not torch_sdpa.active()
+
+
 def test_context_parallel_benchmark_runs_on_gloo(tmp_path):
     # The multi-GPU benchmark's whole path (timing, the no-communication and comm-only
     # breakdown, the one-process reference) on 2 CPU ranks: every implementation gives a row

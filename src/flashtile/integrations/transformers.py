@@ -32,6 +32,29 @@ What each call becomes:
                                ``learnable_sink``, differentiable
 Refused with an error naming the feature: ``output_attentions`` and a 4-D float mask
 (which this mask builder never makes).
+
+Continuous batching (``generate_batch``, transformers' paged KV cache) takes only
+"paged|eager", "sdpa" or a flash-attention implementation, so flashtile also registers as
+one: ``attn_implementation="flashtile_fa2"`` (``FLASH_NAME``) is flashtile's
+``flash_attn_func``, ``flash_attn_varlen_func`` and ``flash_attn_with_kvcache`` behind
+transformers' own flash-attention-2 wrappers, exactly as a flash-attn build or a hub kernel
+would be. ``generate_batch`` then runs prefill and mixed batches on the varlen kernels over
+transformers' paged cache, and decode-only batches on the paged kv-cache kernel (the block
+table path, which transformers enables on CUDA for names matching "flash...2", hence the
+"fa2"). How transformers finds the functions, and what flashtile changes for it:
+    transformers resolves every name containing "flash" through
+    ``modeling_flash_attention_utils._lazy_imports`` (flash-attn packages by name, else a hub
+    kernel through the ``kernels`` package); ``register_flash_provider()`` wraps that function
+    so that ``FLASH_NAME`` (and "paged|" + ``FLASH_NAME``) resolve to flashtile's functions and
+    every other name goes on as before.
+    transformers < 5.23 (e.g. 5.17, on the device) switches a continuous-batching model to
+    "paged|" + name and calls ``integrations.flash_paged.paged_attention_forward``: that name
+    is registered too. From 5.23 the prefix is dropped and ``flash_attention_forward`` serves
+    both. Checked with 5.17 and 5.25.
+Use ``NAME`` for training and ``generate``: it handles chunked attention past one chunk and
+gpt-oss's sinks itself, where transformers' flash path refuses or needs a vLLM kernel. A model
+that lists ``_compatible_flash_implementations`` (gpt-oss) makes transformers swap any other
+flash name for its own, with a warning: there ``FLASH_NAME`` is not flashtile.
 """
 
 from __future__ import annotations
@@ -41,6 +64,7 @@ from typing import Optional
 import torch
 
 NAME = "tiled_attention"
+FLASH_NAME = "flashtile_fa2"
 
 
 def _window(sliding_window: Optional[int], causal: bool, key_length: int) -> tuple[int, int]:
@@ -162,4 +186,55 @@ def register(name: str = NAME) -> str:
     return name
 
 
+def _flash_functions():
+    """What transformers' ``_lazy_imports`` returns for ``FLASH_NAME``: flash_attn_func,
+    flash_attn_varlen_func, flash_attn_with_kvcache, pad_input, unpad_input (transformers'
+    own padding helpers, which flash-attn 3 uses too)."""
+    import flashtile
+    from transformers import modeling_flash_attention_utils as mfa
+
+    return (flashtile.flash_attn_func, flashtile.flash_attn_varlen_func, flashtile.flash_attn_with_kvcache,
+            mfa._pad_input, mfa._unpad_input)
+
+
+def register_flash_provider(name: str = FLASH_NAME) -> str:
+    """Register flashtile as a flash-attention implementation of transformers under
+    ``name`` (which must contain "flash": continuous batching accepts no other custom
+    name). Idempotent; returns the name to pass as ``attn_implementation``."""
+    if "flash" not in name:
+        raise ValueError(f"name must contain 'flash' (transformers' test for a flash-attention implementation), "
+                         f"got {name!r}")
+    from transformers import AttentionInterface
+    from transformers import modeling_flash_attention_utils as mfa
+    from transformers.integrations.flash_attention import flash_attention_forward
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
+
+    names = getattr(mfa._lazy_imports, "flashtile_names", None)
+    if names is None:
+        original = mfa._lazy_imports
+        names = set()
+
+        def _lazy_imports(implementation, *args, **kwargs):
+            if implementation is not None and implementation.removeprefix("paged|") in names:
+                return _flash_functions()
+            return _lazy_imports.original(implementation, *args, **kwargs)
+
+        _lazy_imports.__doc__ = original.__doc__
+        _lazy_imports.flashtile_names = names
+        _lazy_imports.original = original
+        mfa._lazy_imports = _lazy_imports
+    names.add(name)
+
+    flash_mask = ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]
+    AttentionInterface.register(name, flash_attention_forward)
+    AttentionMaskInterface.register(name, flash_mask)
+    if hasattr(mfa, "lazy_import_paged_flash_attention"):  # transformers < 5.23: "paged|" names of its own
+        from transformers.integrations.flash_paged import paged_attention_forward
+
+        AttentionInterface.register("paged|" + name, paged_attention_forward)
+        AttentionMaskInterface.register("paged|" + name, flash_mask)
+    return name
+
+
 register()
+register_flash_provider()

@@ -25,14 +25,15 @@ from flashtile.tools.bench.common import (HIDDEN, SDPA_BACKENDS, TOKENS, RowWrit
                                           reason, run_info)
 from flashtile.traffic import attention_flops
 
-IMPLS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "naive")
+IMPLS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "naive", "sdpa-flashtile")
+DEFAULT_IMPLS = IMPLS[:-1]  # sdpa-flashtile (SDPA's flash backend through flashtile's provider): on request
 PASSES = ("fwd", "bwd", "fwd_bwd")
 _DTYPES = ("fp16", "bf16")
 # naive materialises the fp32 softmax: above this it is minutes per call or an OOM.
 NAIVE_SCORES_LIMIT_BYTES = 40 * 2**30
 # Dry-run only: plausible H200 fp16 rates so summaries and plots look like real ones.
 _FAKE_TFLOPS = {"flashtile": 450.0, "sdpa-flash": 320.0, "sdpa-cudnn": 560.0,
-                "sdpa-efficient": 165.0, "flex": 420.0, "naive": 40.0}
+                "sdpa-efficient": 165.0, "flex": 420.0, "naive": 40.0, "sdpa-flashtile": 440.0}
 
 
 class SkipMeasurement(Exception):
@@ -80,6 +81,14 @@ def make_shape(seqlen: int, headdim: int, causal: bool, dtype: str, batch: int |
                  nheads, nheads // gqa, seqlen, headdim, causal, dtype)
 
 
+def _provider(on: bool) -> None:
+    """flashtile's SDPA provider active for "sdpa-flashtile" and off for PyTorch's own
+    backends, from the building of an impl's call until the next impl's (its backward too)."""
+    from flashtile.integrations import torch_sdpa
+    if on != torch_sdpa.active():
+        (torch_sdpa.activate if on else torch_sdpa.deactivate)()
+
+
 def build_forward(impl: str, shape: Shape, q: Any, k: Any, v: Any) -> Callable[[], Any]:
     """A zero-argument forward call for `impl`. q/k/v are (B, S, H, D) for flashtile and
     (B, H, S, D) contiguous for every other impl; the output has the same layout."""
@@ -89,9 +98,10 @@ def build_forward(impl: str, shape: Shape, q: Any, k: Any, v: Any) -> Callable[[
     if impl == "flashtile":
         import flashtile
         return lambda: flashtile.flash_attn_func(q, k, v, causal=causal)
-    if impl in SDPA_BACKENDS:
+    if impl in SDPA_BACKENDS or impl == "sdpa-flashtile":
         from torch.nn.attention import SDPBackend, sdpa_kernel
-        backend = getattr(SDPBackend, SDPA_BACKENDS[impl])
+        backend = getattr(SDPBackend, SDPA_BACKENDS.get(impl, "FLASH_ATTENTION"))
+        _provider(impl == "sdpa-flashtile")
 
         def sdpa() -> Any:
             with sdpa_kernel(backend):
@@ -288,8 +298,8 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
         row = cells.get(key + (impl,))
         return "" if row is None else ("skip" if row.get("skipped") else f"{row['tflops']:.0f}")
 
-    def ratio(key: tuple, peer: str) -> str:
-        a, b = cells.get(key + ("flashtile",)), cells.get(key + (peer,))
+    def ratio(key: tuple, peer: str, impl: str = "flashtile") -> str:
+        a, b = cells.get(key + (impl,)), cells.get(key + (peer,))
         ok = a and b and a.get("tflops") and b.get("tflops")
         return f"{a['tflops'] / b['tflops']:.2f}x" if ok else ""
 
@@ -316,14 +326,17 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
                          + " | ".join(txt) + " |")
         lines.append("")
     keys = sorted({k[:-1] for k in cells}, key=lambda k: (PASSES.index(k[5]), _DTYPES.index(k[4]), k[0], k[1], k[3]))
+    provider = "sdpa-flashtile" in impls  # the provider's speed as a share of the direct call's
     lines += ["### TFLOP/s (do_bench median)", "",
               "| d | seqlen | batch | causal | dtype | pass | " + " | ".join(impls)
-              + " | flashtile/sdpa-flash | flashtile/sdpa-cudnn | flashtile max abs diff |",
-              "|---" * (9 + len(impls)) + "|"]
+              + " | flashtile/sdpa-flash | flashtile/sdpa-cudnn |" + (" sdpa-flashtile/flashtile |" if provider else "")
+              + " flashtile max abs diff |",
+              "|---" * (9 + len(impls) + provider) + "|"]
     for k in keys:
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {'yes' if k[3] else 'no'} | {k[4]} | {k[5]} | "
                      + " | ".join(tf(k, i) for i in impls)
-                     + f" | {ratio(k, 'sdpa-flash')} | {ratio(k, 'sdpa-cudnn')} | {diff(k)} |")
+                     + f" | {ratio(k, 'sdpa-flash')} | {ratio(k, 'sdpa-cudnn')} |"
+                     + (f" {ratio(k, 'flashtile', 'sdpa-flashtile')} |" if provider else "") + f" {diff(k)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -378,7 +391,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--causal", choices=("both", "yes", "no"), default="both")
     p.add_argument("--dtype", choices=_DTYPES, nargs="+", default=list(_DTYPES))
     p.add_argument("--pass", dest="passes", choices=PASSES, nargs="+", default=["fwd"])
-    p.add_argument("--impl", choices=IMPLS, nargs="+", default=list(IMPLS))
+    p.add_argument("--impl", choices=IMPLS, nargs="+", default=list(DEFAULT_IMPLS),
+                   help="sdpa-flashtile: SDPA's flash backend with flashtile's provider active (not by default)")
     p.add_argument("--out", type=Path, help="default benchmarks/results/<gpu>/ (dry run: a temp dir)")
     p.add_argument("--tag", help="file stem of the rows, summary and plots (default bench-<date>)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
