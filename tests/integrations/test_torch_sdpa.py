@@ -145,11 +145,16 @@ def test_flash_op_dense_and_packed_contract(on_cpu, window):
         assert (pgot.reshape(exp.shape) - exp).abs().max() < 1e-5
 
 
-def test_what_flashtile_does_not_take_runs_pytorchs_kernel():
+@pytest.mark.parametrize("kept_by", ["get_kernel", "binding"])
+def test_what_flashtile_does_not_take_runs_pytorchs_kernel(kept_by, monkeypatch):
     """Installed on the Meta key (whose original kernels exist everywhere): a call with dropout
-    goes to PyTorch's own kernel, counted; the report names it."""
+    goes to PyTorch's own kernel, counted; the report names it. "binding": as on torch
+    2.11, which has the dispatcher binding but not torch.library.get_kernel."""
     if not hasattr(torch.library, "get_kernel"):
         pytest.skip("this torch cannot keep the original kernels (torch.library.get_kernel)")
+    if kept_by == "binding":
+        monkeypatch.delattr(torch.library, "get_kernel")
+        assert torch_sdpa._kernel_getter() is not None
     handle = torch_sdpa.install("Meta")
     torch_sdpa.FALLBACKS.clear()
     try:
@@ -158,6 +163,20 @@ def test_what_flashtile_does_not_take_runs_pytorchs_kernel():
         assert out[0].shape == q.shape and out[0].device.type == "meta"
         assert torch_sdpa.FALLBACKS[("_scaled_dot_product_flash_attention", "dropout")] == 1
         assert "1 call(s) ran PyTorch's own kernel (dropout)" in torch_sdpa.report()
+    finally:
+        handle.remove()
+        torch_sdpa.FALLBACKS.clear()
+
+
+def test_without_the_original_kernel_such_a_call_raises_naming_the_feature(monkeypatch):
+    monkeypatch.delattr(torch.library, "get_kernel", raising=False)
+    monkeypatch.delattr(torch._C, "_dispatch_get_computed_kernel_for_dispatch_key", raising=False)
+    assert torch_sdpa._kernel_getter() is None
+    handle = torch_sdpa.install("Meta")
+    try:
+        q = torch.empty(2, 4, 64, 16, device="meta", dtype=torch.bfloat16)
+        with pytest.raises(NotImplementedError, match="with dropout"):
+            torch.ops.aten._scaled_dot_product_flash_attention(q, q, q, 0.1, False, False)
     finally:
         handle.remove()
         torch_sdpa.FALLBACKS.clear()

@@ -20,13 +20,17 @@ is PyTorch's Philox stream; return_debug_mask; paged keys; ALiBi or seqused_k, w
 ops' backward does not receive) run PyTorch's own kernel instead, fetched before the
 override (``torch.library.get_kernel``), and are counted in ``FALLBACKS`` ((op, reason) ->
 calls; ``flashtile explain --sdpa-provider`` prints them). Where the original kernel cannot
-be fetched (a torch without ``get_kernel``), such a call raises NotImplementedError naming
-the feature: never a different result.
+be fetched, such a call raises NotImplementedError naming the feature: never a different
+result.
 
-Versions: torch 2.13 has the provider registry (``torch.nn.attention.register_flash_attention_impl``,
-``activate_flash_attention_impl``, ``restore_flash_attention_impl``; FA3 and FA4 register
-through it) and ``torch.library.get_kernel``; on a torch without the registry ``activate()``
-installs the same kernels through ``torch.library.Library("aten", "IMPL")``.
+Versions: torch 2.11 and 2.13 have the provider registry (``torch.nn.attention.
+register_flash_attention_impl``, ``activate_flash_attention_impl``,
+``restore_flash_attention_impl``; FA3 and FA4 register through it; the same ``_registry.py``
+in both). torch 2.13 has ``torch.library.get_kernel``; torch 2.11 has only the dispatcher
+binding it wraps (``torch._C._dispatch_get_computed_kernel_for_dispatch_key``, returning a
+``_SafeKernelFunction`` with ``call_boxed``), which is used there (read in the 2.11.0
+wheel's sources). On a torch without the registry ``activate()`` installs the same kernels
+through ``torch.library.Library("aten", "IMPL")``.
 """
 
 from __future__ import annotations
@@ -61,8 +65,9 @@ def _fallback(op: str, reason: str, original, keyset, args, kwargs):
     FALLBACKS[(op, reason)] += 1
     if original is None:
         raise NotImplementedError(f"flashtile's provider does not take aten::{op} with {reason}, and PyTorch's own "
-                                  f"kernel could not be kept (torch.library.get_kernel is missing in torch "
-                                  f"{torch.__version__}): deactivate the provider for this call")
+                                  f"kernel could not be kept (torch {torch.__version__} has neither "
+                                  f"torch.library.get_kernel nor the dispatcher binding it wraps): deactivate the "
+                                  f"provider for this call")
     return original.call_boxed(keyset, *args, **kwargs)
 
 
@@ -208,10 +213,23 @@ KERNELS = {
 
 
 # --------------------------------------------------------------------------- install / activate
+def _kernel_getter():
+    """``torch.library.get_kernel`` (torch 2.13), else the dispatcher binding it wraps
+    (``torch._C._dispatch_get_computed_kernel_for_dispatch_key``: torch 2.11 has it, without
+    the wrapper), else None."""
+    if hasattr(torch.library, "get_kernel"):
+        return torch.library.get_kernel
+    binding = getattr(torch._C, "_dispatch_get_computed_kernel_for_dispatch_key", None)
+    if binding is None or not hasattr(torch._C, "_SafeKernelFunction"):
+        return None
+    return lambda op, key: binding(op, torch._C.DispatchKey.__members__[key])
+
+
 def install(dispatch_key: str = "CUDA") -> Handle:
     """Install flashtile's kernels for ``dispatch_key`` of every op of ``KERNELS`` that this
     torch has (the registry's ``register_fn``; tests install them for "CPU" or "Meta")."""
-    keep = hasattr(torch.library, "get_kernel")
+    getter = _kernel_getter()
+    keep = getter is not None
     library = torch.library.Library("aten", "IMPL", dispatch_key)
     originals = {}
     for name, kernel in KERNELS.items():
@@ -220,7 +238,7 @@ def install(dispatch_key: str = "CUDA") -> Handle:
         original = None
         if keep:
             try:
-                original = torch.library.get_kernel(f"aten::{name}", dispatch_key)
+                original = getter(f"aten::{name}", dispatch_key)
             except RuntimeError:
                 original = None
         originals[name] = original
@@ -270,7 +288,7 @@ def report() -> str:
     """What ``flashtile explain --sdpa-provider`` prints: the state and the fallbacks so far."""
     lines = [f"flashtile SDPA provider: {'active' if active() else 'registered, not active'} (torch "
              f"{torch.__version__}, registry {'yes' if _registry() is not None else 'no'}, fallback kernels "
-             f"{'kept' if hasattr(torch.library, 'get_kernel') else 'unavailable'})"]
+             f"{'kept' if _kernel_getter() is not None else 'unavailable'})"]
     if not FALLBACKS:
         lines.append("  no call went back to PyTorch's own kernels")
     for (op, reason), count in sorted(FALLBACKS.items()):
