@@ -89,7 +89,7 @@ if [[ $what == decode ]]; then
     timeout ${DECODE_SWEEP_TIMEOUT:-150} python3 benchmarks/sweep_decode.py $DECODE_SWEEP > "$OUT/sweep-decode.log" 2>&1
     echo "decode sweep rc=$?"; grep -v Warn "$OUT/sweep-decode.log" | tail -60
   fi
-  timeout ${DECODE_BENCH_TIMEOUT:-200} python3 -m flashtile.tools.bench --decode --out /tmp/bench --tag h200-decode \
+  timeout ${DECODE_BENCH_TIMEOUT:-300} python3 -m flashtile.tools.bench --decode --out /tmp/bench --tag h200-decode \
     ${DECODE_BENCH_ARGS:-} > "$OUT/bench-decode.log" 2>&1
   echo "decode bench rc=$?"; grep -v Warn "$OUT/bench-decode.log" | tail -45
   cp /tmp/bench/h200-decode* "$OUT/" 2>/dev/null

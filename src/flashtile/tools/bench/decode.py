@@ -53,13 +53,21 @@ class DecodeShape:
         return 2 * (kv + qo)
 
 
+SMALL_BATCHES = (1, 2, 4)
+SMALL_BATCH_LENGTHS = (4096, 8192, 16384, 32768)
+
+
 def shapes() -> list[DecodeShape]:
-    """BENCHMARKS.md's decode shapes, MHA, speculative (4 queries), and paged caches."""
+    """BENCHMARKS.md's decode shapes, MHA, speculative (4 queries), paged caches, then
+    small batches (1, 2, 4 at 4k-32k cached tokens: issue 38's split heuristic), page 16
+    next to contiguous rows at batch 4."""
     base = [DecodeShape(8, 4096), DecodeShape(8, 32768), DecodeShape(1, 131072), DecodeShape(64, 8192)]
     extra = [DecodeShape(8, 32768, nheads_k=32), DecodeShape(8, 32768, seqlen_q=4),
              DecodeShape(8, 32768, page_size=16), DecodeShape(8, 32768, page_size=256),
              DecodeShape(64, 8192, page_size=16), DecodeShape(64, 8192, page_size=256)]
-    return base + extra
+    small = [DecodeShape(b, n) for b in SMALL_BATCHES for n in SMALL_BATCH_LENGTHS]
+    small += [DecodeShape(4, n, page_size=16) for n in SMALL_BATCH_LENGTHS]
+    return base + extra + small
 
 
 def build(impl: str, shape: DecodeShape, num_splits: int = 0):
