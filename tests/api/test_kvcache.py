@@ -258,18 +258,90 @@ def _spy_launches(monkeypatch):
     return counts
 
 
+@pytest.mark.parametrize("append", ["fused", "separate"])
 @pytest.mark.parametrize("num_splits", [1, 3, 0])
 @pytest.mark.parametrize("page", [0, 16, 64], ids=["rows", "page16", "page64"])
 @pytest.mark.parametrize("sq", [1, 3])
-def test_split_kv(triton_backend, monkeypatch, num_splits, page, sq):
+def test_split_kv(triton_backend, monkeypatch, num_splits, page, sq, append):
     """The split-KV kernel and its combine: ragged lengths over several key tiles, GQA,
-    contiguous rows and pages (64: one page per key tile; 16: a page per key)."""
+    contiguous rows and pages (64: one page per key tile; 16: a page per key); the new keys
+    appended by the decode kernel (fused, the default) or by the append kernel first."""
+    monkeypatch.setenv("FLASHTILE_DECODE_APPEND", append)
     counts = _spy_launches(monkeypatch)
     q, k, v, kc, vc, table, seqlens = _case(batch=4, sq=sq, new=sq, heads=(8, 2), d=32, capacity=320,
                                              seqlens=(0, 5, 129, 320 - sq), page=page)
     _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True, num_splits=num_splits)
-    assert counts["_launch_decode"] == 1 and counts["_launch_append"] == 1
+    assert counts["_launch_decode"] == 1 and counts.get("_launch_append", 0) == (append == "separate")
     assert counts.get("_launch_combine", 0) == (num_splits != 1)
+
+
+FUSED_CASES = {
+    # new keys that span several splits (128 new keys, splits of 64 or 128 keys), rows and pages
+    "chunk-across-splits": dict(case=dict(batch=2, sq=60, new=60, capacity=320, seqlens=(0, 230), d=16),
+                                call=dict(causal=True, num_splits=5)),
+    "paged16-splits": dict(case=dict(batch=3, sq=5, new=5, capacity=200, seqlens=(0, 63, 190), page=16),
+                           call=dict(causal=True, num_splits=4)),
+    "paged64-gqa": dict(case=dict(batch=3, sq=2, new=2, heads=(8, 2), capacity=256, seqlens=(1, 64, 250), page=64),
+                        call=dict(causal=True, num_splits=0)),
+    "rotary-leftpad": dict(case=dict(sq=3, new=3, d=16, seqlens=(0, 10, 30)),
+                           call=dict(rotary=True, interleaved=False, causal=True, leftpad=(0, 4, 0))),
+    "batch-idx-window": dict(case=dict(batch=3, sq=1, new=1, capacity=300, seqlens=(20, 33, 280)),
+                             call=dict(batch_idx=(2, 0, 1), window=(40, 0), num_splits=5)),
+    "new-past-the-queries": dict(case=dict(sq=1, new=6, capacity=80, seqlens=(0, 30, 74)), call=dict()),
+}
+
+
+def test_a_long_append_takes_the_append_kernel(triton_backend, monkeypatch):
+    """More new tokens than decode.FUSED_APPEND_MAX (a prefill chunk through the cache): the
+    append kernel runs first even under the fused default."""
+    from flashtile.backends.triton import decode
+
+    counts = _spy_launches(monkeypatch)
+    new = decode.FUSED_APPEND_MAX + 1
+    q, k, v, kc, vc, _, seqlens = _case(batch=2, sq=new, new=new, capacity=160, seqlens=(0, 90))
+    _run_and_check(q, k, v, kc, vc, seqlens, causal=True)
+    assert counts["_launch_append"] == 1
+
+
+@pytest.mark.parametrize("name", list(FUSED_CASES))
+def test_fused_append_is_the_separate_append_bitwise(triton_backend, monkeypatch, name):
+    """FLASHTILE_DECODE_APPEND=fused (the decode kernel writes the new keys of its split,
+    then reads them back) against the append kernel first: out, lse and both caches the
+    same bit for bit (the same arithmetic), and right against the reference."""
+    spec = FUSED_CASES[name]
+    q, k, v, kc, vc, table, seqlens = _case(**spec["case"])
+    call = dict(spec["call"])
+    kw = dict(cache_seqlens=seqlens, block_table=table, causal=call.get("causal", False),
+              window_size=call.get("window", (-1, -1)), num_splits=call.get("num_splits", 0),
+              rotary_interleaved=call.get("interleaved", True), return_softmax_lse=True)
+    if call.get("rotary"):
+        pos = torch.arange(kc.shape[1] + 8, dtype=torch.float64)[:, None] * 10000 ** (-torch.arange(4) / 4)[None, :]
+        kw.update(rotary_cos=torch.cos(pos).float(), rotary_sin=torch.sin(pos).float())
+    if "leftpad" in call:
+        kw["cache_leftpad"] = torch.tensor(call["leftpad"], dtype=torch.int32)
+    if "batch_idx" in call:
+        kw["cache_batch_idx"] = torch.tensor(call["batch_idx"], dtype=torch.int32)
+    results = {}
+    counts = _spy_launches(monkeypatch)
+    for mode in ("separate", "fused"):
+        monkeypatch.setenv("FLASHTILE_DECODE_APPEND", mode)
+        caches = kc.clone(), vc.clone()
+        out, lse = flashtile.flash_attn_with_kvcache(q, *caches, k, v, **kw)
+        results[mode] = (out, lse, *caches)
+        assert counts.pop("_launch_append", 0) == (mode == "separate")
+    for a, b in zip(results["separate"], results["fused"]):
+        assert torch.equal(a, b)
+    assert not torch.equal(results["fused"][2], kc)  # the keys were appended
+    ref_kw = dict(table=table, causal=kw["causal"], window=kw["window_size"], interleaved=kw["rotary_interleaved"])
+    if "cache_leftpad" in kw:
+        ref_kw["leftpad"] = kw["cache_leftpad"]
+    if "cache_batch_idx" in kw:
+        ref_kw["batch_idx"] = kw["cache_batch_idx"]
+    rotary = (kw["rotary_cos"], kw["rotary_sin"]) if "rotary_cos" in kw else None
+    want, want_lse, want_kc, want_vc = _reference(q, kc, vc, k, v, seqlens.tolist(), rotary=rotary, **ref_kw)
+    torch.testing.assert_close(results["fused"][0].double(), want, atol=2e-5, rtol=2e-5)
+    torch.testing.assert_close(results["fused"][2].double(), want_kc, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results["fused"][3].double(), want_vc, atol=0, rtol=0)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3, 0])

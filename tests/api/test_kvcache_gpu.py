@@ -146,3 +146,23 @@ def test_huge_window_sides_hide_nothing(window, sq, num_splits):
     q, k, v, kc, vc, seqlens = _cuda(q, k, v, kc, vc, seqlens)
     out = _run_and_check(q, k, v, kc, vc, seqlens, window=window, num_splits=num_splits)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("page", [0, 16, 256])
+@pytest.mark.parametrize("sq", [1, 4])
+@pytest.mark.parametrize("num_splits", [0, 1, 7])
+def test_fused_append_is_the_separate_append_bitwise(monkeypatch, page, sq, num_splits):
+    """The decode kernel's own append (FLASHTILE_DECODE_APPEND=fused, the default: each
+    program writes its split's new keys, a CTA barrier, then reads them back) against the
+    append kernel first: out, lse and the caches bit for bit on the GPU, where the barrier
+    is real (the interpreter runs a program's threads as one)."""
+    q, k, v, kc, vc, table, seqlens = _cuda(*_case(batch=4, sq=sq, new=sq, heads=(32, 8), d=128, capacity=600,
+                                                  seqlens=(0, 63, 333, 590), dtype=torch.bfloat16, page=page))
+    kw = dict(cache_seqlens=seqlens, block_table=table, causal=True, num_splits=num_splits, return_softmax_lse=True)
+    got = {}
+    for mode in ("separate", "fused"):
+        monkeypatch.setenv("FLASHTILE_DECODE_APPEND", mode)
+        caches = kc.clone(), vc.clone()
+        got[mode] = (*flashtile.flash_attn_with_kvcache(q, *caches, k, v, **kw), *caches)
+    for a, b in zip(got["separate"], got["fused"]):
+        assert torch.equal(a, b)

@@ -38,7 +38,8 @@ KERNELS = {
     "triton.backward": "Triton dK/dV + dQ kernels (backends/triton/backward.py)",
     "triton.backward_atomic": "Triton dK/dV kernel with dQ by float32 atomics (backends/triton/backward.py: "
                               "FA2's single pass, not bitwise reproducible)",
-    "triton.decode": "Triton kv-cache kernels (backends/triton/decode.py): check, append, split-KV decode, combine",
+    "triton.decode": "Triton kv-cache kernels (backends/triton/decode.py): check, split-KV decode (appending a short "
+                     "append itself; a long one runs the append kernel first), combine",
     "triton.flex": "Triton flex kernels (backends/triton/flex.py): translated score_mod/mask_mod, block-sparse "
                    "forward, dQ and dK/dV (deterministic)",
     "sm90.forward": "Gluon warp-specialized forward (backends/sm90/forward.py)",

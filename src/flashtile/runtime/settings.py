@@ -14,6 +14,9 @@ two of them. A switch with a value outside its choices raises ValueError naming 
                            (the Triton backward's dQ by atomics; never when deterministic)
 ``FLASHTILE_KVCACHE_CHECK``  ``auto``, ``host`` or ``device``: where kv-cache metadata
                            values are checked (``flashtile.api.kvcache``)
+``FLASHTILE_DECODE_APPEND``  ``fused`` (the decode kernel writes the new keys and values
+                           of a short append: ``decode.FUSED_APPEND_MAX``) or ``separate``
+                           (an append kernel first, one launch more)
 ``FLASHTILE_AUTOTUNE``     ``1``/``true``/``yes``: time forward configs once per key
 ``FLASHTILE_CACHE_DIR``    where autotuning keeps its winners (``~/.cache/flashtile``)
 ``FLASHTILE_PLANS``        ``0`` turns launch plans (replays) off
@@ -30,7 +33,7 @@ import os
 # Every switch above, in the order the launch plans key on them (runtime.replay.env_key).
 SWITCHES = ("FLASHTILE_PLANS", "FLASHTILE_BACKEND", "FLASHTILE_WS", "FLASHTILE_BWD_DQ", "FLASHTILE_AUTOTUNE",
             "FLASHTILE_FAST_LAUNCH", "FLASHTILE_LAUNCH_CHECK", "FLASHTILE_CACHE_DIR", "TRITON_INTERPRET",
-            "FLASHTILE_KVCACHE_CHECK")
+            "FLASHTILE_KVCACHE_CHECK", "FLASHTILE_DECODE_APPEND")
 
 # CPython keeps os.environ's encoded mapping in step with every os.environ write; where it
 # is missing (another interpreter), the public way.
@@ -90,6 +93,11 @@ def bwd_dq() -> str:
 def kvcache_check() -> str:
     """``FLASHTILE_KVCACHE_CHECK``: auto, host or device."""
     return _choice("FLASHTILE_KVCACHE_CHECK", ("auto", "host", "device"))
+
+
+def decode_append() -> str:
+    """``FLASHTILE_DECODE_APPEND``: fused or separate."""
+    return _choice("FLASHTILE_DECODE_APPEND", ("fused", "separate"))
 
 
 def autotune() -> bool:

@@ -16,9 +16,14 @@ read:
   from ``cache_leftpad[b]``, or page ``block_table[b, p // page]`` at ``p % page``. When
   the page size is a multiple of the key tile a tile lies in one page (one table read per
   tile); any other page size gathers the page of every key.
-* **Append.** ``append_kernel`` rotates the new keys (rotary, at their cache index) and
-  writes keys and values into the cache; the decode kernel rotates the queries as it
-  loads them.
+* **Append.** The new keys (rotary, at their cache index) and values go into the cache
+  before they are read. For a short append (at most ``FUSED_APPEND_MAX`` tokens: a decode
+  step) the decode kernel does it: each program writes the new tokens that fall in its
+  split, then a CTA barrier, then its loop reads them back from the cache like any other
+  key (a program reads only its own split, and the programs of one split write the same
+  values, so none waits on another). A longer one, or ``FLASHTILE_DECODE_APPEND=separate``,
+  runs ``append_kernel`` first (one launch more). The decode kernel rotates the queries as
+  it loads them.
 
 Sequence b has ``len_k = cache_seqlens[b] + seqlen_new - leftpad[b]`` keys; query token t
 sees key j (0-based from leftpad) iff ``j <= t + len_k - seqlen_q + window_right`` and
@@ -40,6 +45,11 @@ from flashtile.problem.window import effective_window
 from flashtile.runtime.device import device_context, device_index, sm_count
 from flashtile.runtime.launch import Launcher
 
+# The decode kernel appends the new keys itself (one launch less) when a call brings at
+# most this many (a decode step brings 1, speculative decoding a few); a longer chunk (a
+# prefill through the cache) takes the append kernel first: its launch is then small next
+# to the work, and the decode kernel's append loop would run long in one program per split.
+FUSED_APPEND_MAX = 64
 # status codes (status[0]); status[1], status[2] say where, status[3] the value found
 OK, BAD_SEQLEN, BAD_LEFTPAD, BAD_BATCH_IDX, BAD_BLOCK, BAD_ROTARY = 0, 1, 2, 3, 4, 5
 # the same codes as the kernels see them (a @triton.jit function reads only constexpr globals)
@@ -174,6 +184,44 @@ def check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries,
 
 
 @triton.jit
+def _append_tile(K, V, KCache, VCache, BatchIdx, Table, Cos, Sin, b64, hk64, t, t_ok, n,
+                 offs_d, d_ok, offs_dv, dv_ok,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 stride_cb, stride_cs, stride_ch, stride_db, stride_ds, stride_dh,
+                 stride_table, stride_cos, page_size, num_blocks, batch_cache, rotary_dim, rotary_max,
+                 SAME_DV: tl.constexpr, PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
+                 ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """New tokens ``t`` (where ``t_ok``) of sequence b, kv head hk: k (rotated at its cache
+    position n + t) and v into the caches there."""
+    pos = n + t
+    t64 = t.to(tl.int64)
+    k = _rotary_tile(K + b64 * stride_kb + hk64 * stride_kh, t64 * stride_ks, t_ok, offs_d, d_ok,
+                     tl.minimum(pos, rotary_max), Cos, Sin, stride_cos, rotary_dim, ROTARY, INTERLEAVED)
+    v = tl.load(V + b64 * stride_vb + hk64 * stride_vh + t64[:, None] * stride_vs + offs_dv[None, :],
+                mask=t_ok[:, None] & dv_ok[None, :], other=0.0)
+    if PAGED:
+        blk = tl.load(Table + b64 * stride_table + pos // page_size, mask=t_ok, other=0)
+        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+        row_k = blk * stride_cb + (pos % page_size).to(tl.int64) * stride_cs
+        row_v = blk * stride_db + (pos % page_size).to(tl.int64) * stride_ds
+    else:
+        row = b64
+        if HAS_BATCH_IDX:
+            row = tl.minimum(tl.maximum(tl.load(BatchIdx + b64), 0), batch_cache - 1).to(tl.int64)
+        row_k = row * stride_cb + pos.to(tl.int64) * stride_cs
+        row_v = row * stride_db + pos.to(tl.int64) * stride_ds
+    # k, then v: where v_cache is a view of k_cache's first columns (MLA's latent cache, v =
+    # k[..., :Dv]), v's store writes those columns last, with the same values.
+    ok = t_ok[:, None] & d_ok[None, :]
+    tl.store(KCache + hk64 * stride_ch + row_k[:, None] + offs_d[None, :], k, mask=ok)
+    if SAME_DV:
+        ok_v = ok
+    else:
+        ok_v = t_ok[:, None] & dv_ok[None, :]
+    tl.store(VCache + hk64 * stride_dh + row_v[:, None] + offs_dv[None, :], v, mask=ok_v)
+
+
+@triton.jit
 def append_kernel(
     K, V, KCache, VCache, SeqLens, BatchIdx, Table, Cos, Sin, Status,
     stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -185,7 +233,8 @@ def append_kernel(
     ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, CHECKED: tl.constexpr,
 ):
     """Program (b * nheads_k + hk, token block): k, v rows t of sequence b, head hk, into
-    the cache at position cache_seqlens[b] + t (k rotated there first)."""
+    the cache at position cache_seqlens[b] + t (k rotated there first). The separate append
+    (``FLASHTILE_DECODE_APPEND=separate``); by default the decode kernel appends."""
     pid = tl.program_id(0)
     b = pid // nheads_k
     hk = pid % nheads_k
@@ -202,39 +251,18 @@ def append_kernel(
         offs_dv = tl.arange(0, BLOCK_DV)
         dv_ok = offs_dv < head_dim_v
     n = tl.minimum(tl.maximum(tl.load(SeqLens + b), 0), capacity - new)
-    pos = n + t
-    b64 = b.to(tl.int64)
-    hk64 = hk.to(tl.int64)
-    t64 = t.to(tl.int64)
-    k = _rotary_tile(K + b64 * stride_kb + hk64 * stride_kh, t64 * stride_ks, t_ok, offs_d, d_ok,
-                     tl.minimum(pos, rotary_max), Cos, Sin, stride_cos, rotary_dim, ROTARY, INTERLEAVED)
-    v = tl.load(V + b64 * stride_vb + hk64 * stride_vh + t64[:, None] * stride_vs + offs_dv[None, :],
-                mask=t_ok[:, None] & dv_ok[None, :], other=0.0)
-    if PAGED:
-        blk = tl.load(Table + b64 * stride_table + pos // page_size, mask=t_ok, other=0)
-        blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
-        row_k = blk * stride_cb + (pos % page_size).to(tl.int64) * stride_cs
-        row_v = blk * stride_db + (pos % page_size).to(tl.int64) * stride_ds
-    else:
-        row = b64
-        if HAS_BATCH_IDX:
-            row = tl.minimum(tl.maximum(tl.load(BatchIdx + b), 0), batch_cache - 1).to(tl.int64)
-        row_k = row * stride_cb + pos.to(tl.int64) * stride_cs
-        row_v = row * stride_db + pos.to(tl.int64) * stride_ds
-    # k, then v: where v_cache is a view of k_cache's first columns (MLA's latent cache, v =
-    # k[..., :Dv]), v's store writes those columns last, with the same values.
-    ok = t_ok[:, None] & d_ok[None, :]
-    tl.store(KCache + hk64 * stride_ch + row_k[:, None] + offs_d[None, :], k, mask=ok)
-    if SAME_DV:
-        ok_v = ok
-    else:
-        ok_v = t_ok[:, None] & dv_ok[None, :]
-    tl.store(VCache + hk64 * stride_dh + row_v[:, None] + offs_dv[None, :], v, mask=ok_v)
+    _append_tile(K, V, KCache, VCache, BatchIdx, Table, Cos, Sin, b.to(tl.int64), hk.to(tl.int64), t, t_ok, n,
+                 offs_d, d_ok, offs_dv, dv_ok,
+                 stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                 stride_cb, stride_cs, stride_ch, stride_db, stride_ds, stride_dh,
+                 stride_table, stride_cos, page_size, num_blocks, batch_cache, rotary_dim, rotary_max,
+                 SAME_DV, PAGED, HAS_BATCH_IDX, ROTARY, INTERLEAVED)
 
 
 @triton.jit
 def decode_kernel(
     Q, K, V, Out, Lse, OutPart, LsePart, Status, SeqLens, LeftPad, BatchIdx, Table, Alibi, Cos, Sin, Sink,
+    KNew, VNew,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -243,6 +271,7 @@ def decode_kernel(
     stride_lp, stride_lpb, stride_lph,
     stride_lb, stride_lh,
     stride_table, stride_ab, stride_ah, stride_cos,
+    stride_nkb, stride_nks, stride_nkh, stride_nvb, stride_nvs, stride_nvh,
     nheads_k, group, seqlen_q, head_dim, new, capacity, page_size, num_blocks, batch_cache,
     num_splits, split_size, num_m_blocks, rotary_dim, rotary_max,
     qk_scale, softcap_in, softcap_out, window_left, window_right, chunk, head_dim_v,
@@ -252,11 +281,15 @@ def decode_kernel(
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, ROTARY_LOCAL: tl.constexpr,
     SPLIT: tl.constexpr, CHECKED: tl.constexpr, IEEE_DOT: tl.constexpr, HAS_SINK: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, APPEND: tl.constexpr, APPEND_T: tl.constexpr,
 ):
     """Program (b, hk, block of rows, split): rows r = t * group + g of KV head hk against
     keys [split * split_size, (split + 1) * split_size) of sequence b (module docstring).
-    A sink enters once per row: here with one split, else in ``combine_kernel``."""
+    A sink enters once per row: here with one split, else in ``combine_kernel``.
+    APPEND: the new keys and values (KNew, VNew: ``new`` tokens) that fall in this split
+    are written into the cache first (what ``append_kernel`` does, one launch less), then
+    read back from it: a program reads only its own split's keys, and every program of a
+    split writes the same values, so no program waits on another."""
     pid = tl.program_id(0)
     split = pid % num_splits
     rest = pid // num_splits
@@ -312,6 +345,22 @@ def decode_kernel(
     if CHECKED:
         hi = tl.where(bad, lo, hi)
     start = (lo // BLOCK_N) * BLOCK_N
+
+    if APPEND:
+        # the new tokens at key indices (n - pad) + t inside this split, whatever the rows see
+        t_lo = tl.maximum(split * split_size - (n - pad), 0)
+        t_hi = tl.minimum(split * split_size + split_size - (n - pad), new)
+        if CHECKED:
+            t_hi = tl.where(bad, t_lo, t_hi)  # a failed check: write nothing
+        for t0 in range(t_lo, t_hi, APPEND_T):  # APPEND_T tokens a step: 1 for a decode step
+            tn = t0 + tl.arange(0, APPEND_T)
+            _append_tile(KNew, VNew, K, V, BatchIdx, Table, Cos, Sin, b64, hk64, tn, tn < t_hi, n,
+                         offs_d, d_ok, offs_dv, dv_ok,
+                         stride_nkb, stride_nks, stride_nkh, stride_nvb, stride_nvs, stride_nvh,
+                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                         stride_table, stride_cos, page_size, num_blocks, batch_cache, rotary_dim, rotary_max,
+                         SAME_DV, PAGED, HAS_BATCH_IDX, ROTARY, INTERLEAVED)
+        tl.debug_barrier()  # every thread's stores before any thread's loads of those keys
 
     if PAGED:
         k_base = K + hk64 * stride_kh
@@ -588,7 +637,8 @@ def scratch(q, k_cache, table, num_splits: int, checked: bool, head_dim_v: int =
 
 def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, alibi, cos, sin, *,
            new: int, scale: float, softcap: float, window_left: int, window_right: int, interleaved: bool,
-           rotary_local: bool, num_splits: int, status=None, parts=None, sink=None, chunk: int = 0) -> None:
+           rotary_local: bool, num_splits: int, status=None, parts=None, sink=None, chunk: int = 0,
+           k_new=None, v_new=None) -> None:
     """Attention of q (batch, seqlen_q, H, D) against the caches (after the append; k_cache
     of head dim D, v_cache of Dv, which may be a view of k_cache's first Dv columns):
     out (batch, seqlen_q, H, Dv), lse (batch, H, seqlen_q) float32 (unit last stride).
@@ -596,7 +646,9 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
     results go to float32 buffers (``parts``: ``scratch``'s, made here when not given) and
     ``combine_kernel`` writes out and lse. ``sink``: None or (H,) float32 contiguous, one
     logit per query head in the softmax's denominator, added once per row. ``chunk``:
-    chunked attention (0: off), chunks counted from each sequence's first key (leftpad)."""
+    chunked attention (0: off), chunks counted from each sequence's first key (leftpad).
+    ``k_new``, ``v_new``: (batch, new, Hk, D) and (..., Dv), appended by the decode kernel
+    itself (``append``'s work, rotary included; None: the caches already hold them)."""
     import torch
 
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -631,7 +683,7 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
             (q, k_cache, v_cache, out, lse, out_part, lse_part, seqlens if status is None else status, seqlens,
              seqlens if leftpad is None else leftpad, seqlens if batch_idx is None else batch_idx,
              table if paged else seqlens, q if alibi is None else alibi, cos if rotary else q, sin if rotary else q,
-             lse if sink is None else sink,
+             lse if sink is None else sink, q if k_new is None else k_new, q if v_new is None else v_new,
              q.stride(0), q.stride(1), q.stride(2),
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -641,6 +693,8 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
              lse.stride(0), lse.stride(1),
              table.stride(0) if paged else 0, *(alibi.stride() if alibi is not None else (0, 0)),
              cos.stride(0) if rotary else 0,
+             *(k_new.stride()[:3] if k_new is not None else (0, 0, 0)),
+             *(v_new.stride()[:3] if v_new is not None else (0, 0, 0)),
              nheads_k, group, seqlen_q, head_dim, new, capacity, page, k_cache.shape[0], k_cache.shape[0],
              splits, split_size, num_m_blocks, 2 * cos.shape[1] if rotary else 0, cos.shape[0] - 1 if rotary else 0,
              scale * LOG2E, scale / softcap if softcap_on else 0.0, softcap * LOG2E if softcap_on else 0.0,
@@ -651,7 +705,8 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
                  HAS_LEFTPAD=leftpad is not None, WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
                  SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, ROTARY=rotary, INTERLEAVED=interleaved,
                  ROTARY_LOCAL=rotary_local, SPLIT=splits > 1, CHECKED=status is not None,
-                 IEEE_DOT=q.dtype == torch.float32, HAS_SINK=sink is not None, CHUNK=chunk > 0),
+                 IEEE_DOT=q.dtype == torch.float32, HAS_SINK=sink is not None, CHUNK=chunk > 0,
+                 APPEND=k_new is not None, APPEND_T=min(16, triton.next_power_of_2(max(new, 1)))),
             4, stages(kind, block_d, block_dv))
         if splits > 1:
             combine(out_part, lse_part, out, lse, sink)
