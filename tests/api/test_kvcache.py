@@ -291,6 +291,69 @@ FUSED_CASES = {
 }
 
 
+COMBINE_CASES = {
+    # (case, call): GQA with row blocks of several groups (sq 4 x group 4 = 16 rows), pages,
+    # windows that leave splits (and rows) empty, sinks, softcap, speculative queries
+    "gqa-rows": (dict(batch=3, sq=4, new=4, heads=(16, 4), capacity=320, seqlens=(0, 150, 310)),
+                 dict(causal=True, num_splits=5)),
+    "paged-window": (dict(batch=3, sq=1, new=1, capacity=256, seqlens=(3, 100, 250), page=16),
+                     dict(window=(20, 0), num_splits=8)),
+    "sink-softcap": (dict(batch=2, sq=2, new=2, heads=(8, 2), capacity=300, seqlens=(0, 290)),
+                     dict(causal=True, softcap=5.0, sink=True, num_splits=4)),
+    "mostly-empty": (dict(batch=2, sq=1, new=0, capacity=320, seqlens=(1, 2)), dict(num_splits=5)),
+}
+
+
+@pytest.mark.parametrize("name", list(COMBINE_CASES))
+def test_fused_combine_matches_the_combine_kernel(triton_backend, monkeypatch, name):
+    """FLASHTILE_DECODE_COMBINE=fused: no combine launch; the last split of each (sequence,
+    kv head, row block) to finish merges the partials. Out and lse agree with the combine
+    kernel's (the same sums in another order) and with the reference; its counters (from
+    stream_counter) are left at 0, so a second call with them gives the same results."""
+    from flashtile.backends.triton import decode
+
+    case, call = COMBINE_CASES[name]
+    q, k, v, kc, vc, table, seqlens = _case(**case)
+    sink = torch.tensor([0.3, -1.0, 2.0, 0.0] * (q.shape[2] // 4)) if call.get("sink") else None
+    kw = dict(cache_seqlens=seqlens, block_table=table, causal=call.get("causal", False),
+              window_size=call.get("window", (-1, -1)), softcap=call.get("softcap", 0.0),
+              num_splits=call["num_splits"], learnable_sink=sink, return_softmax_lse=True)
+    assert decode.split_plan(q, kc, table, call["num_splits"])[0] > 1
+    counters = torch.full((64,), 0, dtype=torch.int32)
+    monkeypatch.setattr(decode, "stream_counter", lambda device, size: counters[:max(size, 1)])
+    counts = _spy_launches(monkeypatch)
+    got = {}
+    for mode in ("separate", "fused", "fused"):
+        monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", mode)
+        out, lse = flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **kw)
+        assert counts.pop("_launch_combine", 0) == (mode == "separate")
+        assert torch.equal(counters, torch.zeros_like(counters))  # left at 0 for the next launch
+        got.setdefault(mode, []).append((out, lse))
+    (want, want_lse), = got["separate"]
+    for out, lse in got["fused"]:
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+        torch.testing.assert_close(lse, want_lse, atol=1e-6, rtol=1e-6)
+    assert torch.equal(got["fused"][0][0], got["fused"][1][0])
+    ref_kw = {n: kw[n.replace("window", "window_size")] for n in ("causal", "window", "softcap")}
+    _run_and_check(q, k, v, kc.clone(), vc.clone(), seqlens, table=table, num_splits=call["num_splits"],
+                   sink=sink, **ref_kw)
+
+
+def test_fused_combine_keeps_a_failed_check_nan(triton_backend, monkeypatch):
+    """A bad value found by the device check: NaN out and lse through the fused combine too,
+    and the cache untouched."""
+    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "fused")
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    q, k, v, kc, vc, _, seqlens = _case(capacity=300, seqlens=(0, 170, 290))
+    bad = seqlens.clone()
+    bad[2] = 300
+    before = kc.clone(), vc.clone()
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=bad, num_splits=3,
+                                                 return_softmax_lse=True)
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    assert out.isnan().all() and lse.isnan().all()
+
+
 def test_a_long_append_takes_the_append_kernel(triton_backend, monkeypatch):
     """More new tokens than decode.FUSED_APPEND_MAX (a prefill chunk through the cache): the
     append kernel runs first even under the fused default."""

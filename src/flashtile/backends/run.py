@@ -462,7 +462,8 @@ def _kvcache_run(a: KVCacheArgs) -> tuple[Tensor, Tensor]:
                   a.sin, new=new, scale=a.scale, softcap=a.softcap, window_left=a.window_left,
                   window_right=a.window_right, interleaved=a.interleaved, rotary_local=a.rotary_local,
                   num_splits=a.num_splits, status=status, parts=parts, sink=a.sink, chunk=a.attention_chunk,
-                  k_new=a.k if fused else None, v_new=a.v if fused else None)
+                  k_new=a.k if fused else None, v_new=a.v if fused else None,
+                  fused_combine=settings.decode_combine() == "fused")
     return out, lse
 
 

@@ -115,28 +115,31 @@ def _overlaps(bases: Sequence[int], extents: Sequence[int]) -> tuple:
 _COUNTERS: dict[tuple[int, int], torch.Tensor] = {}
 
 
-def stream_counter(device: torch.device) -> torch.Tensor:
-    """An int32 work counter that is 0 when a kernel starts and that the kernel leaves at
-    0 (``backends.sm90.forward._reset_counter``): one per device and stream, so kernels on one
-    stream reuse it in order and kernels on two streams never share one. Under CUDA-graph
-    capture a fresh zeroed counter instead, owned by the graph: a graph replayed on
-    another stream must not share a counter with eager calls."""
+def stream_counter(device: torch.device, size: int = 1) -> torch.Tensor:
+    """At least ``size`` int32 counters that are 0 when a kernel starts and that the kernel
+    leaves at 0 (``backends.sm90.forward._reset_counter``, the decode kernel's fused
+    combine): one buffer per device and stream, so kernels on one stream reuse it in order
+    and kernels on two streams never share one; it grows (a fresh zeroed buffer, twice the
+    size) when a kernel needs more. Under CUDA-graph capture a fresh zeroed buffer instead,
+    owned by the graph: a graph replayed on another stream must not share counters with
+    eager calls."""
     if device.type != "cuda":
-        return torch.zeros(1, dtype=torch.int32, device=device)
+        return torch.zeros(size, dtype=torch.int32, device=device)
     index = device.index if device.index is not None else torch.cuda.current_device()
     if torch.cuda.is_current_stream_capturing():
-        return torch.zeros(1, dtype=torch.int32, device=device)
+        return torch.zeros(size, dtype=torch.int32, device=device)
     key = (index, torch._C._cuda_getCurrentRawStream(index))
     counter = _COUNTERS.get(key)
     rec = getattr(_local, "recorder", None)
-    if counter is None:
-        counter = _COUNTERS[key] = _new_counter(device, rec)
+    if counter is None or counter.numel() < size:
+        grown = size if counter is None else max(size, 2 * counter.numel())
+        counter = _COUNTERS[key] = _new_counter(device, rec, grown)
     if rec is not None:
-        rec.counters[counter.data_ptr()] = device
+        rec.counters[counter.data_ptr()] = (device, max(size, rec.counters.get(counter.data_ptr(), (0, 0))[1]))
     return counter
 
 
-def _new_counter(device: torch.device, rec: Optional["Recorder"]) -> torch.Tensor:
+def _new_counter(device: torch.device, rec: Optional["Recorder"], size: int = 1) -> torch.Tensor:
     """The stream's counter, made once. A recording that is active meanwhile must not see
     the allocation and its fill: they would become steps of its plan, a fresh zeroed buffer
     per replay that no launch reads (H200 run 90: an allocation and a fill kernel in every
@@ -144,7 +147,7 @@ def _new_counter(device: torch.device, rec: Optional["Recorder"]) -> torch.Tenso
     if rec is not None:
         rec.paused += 1
     try:
-        return torch.zeros(1, dtype=torch.int32, device=device)
+        return torch.zeros(size, dtype=torch.int32, device=device)
     finally:
         if rec is not None:
             rec.paused -= 1
@@ -162,7 +165,7 @@ class Recorder(TorchDispatchMode):
         self.inputs = list(inputs)
         self.slots: list[torch.Tensor] = []
         self.steps: list[tuple] = []
-        self.counters: dict[int, torch.device] = {}
+        self.counters: dict[int, tuple[torch.device, int]] = {}  # base -> (device, counters used)
         self.paused = 0
         self.refused: Optional[str] = None
 
@@ -205,7 +208,7 @@ class Recorder(TorchDispatchMode):
     def _where(self, ptr: int) -> tuple[Any, int]:
         """(source, byte offset) of a device address the call handed a kernel."""
         if ptr in self.counters:
-            return ("counter", self.counters[ptr]), 0
+            return ("counter", *self.counters[ptr]), 0  # ("counter", device, size)
         exact = inside = None
         for index, base, extent in self._sources():
             if ptr == base and exact is None:
@@ -304,7 +307,7 @@ class _RawLaunch:
     def __call__(self, bases: list[int], tma: dict) -> None:
         args = self.template.copy()
         for i, src, off in self.patches:
-            args[i] = (bases[src] if type(src) is int else stream_counter(src[1]).data_ptr()) + off
+            args[i] = (bases[src] if type(src) is int else stream_counter(src[1], src[2]).data_ptr()) + off
         for i, src, off, spec in self.descs:
             ptr = bases[src] + off
             key = (id(spec), ptr)

@@ -17,6 +17,9 @@ two of them. A switch with a value outside its choices raises ValueError naming 
 ``FLASHTILE_DECODE_APPEND``  ``fused`` (the decode kernel writes the new keys and values
                            of a short append: ``decode.FUSED_APPEND_MAX``) or ``separate``
                            (an append kernel first, one launch more)
+``FLASHTILE_DECODE_COMBINE``  ``separate`` (a split decode's combine kernel) or ``fused``
+                           (the decode kernel's last split of each group merges the
+                           partials; interpreter-tested, not yet measured on a GPU)
 ``FLASHTILE_AUTOTUNE``     ``1``/``true``/``yes``: time forward configs once per key
 ``FLASHTILE_CACHE_DIR``    where autotuning keeps its winners (``~/.cache/flashtile``)
 ``FLASHTILE_PLANS``        ``0`` turns launch plans (replays) off
@@ -33,7 +36,7 @@ import os
 # Every switch above, in the order the launch plans key on them (runtime.replay.env_key).
 SWITCHES = ("FLASHTILE_PLANS", "FLASHTILE_BACKEND", "FLASHTILE_WS", "FLASHTILE_BWD_DQ", "FLASHTILE_AUTOTUNE",
             "FLASHTILE_FAST_LAUNCH", "FLASHTILE_LAUNCH_CHECK", "FLASHTILE_CACHE_DIR", "TRITON_INTERPRET",
-            "FLASHTILE_KVCACHE_CHECK", "FLASHTILE_DECODE_APPEND")
+            "FLASHTILE_KVCACHE_CHECK", "FLASHTILE_DECODE_APPEND", "FLASHTILE_DECODE_COMBINE")
 
 # CPython keeps os.environ's encoded mapping in step with every os.environ write; where it
 # is missing (another interpreter), the public way.
@@ -98,6 +101,11 @@ def kvcache_check() -> str:
 def decode_append() -> str:
     """``FLASHTILE_DECODE_APPEND``: fused or separate."""
     return _choice("FLASHTILE_DECODE_APPEND", ("fused", "separate"))
+
+
+def decode_combine() -> str:
+    """``FLASHTILE_DECODE_COMBINE``: separate or fused."""
+    return _choice("FLASHTILE_DECODE_COMBINE", ("separate", "fused"))
 
 
 def autotune() -> bool:

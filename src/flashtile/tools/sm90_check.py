@@ -359,7 +359,7 @@ def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extr
 
 def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, extras: bool = False,
                    split: bool = True, page_slice: int = 0, head_dim_v: int = 0,
-                   append: bool = True) -> list[Compiled]:
+                   append: bool = True, fused_combine: bool = False) -> list[Compiled]:
     """The KV-cache kernels of ``backends/triton/decode.py`` as a decode step launches them: the check,
     the append kernel (``FLASHTILE_DECODE_APPEND=separate``'s) and the decode kernel, which
     appends the new keys itself when ``append`` (the default: ``fused``)
@@ -377,7 +377,7 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
     ptrs = {n: "*i32" for n in ints}
     ptrs.update({n: f"*{dtype}" for n in ("Q", "K", "V", "KCache", "VCache", "Out", "KNew", "VNew")})
     ptrs.update(Lse="*fp32", OutPart="*fp32", LsePart="*fp32", Alibi="*fp32", Cos="*fp32", Sin="*fp32",
-                Sink="*fp32")
+                Sink="*fp32", Counters="*i32")
     kind = decode.layout(paged > 0, paged, block_n)
     out = [_compile(f"decode-check {tag}", decode.check_kernel, ptrs,
                     dict(HAS_LEFTPAD=extras, HAS_BATCH_IDX=extras and not paged, PAGED=paged > 0, ROTARY=extras,
@@ -387,7 +387,8 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
                          PAGED=paged > 0,
                          HAS_BATCH_IDX=extras and not paged,
                          ROTARY=extras, INTERLEAVED=False, CHECKED=True), 4, 1),
-           _compile(f"decode {tag} split={split}" + ("" if append else " append=separate"), decode.decode_kernel, ptrs,
+           _compile(f"decode {tag} split={split}" + ("" if append else " append=separate")
+                    + (" combine=fused" if fused_combine else ""), decode.decode_kernel, ptrs,
                     dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
                          SAME_DV=not head_dim_v or head_dim_v == head_dim, PAGED=paged > 0,
                          PAGE_TILE=kind == "tile", PAGE_SLICE=page_slice,
@@ -395,9 +396,9 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
                          HAS_LEFTPAD=extras, WINDOW_LEFT=extras, WINDOW_RIGHT=extras, SOFTCAP=extras,
                          HAS_ALIBI=extras, ROTARY=extras, INTERLEAVED=False, ROTARY_LOCAL=extras, SPLIT=split,
                          CHECKED=True, IEEE_DOT=dtype == "fp32", HAS_SINK=extras, CHUNK=extras,
-                         APPEND=append, APPEND_T=1), 4,
+                         APPEND=append, APPEND_T=1, FUSED_COMBINE=fused_combine and split), 4,
                     decode.stages(kind, block_d, block_dv))]
-    if split:
+    if split and not fused_combine:
         out.append(_compile(f"decode-combine {tag}", decode.combine_kernel, ptrs,
                             dict(BLOCK_S=16, BLOCK_D=block_dv, HAS_SINK=extras), 4, 1))
     return out
@@ -405,11 +406,13 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
 
 def decode_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
     """The decode kernels at each head dim: row cache (GQA group 4, one query) split and
-    unsplit, appending the new keys and not (``append``), pages of 16 and 256 keys, pages of 16 with the table slice in registers
+    unsplit, appending the new keys and not (``append``), merging the splits itself
+    (``fused_combine``), pages of 16 and 256 keys, pages of 16 with the table slice in registers
     (``decode.PAGE_SLICE_MAX``), and every option at 4 x 4 rows."""
     for head_dim in head_dims:
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, append=False)  # the decode loop alone
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=4, fused_combine=True)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, split=False)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=16)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=256)

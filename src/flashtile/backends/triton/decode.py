@@ -11,7 +11,10 @@ read:
   output (float32) and LSE; ``combine_kernel`` merges the chunks:
   out = sum_s exp(lse_s - lse) out_s, lse = logsumexp_s lse_s. With one split the decode
   kernel writes the final output itself. ``choose_splits`` fills the GPU when batch x
-  nheads_k alone would not.
+  nheads_k alone would not. ``FLASHTILE_DECODE_COMBINE=fused`` (not the default until a
+  GPU has measured it) merges in the decode kernel instead: the last split of each group
+  to finish does it (``_last_split_combines``, behind a per-group counter that it leaves
+  at 0), and no ``combine_kernel`` runs.
 * **Addressing.** Keys are read where they are: cache row ``cache_batch_idx[b]`` (or b)
   from ``cache_leftpad[b]``, or page ``block_table[b, p // page]`` at ``p % page``. When
   the page size is a multiple of the key tile a tile lies in one page (one table read per
@@ -44,6 +47,7 @@ from flashtile.backends.triton.scores import C_LN2, C_LOG2E, LOG2E, add_sink, ch
 from flashtile.problem.window import effective_window
 from flashtile.runtime.device import device_context, device_index, sm_count
 from flashtile.runtime.launch import Launcher
+from flashtile.runtime.replay import stream_counter
 
 # The decode kernel appends the new keys itself (one launch less) when a call brings at
 # most this many (a decode step brings 1, speculative decoding a few); a longer chunk (a
@@ -260,9 +264,60 @@ def append_kernel(
 
 
 @triton.jit
+def _last_split_combines(Counters, group, num_splits, OutPart, LsePart, Out, Lse, Sink, b64, t, t64, h64, row_ok,
+                         offs_dv, dv_ok, stride_pp, stride_pb, stride_ps, stride_ph, stride_lp, stride_lpb, stride_lph,
+                         stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                         BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_SINK: tl.constexpr):
+    """The fused combine: after its partial results, a program arrives at its group's counter
+    (Counters[group], one per (b, kv head, row block)); the last of the group's splits to
+    arrive merges every split's partials, as ``combine_kernel`` does, and leaves the counter
+    at 0 for the next launch. The arrival is CUTLASS's generic barrier: a CTA barrier (every
+    thread's stores issued), then one gpu-scope acq_rel atomic; the winner's loads of the
+    other programs' partials bypass L1 (.cg)."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(Counters + group, 1, sem="acq_rel", scope="gpu")
+    if ticket == num_splits - 1:
+        tl.atomic_xchg(Counters + group, 0, sem="relaxed", scope="gpu")
+        lse_row = LsePart + b64 * stride_lpb + h64 * stride_lph + t
+        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        nans = tl.zeros([BLOCK_M], tl.int32)
+        for s in range(0, num_splits):
+            part_lse = tl.load(lse_row + tl.cast(s, tl.int64) * stride_lp, mask=row_ok, other=float("-inf"),
+                               cache_modifier=".cg")
+            nans += (part_lse != part_lse).to(tl.int32)
+            top = tl.maximum(top, part_lse)
+        if HAS_SINK:
+            sink = tl.load(Sink + h64, mask=row_ok, other=float("-inf"))
+            top = tl.maximum(top, sink)
+        top = tl.where(top == float("-inf"), 0.0, top)
+        total = tl.zeros([BLOCK_M], tl.float32)
+        merged = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        part_row = OutPart + b64 * stride_pb + t64[:, None] * stride_ps + h64[:, None] * stride_ph + offs_dv[None, :]
+        for s in range(0, num_splits):
+            s64 = tl.cast(s, tl.int64)
+            part_lse = tl.load(lse_row + s64 * stride_lp, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+            w = tl.exp(part_lse - top)
+            total += w
+            live = row_ok & (part_lse != float("-inf"))
+            part = tl.load(part_row + s64 * stride_pp, mask=live[:, None] & dv_ok[None, :], other=0.0,
+                           cache_modifier=".cg")
+            merged += w[:, None] * part
+        if HAS_SINK:
+            total += tl.exp(sink - top)
+        out = merged / tl.where(total == 0.0, 1.0, total)[:, None]
+        lse = tl.where(total == 0.0, float("-inf"), top + tl.log(tl.where(total == 0.0, 1.0, total)))
+        bad = nans > 0  # a NaN partial (a failed device check) stays NaN
+        out = tl.where(bad[:, None], float("nan"), out)
+        lse = tl.where(bad, float("nan"), lse)
+        tl.store(Out + b64 * stride_ob + t64[:, None] * stride_os + h64[:, None] * stride_oh + offs_dv[None, :],
+                 out.to(Out.dtype.element_ty), mask=row_ok[:, None] & dv_ok[None, :])
+        tl.store(Lse + b64 * stride_lb + h64 * stride_lh + t, lse, mask=row_ok)
+
+
+@triton.jit
 def decode_kernel(
     Q, K, V, Out, Lse, OutPart, LsePart, Status, SeqLens, LeftPad, BatchIdx, Table, Alibi, Cos, Sin, Sink,
-    KNew, VNew,
+    KNew, VNew, Counters,
     stride_qb, stride_qs, stride_qh,
     stride_kb, stride_ks, stride_kh,
     stride_vb, stride_vs, stride_vh,
@@ -281,7 +336,7 @@ def decode_kernel(
     WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr,
     ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, ROTARY_LOCAL: tl.constexpr,
     SPLIT: tl.constexpr, CHECKED: tl.constexpr, IEEE_DOT: tl.constexpr, HAS_SINK: tl.constexpr,
-    CHUNK: tl.constexpr, APPEND: tl.constexpr, APPEND_T: tl.constexpr,
+    CHUNK: tl.constexpr, APPEND: tl.constexpr, APPEND_T: tl.constexpr, FUSED_COMBINE: tl.constexpr,
 ):
     """Program (b, hk, block of rows, split): rows r = t * group + g of KV head hk against
     keys [split * split_size, (split + 1) * split_size) of sequence b (module docstring).
@@ -289,7 +344,9 @@ def decode_kernel(
     APPEND: the new keys and values (KNew, VNew: ``new`` tokens) that fall in this split
     are written into the cache first (what ``append_kernel`` does, one launch less), then
     read back from it: a program reads only its own split's keys, and every program of a
-    split writes the same values, so no program waits on another."""
+    split writes the same values, so no program waits on another.
+    FUSED_COMBINE (with SPLIT): the last split of each group to finish merges the partials
+    (``_last_split_combines``) instead of ``combine_kernel``."""
     pid = tl.program_id(0)
     split = pid % num_splits
     rest = pid // num_splits
@@ -447,6 +504,11 @@ def decode_kernel(
         tl.store(OutPart + s64 * stride_pp + b64 * stride_pb + t64[:, None] * stride_ps + h64[:, None] * stride_ph
                  + offs_dv[None, :], out, mask=ok)
         tl.store(LsePart + s64 * stride_lp + b64 * stride_lpb + h64 * stride_lph + t, lse, mask=row_ok)
+        if FUSED_COMBINE:
+            _last_split_combines(Counters, rest, num_splits, OutPart, LsePart, Out, Lse, Sink, b64, t, t64, h64,
+                                 row_ok, offs_dv, dv_ok, stride_pp, stride_pb, stride_ps, stride_ph, stride_lp,
+                                 stride_lpb, stride_lph, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                                 BLOCK_M, BLOCK_DV, HAS_SINK)
     else:
         tl.store(Out + b64 * stride_ob + t64[:, None] * stride_os + h64[:, None] * stride_oh + offs_dv[None, :],
                  out.to(Out.dtype.element_ty), mask=ok)
@@ -638,7 +700,7 @@ def scratch(q, k_cache, table, num_splits: int, checked: bool, head_dim_v: int =
 def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, alibi, cos, sin, *,
            new: int, scale: float, softcap: float, window_left: int, window_right: int, interleaved: bool,
            rotary_local: bool, num_splits: int, status=None, parts=None, sink=None, chunk: int = 0,
-           k_new=None, v_new=None) -> None:
+           k_new=None, v_new=None, fused_combine: bool = False) -> None:
     """Attention of q (batch, seqlen_q, H, D) against the caches (after the append; k_cache
     of head dim D, v_cache of Dv, which may be a view of k_cache's first Dv columns):
     out (batch, seqlen_q, H, Dv), lse (batch, H, seqlen_q) float32 (unit last stride).
@@ -648,7 +710,10 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
     logit per query head in the softmax's denominator, added once per row. ``chunk``:
     chunked attention (0: off), chunks counted from each sequence's first key (leftpad).
     ``k_new``, ``v_new``: (batch, new, Hk, D) and (..., Dv), appended by the decode kernel
-    itself (``append``'s work, rotary included; None: the caches already hold them)."""
+    itself (``append``'s work, rotary included; None: the caches already hold them).
+    ``fused_combine``: with more than one split, the decode kernel's last split of each
+    group merges the partials (counters from ``runtime.replay.stream_counter``), no
+    ``combine_kernel`` launch."""
     import torch
 
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -677,13 +742,16 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
                               else scratch(q, k_cache, table, num_splits, False, head_dim_v)[1])
     else:
         out_part, lse_part = out, lse
+    fused_combine = fused_combine and splits > 1
+    groups = batch * nheads_k * num_m_blocks
+    counters = stream_counter(q.device, groups) if fused_combine else q
     with device_context(q):
         _launch_decode(
             (batch * nheads_k * num_m_blocks * splits,),
             (q, k_cache, v_cache, out, lse, out_part, lse_part, seqlens if status is None else status, seqlens,
              seqlens if leftpad is None else leftpad, seqlens if batch_idx is None else batch_idx,
              table if paged else seqlens, q if alibi is None else alibi, cos if rotary else q, sin if rotary else q,
-             lse if sink is None else sink, q if k_new is None else k_new, q if v_new is None else v_new,
+             lse if sink is None else sink, q if k_new is None else k_new, q if v_new is None else v_new, counters,
              q.stride(0), q.stride(1), q.stride(2),
              k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
              v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
@@ -706,9 +774,10 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
                  SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, ROTARY=rotary, INTERLEAVED=interleaved,
                  ROTARY_LOCAL=rotary_local, SPLIT=splits > 1, CHECKED=status is not None,
                  IEEE_DOT=q.dtype == torch.float32, HAS_SINK=sink is not None, CHUNK=chunk > 0,
-                 APPEND=k_new is not None, APPEND_T=min(16, triton.next_power_of_2(max(new, 1)))),
+                 APPEND=k_new is not None, APPEND_T=min(16, triton.next_power_of_2(max(new, 1))),
+                 FUSED_COMBINE=fused_combine),
             4, stages(kind, block_d, block_dv))
-        if splits > 1:
+        if splits > 1 and not fused_combine:
             combine(out_part, lse_part, out, lse, sink)
 
 
