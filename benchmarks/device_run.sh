@@ -111,15 +111,18 @@ if [[ $what == provider ]]; then
   timeout 70 python3 benchmarks/host_overhead.py --impl flashtile sdpa-flash sdpa-flashtile \
     > "$OUT/host-provider.log" 2>&1
   echo "host overhead rc=$?"; grep -v Warn "$OUT/host-provider.log"
-  timeout 150 python3 -m flashtile.tools.bench --dtype bf16 --pass fwd bwd --impl flashtile sdpa-flash sdpa-flashtile \
+  timeout 200 python3 -m flashtile.tools.bench --dtype bf16 --pass fwd bwd --impl flashtile sdpa-flash sdpa-flashtile \
     --headdim 64 128 --seqlen 2048 8192 16384 --out /tmp/bench --tag h200-bf16-provider > "$OUT/bench-provider.log" 2>&1
-  echo "bench provider rc=$?"; cp /tmp/bench/h200-bf16-provider.jsonl /tmp/bench/h200-bf16-provider-summary.md "$OUT/" 2>/dev/null
-  timeout ${PROVIDER_TRAIN_TIMEOUT:-200} python3 benchmarks/transformers_step.py --impl sdpa "sdpa[flash]" sdpa+flashtile \
-    tiled_attention --workload train-full --steps 10 --out "$OUT/provider-train.jsonl" > "$OUT/provider-train.log" 2>&1
-  echo "provider train rc=$?"; grep -v Warn "$OUT/provider-train.log" | tail -6
-  timeout ${CB_TIMEOUT:-150} python3 benchmarks/transformers_step.py --impl flashtile_fa2 sdpa --workload cb \
-    --out "$OUT/cb.jsonl" > "$OUT/cb.log" 2>&1
-  echo "continuous batching rc=$?"; grep -v -i "warn\|psutil" "$OUT/cb.log" | tail -5
+  echo "bench provider rc=$?"; grep -A40 "TFLOP/s" /tmp/bench/h200-bf16-provider-summary.md | tail -30
+  timeout ${PROVIDER_TRAIN_TIMEOUT:-160} python3 benchmarks/transformers_step.py --impl sdpa "sdpa[flash]" sdpa+flashtile \
+    tiled_attention --workload train-full --steps 10 --out /tmp/bench/provider-train.jsonl > /tmp/bench/provider-train.log 2>&1
+  echo "provider train rc=$?"; grep -v Warn /tmp/bench/provider-train.log | tail -6
+  timeout ${CB_TIMEOUT:-140} python3 benchmarks/transformers_step.py --impl flashtile_fa2 sdpa --workload cb \
+    --out /tmp/bench/cb.jsonl > /tmp/bench/cb.log 2>&1
+  echo "continuous batching rc=$?"; grep -v -i "warn\|psutil" /tmp/bench/cb.log | tail -5
+  # everything in one tarball: at most 8 files come back
+  tar -czf "$OUT/provider.tgz" -C /tmp/bench h200-bf16-provider.jsonl h200-bf16-provider-summary.md \
+    provider-train.jsonl provider-train.log cb.jsonl cb.log 2>/dev/null
 fi
 if [[ $what == sweep ]]; then
   timeout 280 python3 benchmarks/sweep_bwd.py --out "$OUT/sweep-bwd.jsonl" > "$OUT/sweep-bwd.log" 2>&1

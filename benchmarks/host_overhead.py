@@ -151,7 +151,8 @@ def main(argv=None) -> int:
     p.add_argument("--seqlen", type=int, default=512, help="fwd/bwd rows: --batch, 16 heads, causal")
     p.add_argument("--batch", type=int, default=4, help="fwd/bwd rows' batch")
     p.add_argument("--only", nargs="+", help="the workloads whose name holds one of these words")
-    p.add_argument("--impl", nargs="+", choices=IMPLS, default=IMPLS)
+    p.add_argument("--impl", nargs="+", choices=IMPLS, default=IMPLS[:3],
+                   help="default: flashtile and the two SDPA backends (sdpa-flashtile on request)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     args = p.parse_args(argv)
     if args.plans_off:

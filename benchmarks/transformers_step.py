@@ -49,12 +49,15 @@ def attn_implementation(impl: str) -> str:
 @contextlib.contextmanager
 def attention_context(impl: str):
     """What runs around an impl's workloads: the provider active, or SDPA's flash backend."""
-    if impl == PROVIDER:
+    if impl == PROVIDER:  # SDPA's flash backend forced, so that the provider takes every call
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
         from flashtile.integrations import torch_sdpa
 
         torch_sdpa.activate()
         try:
-            yield
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                yield
         finally:
             torch_sdpa.deactivate()
     elif impl == SDPA_FLASH:
@@ -243,6 +246,9 @@ def main(argv=None) -> int:
                         secs, losses = train(model, data, args.steps, args.warmup, device)
                         real = batch * seqlen if workload == "train-full" else tokens
                         row.update(tokens=real, seconds=secs, tokens_per_s=real / secs, losses=losses)
+                if impl == PROVIDER:  # calls the provider sent back to PyTorch's own kernels (should be none)
+                    from flashtile.integrations import torch_sdpa
+                    row["provider_fallbacks"] = sum(torch_sdpa.FALLBACKS.values())
             except Exception as err:
                 row.update(error=f"{type(err).__name__}: {err}")
             rows.append(row)

@@ -173,21 +173,23 @@ def test_fused_append_is_the_separate_append_bitwise(monkeypatch, page, sq, num_
 def test_fused_combine_matches_the_combine_kernel(monkeypatch, page, batch):
     """FLASHTILE_DECODE_COMBINE=fused on the GPU, where the splits' programs really run at
     once: the last to arrive at its group's counter merges the others' partials (a CTA
-    barrier, one gpu-scope acq_rel atomic, L2 loads). 30 repeated steps against the combine
-    kernel: a missed ordering would show as a stale partial in some step; the stream's
-    counters are left at 0."""
+    barrier, one gpu-scope acq_rel atomic, L2 loads). 30 steps, each with new queries
+    against the combine kernel on the same step: the partials' scratch comes back at the
+    same address every step, so a winner that read a stale partial would read the previous
+    step's, which differ; the stream's counters are left at 0."""
     from flashtile.runtime import replay as plan
 
     seqlens = [int(x) for x in torch.randint(1, 8000, (batch,), generator=torch.Generator().manual_seed(batch))]
     q, k, v, kc, vc, table, sl = _cuda(*_case(batch=batch, sq=1, new=1, heads=(32, 8), d=128, capacity=8192,
                                               seqlens=seqlens, dtype=torch.bfloat16, page=page))
     kw = dict(cache_seqlens=sl, block_table=table, causal=True, return_softmax_lse=True)
-    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")
-    want, want_lse = flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **kw)
-    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "fused")
-    for _ in range(30):
+    for step in range(30):
+        q = torch.randn_like(q)
+        monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")
+        want, want_lse = flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **kw)
+        monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "fused")
         out, lse = flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **kw)
-        assert (out.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max()
+        assert (out.float() - want.float()).abs().max() <= 1e-2 * want.float().abs().max(), step
         torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
     torch.cuda.synchronize()
     assert all(int(c.abs().sum()) == 0 for c in plan._COUNTERS.values())

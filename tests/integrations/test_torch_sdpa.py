@@ -148,8 +148,8 @@ def test_flash_op_dense_and_packed_contract(on_cpu, window):
 @pytest.mark.parametrize("kept_by", ["get_kernel", "binding"])
 def test_what_flashtile_does_not_take_runs_pytorchs_kernel(kept_by, monkeypatch):
     """Installed on the Meta key (whose original kernels exist everywhere): a call with dropout
-    goes to PyTorch's own kernel, counted; the report names it. "binding": as on torch
-    2.11, which has the dispatcher binding but not torch.library.get_kernel."""
+    goes to PyTorch's own kernel, counted; the report names it. "binding": a torch with the
+    dispatcher binding but not torch.library.get_kernel (which 2.11 and 2.13 both have)."""
     if not hasattr(torch.library, "get_kernel"):
         pytest.skip("this torch cannot keep the original kernels (torch.library.get_kernel)")
     if kept_by == "binding":

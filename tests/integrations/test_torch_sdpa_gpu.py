@@ -88,5 +88,33 @@ def test_dropout_goes_back_to_pytorch(provider):
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         out = torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
     assert out.shape == q.shape
-    assert torch_sdpa._kernel_getter() is not None  # torch 2.11: the dispatcher binding; 2.13: get_kernel
+    assert torch_sdpa._kernel_getter() is not None  # torch.library.get_kernel (2.11 and 2.13 have it)
     assert torch_sdpa.FALLBACKS[("_scaled_dot_product_flash_attention", "dropout")] == 1
+
+
+def test_transformers_sdpa_model_through_the_provider(provider):
+    """A transformers Llama with attn_implementation="sdpa" (no padding: SDPA gets is_causal
+    and nothing else, so its flash backend takes the calls): with the provider active the
+    flash ops run flashtile (no fallback), the logits agree with PyTorch's flash backend's
+    within bf16's rounding, and every greedy token the provider picks is PyTorch's best up to
+    a near-tie (teacher forcing, as test_transformers_gpu.py)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config).to("cuda", torch.bfloat16).eval()
+    model.set_attn_implementation("sdpa")
+    ids = torch.randint(0, 1000, (2, 700), generator=torch.Generator().manual_seed(1)).cuda()
+    with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        got = model(ids).logits.float()
+        tokens = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        torch_sdpa.deactivate()
+        ref = model(ids).logits.float()
+        forced = model(tokens).logits.float()[:, ids.shape[1] - 1:-1]
+        torch_sdpa.activate()
+    diff = (got - ref).abs().max().item()
+    assert diff <= 0.05 * ref.abs().max().item(), diff
+    chosen = tokens[:, ids.shape[1]:]
+    gap = forced.max(-1).values - forced.gather(-1, chosen[..., None])[..., 0]
+    assert (gap <= 4 * diff + 1e-3).all(), gap.max()
+    assert not torch_sdpa.FALLBACKS

@@ -23,13 +23,13 @@ calls; ``flashtile explain --sdpa-provider`` prints them). Where the original ke
 be fetched, such a call raises NotImplementedError naming the feature: never a different
 result.
 
-Versions: torch 2.11 and 2.13 have the provider registry (``torch.nn.attention.
+Versions: torch 2.11 and 2.13 both have the provider registry (``torch.nn.attention.
 register_flash_attention_impl``, ``activate_flash_attention_impl``,
 ``restore_flash_attention_impl``; FA3 and FA4 register through it; the same ``_registry.py``
-in both). torch 2.13 has ``torch.library.get_kernel``; torch 2.11 has only the dispatcher
-binding it wraps (``torch._C._dispatch_get_computed_kernel_for_dispatch_key``, returning a
-``_SafeKernelFunction`` with ``call_boxed``), which is used there (read in the 2.11.0
-wheel's sources). On a torch without the registry ``activate()`` installs the same kernels
+in both) and ``torch.library.get_kernel`` (read in the 2.11.0 wheel's sources). A torch
+without ``get_kernel`` but with the dispatcher binding it wraps
+(``torch._C._dispatch_get_computed_kernel_for_dispatch_key``) keeps the original kernels
+through that. On a torch without the registry ``activate()`` installs the same kernels
 through ``torch.library.Library("aten", "IMPL")``.
 """
 
@@ -214,9 +214,8 @@ KERNELS = {
 
 # --------------------------------------------------------------------------- install / activate
 def _kernel_getter():
-    """``torch.library.get_kernel`` (torch 2.13), else the dispatcher binding it wraps
-    (``torch._C._dispatch_get_computed_kernel_for_dispatch_key``: torch 2.11 has it, without
-    the wrapper), else None."""
+    """``torch.library.get_kernel`` (torch 2.11, 2.13), else the dispatcher binding it wraps
+    (``torch._C._dispatch_get_computed_kernel_for_dispatch_key``), else None."""
     if hasattr(torch.library, "get_kernel"):
         return torch.library.get_kernel
     binding = getattr(torch._C, "_dispatch_get_computed_kernel_for_dispatch_key", None)
