@@ -238,12 +238,12 @@ def kvcache_op(q: Tensor, k_cache: Tensor, v_cache: Tensor, k: Optional[Tensor],
                batch_idx: Optional[Tensor], table: Optional[Tensor], alibi: Optional[Tensor],
                sink: Optional[Tensor], scale: float, softcap: float, window_left: int, window_right: int, interleaved: bool, rotary_local: bool,
                num_splits: int, device_check: bool, batch_cache: int, num_blocks: int,
-               rotary_len: int, attention_chunk: int = 0) -> tuple[Tensor, Tensor]:
+               rotary_len: int, attention_chunk: int = 0, padding: bool = False) -> tuple[Tensor, Tensor]:
     """The kv-cache call as an op that declares its in-place writes to the caches (what
     torch.compile traces): ``backends.run.kvcache``."""
     return run.kvcache(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, sink, scale,
                        softcap, window_left, window_right, interleaved, rotary_local, num_splits, device_check,
-                       batch_cache, num_blocks, rotary_len, attention_chunk)
+                       batch_cache, num_blocks, rotary_len, attention_chunk, padding)
 
 
 @kvcache_op.register_fake

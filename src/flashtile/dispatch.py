@@ -113,7 +113,7 @@ def kvcache_kernels(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch
     return autograd.kvcache(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table, alibi, sink,
                             spec.scale, spec.softcap, spec.window_left, spec.window_right, spec.interleaved,
                             spec.rotary_local, spec.num_splits, device_check, spec.batch_cache, spec.num_blocks,
-                            spec.rotary_len, spec.chunk, hint=hint)
+                            spec.rotary_len, spec.chunk, spec.padding, hint=hint)
 
 
 def runs_kernels(device) -> bool:

@@ -354,6 +354,51 @@ def test_fused_combine_keeps_a_failed_check_nan(triton_backend, monkeypatch):
     assert out.isnan().all() and lse.isnan().all()
 
 
+@pytest.mark.parametrize("check", ["host", "device"])
+@pytest.mark.parametrize("mode", ["default", "separate-append", "fused-combine"])
+@pytest.mark.parametrize("page", [0, 16])
+def test_padding_sequences(backend, monkeypatch, page, mode, check):
+    """padding_sequences=True (transformers' continuous batching under CUDA graphs pads a
+    decode batch with sequences of cache_seqlens -1 and block_table rows of -1): those rows
+    write nothing and read nothing, their out is 0 and lse -inf, and the real rows are what
+    a call without them gives, the caches included. Without the flag, -1 is an error."""
+    if backend == "torch" and (mode != "default" or check == "device"):
+        pytest.skip("kernel switches")
+    if mode == "separate-append":
+        monkeypatch.setenv("FLASHTILE_DECODE_APPEND", "separate")
+    if mode == "fused-combine":
+        monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "fused")
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", check)
+    q, k, v, kc, vc, table, seqlens = _case(batch=5, sq=1, new=1, heads=(8, 2), capacity=160,
+                                             seqlens=(7, 0, 100, 0, 159 - 1), page=page)
+    real = torch.tensor([0, 2, 4])
+    fake = torch.tensor([1, 3])
+    padded = seqlens.clone()
+    padded[fake] = -1
+    if table is not None:
+        table = table.clone()
+        table[fake] = -1
+    kw = dict(causal=True, num_splits=3, return_softmax_lse=True)
+    caches = kc.clone(), vc.clone()
+    out, lse = flashtile.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=padded, block_table=table,
+                                                 padding_sequences=True, **kw)
+    ref_caches = kc.clone(), vc.clone()
+    sub_table = None if table is None else table[real]
+    if table is None:  # row b of the cache for sequence b: the subset call names its rows
+        kw["cache_batch_idx"] = real.to(torch.int32)
+    want, want_lse = flashtile.flash_attn_with_kvcache(q[real], *ref_caches, k[real], v[real],
+                                                       cache_seqlens=seqlens[real], block_table=sub_table, **kw)
+    torch.testing.assert_close(out[real], want, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse[real], want_lse, atol=1e-6, rtol=1e-6)
+    assert torch.equal(out[fake], torch.zeros_like(out[fake]))
+    assert torch.isneginf(lse[fake]).all()
+    assert torch.equal(caches[0], ref_caches[0]) and torch.equal(caches[1], ref_caches[1])
+    if check == "host":
+        with pytest.raises(ValueError, match=r"cache_seqlens\[1\] = -1 must be >= 0 \(or pass padding_sequences"):
+            flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=padded,
+                                              block_table=table, causal=True)
+
+
 def test_a_long_append_takes_the_append_kernel(triton_backend, monkeypatch):
     """More new tokens than decode.FUSED_APPEND_MAX (a prefill chunk through the cache): the
     append kernel runs first even under the fused default."""

@@ -193,3 +193,31 @@ def test_fused_combine_matches_the_combine_kernel(monkeypatch, page, batch):
         torch.testing.assert_close(lse, want_lse, atol=1e-4, rtol=1e-5)
     torch.cuda.synchronize()
     assert all(int(c.abs().sum()) == 0 for c in plan._COUNTERS.values())
+
+
+@pytest.mark.parametrize("page", [0, 16])
+def test_padding_sequences_on_the_device_check(page):
+    """padding_sequences=True with CUDA metadata (checked on the device, as under CUDA
+    graphs in transformers' continuous batching): rows of cache_seqlens -1 and block_table
+    rows of -1 write and read nothing and give 0 / -inf; the real rows are the call without
+    them, caches included (bf16, the kernels' own paths)."""
+    q, k, v, kc, vc, table, seqlens = _cuda(*_case(batch=6, sq=1, new=1, heads=(32, 8), d=128, capacity=4096,
+                                                  seqlens=(7, 0, 3000, 0, 4095 - 1, 0), dtype=torch.bfloat16,
+                                                  page=page))
+    real, fake = torch.tensor([0, 2, 4], device="cuda"), torch.tensor([1, 3, 5], device="cuda")
+    padded = seqlens.clone()
+    padded[fake] = -1
+    if table is not None:
+        table = table.clone()
+        table[fake] = -1
+    caches, ref = (kc.clone(), vc.clone()), (kc.clone(), vc.clone())
+    kw = dict(causal=True, num_splits=3, return_softmax_lse=True)
+    out, lse = flashtile.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=padded, block_table=table,
+                                                 padding_sequences=True, **kw)
+    sub = dict(block_table=table[real]) if table is not None else dict(cache_batch_idx=real.to(torch.int32))
+    want, want_lse = flashtile.flash_attn_with_kvcache(q[real], *ref, k[real], v[real], cache_seqlens=seqlens[real],
+                                                       **sub, **kw)
+    torch.testing.assert_close(out[real], want)  # bf16's tolerance: the same sums, maybe another addressing
+    torch.testing.assert_close(lse[real], want_lse, atol=1e-5, rtol=1e-5)
+    assert torch.equal(out[fake], torch.zeros_like(out[fake])) and torch.isneginf(lse[fake]).all()
+    assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])

@@ -483,3 +483,45 @@ def test_paged_overflow_is_a_value_and_a_runtime_error():
     for error in (ValueError, RuntimeError):
         with pytest.raises(error, match="more than block_table holds"):
             flashtile.flash_attn_varlen_func(**_paged_args(table))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("pad", [(5, 3), (0, 0), (4, 0)], ids=["q-and-k", "none", "q-only"])
+def test_padding_sequences(backend, causal, pad):
+    """padding_sequences=True: rows of q past cu_seqlens_q[-1] (and keys past
+    cu_seqlens_k[-1]) are one more sequence (transformers' continuous batching pads its
+    batches so under CUDA graphs). The real sequences' out, lse and gradients are those of
+    the call without the padding; the padding rows' are those of the padding tokens
+    attending among themselves (rows that see no key: 0). Without the flag: an error."""
+    g = torch.Generator().manual_seed(5)
+    lens_q, lens_k = [3, 9, 6], [5, 9, 8]
+    tq, tk = sum(lens_q), sum(lens_k)
+    pq, pk = pad
+    q = torch.randn(tq + pq, 4, 16, generator=g)
+    k, v = (torch.randn(tk + pk, 2, 16, generator=g) for _ in range(2))
+    dout = torch.randn(tq + pq, 4, 16, generator=g)
+    cu_q, cu_k = (torch.tensor([0, *np.cumsum(x)], dtype=torch.int32) for x in (lens_q, lens_k))
+
+    def run(q, k, v, cu_q, cu_k, max_q, max_k, dout, **kw):
+        leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
+        out, lse, _ = flashtile.flash_attn_varlen_func(*leaves, cu_q, cu_k, max_q, max_k, causal=causal,
+                                                       return_attn_probs=True, **kw)
+        grads = torch.autograd.grad(out, leaves, dout)
+        return out, lse, grads
+
+    out, lse, (dq, dk, dv) = run(q, k, v, cu_q, cu_k, 9, 9, dout, padding_sequences=True)
+    want, want_lse, (wq, wk, wv) = run(q[:tq], k[:tk], v[:tk], cu_q, cu_k, 9, 9, dout[:tq])
+    for got, ref in ((out[:tq], want), (lse[:, :tq], want_lse), (dq[:tq], wq), (dk[:tk], wk), (dv[:tk], wv)):
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    if pq:
+        tail_cu_q = torch.tensor([0, pq], dtype=torch.int32)
+        tail_cu_k = torch.tensor([0, pk], dtype=torch.int32)
+        if pk:
+            t_out, t_lse, (t_dq, t_dk, t_dv) = run(q[tq:], k[tk:], v[tk:], tail_cu_q, tail_cu_k, pq, pk, dout[tq:])
+            for got, ref in ((out[tq:], t_out), (dq[tq:], t_dq), (dk[tk:], t_dk), (dv[tk:], t_dv)):
+                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+        else:  # padding rows without padding keys see nothing
+            assert torch.equal(out[tq:], torch.zeros_like(out[tq:])) and torch.isneginf(lse[:, tq:]).all()
+            assert torch.equal(dq[tq:], torch.zeros_like(dq[tq:]))
+        with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] \(18\) must equal the number of tokens"):
+            flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, causal=causal)

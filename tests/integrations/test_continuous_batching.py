@@ -77,12 +77,30 @@ def _decode_fast_path():
         yield
 
 
-def _generate_batch(model, max_batch_tokens: int, fast_path: bool):
+@contextlib.contextmanager
+def _padded_batches():
+    """What continuous batching does when it captures CUDA graphs (its default on CUDA), on
+    CPU without the graphs: batches padded to static sizes, with tokens past cu_seqlens[-1]
+    and decode rows of cache_seqlens -1 (ModelRunner.pad_inputs)."""
+    from transformers.generation.continuous_batching import model_runner
+
+    init = model_runner.ModelRunner.__init__
+
+    def padded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.pad_inputs = True
+
+    with mock.patch.object(model_runner.ModelRunner, "__init__", padded):
+        yield
+
+
+def _generate_batch(model, max_batch_tokens: int, fast_path: bool, padded: bool = False):
     fields = inspect.signature(transformers.ContinuousBatchingConfig).parameters
     page = {"page_size" if "page_size" in fields else "block_size": 16}  # "block_size" before 5.17's rename
     cb = transformers.ContinuousBatchingConfig(**page, num_blocks=48, max_batch_tokens=max_batch_tokens,
                                                max_blocks_per_request=8 if fast_path else 0, use_cuda_graph=False)
-    with _decode_fast_path() if fast_path else contextlib.nullcontext():
+    with _decode_fast_path() if fast_path else contextlib.nullcontext(), \
+            _padded_batches() if padded else contextlib.nullcontext():
         out = model.generate_batch(inputs=_prompts(), generation_config=_generation_config(),
                                    continuous_batching_config=cb, progress_bar=False, warmup=False)
     assert len(out) == len(PROMPT_LENGTHS)
@@ -102,13 +120,16 @@ def _paged_sdpa_tokens(which: str, max_batch_tokens: int):
 
 
 # transformers (5.25) has no block-table path for sliding-window layers: varlen only there
-CASES = [("llama", False), ("llama", True), ("qwen2-sliding", False)]
+CASES = [("llama", False, False), ("llama", True, False), ("qwen2-sliding", False, False),
+         ("llama", True, True), ("llama", False, True)]
 
 
 @pytest.mark.parametrize("max_batch_tokens", [64, 24], ids=["one-prefill", "chunked-mixed"])
-@pytest.mark.parametrize("which, fast_path", CASES, ids=["llama", "llama-decode-fast-path", "qwen2-sliding"])
-def test_generate_batch_matches_paged_sdpa_and_eager(which, max_batch_tokens, fast_path, flash_calls):
-    tokens = _generate_batch(_model(which, ft.FLASH_NAME), max_batch_tokens, fast_path)
+@pytest.mark.parametrize("which, fast_path, padded", CASES, ids=["llama", "llama-decode-fast-path", "qwen2-sliding",
+                                                                 "llama-fast-path-padded", "llama-padded"])
+def test_generate_batch_matches_paged_sdpa_and_eager(which, max_batch_tokens, fast_path, padded, flash_calls):
+    """Padded: batches padded to static sizes, as under CUDA graphs (``_padded_batches``)."""
+    tokens = _generate_batch(_model(which, ft.FLASH_NAME), max_batch_tokens, fast_path, padded)
     assert tokens == _paged_sdpa_tokens(which, max_batch_tokens)
     assert tokens == _eager_tokens(which)
     layers = MODELS[which][0]().num_hidden_layers
@@ -125,8 +146,11 @@ def test_the_provider_resolves_flashtile_and_only_its_names():
     assert mfa._lazy_imports.flashtile_names == {ft.FLASH_NAME}
     assert not hasattr(mfa._lazy_imports.original, "flashtile_names")
     fns = mfa._lazy_imports(ft.FLASH_NAME)
-    assert fns[:3] == (flashtile.flash_attn_func, flashtile.flash_attn_varlen_func, flashtile.flash_attn_with_kvcache)
-    assert mfa._lazy_imports("paged|" + ft.FLASH_NAME)[:3] == fns[:3]
+    assert fns[0] is flashtile.flash_attn_func
+    for fn, api in zip(fns[1:3], (flashtile.flash_attn_varlen_func, flashtile.flash_attn_with_kvcache)):
+        assert fn.func is api and fn.keywords == {"padding_sequences": True}  # continuous batching's padding
+    assert [getattr(f, "func", f) for f in mfa._lazy_imports("paged|" + ft.FLASH_NAME)[:3]] == \
+        [getattr(f, "func", f) for f in fns[:3]]
     with mock.patch.object(mfa._lazy_imports, "original", return_value="theirs") as original:
         assert mfa._lazy_imports("flash_attention_2") == "theirs"
         original.assert_called_once_with("flash_attention_2")

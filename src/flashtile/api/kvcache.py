@@ -58,6 +58,7 @@ def flash_attn_with_kvcache(
     *,
     learnable_sink: Optional[torch.Tensor] = None,
     attention_chunk: int = 0,
+    padding_sequences: bool = False,
 ):
     """Attention of new queries against a KV cache, appending new keys/values in place.
 
@@ -102,6 +103,13 @@ def flash_attn_with_kvcache(
         attention_chunk: chunked local attention (FA3's name): query i of sequence b sees
             key j only if floor((i + len_k(b) - seqlen_q) / C) == floor(j / C), keys counted
             from leftpad; 0 (the default) is off.
+        padding_sequences: a sequence whose cache_seqlens is negative is padding: nothing
+            is appended for it and no key is read (its block_table row, batch index and
+            leftpad are ignored); its out is 0 and its lse -inf (the sink's logit with a
+            sink), as a sequence without keys. This is how transformers' continuous
+            batching pads a decode batch to a static size under CUDA graphs (cache_seqlens
+            -1, block_table rows of -1), which flash-attn's kernels happen to skip. False
+            (the default): a negative cache_seqlens is an error.
 
     Returns:
         out (batch, seqlen_q, nheads, headdim_v), or (out, lse). Not differentiable (as in
@@ -118,7 +126,7 @@ def flash_attn_with_kvcache(
         tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                    block_table, alibi_slopes, learnable_sink)
         scalars = replay.plain_scalars((softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
-                                        return_softmax_lse, attention_chunk))
+                                        return_softmax_lse, attention_chunk, padding_sequences))
         key = None if scalars is None else replay.make_key(tensors, scalars)
         if key is not None:
             entry = _PLANS.entry(key, tensors)
@@ -127,7 +135,7 @@ def flash_attn_with_kvcache(
     call = validate.kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                  cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                                  rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, learnable_sink,
-                                 attention_chunk)
+                                 attention_chunk, padding_sequences)
     kernels = dispatch.runs_kernels(q.device)
     host = _host_check(call.seqlens, mode)
     if host or not kernels:

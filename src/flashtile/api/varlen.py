@@ -17,6 +17,36 @@ from flashtile import dispatch
 from flashtile.problem import validate
 
 
+def _padding_sequence(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, block_table,
+                      seqused_q, seqused_k):
+    """``padding_sequences=True``: the rows past cu_seqlens_q[-1] (and the keys past
+    cu_seqlens_k[-1]; none when paged) become one more sequence, built on the device (no
+    host read, capturable in a CUDA graph). Arguments that are not what the validation
+    wants pass through unchanged, for it to name."""
+    if not (isinstance(cu_seqlens_q, torch.Tensor) and isinstance(cu_seqlens_k, torch.Tensor)
+            and cu_seqlens_q.dim() == 1 and cu_seqlens_k.dim() == 1 and cu_seqlens_q.numel() > 0
+            and cu_seqlens_k.numel() > 0 and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+            and q.dim() >= 1 and k.dim() >= 1):
+        return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, block_table, seqused_q, seqused_k
+    paged = block_table is not None
+    total_q = q.shape[0]
+    cu_q = torch.cat([cu_seqlens_q, cu_seqlens_q.new_full((1,), total_q)])
+    cu_k = torch.cat([cu_seqlens_k, cu_seqlens_k[-1:] if paged else cu_seqlens_k.new_full((1,), k.shape[0])])
+    if isinstance(max_seqlen_q, int) and not isinstance(max_seqlen_q, bool):
+        max_seqlen_q = max(max_seqlen_q, total_q)
+    if not paged and isinstance(max_seqlen_k, int) and not isinstance(max_seqlen_k, bool):
+        max_seqlen_k = max(max_seqlen_k, k.shape[0])
+    if paged and isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.shape[0] > 0:
+        block_table = torch.cat([block_table, block_table[-1:]])  # never read: the padding sequence has no keys
+    if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2 and alibi_slopes.shape[0] > 0:
+        alibi_slopes = torch.cat([alibi_slopes, alibi_slopes[-1:]])
+    if isinstance(seqused_q, torch.Tensor) and seqused_q.dim() == 1:
+        seqused_q = torch.cat([seqused_q, (cu_q[-1:] - cu_q[-2:-1]).to(seqused_q.dtype)])
+    if isinstance(seqused_k, torch.Tensor) and seqused_k.dim() == 1:
+        seqused_k = torch.cat([seqused_k, (cu_k[-1:] - cu_k[-2:-1]).to(seqused_k.dtype)])
+    return cu_q, cu_k, max_seqlen_q, max_seqlen_k, alibi_slopes, block_table, seqused_q, seqused_k
+
+
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
             window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q, seqused_k,
             learnable_sink=None, attention_chunk=0, names=("q", "k", "v")):
@@ -55,6 +85,7 @@ def flash_attn_varlen_func(
     seqused_k: Optional[torch.Tensor] = None,
     learnable_sink: Optional[torch.Tensor] = None,
     attention_chunk: int = 0,
+    padding_sequences: bool = False,
 ):
     """Exact attention over packed sequences, with flash-attn 2's interface and semantics.
 
@@ -89,6 +120,14 @@ def flash_attn_varlen_func(
         learnable_sink: None, or (nheads,): as in ``flash_attn_func``, in every sequence.
         attention_chunk: as in ``flash_attn_func``, chunks counted from each sequence's first
             key (used keys: from cu_seqlens_k[b]).
+        padding_sequences: q may hold rows past cu_seqlens_q[-1] and k, v keys past
+            cu_seqlens_k[-1] (flash-attn ignores them; transformers' continuous batching
+            pads its batches so under CUDA graphs): they become one more sequence, the
+            padding rows attending to the padding keys (causal and the other options as
+            for any sequence; none when paged), so every output and gradient row is
+            defined; discard them. Built on the device (no host read). With it, max_seqlen_q
+            counts as at least total_q (and max_seqlen_k as total_k), and S_dmask has
+            batch + 1 sequences. False (the default): cu_seqlens must end at the totals.
 
     Returns:
         out (total_q, nheads, headdim_v); with ``return_attn_probs`` ``(out, softmax_lse,
@@ -99,6 +138,10 @@ def flash_attn_varlen_func(
     traces: the call itself reads cu_seqlens only on the device, so a training step with
     it can be captured.
     """
+    if validate.flag("padding_sequences", padding_sequences):
+        (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, block_table, seqused_q,
+         seqused_k) = _padding_sequence(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
+                                        block_table, seqused_q, seqused_k)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                    causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
                    seqused_q, seqused_k, learnable_sink, attention_chunk)

@@ -408,6 +408,7 @@ class KVCacheArgs(NamedTuple):
     num_blocks: int
     rotary_len: int
     attention_chunk: int = 0
+    padding: bool = False  # negative cache_seqlens: a padding sequence (nothing appended or read)
 
     def tensors(self) -> tuple:
         return self[:13]
@@ -452,18 +453,18 @@ def _kvcache_run(a: KVCacheArgs) -> tuple[Tensor, Tensor]:
         capacity = a.table.shape[1] * page if paged else a.k_cache.shape[1]
         decode.check_metadata(status, a.seqlens, a.leftpad, a.batch_idx, a.table, new=new, queries=seqlen_q,
                               capacity=capacity, batch_cache=a.batch_cache, num_blocks=a.num_blocks, page=page,
-                              rotary_len=a.rotary_len, rotary_local=a.rotary_local)
+                              rotary_len=a.rotary_len, rotary_local=a.rotary_local, padding=a.padding)
     # the decode kernel appends k, v itself (a short append: decode.FUSED_APPEND_MAX)
     fused = 0 < new <= decode.FUSED_APPEND_MAX and settings.decode_append() == "fused"
     if new > 0 and not fused:
         decode.append(a.k_cache, a.v_cache, a.k, a.v, a.seqlens, a.batch_idx, a.table, a.cos, a.sin,
-                      interleaved=a.interleaved, status=status)
+                      interleaved=a.interleaved, status=status, padding=a.padding)
     decode.decode(q, a.k_cache, a.v_cache, out, lse, a.seqlens, a.leftpad, a.batch_idx, a.table, a.alibi, a.cos,
                   a.sin, new=new, scale=a.scale, softcap=a.softcap, window_left=a.window_left,
                   window_right=a.window_right, interleaved=a.interleaved, rotary_local=a.rotary_local,
                   num_splits=a.num_splits, status=status, parts=parts, sink=a.sink, chunk=a.attention_chunk,
                   k_new=a.k if fused else None, v_new=a.v if fused else None,
-                  fused_combine=settings.decode_combine() == "fused")
+                  fused_combine=settings.decode_combine() == "fused", padding=a.padding)
     return out, lse
 
 

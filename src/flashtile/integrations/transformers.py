@@ -41,7 +41,11 @@ transformers' own flash-attention-2 wrappers, exactly as a flash-attn build or a
 would be. ``generate_batch`` then runs prefill and mixed batches on the varlen kernels over
 transformers' paged cache, and decode-only batches on the paged kv-cache kernel (the block
 table path, which transformers enables on CUDA for names matching "flash...2", hence the
-"fa2"). How transformers finds the functions, and what flashtile changes for it:
+"fa2"; a name passed to ``register_flash_provider`` without a 2 or 3 after "flash" keeps
+the varlen path only). Under CUDA graphs (its default on CUDA) continuous batching pads
+its batches with tokens past cu_seqlens[-1] and decode rows of cache_seqlens -1: the
+functions are handed to it with ``padding_sequences=True``. How transformers finds the
+functions, and what flashtile changes for it:
     transformers resolves every name containing "flash" through
     ``modeling_flash_attention_utils._lazy_imports`` (flash-attn packages by name, else a hub
     kernel through the ``kernels`` package); ``register_flash_provider()`` wraps that function
@@ -189,11 +193,21 @@ def register(name: str = NAME) -> str:
 def _flash_functions():
     """What transformers' ``_lazy_imports`` returns for ``FLASH_NAME``: flash_attn_func,
     flash_attn_varlen_func, flash_attn_with_kvcache, pad_input, unpad_input (transformers'
-    own padding helpers, which flash-attn 3 uses too)."""
+    own padding helpers, which flash-attn 3 uses too). The varlen and kv-cache functions
+    take ``padding_sequences=True``: continuous batching pads its batches to static sizes
+    when it captures CUDA graphs (its default on CUDA) with tokens past cu_seqlens[-1] and
+    decode rows of cache_seqlens -1, which flash-attn's kernels happen to skip and
+    flashtile otherwise refuses."""
+    import functools
+
     import flashtile
     from transformers import modeling_flash_attention_utils as mfa
 
-    return (flashtile.flash_attn_func, flashtile.flash_attn_varlen_func, flashtile.flash_attn_with_kvcache,
+    return (flashtile.flash_attn_func,
+            functools.wraps(flashtile.flash_attn_varlen_func)(
+                functools.partial(flashtile.flash_attn_varlen_func, padding_sequences=True)),
+            functools.wraps(flashtile.flash_attn_with_kvcache)(
+                functools.partial(flashtile.flash_attn_with_kvcache, padding_sequences=True)),
             mfa._pad_input, mfa._unpad_input)
 
 

@@ -94,7 +94,9 @@ class CacheSpec:
     (0 when not paged); ``new``: keys appended per sequence; ``queries``: seqlen_q;
     ``rotary_len``: positions of the rotary tables (-1: no rotary); ``rotary_local``: q
     rotated at its own positions (causal or windowed calls) rather than at the cache end;
-    ``chunk``: chunked attention (0: off), chunks counted from each sequence's first key.
+    ``chunk``: chunked attention (0: off), chunks counted from each sequence's first key;
+    ``padding``: a sequence with a negative cache_seqlens is padding (``padding_sequences``):
+    nothing appended or read, out 0.
     """
 
     scale: float
@@ -112,3 +114,4 @@ class CacheSpec:
     page: int
     rotary_len: int
     chunk: int = 0
+    padding: bool = False

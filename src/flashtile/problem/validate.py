@@ -645,7 +645,8 @@ class CacheCall(NamedTuple):
 
 def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                  block_table, softmax_scale_, causal, window_size, softcap_, rotary_interleaved, alibi_slopes,
-                 num_splits, return_softmax_lse, learnable_sink=None, attention_chunk_=0) -> CacheCall:
+                 num_splits, return_softmax_lse, learnable_sink=None, attention_chunk_=0,
+                 padding_sequences=False) -> CacheCall:
     """Every check of a kv-cache call but those of the metadata values (``cache_values``)."""
     shapes = qkv_shapes(q, k_cache, v_cache, ("q", "k_cache", "v_cache"), "bshd", "cache", MAX_DECODE_HEAD_DIM)
     batch, seqlen_q, nheads, dim = q.shape
@@ -725,8 +726,9 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     if splits < 0:
         raise ValueError(f"num_splits must be >= 0 (0 = choose), got {splits}")
     want_lse = flag("return_softmax_lse", return_softmax_lse)
+    padding = flag("padding_sequences", padding_sequences)
     spec = CacheSpec(scale, cap, left, right, interleaved, local, splits, new, seqlen_q, capacity, batch_cache,
-                     num_blocks, page, rotary_cos.shape[0] if rotary_dim else -1, chunk)
+                     num_blocks, page, rotary_cos.shape[0] if rotary_dim else -1, chunk, padding)
     return CacheCall(seqlens, leftpad, batch_idx, table, slopes, bool(rotary_dim), spec, want_lse, learnable_sink)
 
 
@@ -752,12 +754,16 @@ def cache_values(call: CacheCall) -> None:
     new = spec.new
     if rows is not None:
         for b, r in enumerate(rows):
-            if not 0 <= r < spec.batch_cache:
+            if not 0 <= r < spec.batch_cache and not (spec.padding and lens[b] < 0):
                 raise ValueError(f"cache_batch_idx[{b}] = {r} must be in [0, {spec.batch_cache}) (the cache's batch)")
     paged = call.block_table is not None
+    padding = [spec.padding and n < 0 for n in lens]  # padding sequences: nothing of theirs is read or written
     for b, n in enumerate(lens):
+        if padding[b]:
+            continue
         if n < 0:
-            raise ValueError(f"cache_seqlens[{b}] = {n} must be >= 0")
+            raise ValueError(f"cache_seqlens[{b}] = {n} must be >= 0 (or pass padding_sequences=True: a negative "
+                             f"length then marks a padding sequence)")
         if n + new > spec.capacity:
             where = (f"the {spec.capacity} keys block_table holds ({call.block_table.shape[1]} blocks of "
                      f"{spec.page})" if paged else f"the cache length {spec.capacity}")
@@ -773,6 +779,8 @@ def cache_values(call: CacheCall) -> None:
     if paged:
         width = call.block_table.shape[1]
         for b, n in enumerate(lens):
+            if padding[b]:
+                continue
             row = table[b * width:(b + 1) * width]
             for j in range(-(-(n + new) // spec.page)):
                 if not 0 <= row[j] < spec.num_blocks:

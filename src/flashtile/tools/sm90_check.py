@@ -381,12 +381,12 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
     kind = decode.layout(paged > 0, paged, block_n)
     out = [_compile(f"decode-check {tag}", decode.check_kernel, ptrs,
                     dict(HAS_LEFTPAD=extras, HAS_BATCH_IDX=extras and not paged, PAGED=paged > 0, ROTARY=extras,
-                         ROTARY_LOCAL=False, BLOCK=16), 4, 1),
+                         ROTARY_LOCAL=False, BLOCK=16, PADDING=extras), 4, 1),
            _compile(f"decode-append {tag}", decode.append_kernel, ptrs,
                     dict(BLOCK_T=16, BLOCK_D=block_d, BLOCK_DV=block_dv, SAME_DV=not head_dim_v or head_dim_v == head_dim,
                          PAGED=paged > 0,
                          HAS_BATCH_IDX=extras and not paged,
-                         ROTARY=extras, INTERLEAVED=False, CHECKED=True), 4, 1),
+                         ROTARY=extras, INTERLEAVED=False, CHECKED=True, PADDING=extras), 4, 1),
            _compile(f"decode {tag} split={split}" + ("" if append else " append=separate")
                     + (" combine=fused" if fused_combine else ""), decode.decode_kernel, ptrs,
                     dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
@@ -396,7 +396,7 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
                          HAS_LEFTPAD=extras, WINDOW_LEFT=extras, WINDOW_RIGHT=extras, SOFTCAP=extras,
                          HAS_ALIBI=extras, ROTARY=extras, INTERLEAVED=False, ROTARY_LOCAL=extras, SPLIT=split,
                          CHECKED=True, IEEE_DOT=dtype == "fp32", HAS_SINK=extras, CHUNK=extras,
-                         APPEND=append, APPEND_T=1, FUSED_COMBINE=fused_combine and split), 4,
+                         APPEND=append, APPEND_T=1, FUSED_COMBINE=fused_combine and split, PADDING=extras), 4,
                     decode.stages(kind, block_d, block_dv))]
     if split and not fused_combine:
         out.append(_compile(f"decode-combine {tag}", decode.combine_kernel, ptrs,

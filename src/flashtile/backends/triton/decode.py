@@ -121,10 +121,11 @@ def _seq_bounds(SeqLens, LeftPad, b, new, capacity, HAS_LEFTPAD: tl.constexpr):
 def check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache,
                   num_blocks, page_size, max_blocks, stride_table, rotary_len,
                   HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
-                  ROTARY: tl.constexpr, ROTARY_LOCAL: tl.constexpr, BLOCK: tl.constexpr):
+                  ROTARY: tl.constexpr, ROTARY_LOCAL: tl.constexpr, BLOCK: tl.constexpr, PADDING: tl.constexpr):
     """One program: the metadata checks of ``problem.validate.cache_values`` on the device.
     Writes status = (code, sequence, index, value) of the first sequence with an error,
-    checked in the order seqlen, leftpad, batch_idx, rotary, block_table (code 0: none)."""
+    checked in the order seqlen, leftpad, batch_idx, rotary, block_table (code 0: none).
+    PADDING: a negative cache_seqlens marks a padding sequence, which has nothing to check."""
     NONE: tl.constexpr = 1 << 30
     code = 0
     where_b = 0
@@ -134,6 +135,8 @@ def check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries,
         b = c0 + tl.arange(0, BLOCK)
         ok = b < batch
         n = tl.load(SeqLens + b, mask=ok, other=0)
+        if PADDING:
+            ok = ok & (n >= 0)
         err = tl.where(ok & ((n < 0) | (n + new > capacity)), _C_SEQLEN, 0)
         val = n
         idx = b * 0
@@ -234,7 +237,7 @@ def append_kernel(
     nheads_k, new, capacity, page_size, num_blocks, batch_cache, head_dim, head_dim_v, rotary_dim, rotary_max,
     BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, SAME_DV: tl.constexpr,
     PAGED: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
-    ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, CHECKED: tl.constexpr,
+    ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, CHECKED: tl.constexpr, PADDING: tl.constexpr,
 ):
     """Program (b * nheads_k + hk, token block): k, v rows t of sequence b, head hk, into
     the cache at position cache_seqlens[b] + t (k rotated there first). The separate append
@@ -246,6 +249,8 @@ def append_kernel(
     t_ok = t < new
     if CHECKED:
         t_ok = t_ok & (tl.load(Status) == 0)  # a failed check: write nothing
+    if PADDING:
+        t_ok = t_ok & (tl.load(SeqLens + b) >= 0)  # a padding sequence: nothing
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
     if SAME_DV:  # v's head dim is k's: the same masks (and the machine code of before)
@@ -337,6 +342,7 @@ def decode_kernel(
     ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, ROTARY_LOCAL: tl.constexpr,
     SPLIT: tl.constexpr, CHECKED: tl.constexpr, IEEE_DOT: tl.constexpr, HAS_SINK: tl.constexpr,
     CHUNK: tl.constexpr, APPEND: tl.constexpr, APPEND_T: tl.constexpr, FUSED_COMBINE: tl.constexpr,
+    PADDING: tl.constexpr,
 ):
     """Program (b, hk, block of rows, split): rows r = t * group + g of KV head hk against
     keys [split * split_size, (split + 1) * split_size) of sequence b (module docstring).
@@ -401,6 +407,9 @@ def decode_kernel(
     hi = tl.minimum(hi, split * split_size + split_size)
     if CHECKED:
         hi = tl.where(bad, lo, hi)
+    if PADDING:
+        padding_seq = tl.load(SeqLens + b) < 0  # a padding sequence: no key read, nothing appended
+        hi = tl.where(padding_seq, lo, hi)
     start = (lo // BLOCK_N) * BLOCK_N
 
     if APPEND:
@@ -409,6 +418,8 @@ def decode_kernel(
         t_hi = tl.minimum(split * split_size + split_size - (n - pad), new)
         if CHECKED:
             t_hi = tl.where(bad, t_lo, t_hi)  # a failed check: write nothing
+        if PADDING:
+            t_hi = tl.where(padding_seq, t_lo, t_hi)
         for t0 in range(t_lo, t_hi, APPEND_T):  # APPEND_T tokens a step: 1 for a decode step
             tn = t0 + tl.arange(0, APPEND_T)
             _append_tile(KNew, VNew, K, V, BatchIdx, Table, Cos, Sin, b64, hk64, tn, tn < t_hi, n,
@@ -606,7 +617,8 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
 
 
 def check_metadata(status, seqlens, leftpad, batch_idx, table, *, new: int, queries: int, capacity: int,
-                   batch_cache: int, num_blocks: int, page: int, rotary_len: int, rotary_local: bool) -> None:
+                   batch_cache: int, num_blocks: int, page: int, rotary_len: int, rotary_local: bool,
+                   padding: bool = False) -> None:
     """Launch ``check_kernel``: status (int32 (4,)) = (code, sequence, index, value)."""
     batch = seqlens.numel()
     with device_context(status):
@@ -618,11 +630,12 @@ def check_metadata(status, seqlens, leftpad, batch_idx, table, *, new: int, quer
              rotary_len),
             dict(HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None, PAGED=table is not None,
                  ROTARY=rotary_len >= 0, ROTARY_LOCAL=rotary_local,
-                 BLOCK=min(128, max(16, triton.next_power_of_2(batch)))),
+                 BLOCK=min(128, max(16, triton.next_power_of_2(batch))), PADDING=padding),
             4, 1)
 
 
-def append(k_cache, v_cache, k, v, seqlens, batch_idx, table, cos, sin, *, interleaved: bool, status=None) -> None:
+def append(k_cache, v_cache, k, v, seqlens, batch_idx, table, cos, sin, *, interleaved: bool, status=None,
+           padding: bool = False) -> None:
     """Write k, v (batch, new, Hk, D) into the caches at cache_seqlens[b] + t, k rotated
     there first when cos/sin are given (``append_kernel``)."""
     batch, new, nheads_k, head_dim = k.shape
@@ -646,7 +659,7 @@ def append(k_cache, v_cache, k, v, seqlens, batch_idx, table, cos, sin, *, inter
              nheads_k, new, capacity, k_cache.shape[1] if paged else 1, k_cache.shape[0], k_cache.shape[0],
              head_dim, head_dim_v, 2 * cos.shape[1] if rotary else 0, cos.shape[0] - 1 if rotary else 0),
             dict(BLOCK_T=block_t, BLOCK_D=block_d, BLOCK_DV=block_dv, SAME_DV=head_dim_v == head_dim, PAGED=paged, HAS_BATCH_IDX=batch_idx is not None,
-                 ROTARY=rotary, INTERLEAVED=interleaved, CHECKED=status is not None),
+                 ROTARY=rotary, INTERLEAVED=interleaved, CHECKED=status is not None, PADDING=padding),
             4, 1)
 
 
@@ -700,7 +713,7 @@ def scratch(q, k_cache, table, num_splits: int, checked: bool, head_dim_v: int =
 def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, alibi, cos, sin, *,
            new: int, scale: float, softcap: float, window_left: int, window_right: int, interleaved: bool,
            rotary_local: bool, num_splits: int, status=None, parts=None, sink=None, chunk: int = 0,
-           k_new=None, v_new=None, fused_combine: bool = False) -> None:
+           k_new=None, v_new=None, fused_combine: bool = False, padding: bool = False) -> None:
     """Attention of q (batch, seqlen_q, H, D) against the caches (after the append; k_cache
     of head dim D, v_cache of Dv, which may be a view of k_cache's first Dv columns):
     out (batch, seqlen_q, H, Dv), lse (batch, H, seqlen_q) float32 (unit last stride).
@@ -775,7 +788,7 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
                  ROTARY_LOCAL=rotary_local, SPLIT=splits > 1, CHECKED=status is not None,
                  IEEE_DOT=q.dtype == torch.float32, HAS_SINK=sink is not None, CHUNK=chunk > 0,
                  APPEND=k_new is not None, APPEND_T=min(16, triton.next_power_of_2(max(new, 1))),
-                 FUSED_COMBINE=fused_combine),
+                 FUSED_COMBINE=fused_combine, PADDING=padding),
             4, stages(kind, block_d, block_dv))
         if splits > 1 and not fused_combine:
             combine(out_part, lse_part, out, lse, sink)

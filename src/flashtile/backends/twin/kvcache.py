@@ -35,10 +35,19 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     return torch.cat((rot.to(x.dtype), x[..., rd:]), dim=-1)
 
 
-def append(k_cache, v_cache, k, v, seqlens, batch_idx, table, capacity: int) -> None:
+def append(k_cache, v_cache, k, v, seqlens, batch_idx, table, capacity: int, padding: bool = False) -> None:
     """Write k, v (batch, new, Hk, D) at positions seqlens .. seqlens + new of each
     sequence's cache (its row, or its pages). Positions are clamped to the cache (values not
-    checked inside a graph capture never write outside it)."""
+    checked inside a graph capture never write outside it). ``padding``: sequences with a
+    negative length are padding, nothing of theirs is written."""
+    if padding:
+        keep = seqlens >= 0
+        if not bool(keep.all()):
+            seqlens, k, v = seqlens[keep], k[keep], v[keep]
+            batch_idx = None if batch_idx is None else batch_idx[keep]
+            table = None if table is None else table[keep]
+            if table is None and batch_idx is None:  # row b of the cache for sequence b
+                batch_idx = torch.nonzero(keep).flatten().to(torch.int32)
     batch, new = k.shape[:2]
     pos = (seqlens.long()[:, None] + torch.arange(new, device=k.device)[None, :]).clamp(0, capacity - 1)
     if table is not None:
@@ -73,8 +82,11 @@ def kvcache(q, k_cache, v_cache, k, v, cos, sin, call) -> tuple[torch.Tensor, to
         if k is not None:
             k = apply_rotary(k, cos, sin, (start[:, None] + steps[None, :new]).clamp(0, limit), spec.interleaved)
     if k is not None:
-        append(k_cache, v_cache, k, v, seqlens, batch_idx, table, capacity)
+        append(k_cache, v_cache, k, v, seqlens, batch_idx, table, capacity, spec.padding)
     lengths = (seqlens.long() + new - pads).to(torch.int32)
+    if spec.padding:  # a padding sequence reads no key: out 0, lse -inf (a sink's logit with one)
+        lengths = torch.where(seqlens < 0, 0, lengths).to(torch.int32)
+        pads = torch.where(seqlens < 0, 0, pads)
     if table is not None:
         keys, values = gather_pages(k_cache, table), gather_pages(v_cache, table)  # (batch, capacity, Hk, D)
     elif batch_idx is not None:
