@@ -174,3 +174,19 @@ def test_plain_generate_and_padded_forward_through_the_flash_wrappers():
     gen = _generation_config()
     assert torch.equal(ours.generate(ids, attention_mask=mask, generation_config=gen),
                        eager.generate(ids, attention_mask=mask, generation_config=gen))
+
+
+def test_a_transformers_without_the_flash_pieces_keeps_the_other_name(monkeypatch):
+    """Where transformers lacks what the flash-attention name needs, importing the
+    integration still registers NAME and warns that FLASH_NAME is not registered."""
+    import importlib
+    import sys
+
+    monkeypatch.setitem(sys.modules, "transformers.integrations.flash_attention", None)  # import fails
+    try:
+        with pytest.warns(UserWarning, match="'flashtile_fa2' .* is not registered"):
+            importlib.reload(ft)
+        assert ft.NAME in transformers.AttentionInterface._global_mapping
+    finally:
+        monkeypatch.undo()
+        importlib.reload(ft)

@@ -118,3 +118,40 @@ def test_transformers_sdpa_model_through_the_provider(provider):
     gap = forced.max(-1).values - forced.gather(-1, chosen[..., None])[..., 0]
     assert (gap <= 4 * diff + 1e-3).all(), gap.max()
     assert not torch_sdpa.FALLBACKS
+
+
+def test_sdpa_through_the_provider_in_a_cuda_graph(provider):
+    """F.scaled_dot_product_attention (flash backend) and varlen_attn with the provider
+    active, captured in a CUDA graph and replayed on new inputs: each replay is the eager
+    call's result (the provider's path reads no metadata on the host while capturing)."""
+    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    q, k, v, _ = _inputs(2, 8, 2, 1024, 128, torch.bfloat16)
+    cu = torch.tensor([0, 300, 2048], dtype=torch.int32, device="cuda")
+    flat = [t.transpose(1, 2).reshape(2048, t.shape[1], 128).contiguous() for t in (q, k, v)]
+
+    def step():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        b = varlen.varlen_attn(flat[0], flat[1].repeat_interleave(4, 1), flat[2].repeat_interleave(4, 1), cu, cu,
+                               1748, 1748, is_causal=True)
+        return a, b
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()  # warm up: compiles and plans outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = step()
+    for seed in range(3):
+        g = torch.Generator(device="cpu").manual_seed(10 + seed)
+        for t in (q, k, v, *flat):
+            t.copy_(torch.randn(t.shape, generator=g).to("cuda", t.dtype))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = step()
+        for got, exp in zip(outs, want):
+            assert torch.equal(got, exp)
+    assert not torch_sdpa.FALLBACKS

@@ -251,4 +251,10 @@ def register_flash_provider(name: str = FLASH_NAME) -> str:
 
 
 register()
-register_flash_provider()
+try:
+    register_flash_provider()
+except (ImportError, AttributeError, KeyError) as _err:  # a transformers without the flash-attention pieces
+    import warnings
+
+    warnings.warn(f"flashtile: {FLASH_NAME!r} (continuous batching) is not registered with this transformers: "
+                  f"{type(_err).__name__}: {_err}; {NAME!r} is", stacklevel=2)

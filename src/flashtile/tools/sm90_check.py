@@ -359,7 +359,7 @@ def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extr
 
 def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, extras: bool = False,
                    split: bool = True, page_slice: int = 0, head_dim_v: int = 0,
-                   append: bool = True, fused_combine: bool = False) -> list[Compiled]:
+                   append: bool = True, fused_combine: bool = False, append_t: int = 1) -> list[Compiled]:
     """The KV-cache kernels of ``backends/triton/decode.py`` as a decode step launches them: the check,
     the append kernel (``FLASHTILE_DECODE_APPEND=separate``'s) and the decode kernel, which
     appends the new keys itself when ``append`` (the default: ``fused``)
@@ -372,7 +372,8 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
 
     block_m, block_n, block_d, block_dv = decode.block_sizes(head_dim, rows, head_dim_v)
     dims = f"d{head_dim}" + (f"-{head_dim_v}" if head_dim_v and head_dim_v != head_dim else "")
-    tag = f"{dtype} {dims} rows={rows} paged={paged} extras={extras}" + (f" slice={page_slice}" if page_slice else "")
+    tag = (f"{dtype} {dims} rows={rows} paged={paged} extras={extras}" + (f" slice={page_slice}" if page_slice else "")
+           + (f" append_t={append_t}" if append_t != 1 else ""))
     ints = ("SeqLens", "LeftPad", "BatchIdx", "Table", "Status")
     ptrs = {n: "*i32" for n in ints}
     ptrs.update({n: f"*{dtype}" for n in ("Q", "K", "V", "KCache", "VCache", "Out", "KNew", "VNew")})
@@ -396,7 +397,7 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
                          HAS_LEFTPAD=extras, WINDOW_LEFT=extras, WINDOW_RIGHT=extras, SOFTCAP=extras,
                          HAS_ALIBI=extras, ROTARY=extras, INTERLEAVED=False, ROTARY_LOCAL=extras, SPLIT=split,
                          CHECKED=True, IEEE_DOT=dtype == "fp32", HAS_SINK=extras, CHUNK=extras,
-                         APPEND=append, APPEND_T=1, FUSED_COMBINE=fused_combine and split, PADDING=extras), 4,
+                         APPEND=append, APPEND_T=append_t, FUSED_COMBINE=fused_combine and split, PADDING=extras), 4,
                     decode.stages(kind, block_d, block_dv))]
     if split and not fused_combine:
         out.append(_compile(f"decode-combine {tag}", decode.combine_kernel, ptrs,
@@ -413,6 +414,7 @@ def decode_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, append=False)  # the decode loop alone
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, fused_combine=True)
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=16, append_t=16)  # speculative: 16 new a step
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, split=False)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=16)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=256)

@@ -54,6 +54,9 @@ from flashtile.runtime.replay import stream_counter
 # prefill through the cache) takes the append kernel first: its launch is then small next
 # to the work, and the decode kernel's append loop would run long in one program per split.
 FUSED_APPEND_MAX = 64
+# New tokens per step of that loop: the call's count up to 16; 8 above a head dim of 256
+# (MLA's 576: 16 a step spilled 32 B on sm_90a, 8 none; sm90_check, session 21).
+APPEND_T_MAX = 16
 # status codes (status[0]); status[1], status[2] say where, status[3] the value found
 OK, BAD_SEQLEN, BAD_LEFTPAD, BAD_BATCH_IDX, BAD_BLOCK, BAD_ROTARY = 0, 1, 2, 3, 4, 5
 # the same codes as the kernels see them (a @triton.jit function reads only constexpr globals)
@@ -787,7 +790,8 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
                  SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, ROTARY=rotary, INTERLEAVED=interleaved,
                  ROTARY_LOCAL=rotary_local, SPLIT=splits > 1, CHECKED=status is not None,
                  IEEE_DOT=q.dtype == torch.float32, HAS_SINK=sink is not None, CHUNK=chunk > 0,
-                 APPEND=k_new is not None, APPEND_T=min(16, triton.next_power_of_2(max(new, 1))),
+                 APPEND=k_new is not None, APPEND_T=min(APPEND_T_MAX if block_d <= 256 else 8,
+                                                        triton.next_power_of_2(max(new, 1))),
                  FUSED_COMBINE=fused_combine, PADDING=padding),
             4, stages(kind, block_d, block_dv))
         if splits > 1 and not fused_combine:
