@@ -90,6 +90,7 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
     qd = mk(Bd, 1, Hq, d)
     kc, vc = mk(Bd, Sc, Hk, d), mk(Bd, Sc, Hk, d)
     seqlens = torch.full((Bd,), Sc - 96, device=device, dtype=torch.int32)
+    kd, vd = mk(Bd, 1, Hk, d), mk(Bd, 1, Hk, d)
     rows = {
         "fwd, no grad": {"flashtile": lambda: flashtile.flash_attn_func(q, k, v, causal=True)},
         "fwd, inputs require grad": {"flashtile": lambda: flashtile.flash_attn_func(*leaves, causal=True)},
@@ -99,6 +100,10 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
             qv, kv, vv, cu, cu, max(lens), max(lens), causal=True)},
         "kvcache decode, B8 4096 cached": {"flashtile": lambda: flashtile.flash_attn_with_kvcache(
             qd, kc, vc, cache_seqlens=seqlens)},
+        # a generation step: the new token's key and value appended first (same positions every
+        # call: the cache does not grow); the SDPA peers have no cache, they run the row above
+        "kvcache decode + append, B8 4096": {"flashtile": lambda: flashtile.flash_attn_with_kvcache(
+            qd, kc, vc, kd, vd, cache_seqlens=seqlens)},
     }
     if not peers:
         return rows
@@ -124,6 +129,7 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
             lambda o=o, do=do: torch.autograd.grad(o, lt, do, retain_graph=True))
         rows["varlen fwd, 4 documents"][impl] = forced(lambda: sdpa(qvt, kvt, vvt, is_causal=True))
         rows["kvcache decode, B8 4096 cached"][impl] = forced(lambda: sdpa(qdt, kdt, vdt))
+        rows["kvcache decode + append, B8 4096"][impl] = rows["kvcache decode, B8 4096 cached"][impl]
     return rows
 
 
