@@ -399,6 +399,27 @@ def test_padding_sequences(backend, monkeypatch, page, mode, check):
                                               block_table=table, causal=True)
 
 
+@pytest.mark.parametrize("check", ["host", "device"])
+def test_padding_rows_ignore_their_batch_idx_and_leftpad(backend, monkeypatch, check):
+    """A padding row's cache_batch_idx and cache_leftpad are never used: values that would
+    be errors in a real row (a row past the cache, a pad past the length) pass, and the
+    cache rows they name are untouched."""
+    if backend == "torch" and check == "device":
+        pytest.skip("the device check runs on the kernels")
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", check)
+    q, k, v, kc, vc, _, seqlens = _case(batch=3, sq=2, new=2, capacity=40, seqlens=(5, 0, 30))
+    padded = seqlens.clone()
+    padded[1] = -1
+    caches = kc.clone(), vc.clone()
+    out, lse = flashtile.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=padded, causal=True,
+                                                 cache_batch_idx=torch.tensor([0, 99, 2], dtype=torch.int32),
+                                                 cache_leftpad=torch.tensor([1, 999, 0], dtype=torch.int32),
+                                                 padding_sequences=True, return_softmax_lse=True)
+    assert torch.equal(caches[0][1], kc[1]) and torch.equal(caches[1][1], vc[1])  # row 1: nobody's
+    assert torch.equal(out[1], torch.zeros_like(out[1])) and torch.isneginf(lse[1]).all()
+    assert not torch.equal(caches[0][2], kc[2])  # row 2 got its keys
+
+
 def test_a_long_append_takes_the_append_kernel(triton_backend, monkeypatch):
     """More new tokens than decode.FUSED_APPEND_MAX (a prefill chunk through the cache): the
     append kernel runs first even under the fused default."""

@@ -221,3 +221,61 @@ def test_padding_sequences_on_the_device_check(page):
     torch.testing.assert_close(lse[real], want_lse, atol=1e-5, rtol=1e-5)
     assert torch.equal(out[fake], torch.zeros_like(out[fake])) and torch.isneginf(lse[fake]).all()
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
+
+
+def test_padded_decode_step_in_a_cuda_graph():
+    """The padded decode step transformers' continuous batching captures: cache_seqlens -1
+    rows and block_table rows of -1, metadata updated in place between replays, the fused
+    append; each replay matches the eager call on the same values."""
+    q, k, v, kc, vc, table, seqlens = _cuda(*_case(batch=4, sq=1, new=1, heads=(32, 8), d=128, capacity=2048,
+                                                  seqlens=(5, 0, 700, 0), dtype=torch.bfloat16, page=16))
+    lens = seqlens.clone()
+    lens[[1, 3]] = -1
+    tab = table.clone()
+    tab[[1, 3]] = -1
+    kw = dict(cache_seqlens=lens, block_table=tab, causal=True, padding_sequences=True, return_softmax_lse=True)
+    caches = kc.clone(), vc.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flashtile.flash_attn_with_kvcache(q, *caches, k, v, **kw)
+    for step in range(3):
+        lens.copy_(torch.tensor([6 + step, -1, 701 + step, -1], dtype=torch.int32))
+        before = caches[0].clone(), caches[1].clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = before[0].clone(), before[1].clone()
+        want, want_lse = flashtile.flash_attn_with_kvcache(q, *ref, k, v, **kw)
+        assert torch.equal(out, want) and torch.equal(lse, want_lse), step
+        assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1]), step
+        assert torch.equal(out[[1, 3]], torch.zeros_like(out[[1, 3]]))
+
+
+def test_padded_varlen_in_a_cuda_graph():
+    """Varlen with tokens past cu_seqlens[-1] (padding_sequences) captured and replayed with
+    cu_seqlens changed in place: the padding rows give 0, the real rows the eager call's."""
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(512, 8, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(3))
+    cu = torch.tensor([0, 100, 400], dtype=torch.int32, device="cuda")
+    kw = dict(causal=True, padding_sequences=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 400, 400, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 400, 400, **kw)
+    for ends in ((0, 100, 400), (0, 250, 300), (0, 0, 512)):
+        cu.copy_(torch.tensor(ends, dtype=torch.int32))
+        graph.replay()
+        torch.cuda.synchronize()
+        want = flashtile.flash_attn_varlen_func(q, k, v, cu.clone(), cu.clone(), 512, 512, **kw)
+        assert torch.equal(out, want), ends
+        assert torch.equal(out[ends[-1]:], torch.zeros_like(out[ends[-1]:]))

@@ -486,13 +486,13 @@ def test_paged_overflow_is_a_value_and_a_runtime_error():
 
 
 @pytest.mark.parametrize("causal", [False, True])
-@pytest.mark.parametrize("pad", [(5, 3), (0, 0), (4, 0)], ids=["q-and-k", "none", "q-only"])
+@pytest.mark.parametrize("pad", [(5, 3), (0, 0), (4, 0), (0, 6)], ids=["q-and-k", "none", "q-only", "k-only"])
 def test_padding_sequences(backend, causal, pad):
-    """padding_sequences=True: rows of q past cu_seqlens_q[-1] (and keys past
-    cu_seqlens_k[-1]) are one more sequence (transformers' continuous batching pads its
-    batches so under CUDA graphs). The real sequences' out, lse and gradients are those of
-    the call without the padding; the padding rows' are those of the padding tokens
-    attending among themselves (rows that see no key: 0). Without the flag: an error."""
+    """padding_sequences=True: rows of q past cu_seqlens_q[-1] and keys past
+    cu_seqlens_k[-1] (transformers' continuous batching pads its batches so under CUDA
+    graphs) attend to nothing and nothing attends to them: out 0, lse -inf, dq 0, dk and dv
+    0 there; the real sequences' out, lse and gradients are those of the call without the
+    padding. Without the flag: an error."""
     g = torch.Generator().manual_seed(5)
     lens_q, lens_k = [3, 9, 6], [5, 9, 8]
     tq, tk = sum(lens_q), sum(lens_k)
@@ -509,19 +509,46 @@ def test_padding_sequences(backend, causal, pad):
         grads = torch.autograd.grad(out, leaves, dout)
         return out, lse, grads
 
-    out, lse, (dq, dk, dv) = run(q, k, v, cu_q, cu_k, 9, 9, dout, padding_sequences=True)
+    out, lse, (dq, dk, dv) = run(q, k, v, cu_q, cu_k, np.int64(9), 9, dout, padding_sequences=True)
     want, want_lse, (wq, wk, wv) = run(q[:tq], k[:tk], v[:tk], cu_q, cu_k, 9, 9, dout[:tq])
     for got, ref in ((out[:tq], want), (lse[:, :tq], want_lse), (dq[:tq], wq), (dk[:tk], wk), (dv[:tk], wv)):
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    if pq:
-        tail_cu_q = torch.tensor([0, pq], dtype=torch.int32)
-        tail_cu_k = torch.tensor([0, pk], dtype=torch.int32)
-        if pk:
-            t_out, t_lse, (t_dq, t_dk, t_dv) = run(q[tq:], k[tk:], v[tk:], tail_cu_q, tail_cu_k, pq, pk, dout[tq:])
-            for got, ref in ((out[tq:], t_out), (dq[tq:], t_dq), (dk[tk:], t_dk), (dv[tk:], t_dv)):
-                torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-        else:  # padding rows without padding keys see nothing
-            assert torch.equal(out[tq:], torch.zeros_like(out[tq:])) and torch.isneginf(lse[:, tq:]).all()
-            assert torch.equal(dq[tq:], torch.zeros_like(dq[tq:]))
-        with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\] \(18\) must equal the number of tokens"):
+    for t in (out[tq:], dq[tq:], dk[tk:], dv[tk:]):
+        assert torch.equal(t, torch.zeros_like(t))
+    assert torch.isneginf(lse[:, tq:]).all()
+    if pq or pk:
+        match = r"cu_seqlens_q\[-1\] \(18\)" if pq else r"cu_seqlens_k\[-1\] \(22\)"
+        with pytest.raises(ValueError, match=match + " must equal the number of tokens"):
             flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, causal=causal)
+
+
+def test_padding_sequences_with_pages_seqused_and_alibi(backend):
+    """The padding sequences next to paged keys, seqused and per-sequence ALiBi slopes; the
+    padded metadata is kept for a repeated eager call (the values check is not redone);
+    dropout's S_dmask is refused with it."""
+    from flashtile.problem import validate
+
+    g = torch.Generator().manual_seed(6)
+    lens = [7, 12, 3]
+    cu = torch.tensor([0, *np.cumsum(lens)], dtype=torch.int32)
+    q = torch.randn(sum(lens) + 5, 4, 16, generator=g)
+    page = 8
+    kc, vc = (torch.randn(9, page, 2, 16, generator=g) for _ in range(2))
+    table = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32)
+    used_q, used_k = torch.tensor([7, 10, 3], dtype=torch.int32), torch.tensor([6, 12, 2], dtype=torch.int32)
+    slopes = torch.rand(3, 4, generator=g)
+    kw = dict(causal=True, block_table=table, seqused_q=used_q, seqused_k=used_k, alibi_slopes=slopes)
+    reads = []
+    host_values = validate._host_values
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(validate, "_host_values", lambda ts: (reads.append(1), host_values(ts))[1])
+        outs = [flashtile.flash_attn_varlen_func(q, kc, vc, cu, cu, 12, 12, padding_sequences=True, **kw)
+                for _ in range(3)]
+    assert len(reads) == 1
+    want = flashtile.flash_attn_varlen_func(q[:22], kc, vc, cu, cu, 12, 12, **kw)
+    for out in outs:
+        torch.testing.assert_close(out[:22], want, atol=1e-5, rtol=1e-5)
+        assert torch.equal(out[22:], torch.zeros_like(out[22:]))
+    with pytest.raises(ValueError, match="padding_sequences cannot be combined with return_attn_probs and dropout"):
+        flashtile.flash_attn_varlen_func(q, kc, vc, cu, cu, 12, 12, dropout_p=0.1, return_attn_probs=True,
+                                         padding_sequences=True, **kw)

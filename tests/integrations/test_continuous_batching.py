@@ -182,11 +182,15 @@ def test_a_transformers_without_the_flash_pieces_keeps_the_other_name(monkeypatc
     import importlib
     import sys
 
+    mapping = transformers.AttentionInterface._global_mapping
     monkeypatch.setitem(sys.modules, "transformers.integrations.flash_attention", None)  # import fails
+    monkeypatch.delitem(mapping, ft.NAME)
+    monkeypatch.delitem(mapping, ft.FLASH_NAME)
     try:
         with pytest.warns(UserWarning, match="'flashtile_fa2' .* is not registered"):
             importlib.reload(ft)
-        assert ft.NAME in transformers.AttentionInterface._global_mapping
+        assert ft.NAME in mapping and ft.FLASH_NAME not in mapping
     finally:
         monkeypatch.undo()
         importlib.reload(ft)
+    assert ft.NAME in mapping and ft.FLASH_NAME in mapping

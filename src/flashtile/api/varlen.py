@@ -17,33 +17,58 @@ from flashtile import dispatch
 from flashtile.problem import validate
 
 
-def _padding_sequence(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, block_table,
-                      seqused_q, seqused_k):
-    """``padding_sequences=True``: the rows past cu_seqlens_q[-1] (and the keys past
-    cu_seqlens_k[-1]; none when paged) become one more sequence, built on the device (no
-    host read, capturable in a CUDA graph). Arguments that are not what the validation
-    wants pass through unchanged, for it to name."""
+_PADDED: dict = {}  # the padded metadata of recent eager calls (``_padding_sequences``)
+
+
+def _padding_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, block_table,
+                       seqused_q, seqused_k):
+    """``padding_sequences=True``: two more sequences, built on the device (no host read,
+    capturable in a CUDA graph): the rows of q past cu_seqlens_q[-1] with no keys (out 0,
+    lse -inf, dq 0) and the keys past cu_seqlens_k[-1] with no rows (dk, dv 0), so the
+    padding costs no attention. The bounds become at least the totals. Arguments that are
+    not what the validation wants pass through unchanged, for it to name. The padded
+    tensors of an eager call are kept for the next call with the same tensors (same
+    versions), so the values check, cached per set of tensors, is not redone."""
     if not (isinstance(cu_seqlens_q, torch.Tensor) and isinstance(cu_seqlens_k, torch.Tensor)
             and cu_seqlens_q.dim() == 1 and cu_seqlens_k.dim() == 1 and cu_seqlens_q.numel() > 0
             and cu_seqlens_k.numel() > 0 and isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
             and q.dim() >= 1 and k.dim() >= 1):
         return cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, block_table, seqused_q, seqused_k
     paged = block_table is not None
-    total_q = q.shape[0]
-    cu_q = torch.cat([cu_seqlens_q, cu_seqlens_q.new_full((1,), total_q)])
-    cu_k = torch.cat([cu_seqlens_k, cu_seqlens_k[-1:] if paged else cu_seqlens_k.new_full((1,), k.shape[0])])
-    if isinstance(max_seqlen_q, int) and not isinstance(max_seqlen_q, bool):
-        max_seqlen_q = max(max_seqlen_q, total_q)
-    if not paged and isinstance(max_seqlen_k, int) and not isinstance(max_seqlen_k, bool):
-        max_seqlen_k = max(max_seqlen_k, k.shape[0])
+    total_q, total_k = q.shape[0], (None if paged else k.shape[0])
+    try:
+        max_seqlen_q = max(validate.integer("max_seqlen_q", max_seqlen_q), total_q)
+        if not paged:
+            max_seqlen_k = max(validate.integer("max_seqlen_k", max_seqlen_k), total_k)
+    except TypeError:
+        pass  # the validation names it
+    extras = [t for t in (alibi_slopes, block_table, seqused_q, seqused_k) if isinstance(t, torch.Tensor)]
+    memo = None
+    if not (torch.compiler.is_compiling() or (cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing())
+            or any(t.is_inference() for t in (cu_seqlens_q, cu_seqlens_k, *extras))):
+        memo = (tuple((id(t), t._version, t.data_ptr()) for t in (cu_seqlens_q, cu_seqlens_k, *extras)),
+                total_q, total_k, paged, tuple(id(t) for t in (alibi_slopes, block_table, seqused_q, seqused_k)))
+        hit = _PADDED.get(memo)
+        if hit is not None:
+            return (*hit[:2], max_seqlen_q, max_seqlen_k, *hit[2:6])
+    end_q = cu_seqlens_q[-1:]
+    end_k = cu_seqlens_k[-1:]
+    # sequence B: the padding rows, no keys; sequence B + 1: no rows, the padding keys
+    cu_q = torch.cat([cu_seqlens_q, cu_seqlens_q.new_full((2,), total_q)])
+    cu_k = torch.cat([cu_seqlens_k, end_k, end_k if paged else cu_seqlens_k.new_full((1,), total_k)])
     if paged and isinstance(block_table, torch.Tensor) and block_table.dim() == 2 and block_table.shape[0] > 0:
-        block_table = torch.cat([block_table, block_table[-1:]])  # never read: the padding sequence has no keys
+        block_table = torch.cat([block_table, block_table[-1:], block_table[-1:]])  # never read: no keys
     if isinstance(alibi_slopes, torch.Tensor) and alibi_slopes.dim() == 2 and alibi_slopes.shape[0] > 0:
-        alibi_slopes = torch.cat([alibi_slopes, alibi_slopes[-1:]])
+        alibi_slopes = torch.cat([alibi_slopes, alibi_slopes[-1:], alibi_slopes[-1:]])
     if isinstance(seqused_q, torch.Tensor) and seqused_q.dim() == 1:
-        seqused_q = torch.cat([seqused_q, (cu_q[-1:] - cu_q[-2:-1]).to(seqused_q.dtype)])
+        seqused_q = torch.cat([seqused_q, (total_q - end_q).to(seqused_q.dtype), seqused_q.new_zeros(1)])
     if isinstance(seqused_k, torch.Tensor) and seqused_k.dim() == 1:
-        seqused_k = torch.cat([seqused_k, (cu_k[-1:] - cu_k[-2:-1]).to(seqused_k.dtype)])
+        seqused_k = torch.cat([seqused_k, seqused_k.new_zeros(1), (cu_k[-1:] - end_k).to(seqused_k.dtype)])
+    if memo is not None:
+        if len(_PADDED) >= 32:
+            _PADDED.clear()
+        _PADDED[memo] = (cu_q, cu_k, alibi_slopes, block_table, seqused_q, seqused_k,
+                         cu_seqlens_q, cu_seqlens_k, *extras)  # the sources too: their ids stay theirs
     return cu_q, cu_k, max_seqlen_q, max_seqlen_k, alibi_slopes, block_table, seqused_q, seqused_k
 
 
@@ -122,12 +147,12 @@ def flash_attn_varlen_func(
             key (used keys: from cu_seqlens_k[b]).
         padding_sequences: q may hold rows past cu_seqlens_q[-1] and k, v keys past
             cu_seqlens_k[-1] (flash-attn ignores them; transformers' continuous batching
-            pads its batches so under CUDA graphs): they become one more sequence, the
-            padding rows attending to the padding keys (causal and the other options as
-            for any sequence; none when paged), so every output and gradient row is
-            defined; discard them. Built on the device (no host read). With it, max_seqlen_q
-            counts as at least total_q (and max_seqlen_k as total_k), and S_dmask has
-            batch + 1 sequences. False (the default): cu_seqlens must end at the totals.
+            pads its batches so under CUDA graphs). They attend to nothing and nothing
+            attends to them: those rows get out 0, lse -inf and dq 0, those keys dk, dv 0
+            (two sequences more, built on the device: no host read, no attention). The
+            bounds count as at least the totals (max_seqlen_q >= total_q, max_seqlen_k >=
+            total_k), which may change the kernels' tile choice; not with dropout's S_dmask.
+            False (the default): cu_seqlens must end at the totals.
 
     Returns:
         out (total_q, nheads, headdim_v); with ``return_attn_probs`` ``(out, softmax_lse,
@@ -139,9 +164,12 @@ def flash_attn_varlen_func(
     it can be captured.
     """
     if validate.flag("padding_sequences", padding_sequences):
+        if return_attn_probs and dropout_p:
+            raise ValueError("padding_sequences cannot be combined with return_attn_probs and dropout (S_dmask would "
+                             "be sized by the padded bounds, total_q x total_k per sequence)")
         (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, block_table, seqused_q,
-         seqused_k) = _padding_sequence(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes,
-                                        block_table, seqused_q, seqused_k)
+         seqused_k) = _padding_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         alibi_slopes, block_table, seqused_q, seqused_k)
     return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale,
                    causal, window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table,
                    seqused_q, seqused_k, learnable_sink, attention_chunk)

@@ -223,9 +223,16 @@ def register_flash_provider(name: str = FLASH_NAME) -> str:
     from transformers.integrations.flash_attention import flash_attention_forward
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
 
-    names = getattr(mfa._lazy_imports, "flashtile_names", None)
+    # every lookup first: a transformers without one of them changes nothing
+    flash_mask = ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]
+    paged_forward = None
+    if hasattr(mfa, "lazy_import_paged_flash_attention"):  # transformers < 5.23: "paged|" names of its own
+        from transformers.integrations.flash_paged import paged_attention_forward as paged_forward
+    original_imports = mfa._lazy_imports
+
+    names = getattr(original_imports, "flashtile_names", None)
     if names is None:
-        original = mfa._lazy_imports
+        original = original_imports
         names = set()
 
         def _lazy_imports(implementation, *args, **kwargs):
@@ -238,14 +245,10 @@ def register_flash_provider(name: str = FLASH_NAME) -> str:
         _lazy_imports.original = original
         mfa._lazy_imports = _lazy_imports
     names.add(name)
-
-    flash_mask = ALL_MASK_ATTENTION_FUNCTIONS["flash_attention_2"]
     AttentionInterface.register(name, flash_attention_forward)
     AttentionMaskInterface.register(name, flash_mask)
-    if hasattr(mfa, "lazy_import_paged_flash_attention"):  # transformers < 5.23: "paged|" names of its own
-        from transformers.integrations.flash_paged import paged_attention_forward
-
-        AttentionInterface.register("paged|" + name, paged_attention_forward)
+    if paged_forward is not None:
+        AttentionInterface.register("paged|" + name, paged_forward)
         AttentionMaskInterface.register("paged|" + name, flash_mask)
     return name
 

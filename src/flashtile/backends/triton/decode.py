@@ -790,7 +790,7 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
                  SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, ROTARY=rotary, INTERLEAVED=interleaved,
                  ROTARY_LOCAL=rotary_local, SPLIT=splits > 1, CHECKED=status is not None,
                  IEEE_DOT=q.dtype == torch.float32, HAS_SINK=sink is not None, CHUNK=chunk > 0,
-                 APPEND=k_new is not None, APPEND_T=min(APPEND_T_MAX if block_d <= 256 else 8,
+                 APPEND=k_new is not None, APPEND_T=min(APPEND_T_MAX if max(block_d, block_dv) <= 256 else 8,
                                                         triton.next_power_of_2(max(new, 1))),
                  FUSED_COMBINE=fused_combine, PADDING=padding),
             4, stages(kind, block_d, block_dv))
