@@ -163,10 +163,7 @@ def flash_attn_varlen_func(
     traces: the call itself reads cu_seqlens only on the device, so a training step with
     it can be captured.
     """
-    if validate.flag("padding_sequences", padding_sequences):
-        if return_attn_probs and dropout_p:
-            raise ValueError("padding_sequences cannot be combined with return_attn_probs and dropout (S_dmask would "
-                             "be sized by the padded bounds, total_q x total_k per sequence)")
+    if validate.padding_sequences(padding_sequences, return_attn_probs, dropout_p):
         (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, alibi_slopes, block_table, seqused_q,
          seqused_k) = _padding_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          alibi_slopes, block_table, seqused_q, seqused_k)

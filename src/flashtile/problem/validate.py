@@ -58,6 +58,16 @@ def integer(name: str, value) -> int:
         raise TypeError(f"{name} must be an int, got {value!r}") from None
 
 
+def padding_sequences(value, return_attn_probs, dropout_p) -> bool:
+    """``padding_sequences`` of a varlen call: a bool, not with dropout's S_dmask (which the
+    padded bounds would size: total_q x total_k per sequence)."""
+    on = flag("padding_sequences", value)
+    if on and return_attn_probs is True and isinstance(dropout_p, (int, float)) and dropout_p > 0:
+        raise ValueError("padding_sequences cannot be combined with return_attn_probs and dropout (S_dmask would be "
+                         "sized by the padded bounds, total_q x total_k per sequence)")
+    return on
+
+
 def flag(name: str, value) -> bool:
     """A Python or NumPy bool."""
     if not isinstance(value, (bool, np.bool_)):
