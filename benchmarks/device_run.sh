@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|decode|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|decode|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -123,6 +123,26 @@ if [[ $what == provider ]]; then
   # everything in one tarball: at most 8 files come back
   tar -czf "$OUT/provider.tgz" -C /tmp/bench h200-bf16-provider.jsonl h200-bf16-provider-summary.md \
     provider-train.jsonl provider-train.log cb.jsonl cb.log 2>/dev/null
+fi
+if [[ $what == decode-ab ]]; then
+  # Issue 38's decode folds, A/B in one call: generation steps (--append) of flashtile alone,
+  # eager and CUDA graphs, with the append kernel / the append in the decode kernel (the
+  # default) / the combine fused too. Shapes: B8 L4k, B8 L32k, B64 L8k, B1-B4 at 4k-32k, B4 page 16.
+  only="0 1 3 10 11 13 14 15 18 19 21 23 25"
+  for cfg in "separate separate" "fused separate" "fused fused"; do
+    set -- $cfg
+    FLASHTILE_DECODE_APPEND=$1 FLASHTILE_DECODE_COMBINE=$2 timeout ${DECODE_AB_TIMEOUT:-150} \
+      python3 -m flashtile.tools.bench --decode --append --impl flashtile --only $only --out /tmp/bench \
+      --tag "h200-decode-append-$1-combine-$2" > "/tmp/bench/decode-ab-$1-$2.log" 2>&1
+    echo "decode append=$1 combine=$2 rc=$?"; grep -E "^B" "/tmp/bench/decode-ab-$1-$2.log" | tail -26
+  done
+  timeout 40 python3 benchmarks/host_overhead.py --only kvcache > "$OUT/host-decode.log" 2>&1
+  for sw in FLASHTILE_DECODE_APPEND=separate FLASHTILE_DECODE_COMBINE=fused; do
+    echo "# $sw" >> "$OUT/host-decode.log"
+    env $sw timeout 40 python3 benchmarks/host_overhead.py --only kvcache --impl flashtile >> "$OUT/host-decode.log" 2>&1
+  done
+  echo "host overhead rc=$?"; grep -v Warn "$OUT/host-decode.log"
+  tar -czf "$OUT/decode-ab.tgz" -C /tmp/bench $(cd /tmp/bench && ls h200-decode-append-* decode-ab-*.log 2>/dev/null)
 fi
 if [[ $what == sweep ]]; then
   timeout 280 python3 benchmarks/sweep_bwd.py --out "$OUT/sweep-bwd.jsonl" > "$OUT/sweep-bwd.log" 2>&1

@@ -1,5 +1,6 @@
 """Host cost per call next to GPU time: forward, forward with grad, backward, varlen
-forward and kv-cache decode, for flashtile and its peers in the same process.
+forward, kv-cache decode and a generation step (decode + append), for flashtile and its
+peers in the same process.
 
     PYTHONPATH=src python3 benchmarks/host_overhead.py [--plans-off]
 

@@ -2,7 +2,8 @@
 attn_implementations (issue 18's benchmark).
 
 A random-weight Llama-architecture model of about 1.1B parameters (bf16, hidden 2048, 16
-layers, GQA 32/8, vocab 32000; nothing is downloaded) runs three workloads:
+layers, GQA 32/8, vocab 32000; nothing is downloaded) runs these workloads (the first three
+by default):
 
 * ``train-padded``: training steps (forward, backward, AdamW) on 8 x 4096 tokens, right-padded
   documents of 1024-4096 tokens with an attention mask;

@@ -5,10 +5,12 @@ applied first, when given) and attends its new queries to the whole valid cache.
 
 On the Triton backend (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``) the call
 runs ``flashtile.backends.triton.decode``'s kernels through one op (``torch.ops.flashtile.kvcache``,
-which declares its writes to the caches for torch.compile): the append (and the rotary of
-k), then the split-KV decode kernel (all query heads of a KV head in one program, keys
-read straight from the cache rows or pages) and its combine. Nothing is gathered or
-copied per call, and a repeated call replays its launch plan.
+which declares its writes to the caches for torch.compile): the split-KV decode kernel
+(all query heads of a KV head in one program, keys read straight from the cache rows or
+pages), which also appends up to 64 new tokens itself (rotary of k included; a longer
+append, or ``FLASHTILE_DECODE_APPEND=separate``, runs the append kernel first), then the
+combine when it splits (``FLASHTILE_DECODE_COMBINE=fused``: inside the decode kernel). Nothing
+is gathered or copied per call, and a repeated call replays its launch plan.
 
 The checks of the metadata *values* (cache_seqlens, cache_leftpad, cache_batch_idx,
 block_table, rotary length) run before anything is written: on the host when the values

@@ -24,8 +24,9 @@ def _padding_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
                        seqused_q, seqused_k):
     """``padding_sequences=True``: two more sequences, built on the device (no host read,
     capturable in a CUDA graph): the rows of q past cu_seqlens_q[-1] with no keys (out 0,
-    lse -inf, dq 0) and the keys past cu_seqlens_k[-1] with no rows (dk, dv 0), so the
-    padding costs no attention. The bounds become at least the totals. Arguments that are
+    lse -inf or the sink's logit, dq 0) and the keys past cu_seqlens_k[-1] with no rows
+    (dk, dv 0; none when paged), so the padding costs no attention. The bounds become at
+    least the totals (max_seqlen_k: not when paged). Arguments that are
     not what the validation wants pass through unchanged, for it to name. The padded
     tensors of an eager call are kept for the next call with the same tensors (same
     versions), so the values check, cached per set of tensors, is not redone."""
@@ -148,10 +149,11 @@ def flash_attn_varlen_func(
         padding_sequences: q may hold rows past cu_seqlens_q[-1] and k, v keys past
             cu_seqlens_k[-1] (flash-attn ignores them; transformers' continuous batching
             pads its batches so under CUDA graphs). They attend to nothing and nothing
-            attends to them: those rows get out 0, lse -inf and dq 0, those keys dk, dv 0
-            (two sequences more, built on the device: no host read, no attention). The
-            bounds count as at least the totals (max_seqlen_q >= total_q, max_seqlen_k >=
-            total_k), which may change the kernels' tile choice; not with dropout's S_dmask.
+            attends to them: those rows get out 0, lse -inf (the sink's logit with a sink)
+            and dq 0, those keys dk, dv 0 (two sequences more, built on the device: no host
+            read, no attention; paged keys have no padding). The bounds count as at least
+            the totals (max_seqlen_q >= total_q; max_seqlen_k >= total_k when not paged),
+            which may change the kernels' tile choice; not with dropout's S_dmask.
             False (the default): cu_seqlens must end at the totals.
 
     Returns:

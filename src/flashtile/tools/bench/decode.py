@@ -70,9 +70,11 @@ def shapes() -> list[DecodeShape]:
     return base + extra + small
 
 
-def build(impl: str, shape: DecodeShape, num_splits: int = 0):
+def build(impl: str, shape: DecodeShape, num_splits: int = 0, append: bool = False):
     """A call that runs one decode step of ``impl`` on fresh inputs of ``shape`` (more than
-    one query token: causal, bottom-right)."""
+    one query token: causal, bottom-right). ``append``: flashtile's step also appends the
+    new tokens' keys and values (a generation step; the same positions every call, so the
+    cache holds ``seqlen_k`` valid tokens after each); the SDPA peers have no cache."""
     import torch
 
     import flashtile
@@ -82,7 +84,11 @@ def build(impl: str, shape: DecodeShape, num_splits: int = 0):
     b, L, h, hk, d, sq = shape.batch, shape.seqlen_k, shape.nheads, shape.nheads_k, shape.headdim, shape.seqlen_q
     q = torch.randn(b, sq, h, d, device=dev, dtype=dt, generator=g)
     if impl == "flashtile":
-        seqlens = torch.full((b,), L, dtype=torch.int32, device=dev)
+        seqlens = torch.full((b,), L - sq if append else L, dtype=torch.int32, device=dev)
+        new = {}
+        if append:
+            new = dict(k=torch.randn(b, sq, hk, d, device=dev, dtype=dt, generator=g))
+            new["v"] = torch.randn_like(new["k"])
         if shape.page_size:
             per_seq = -(-L // shape.page_size)
             blocks = b * per_seq
@@ -90,11 +96,11 @@ def build(impl: str, shape: DecodeShape, num_splits: int = 0):
             vc = torch.randn_like(kc)
             table = torch.randperm(blocks, device=dev, generator=g).reshape(b, per_seq).to(torch.int32)
             return lambda: flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, block_table=table,
-                                                             causal=sq > 1, num_splits=num_splits)
+                                                             causal=sq > 1, num_splits=num_splits, **new)
         kc = torch.randn(b, L, hk, d, device=dev, dtype=dt, generator=g)
         vc = torch.randn_like(kc)
         return lambda: flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=sq > 1,
-                                                         num_splits=num_splits)
+                                                         num_splits=num_splits, **new)
     if shape.page_size:
         raise RuntimeError("SDPA has no paged cache")
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -132,11 +138,12 @@ def read_ceiling(gib: float = 8.0) -> float:
     return gib * 2**30 / (ms * 1e-3) / 1e12
 
 
-def measure(impl: str, shape: DecodeShape, mode: str, warmup: int, rep: int, num_splits: int = 0) -> float:
+def measure(impl: str, shape: DecodeShape, mode: str, warmup: int, rep: int, num_splits: int = 0,
+            append: bool = False) -> float:
     import torch
     import triton.testing
 
-    call = build(impl, shape, num_splits)
+    call = build(impl, shape, num_splits, append)
     with torch.no_grad():
         call()
         torch.cuda.synchronize()
@@ -185,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=25)
     p.add_argument("--rep", type=int, default=100)
     p.add_argument("--dry-run", action="store_true", help="print the shapes and their bytes only")
+    p.add_argument("--append", action="store_true",
+                   help="flashtile's steps also append the new tokens (a generation step; rows say append: true)")
     args = p.parse_args(argv)
     todo = shapes()
     if args.only:
@@ -210,9 +219,10 @@ def main(argv: list[str] | None = None) -> int:
                        "batch": shape.batch, "seqlen_q": shape.seqlen_q, "seqlen_k": shape.seqlen_k,
                        "nheads": shape.nheads, "nheads_k": shape.nheads_k, "headdim": shape.headdim,
                        "page_size": shape.page_size, "bytes": shape.bytes(), "ms": None, "tb_per_s": None,
-                       "ceiling_tb_per_s": ceiling, **info.row_fields()}
+                       "ceiling_tb_per_s": ceiling, "append": args.append and impl == "flashtile",
+                       **info.row_fields()}
                 try:
-                    ms = measure(impl, shape, mode, args.warmup, args.rep)
+                    ms = measure(impl, shape, mode, args.warmup, args.rep, append=args.append)
                     row["ms"] = ms
                     row["tb_per_s"] = shape.bytes() / (ms * 1e-3) / 1e12
                 except Exception as err:
