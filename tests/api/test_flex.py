@@ -32,6 +32,7 @@ import flashtile
 from flashtile import mods
 from flashtile.backends.twin import flex as twin_flex
 from flashtile.problem.blockmask import sparsity as read_sparsity
+from flex_refused import branchy_mask, branchy_score, cumsum_score, erf_score, hand_block_mask
 
 # torch's flex_attention on CPU tensors runs eagerly and says so at every call.
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -444,24 +445,6 @@ def test_kernels_take_a_python_scalar_in_where(triton_backend, poison_flex_outpu
     assert_out_and_lse(out, lse, want_out, want_lse, atol=1e-4, rtol=1e-4)
 
 
-def erf_score(score, b, h, q_idx, kv_idx):
-    return torch.erf(score)
-
-
-def cumsum_score(score, b, h, q_idx, kv_idx):
-    return torch.cumsum(score, dim=0)
-
-
-def branchy_score(score, b, h, q_idx, kv_idx):
-    if q_idx >= kv_idx:  # Python control flow on a tensor value
-        return score
-    return score - 100.0
-
-
-def branchy_mask(b, h, q_idx, kv_idx):
-    return torch.tensor(bool(q_idx >= kv_idx))
-
-
 @pytest.mark.parametrize("score,mask,match", [
     (erf_score, None, r"score_mod 'erf_score' uses the op aten\.erf"),
     (cumsum_score, None, r"score_mod 'cumsum_score' uses the op aten\.cumsum"),
@@ -472,11 +455,7 @@ def test_untranslatable_mods_are_refused(triton_backend, score, mask, match):
     from flashtile.backends.triton import modgen
 
     q = torch.randn(1, 2, 20, 16)
-    block_mask = None
-    if mask is not None:  # the twin-side block mask builder evaluates the mod on real tensors
-        block_mask = torch_flex.BlockMask.from_kv_blocks(
-            torch.ones(1, 1, 2, dtype=torch.int32), torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32),
-            BLOCK_SIZE=16, mask_mod=mask, seq_lengths=(20, 20))
+    block_mask = None if mask is None else hand_block_mask(mask)
     with pytest.raises(modgen.UntranslatableMod, match=match) as err:
         flashtile.flex_attention(q, q, q, score_mod=score, block_mask=block_mask)
     assert isinstance(err.value, NotImplementedError)

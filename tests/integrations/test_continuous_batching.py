@@ -24,22 +24,11 @@ from transformers import modeling_flash_attention_utils as mfa  # noqa: E402
 
 import flashtile  # noqa: E402
 from flashtile.integrations import transformers as ft  # noqa: E402  (registers both names)
-
-
-def _llama():
-    return transformers.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-
-
-def _qwen2_sliding():
-    return transformers.Qwen2Config(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                    use_sliding_window=True, sliding_window=6, max_window_layers=1,
-                                    layer_types=["sliding_attention", "full_attention"])
+from test_transformers import _llama, _qwen2  # noqa: E402  (the same small configs)
 
 
 MODELS = {"llama": (_llama, transformers.LlamaForCausalLM),
-          "qwen2-sliding": (_qwen2_sliding, transformers.Qwen2ForCausalLM)}
+          "qwen2-sliding": (_qwen2, transformers.Qwen2ForCausalLM)}
 PROMPT_LENGTHS = (5, 17, 9, 30)  # arrive together, of different lengths
 NEW_TOKENS = 8
 

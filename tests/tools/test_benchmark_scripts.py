@@ -11,14 +11,31 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
+def _script(name: str):
+    """benchmarks/<name>.py loaded as a module."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name.replace('/', '_')}", ROOT / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _transformers_step_rows(tmp_path, monkeypatch, *argv) -> dict:
+    """benchmarks/transformers_step.py --tiny with ``argv``: its rows by (impl, workload)."""
+    import json
+
+    monkeypatch.delenv("FLASHTILE_BACKEND", raising=False)
+    out = tmp_path / "rows.jsonl"
+    assert _script("transformers_step").main(["--tiny", "--steps", "2", "--warmup", "0", *argv,
+                                              "--out", str(out)]) == 0
+    return {(r["impl"], r["workload"]): r for r in map(json.loads, out.read_text().splitlines())}
+
+
 @pytest.mark.parametrize("name", ["sweep_fwd", "sweep_bwd", "train_block", "host_overhead", "host_profile",
                                   "context_parallel", "varlen_profile", "tma_reduce_rate",
                                   "varlen_same_documents", "experiments/gluon_fwd", "features"])
 def test_script_imports_and_shows_help(name, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))  # as when run as a script: benchmarks/ holds sweep_common
-    spec = importlib.util.spec_from_file_location(f"bench_{name.replace('/', '_')}", ROOT / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = _script(name)
     with pytest.raises(SystemExit) as exc:
         module.main(["--help"])
     assert exc.value.code == 0
@@ -91,16 +108,7 @@ def test_transformers_step_tiny_run(tmp_path, monkeypatch):
     the documents into one row changes no loss with flashtile (no document attends to
     another, and the same next-token targets count)."""
     pytest.importorskip("transformers")
-    import json
-
-    monkeypatch.delenv("FLASHTILE_BACKEND", raising=False)
-    spec = importlib.util.spec_from_file_location("bench_transformers_step", ROOT / "transformers_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out = tmp_path / "rows.jsonl"
-    assert module.main(["--tiny", "--steps", "2", "--warmup", "0", "--impl", "tiled_attention", "sdpa",
-                        "--out", str(out)]) == 0
-    rows = {(r["impl"], r["workload"]): r for r in map(json.loads, out.read_text().splitlines())}
+    rows = _transformers_step_rows(tmp_path, monkeypatch, "--impl", "tiled_attention", "sdpa")
     assert len(rows) == 6 and all(r["tokens_per_s"] > 0 for r in rows.values())
     ft = {w: rows[("tiled_attention", w)]["losses"] for w in ("train-padded", "train-packed")}
     assert ft["train-padded"] == pytest.approx(ft["train-packed"], rel=1e-5)
@@ -112,16 +120,8 @@ def test_transformers_step_provider_and_continuous_batching_rows(tmp_path, monke
     backend forced and with the provider active (on CPU tensors the provider changes
     nothing: the same losses), and continuous batching on flashtile_fa2 and paged sdpa."""
     pytest.importorskip("transformers")
-    import json
-
-    monkeypatch.delenv("FLASHTILE_BACKEND", raising=False)
-    spec = importlib.util.spec_from_file_location("bench_transformers_step", ROOT / "transformers_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    out = tmp_path / "rows.jsonl"
-    assert module.main(["--tiny", "--steps", "2", "--warmup", "0", "--impl", "sdpa", "sdpa+flashtile",
-                        "flashtile_fa2", "--workload", "train-full", "cb", "--out", str(out)]) == 0
-    rows = {(r["impl"], r["workload"]): r for r in map(json.loads, out.read_text().splitlines())}
+    rows = _transformers_step_rows(tmp_path, monkeypatch, "--impl", "sdpa", "sdpa+flashtile", "flashtile_fa2",
+                                   "--workload", "train-full", "cb")
     assert len(rows) == 6 and all(r.get("tokens_per_s", 0) > 0 for r in rows.values()), rows
     assert rows[("sdpa+flashtile", "train-full")]["losses"] == rows[("sdpa", "train-full")]["losses"]
     assert rows[("flashtile_fa2", "cb")]["tokens"] == 6 * 8

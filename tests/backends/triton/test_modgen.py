@@ -32,6 +32,7 @@ from torch.nn.attention import flex_attention as torch_flex
 import flashtile
 from flashtile.backends.twin import flex as twin_flex
 from flashtile.problem.blockmask import sparsity as read_sparsity
+from flex_refused import branchy_mask, branchy_score, cumsum_score, erf_score, hand_block_mask
 
 pytestmark = pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 
@@ -313,20 +314,6 @@ def test_mask_mod(name, with_score):
 
 
 # --------------------------------------------------------------------------- refused
-def erf_score(score, b, h, q_idx, kv_idx):
-    return torch.erf(score)
-
-
-def cumsum_score(score, b, h, q_idx, kv_idx):
-    return torch.cumsum(score, dim=0)
-
-
-def branchy_score(score, b, h, q_idx, kv_idx):
-    if q_idx >= kv_idx:  # Python control flow on a tensor value
-        return score
-    return score - 1.0
-
-
 def one_index_on_2d(score, b, h, q_idx, kv_idx):
     return score + T2D[h][kv_idx]
 
@@ -376,10 +363,6 @@ def int_mask(b, h, q_idx, kv_idx):
     return (q_idx >= kv_idx).int()
 
 
-def branchy_mask(b, h, q_idx, kv_idx):
-    return torch.tensor(bool(q_idx >= kv_idx))
-
-
 @pytest.mark.parametrize("mask,match", [
     (float_mask, r"returns torch\.float32"),
     (int_mask, r"returns torch\.int32"),
@@ -387,10 +370,7 @@ def branchy_mask(b, h, q_idx, kv_idx):
 ], ids=["float", "int", "python-if"])
 def test_untranslatable_mask_mods_are_refused(mask, match):
     q = torch.randn(1, 2, 20, E)
-    # the block lists by hand: torch's builder would evaluate the mod on real tensors
-    block_mask = torch_flex.BlockMask.from_kv_blocks(
-        torch.ones(1, 1, 2, dtype=torch.int32), torch.tensor([[[[0, 1], [0, 1]]]], dtype=torch.int32),
-        BLOCK_SIZE=16, mask_mod=mask, seq_lengths=(20, 20))
+    block_mask = hand_block_mask(mask)  # torch's builder would evaluate the mod on real tensors
     with pytest.raises(modgen().UntranslatableMod, match=match):
         flashtile.flex_attention(q, q, q, block_mask=block_mask)
 
