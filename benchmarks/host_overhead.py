@@ -41,16 +41,13 @@ IMPLS = ("flashtile", "sdpa-cudnn", "sdpa-flash", "sdpa-flashtile")
 
 @contextlib.contextmanager
 def provider(on: bool):
-    """flashtile's SDPA provider active inside (for the sdpa-flashtile rows)."""
+    """flashtile's SDPA provider active inside when ``on`` (the sdpa-flashtile rows)."""
     if not on:
         yield
         return
     from flashtile.integrations import torch_sdpa
-    torch_sdpa.activate()
-    try:
+    with torch_sdpa.activated():
         yield
-    finally:
-        torch_sdpa.deactivate()
 
 
 def host_us(fn, n=200, warmup=1, sync=None, blocks=1):

@@ -55,12 +55,8 @@ def attention_context(impl: str):
 
         from flashtile.integrations import torch_sdpa
 
-        torch_sdpa.activate()
-        try:
-            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                yield
-        finally:
-            torch_sdpa.deactivate()
+        with torch_sdpa.activated(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            yield
     elif impl == SDPA_FLASH:
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

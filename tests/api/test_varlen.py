@@ -522,6 +522,15 @@ def test_padding_sequences(backend, causal, pad):
             flashtile.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 9, 9, causal=causal)
 
 
+def test_padding_sequences_must_be_a_bool():
+    q = torch.randn(4, 2, 16)
+    cu = torch.tensor([0, 4], dtype=torch.int32)
+    with pytest.raises(TypeError, match="padding_sequences must be a bool"):
+        flashtile.flash_attn_varlen_func(q, q, q, cu, cu, 4, 4, padding_sequences="yes")
+    with pytest.raises(TypeError, match="padding_sequences must be a bool"):
+        flashtile.flash_attn_with_kvcache(q[None], q[None], q[None], padding_sequences=1)
+
+
 def test_padding_sequences_with_pages_seqused_and_alibi(backend):
     """The padding sequences next to paged keys, seqused and per-sequence ALiBi slopes; the
     padded metadata is kept for a repeated eager call (the values check is not redone);

@@ -58,6 +58,14 @@ def test_activate_and_restore(how):
     assert not any(_has_python_kernel(op, "CUDA") for op in OPS)
 
 
+def test_activated_is_active_inside_only():
+    with torch_sdpa.activated():
+        assert torch_sdpa.active()
+        assert all(_has_python_kernel(op, "CUDA") for op in OPS)
+    assert not torch_sdpa.active()
+    assert not any(_has_python_kernel(op, "CUDA") for op in OPS)
+
+
 def _math(q, k, v, causal, scale=None):
     """PyTorch's math SDPA in float64, with its gradients (top-left causal, GQA)."""
     leaves = [t.double().requires_grad_(True) for t in (q, k, v)]

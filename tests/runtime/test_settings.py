@@ -29,6 +29,20 @@ def test_a_bad_value_names_the_switch(monkeypatch, name, reader, bad):
     assert reader() == "auto"
 
 
+@pytest.mark.parametrize("name, reader, default, other", [
+    ("FLASHTILE_DECODE_APPEND", settings.decode_append, "fused", "separate"),
+    ("FLASHTILE_DECODE_COMBINE", settings.decode_combine, "separate", "fused"),
+])
+def test_the_decode_switches(monkeypatch, name, reader, default, other):
+    monkeypatch.setenv(name, "sometimes")
+    with pytest.raises(ValueError, match=name):
+        reader()
+    monkeypatch.delenv(name)
+    assert reader() == default
+    monkeypatch.setenv(name, other.upper())
+    assert reader() == other
+
+
 def test_switches_are_read_at_call_time(monkeypatch):
     monkeypatch.delenv("FLASHTILE_WS", raising=False)
     assert settings.gluon_enabled()

@@ -43,12 +43,13 @@ def _padding_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
             max_seqlen_k = max(validate.integer("max_seqlen_k", max_seqlen_k), total_k)
     except TypeError:
         pass  # the validation names it
-    extras = [t for t in (alibi_slopes, block_table, seqused_q, seqused_k) if isinstance(t, torch.Tensor)]
+    sources = (cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_q, seqused_k)
+    tensors = [t for t in sources if isinstance(t, torch.Tensor)]
     memo = None
     if not (torch.compiler.is_compiling() or (cu_seqlens_q.is_cuda and torch.cuda.is_current_stream_capturing())
-            or any(t.is_inference() for t in (cu_seqlens_q, cu_seqlens_k, *extras))):
-        memo = (tuple((id(t), t._version, t.data_ptr()) for t in (cu_seqlens_q, cu_seqlens_k, *extras)),
-                total_q, total_k, paged, tuple(id(t) for t in (alibi_slopes, block_table, seqused_q, seqused_k)))
+            or any(t.is_inference() for t in tensors)):
+        memo = (tuple((id(t), t._version, t.data_ptr()) if isinstance(t, torch.Tensor) else id(t) for t in sources),
+                total_q, total_k)
         hit = _PADDED.get(memo)
         if hit is not None:
             return (*hit[:2], max_seqlen_q, max_seqlen_k, *hit[2:6])
@@ -69,7 +70,7 @@ def _padding_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
         if len(_PADDED) >= 32:
             _PADDED.clear()
         _PADDED[memo] = (cu_q, cu_k, alibi_slopes, block_table, seqused_q, seqused_k,
-                         cu_seqlens_q, cu_seqlens_k, *extras)  # the sources too: their ids stay theirs
+                         *tensors)  # the sources too: their ids stay theirs
     return cu_q, cu_k, max_seqlen_q, max_seqlen_k, alibi_slopes, block_table, seqused_q, seqused_k
 
 

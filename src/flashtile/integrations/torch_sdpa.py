@@ -36,6 +36,7 @@ through ``torch.library.Library("aten", "IMPL")``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import torch
 
@@ -274,6 +275,16 @@ def deactivate() -> None:
     if _HANDLE[0] is not None:
         _HANDLE[0].remove()
         _HANDLE[0] = None
+
+
+@contextlib.contextmanager
+def activated():
+    """The provider active inside the ``with`` block, deactivated after it."""
+    activate()
+    try:
+        yield
+    finally:
+        deactivate()
 
 
 def active() -> bool:

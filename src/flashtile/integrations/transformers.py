@@ -228,11 +228,9 @@ def register_flash_provider(name: str = FLASH_NAME) -> str:
     paged_forward = None
     if hasattr(mfa, "lazy_import_paged_flash_attention"):  # transformers < 5.23: "paged|" names of its own
         from transformers.integrations.flash_paged import paged_attention_forward as paged_forward
-    original_imports = mfa._lazy_imports
-
-    names = getattr(original_imports, "flashtile_names", None)
+    names = getattr(mfa._lazy_imports, "flashtile_names", None)
     if names is None:
-        original = original_imports
+        original = mfa._lazy_imports
         names = set()
 
         def _lazy_imports(implementation, *args, **kwargs):

@@ -762,12 +762,12 @@ def cache_values(call: CacheCall) -> None:
     batch = len(lens)
     pads = pads or [0] * batch
     new = spec.new
+    padding = [spec.padding and n < 0 for n in lens]  # padding sequences: nothing of theirs is read or written
     if rows is not None:
         for b, r in enumerate(rows):
-            if not 0 <= r < spec.batch_cache and not (spec.padding and lens[b] < 0):
+            if not 0 <= r < spec.batch_cache and not padding[b]:
                 raise ValueError(f"cache_batch_idx[{b}] = {r} must be in [0, {spec.batch_cache}) (the cache's batch)")
     paged = call.block_table is not None
-    padding = [spec.padding and n < 0 for n in lens]  # padding sequences: nothing of theirs is read or written
     for b, n in enumerate(lens):
         if padding[b]:
             continue

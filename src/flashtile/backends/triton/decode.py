@@ -112,12 +112,14 @@ def _rotary_tile(X, row_off, row_ok, offs_d, d_ok, pos, Cos, Sin, stride_cos, ro
 
 @triton.jit
 def _seq_bounds(SeqLens, LeftPad, b, new, capacity, HAS_LEFTPAD: tl.constexpr):
-    """(cache_seqlens[b] clamped to [0, capacity - new], leftpad clamped to [0, that])."""
-    n = tl.minimum(tl.maximum(tl.load(SeqLens + b), 0), capacity - new)
+    """(cache_seqlens[b] clamped to [0, capacity - new], leftpad clamped to [0, that],
+    cache_seqlens[b] as given)."""
+    raw = tl.load(SeqLens + b)
+    n = tl.minimum(tl.maximum(raw, 0), capacity - new)
     pad = n * 0
     if HAS_LEFTPAD:
         pad = tl.minimum(tl.maximum(tl.load(LeftPad + b), 0), n)
-    return n, pad
+    return n, pad, raw
 
 
 @triton.jit
@@ -380,7 +382,7 @@ def decode_kernel(
         offs_dv = tl.arange(0, BLOCK_DV)
         dv_ok = offs_dv < head_dim_v
 
-    n, pad = _seq_bounds(SeqLens, LeftPad, b, new, capacity, HAS_LEFTPAD)
+    n, pad, raw_n = _seq_bounds(SeqLens, LeftPad, b, new, capacity, HAS_LEFTPAD)
     len_k = n + new - pad
     diag = len_k - seqlen_q
     if CHECKED:
@@ -411,7 +413,7 @@ def decode_kernel(
     if CHECKED:
         hi = tl.where(bad, lo, hi)
     if PADDING:
-        padding_seq = tl.load(SeqLens + b) < 0  # a padding sequence: no key read, nothing appended
+        padding_seq = raw_n < 0  # a padding sequence: no key read, nothing appended
         hi = tl.where(padding_seq, lo, hi)
     start = (lo // BLOCK_N) * BLOCK_N
 
