@@ -8,7 +8,8 @@ report for sm_90a on the CPU; one shape for Nsight Compute.
     ncu -k regex:onepass_kernel --launch-skip 1 --launch-count 1 \\
         python3 benchmarks/experiments/gluon_bwd_onepass.py --profile 128,4096,0     # one shape
 
-Variants are (num_buf, dq_buf): (Q, dO) ring slots and float32 dQ slots. History (docs/
+Variants are (num_buf, dq_buf[, dq_swizzle]): (Q, dO) ring slots, float32 dQ slots and the
+dQ slots' swizzle in bytes (default the library's ``DQ_SWIZZLE``; 32 has no bank conflicts). History (docs/
 perf-notes.md, "One-pass backward"): runs 30-34 reduced dQ from the consumers' registers
 (290-375 TF/s at d128); run 80 measured the L2's reduction rate alone (3.6 TB/s); runs
 83-85 (session 16) the reducer warp: d64 1.03-1.09x the split kernels, d128 0.90-0.99x
@@ -31,14 +32,14 @@ from gluon_bwd import run  # noqa: E402  (the library experiment's checks and ti
 def onepass_launch(q, k, v, dout, lse, delta, dq, dk, dv, *, causal, diag, variant):
     from flashtile.backends.sm90.backward_onepass import attention_backward_onepass
 
-    num_buf, dq_buf = variant
+    num_buf, dq_buf, *swizzle = variant
     attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5, diag_offset=diag,
-                               causal=causal, num_buf=num_buf, dq_buf=dq_buf)
+                               causal=causal, num_buf=num_buf, dq_buf=dq_buf, dq_swizzle=(swizzle or [None])[0])
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--variants", default="4,2;2,2", help="num_buf,dq_buf;... (d128 fits 2,2 or 3,1; d64 4,2)")
+    p.add_argument("--variants", default="4,2;2,2", help="num_buf,dq_buf[,dq_swizzle];... (d128 fits 2,2 or 3,1; d64 4,2)")
     p.add_argument("--shapes", default="128,4096,0;128,4096,1;128,16384,1;64,4096,0;64,16384,1;64,1024,0;128,1024,1",
                    help="headdim,seqlen,causal;...")
     p.add_argument("--compile", action="store_true",
@@ -51,11 +52,12 @@ def main(argv=None) -> int:
     if args.compile:
         from flashtile.tools.sm90_check import compile_backward_onepass
 
-        for num_buf, dq_buf in variants:
+        for num_buf, dq_buf, *swizzle in variants:
             for d in sorted({sh[0] for sh in shapes}):
                 for causal in (False, True):
                     try:
-                        c = compile_backward_onepass("bf16", d, causal=causal, num_buf=num_buf, dq_buf=dq_buf)
+                        c = compile_backward_onepass("bf16", d, causal=causal, num_buf=num_buf, dq_buf=dq_buf,
+                                                     dq_swizzle=(swizzle or [None])[0])
                         regs, spills = c.registers()
                         print(f"{c.name}: shared {c.shared} B, regs {regs}, spills {spills} B, bulk reduces "
                               f"{c.ptx.count('cp.reduce.async.bulk.tensor')}", flush=True)

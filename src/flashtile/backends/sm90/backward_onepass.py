@@ -72,6 +72,10 @@ from flashtile.runtime.launch import Launcher
 HEAD_DIMS = (64, 128)  # what it compiles for (the default at both: scope.ONEPASS_HEAD_DIMS)
 NUM_BUF = {64: 4, 128: 2}  # (Q, dO) ring slots
 DQ_BUF = 2  # float32 dQ slots (64 x D each: with 2 ring slots at d128, 224 of the 227 KB)
+# The dQ slots' swizzle in bytes (0: none). The wgmma accumulator's st.shared.v2 stores are
+# 2-way bank-conflicted at 128 and 64, 4-way at 0, conflict-free at 32 (gl.bank_conflicts,
+# sm_90a); a 32-byte swizzle cuts each slot's TMA reduction into 8-column boxes.
+DQ_SWIZZLE = 128
 REDUCER_REGS = 24
 
 
@@ -397,13 +401,18 @@ _launch = Launcher(onepass_kernel)
 _launch_convert = Launcher(_dq_convert)
 
 
-def dq_accumulator_layout(head_dim: int):
-    """The shared-memory layout of a (BLOCK, D / 2) float32 dQ slot (and its TMA box)."""
-    return gl.NVMMASharedLayout.get_default_for([BLOCK, head_dim // 2], gl.float32)
+def dq_accumulator_layout(head_dim: int, swizzle: int | None = None):
+    """The shared-memory layout of a (BLOCK, D / 2) float32 dQ slot (and its TMA box):
+    ``swizzle`` bytes (None: ``DQ_SWIZZLE``)."""
+    swizzle = DQ_SWIZZLE if swizzle is None else swizzle
+    if swizzle not in (0, 32, 64, 128):
+        raise ValueError(f"a dQ swizzle is 0, 32, 64 or 128 bytes, got {swizzle}")
+    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=2)
 
 
 def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int,
-                               causal: bool, num_buf: int | None = None, dq_buf: int = DQ_BUF) -> None:
+                               causal: bool, num_buf: int | None = None, dq_buf: int = DQ_BUF,
+                               dq_swizzle: int | None = None) -> None:
     """Launch the one-pass kernel and the dQ postprocess; the caller checked
     ``scope.backward_scope`` and TMA alignment (``backends.registry.backward``).
 
@@ -413,8 +422,9 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
         lse, delta: (B, H, Sq) float32 contiguous (natural log; delta = rowsum(dO * O),
             minus the LSE's own upstream gradient if any).
         causal: key j visible to query i iff j <= i + diag_offset.
-        num_buf, dq_buf: (Q, dO) ring slots (default ``NUM_BUF[D]``) and float32 dQ slots
-            (experiments: benchmarks/experiments/gluon_bwd_onepass.py).
+        num_buf, dq_buf: (Q, dO) ring slots (default ``NUM_BUF[D]``) and float32 dQ slots;
+            dq_swizzle: the dQ slots' swizzle (default ``DQ_SWIZZLE``) (experiments:
+            benchmarks/experiments/gluon_bwd_onepass.py).
 
     Memory: a float32 dQ of B x H x Sq (rounded up to 64) x D, zeroed per call.
     """
@@ -435,7 +445,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     acc = torch.zeros((batch, nheads, rows, head_dim), dtype=torch.float32, device=q.device)
     flat = acc.view(-1, head_dim)
     dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [BLOCK, head_dim // 2],
-                               dq_accumulator_layout(head_dim))
+                               dq_accumulator_layout(head_dim, dq_swizzle))
     num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
     _launch((num_n_blocks * batch * nheads_k,),
             (tma_descriptor(q, BLOCK), tma_descriptor(k, BLOCK), tma_descriptor(v, BLOCK),
