@@ -96,3 +96,17 @@ def test_one_pass_grid_order(causal, nheads_k, block_major, monkeypatch):
     op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=causal)
     (grid, constexprs), = launches
     assert grid == (3 * 2 * nheads_k,) and constexprs["KEYS_OUTER"] is block_major
+
+
+def test_dq_slot_layout_and_its_swizzle():
+    """The one-pass kernel's float32 dQ slots: the default is Triton's own layout for the tile
+    (128-byte swizzle); a swizzle is one TMA supports, else refused before any launch."""
+    import triton.experimental.gluon.language as gl
+
+    from flashtile.backends.sm90 import backward_onepass as op
+
+    for d in op.HEAD_DIMS:
+        assert op.dq_accumulator_layout(d) == gl.NVMMASharedLayout.get_default_for([op.BLOCK, d // 2], gl.float32)
+        assert op.dq_accumulator_layout(d, 32).swizzle_byte_width == 32
+    with pytest.raises(ValueError, match="swizzle"):
+        op.dq_accumulator_layout(128, 16)
