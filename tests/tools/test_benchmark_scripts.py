@@ -43,6 +43,15 @@ def test_script_imports_and_shows_help(name, capsys, monkeypatch):
 
 
 
+def test_decode_tma_experiment_matches_the_library_kernel(capsys, triton_backend):
+    """benchmarks/experiments/decode_tma.py --cpu: its TMA-read decode kernel (interpreter)
+    against the library's decode kernel, caches NaN past each sequence, splits with partial
+    last tiles; it exits 1 on a mismatch."""
+    assert _script("experiments/decode_tma").main(["--cpu"]) == 0
+    out = capsys.readouterr().out
+    assert out.count(" ok") == 3 and "splits 4" in out, out
+
+
 def test_varlen_same_documents(tmp_path, capsys, monkeypatch):
     # Each document at the fixed-length rate of its own length, beside the varlen rows.
     monkeypatch.syspath_prepend(str(ROOT))
