@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|decode|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -143,6 +143,17 @@ if [[ $what == decode-ab ]]; then
   done
   echo "host overhead rc=$?"; grep -v Warn "$OUT/host-decode.log"
   tar -czf "$OUT/decode-ab.tgz" -C /tmp/bench $(cd /tmp/bench && ls h200-decode-append-* decode-ab-*.log 2>/dev/null)
+fi
+if [[ $what == levers ]]; then
+  # Issue 38's two load-path A/Bs found on the CPU (session 22): the one-pass backward's dQ
+  # slots with a 32-byte swizzle (no bank conflicts) against the default 128, each checked
+  # against fp32 autograd first; the decode kernel's tiles through TMA against the library's
+  # kernel under CUDA graphs (benchmarks/experiments/decode_tma.py).
+  timeout ${SWIZZLE_TIMEOUT:-240} python3 benchmarks/experiments/gluon_bwd_onepass.py --variants "2,2;2,2,32" \
+    --shapes "128,4096,0;128,8192,1;128,16384,1;64,4096,0;64,8192,1" > "$OUT/onepass-swizzle.log" 2>&1
+  echo "dq swizzle rc=$?"; grep -v Warn "$OUT/onepass-swizzle.log" | tail -30
+  timeout ${TMA_TIMEOUT:-150} python3 benchmarks/experiments/decode_tma.py > "$OUT/decode-tma.log" 2>&1
+  echo "decode tma rc=$?"; grep -v Warn "$OUT/decode-tma.log" | tail -16
 fi
 if [[ $what == sweep ]]; then
   timeout 280 python3 benchmarks/sweep_bwd.py --out "$OUT/sweep-bwd.jsonl" > "$OUT/sweep-bwd.log" 2>&1
