@@ -28,8 +28,7 @@ import argparse
 import triton
 import triton.language as tl
 
-LN2 = 0.6931471805599453
-LOG2E = 1.4426950408889634
+from flashtile.backends.triton.scores import C_LN2, LOG2E
 
 
 @triton.jit
@@ -95,7 +94,7 @@ def tma_decode_kernel(
 
     seen = l_i != 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * 0.6931471805599453, float("-inf"))
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * C_LN2, float("-inf"))
     s64 = split.to(tl.int64)
     b64 = b.to(tl.int64)
     tl.store(OutPart + s64 * stride_pp + b64 * stride_pb + h[:, None] * stride_ph + offs_d[None, :], out,
