@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -154,6 +154,20 @@ if [[ $what == levers ]]; then
   echo "dq swizzle rc=$?"; grep -v Warn "$OUT/onepass-swizzle.log" | tail -30
   timeout ${TMA_TIMEOUT:-150} python3 benchmarks/experiments/decode_tma.py > "$OUT/decode-tma.log" 2>&1
   echo "decode tma rc=$?"; grep -v Warn "$OUT/decode-tma.log" | tail -16
+fi
+if [[ $what == varlen-onepass ]]; then
+  # Issue 38: packed calls on the one-pass backward (FLASHTILE_BWD_DQ=onepass; session 23, compiled
+  # only): its GPU test, then the varlen backward rows under the split kernels (today's default)
+  # and under it. Make it the default for packed calls only if the test passes and it wins.
+  timeout 200 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -k "packed or race_hunt" -v \
+    -n 4 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-varlen-onepass.log" 2>&1
+  echo "varlen one-pass gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-varlen-onepass.log" | cut -c1-300 | tail -12
+  for mode in split onepass; do
+    FLASHTILE_BWD_DQ=$mode timeout 150 python3 -m flashtile.tools.bench --varlen --pass bwd --impl flashtile \
+      --headdim 64 128 --warmup 5 --rep 25 --out /tmp/bench --tag h200-varlen-bwd-$mode > "$OUT/bench-varlen-$mode.log" 2>&1
+    echo "varlen bwd $mode rc=$?"; grep -v Warning "$OUT/bench-varlen-$mode.log" | grep "^|" | tail -14
+  done
+  cp /tmp/bench/h200-varlen-bwd-* "$OUT/" 2>/dev/null
 fi
 if [[ $what == sweep ]]; then
   timeout 280 python3 benchmarks/sweep_bwd.py --out "$OUT/sweep-bwd.jsonl" > "$OUT/sweep-bwd.log" 2>&1

@@ -74,15 +74,21 @@ def test_backward_choices(monkeypatch):
     assert registry.backward(_call(head_dim=256)).kernel == "sm90.backward_split_d256"
     det = registry.backward(_call(head_dim=128, deterministic=True))
     assert det.kernel == "sm90.backward_split" and "deterministic" in det.why[0]
-    assert registry.backward(_call(head_dim=128, varlen=True)).kernel == "sm90.backward_split"
+    packed = registry.backward(_call(head_dim=128, varlen=True))
+    assert packed.kernel == "sm90.backward_split" and "FLASHTILE_BWD_DQ=onepass" in packed.why[0]
     assert registry.backward(_call(head_dim=256, varlen=True)).kernel == "triton.backward"
     assert registry.backward(_call(head_dim=64, varlen=True, seqused=True)).family == "triton"
     # the backward does not consult the forward's table: short causal d64 is Gluon here
     assert registry.backward(_call(head_dim=64, window_right=0, seqlen_q=1024)).family == "sm90"
     for value, kernel in (("auto", "sm90.backward_onepass"), ("", "sm90.backward_onepass"),
-                          ("split", "sm90.backward_split"), ("atomic", "sm90.backward_split")):
+                          ("onepass", "sm90.backward_onepass"), ("split", "sm90.backward_split"),
+                          ("atomic", "sm90.backward_split")):
         monkeypatch.setenv("FLASHTILE_BWD_DQ", value)
         assert registry.backward(_call(head_dim=64)).kernel == kernel, value
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")  # packed calls too, never deterministic ones or d256
+    assert registry.backward(_call(head_dim=128, varlen=True)).kernel == "sm90.backward_onepass"
+    assert registry.backward(_call(head_dim=64, varlen=True, deterministic=True)).kernel == "sm90.backward_split"
+    assert registry.backward(_call(head_dim=256, varlen=True)).kernel == "triton.backward"
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "atomic")
     triton_atomic = registry.backward(_call(head_dim=64, softcap=2.0))
     assert triton_atomic.kernel == "triton.backward_atomic" and triton_atomic.config.fused_dq
@@ -120,8 +126,11 @@ def test_the_launch_asks_the_registry(monkeypatch, triton_backend):
     class Chosen(Exception):
         pass
 
+    seen = []
+
     def spy(name):
         def launch(*args, **kwargs):
+            seen.append(kwargs)
             raise Chosen(name)
         return launch
 
@@ -151,6 +160,24 @@ def test_the_launch_asks_the_registry(monkeypatch, triton_backend):
         torch.use_deterministic_algorithms(False)
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "split")
     assert chosen(64) == "split"
+
+    def chosen_packed():  # two documents of 40 and 24 rows
+        q, k, v = (torch.randn(64, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+        cu = torch.tensor([0, 40, 64], dtype=torch.int32)
+        out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 40, 40, causal=True)
+        with monkeypatch.context() as m:
+            m.setattr(run, "capability_of", lambda t: HOPPER)
+            m.setattr(layout, "tma_ready", lambda *t: True)
+            with pytest.raises(Chosen) as err:
+                out.float().sum().backward()
+        return str(err.value), seen[-1]["varlen"]
+
+    monkeypatch.delenv("FLASHTILE_BWD_DQ")
+    name, (_, keys, queries) = chosen_packed()  # the split kernels: a key and a query work list
+    assert name == "split" and keys[1] > 0 and queries[1] > 0
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")
+    name, (varlen, (table, cap), *rest) = chosen_packed()  # one program per block of 128 keys
+    assert name == "one-pass" and rest == [] and varlen.batch == 2 and int(table[0]) == 2 <= cap
 
 
 def test_every_kernel_is_described():

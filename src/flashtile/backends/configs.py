@@ -220,9 +220,10 @@ def bwd_dq_mode(deterministic: bool) -> str:
     """The Triton backward's dQ: "split" (dq kernel, deterministic) or "atomic" (fused,
     FA2's single pass).
 
-    ``FLASHTILE_BWD_DQ``: ``auto`` (default) and ``split`` give split here (``auto`` lets
-    the Hopper one-pass Gluon kernel take the head dims where it is faster:
-    ``sm90.scope.onepass_scope``; ``split`` keeps the split kernels everywhere);
+    ``FLASHTILE_BWD_DQ``: ``auto`` (default), ``onepass`` and ``split`` give split here
+    (``auto`` lets the Hopper one-pass Gluon kernel take the head dims where it is faster,
+    ``onepass`` packed calls too: ``sm90.scope.onepass_scope``; ``split`` keeps the split
+    kernels everywhere);
     ``atomic`` opts in to the fused variant. Determinism (the call's flag or
     ``torch.use_deterministic_algorithms``) always wins over it.
     """

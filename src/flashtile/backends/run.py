@@ -337,7 +337,9 @@ def _launch_backward(choice, q, k, v, out4, lse, do4, dq4, dk4, dv4, problem, al
     from flashtile.backends.triton import backward as triton_backward
 
     with device_context(q):
-        if choice.family == "sm90":
+        if choice.kernel == "sm90.backward_onepass":
+            tables = [(128, True)]  # one program per block of 128 keys
+        elif choice.family == "sm90":
             tables = [(128, True), (128, False)]  # the Gluon kernels' blocks: 128 keys, 128 queries
         elif choice.config.fused_dq:
             tables = [(choice.config.block_n_kv, True)]
@@ -350,7 +352,8 @@ def _launch_backward(choice, q, k, v, out4, lse, do4, dq4, dk4, dv4, problem, al
 
             backward_onepass.attention_backward_onepass(q, k, v, do4, lse, delta, dq4, dk4, dv4,
                                                         scale=problem.scale, diag_offset=problem.diag_offset,
-                                                        causal=problem.causal)
+                                                        causal=problem.causal,
+                                                        varlen=None if varlen is None else (varlen, *built))
         elif choice.family == "sm90":
             from flashtile.backends.sm90 import backward_split
 

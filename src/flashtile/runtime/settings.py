@@ -10,8 +10,10 @@ two of them. A switch with a value outside its choices raises ValueError naming 
                            twin), ``triton`` (the kernels; on CPU tensors only under
                            ``TRITON_INTERPRET=1``) or ``torch`` (the twin everywhere)
 ``FLASHTILE_WS``           ``0`` keeps every call off the Gluon (Hopper) kernels
-``FLASHTILE_BWD_DQ``       ``auto``, ``split`` (no one-pass Gluon backward) or ``atomic``
-                           (the Triton backward's dQ by atomics; never when deterministic)
+``FLASHTILE_BWD_DQ``       ``auto``, ``split`` (no one-pass Gluon backward), ``onepass``
+                           (``auto``, and packed calls on the one-pass kernel too: compiled,
+                           not yet run on a GPU) or ``atomic`` (the Triton backward's dQ by
+                           atomics; never when deterministic)
 ``FLASHTILE_KVCACHE_CHECK``  ``auto``, ``host`` or ``device``: where kv-cache metadata
                            values are checked (``flashtile.api.kvcache``)
 ``FLASHTILE_DECODE_APPEND``  ``fused`` (the decode kernel writes the new keys and values
@@ -89,8 +91,8 @@ def gluon_enabled() -> bool:
 
 
 def bwd_dq() -> str:
-    """``FLASHTILE_BWD_DQ``: auto, split or atomic."""
-    return _choice("FLASHTILE_BWD_DQ", ("auto", "split", "atomic"))
+    """``FLASHTILE_BWD_DQ``: auto, split, onepass or atomic."""
+    return _choice("FLASHTILE_BWD_DQ", ("auto", "split", "onepass", "atomic"))
 
 
 def kvcache_check() -> str:

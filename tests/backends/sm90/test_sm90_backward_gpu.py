@@ -22,6 +22,7 @@ import flashtile
 from cases import Case, _grads, check_flash_grads, make_inputs, reference, rotating_cases, spy_calls
 from flashtile.backends.sm90.scope import ONEPASS_HEAD_DIMS
 from flashtile.testing import GRAD_FACTOR, assert_close
+from varlen_cases import VarlenCase, check_varlen
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
 
@@ -165,3 +166,25 @@ def test_lse_gradient(bwd_ws_calls):
     for name, a, r, b in zip(("dq", "dk", "dv"), got, ref, base):
         assert_close(f"lse loss {name}", a, r, b, factor=GRAD_FACTOR)
     assert len(bwd_ws_calls) == 1
+
+
+@pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_pass_packed_sequences(causal, head_dim, bwd_ws_calls, monkeypatch):
+    """FLASHTILE_BWD_DQ=onepass: packed calls on the one-pass kernel (not the default until
+    measured). Documents end inside key blocks and query tiles, so the kernel reads the next
+    document's rows, which must add exactly nothing: its keys masked out of P (non-causal;
+    the diagonal's mask when causal), its query rows' P zero (their dQ reductions add zeros
+    into the neighbour's rows), a last dK/dV tile stored from registers with its rows masked.
+    A document with no queries (its keys' dK/dV are zeros), a 1-token one, q and k lengths
+    that differ (bottom-right diagonals), GQA; QUALITY's rule against float64 with
+    NaN-poisoned gradients, then dK and dV bitwise equal on a rerun (each program owns its
+    keys) and dQ within the rule again."""
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")
+    case = VarlenCase((0, 1, 17, 113, 1000, 300), (5, 1, 130, 113, 700, 300), head_dim=head_dim,
+                      dtype=torch.bfloat16, nheads=6, nheads_k=2, causal=causal)
+    first = check_varlen(case, device="cuda")
+    again = check_varlen(case, device="cuda")
+    assert torch.equal(first[3], again[3]) and torch.equal(first[4], again[4])
+    assert len(bwd_ws_calls) == 2 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
+    assert all(c["varlen"] is not None for c in bwd_ws_calls)

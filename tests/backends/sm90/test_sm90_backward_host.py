@@ -98,6 +98,32 @@ def test_one_pass_grid_order(causal, nheads_k, block_major, monkeypatch):
     assert grid == (3 * 2 * nheads_k,) and constexprs["KEYS_OUTER"] is block_major
 
 
+def test_one_pass_packed_launch(monkeypatch):
+    """Packed sequences (B = 1): one program per (kv head, item of the key work list), the
+    list's capacity wide (the kernel returns past the count); the work list's order, never
+    block-major; dK and dV with their head and row strides for the masked last tiles. A
+    batch of two is refused before any launch."""
+    from flashtile.backends.sm90 import backward_onepass as op
+
+    launches = []
+    monkeypatch.setattr(op, "_launch", lambda grid, args, constexprs, *rest: launches.append((grid, args, constexprs)))
+    monkeypatch.setattr(op, "_launch_convert", lambda *a: launches.append(("convert", a)))
+    q = torch.zeros(1, 6, 300, 64, dtype=torch.float16)
+    kv = torch.zeros(1, 300, 2, 64, dtype=torch.float16).transpose(1, 2)  # (B, Hk, S, D) view
+    lse = torch.zeros(1, 6, 300)
+    table = torch.zeros(64, dtype=torch.int32)
+    op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=True,
+                                  varlen=(None, (table, 5), "a query table, unread"))
+    (grid, args, constexprs), (_, (convert_grid, convert_args, *_)) = launches
+    assert grid == (5 * 2,) and constexprs["KEYS_OUTER"] is False
+    assert args[-8:] == (table, 5, kv, 64, 2 * 64, kv, 64, 2 * 64)  # head stride 64, row stride 128
+    assert convert_grid == (5, 6) and convert_args[4] == 320  # every packed row cast, the accumulator padded
+    with pytest.raises(ValueError, match="one batch row"):
+        op.attention_backward_onepass(q.expand(2, -1, -1, -1), kv, kv, q, lse, lse, q, kv, kv, scale=0.1,
+                                      diag_offset=0, causal=True, varlen=(None, (table, 5)))
+    assert len(launches) == 2
+
+
 def test_dq_slot_layout_and_its_swizzle():
     """The one-pass kernel's float32 dQ slots: the default is Triton's own layout for the tile
     (128-byte swizzle); a swizzle is one TMA supports, else refused before any launch."""

@@ -250,23 +250,27 @@ def test_tma_reduce_rate_kernels_compile(tmp_path):
     assert got[("False", 1)][1] == 0 and got[("False", 1)][2] > 0, got
 
 
-@pytest.mark.slow(seconds=25)
+@pytest.mark.slow(seconds=35)
 def test_one_pass_backward_compiles_with_a_reducer_warp(tmp_path):
     """Issue 17's kernel (``backends.sm90.backward_onepass``, the default backward at d64 unless
     deterministic): dQ tiles go to a reducer warp that issues bulk TMA reductions (two per
     step, one per warpgroup's half: at least two in the PTX, 4 in triton 3.6's, the loop
     peeled); d64 compiles without spills and fits, causal and not. d128 fits, and its loop
     makes the fixed tiles' views anew each step: with them hoisted, their wgmma descriptors
-    spilled 1,292 B (312 B now)."""
+    spilled 1,292 B (312 B now). Its packed-sequence variant (a work list) fits too, and
+    stores a sequence's last dK/dV tile from registers, rows masked (the fixed-length kernel
+    stores only by TMA: no st.global)."""
     code = ("from flashtile.tools.sm90_check import compile_backward_onepass as f\n"
-            "for d, causal in ((64, False), (64, True), (128, False)):\n"
-            "    c = f('bf16', d, causal=causal); regs, spills = c.registers()\n"
-            "    print(d, causal, c.shared, regs, spills, c.ptx.count('cp.reduce.async.bulk.tensor'), c.wgmma)")
+            "for d, causal, varlen in ((64, False, 0), (64, True, 0), (128, False, 0), (128, False, 1)):\n"
+            "    c = f('bf16', d, causal=causal, varlen=bool(varlen)); regs, spills = c.registers()\n"
+            "    print(d, causal, varlen, c.shared, regs, spills, c.ptx.count('cp.reduce.async.bulk.tensor'),\n"
+            "          c.wgmma, c.ptx.count('st.global'))")
     rows = [line.split() for line in _compile_run(tmp_path, "-c", code).splitlines()]
-    assert len(rows) == 3, rows
-    for d, causal, shared, regs, spills, reduces, wgmma in rows:
+    assert len(rows) == 4, rows
+    for d, causal, varlen, shared, regs, spills, reduces, wgmma, stores in rows:
         assert 0 < int(shared) <= SM90_SHARED_LIMIT and int(reduces) >= 2 and wgmma == "True", rows
         assert int(spills) == 0 if d == "64" else int(spills) <= 600, rows
+        assert (int(stores) > 0) == (varlen == "1"), rows
 
 
 @pytest.mark.slow(seconds=120)

@@ -1,6 +1,8 @@
 """Hopper one-pass backward in Gluon (sm90, fp16/bf16, plain or causal): FA3's design, dQ
 by bulk TMA reductions into a float32 buffer. The default backward at head dims 64 and 128
-unless the call asks for determinism (``scope.onepass_scope``; ``backends.registry``).
+unless the call asks for determinism (``scope.onepass_scope``; ``backends.registry``);
+packed sequences (a work list of key blocks, as the split kernels take them) only with
+``FLASHTILE_BWD_DQ=onepass`` until a GPU has measured them (compiled, session 23).
 
 The same algebra as ``backward.py`` (read its docstring first) and the same scope as
 ``backward_split`` (read its docstring second), in one kernel with 5 tile products per tile
@@ -63,8 +65,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtile.backends.sm90.backward_split import BLOCK, CONSUMER_REGS, LOADER_REGS, ROWS
-from flashtile.backends.sm90.common import step_range, tma_descriptor
+from flashtile.backends.sm90.backward_split import BLOCK, CONSUMER_REGS, LOADER_REGS, ROWS, _store_grad
+from flashtile.backends.sm90.common import step_range, tma_descriptor, varlen_item
 from flashtile.backends.sm90.tma_reduce import async_reduce_add_shared_to_global
 from flashtile.backends.triton.scores import C_LOG2E, LOG2E
 from flashtile.runtime.launch import Launcher
@@ -111,14 +113,22 @@ def _step_tiles(s, q_lo, nq, q_rot, kvh, group_size, q_smem, do_smem, q_ready):
 
 
 @gluon.jit
-def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale,
-              CAUSAL: gl.constexpr, dtype: gl.constexpr, s_layout: gl.constexpr):
+def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale, q_row, seqlen_k,
+              lse_stride, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, dtype: gl.constexpr,
+              s_layout: gl.constexpr):
     """P = exp2(S * c - lse) on a (queries x keys) tile (0 right of the diagonal when
     causal) and dS = P (dP - Delta), in the input dtype for the products. Rows past
-    seqlen_q get lse = +inf, so their P is 0 (their Q and dO are zero-filled); rows that
-    see no key (lse -inf) only meet diagonal tiles, where the mask zeroes them."""
+    seqlen_q get lse = +inf, so their P is 0 (their Q and dO are zero-filled, or the next
+    document's rows); rows that see no key (lse -inf) only meet diagonal tiles, where the
+    mask zeroes them. Keys past seqlen_k: zero-filled K and V in a fixed-length call (their
+    dS adds 0 to dQ, their dK and dV rows are clipped); the next document's keys in a
+    packed one, so P is masked there (causal: the diagonal's mask already does, since every
+    row's last key is at most seqlen_k - 1)."""
     rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    row_off = (b * nheads + hq).to(gl.int64) * seqlen_q
+    if VARLEN:  # Lse and Delta are (1, H, total_q): the sequence's rows from q_row on
+        row_off = hq.to(gl.int64) * lse_stride + q_row
+    else:
+        row_off = (b * nheads + hq).to(gl.int64) * seqlen_q
     lse2 = gl.load(Lse + row_off + rows, mask=rows < seqlen_q, other=float("inf")) * C_LOG2E
     delta = gl.load(Delta + row_off + rows, mask=rows < seqlen_q, other=0.0)
     p = gl.exp2(s * qk_scale - lse2[:, None])
@@ -126,6 +136,10 @@ def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, q
         if nk + ROWS - 1 > m0 + diag_offset:  # a tile on (or past) the diagonal
             keys = nk + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
             p = gl.where(keys[None, :] <= rows[:, None] + diag_offset, p, 0.0)
+    elif VARLEN:
+        if nk + ROWS > seqlen_k:  # the sequence's last key tile
+            keys = nk + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+            p = gl.where(keys[None, :] < seqlen_k, p, 0.0)
     ds = p * (dp - delta[:, None])
     return p.to(dtype), ds.to(dtype)
 
@@ -164,10 +178,11 @@ def _dq_finish(WG: gl.constexpr, dq, t, ds_empty, scale, dq_smem, dq_full, dq_em
 def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem,
               k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot,
               group_size, nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty,
-              dq_rows):
+              dq_rows, q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
+    VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS, 16])
@@ -194,8 +209,8 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
                             use_acc=False, is_async=True)
         st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
-        pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale,
-                            CAUSAL, dtype, s_layout)
+        pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale, q_row,
+                            seqlen_k, lse_stride, CAUSAL, VARLEN, dtype, s_layout)
         p_tile.store(pt)
         ds_tile.store(dst)
         fence_async_shared()
@@ -222,8 +237,8 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(prev).reshape([ROWS, HEAD_D]), dv, is_async=True)
         dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(prev).reshape([ROWS, HEAD_D]), dk, is_async=True)
         st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # step s-1's products stay in flight
-        pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale,
-                            CAUSAL, dtype, s_layout)
+        pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale, q_row,
+                            seqlen_k, lse_stride, CAUSAL, VARLEN, dtype, s_layout)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
         p_tile.store(pt)  # P_{s-1} is read (only this warpgroup reads it)
@@ -247,47 +262,64 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         mbarrier.wait(ds_empty.index(0), (n_steps - 1) & 1)
 
     # K and V are no longer read: their tiles stage dK and dV for the TMA stores, which
-    # clip rows past seqlen_k.
-    k_smem.index(WG).reshape([ROWS, HEAD_D]).store((dk * scale).to(dtype))
-    v_smem.index(WG).reshape([ROWS, HEAD_D]).store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, kvh, nk, 0], k_smem.index(WG))
-    tma.async_copy_shared_to_global(dv_desc, [b, kvh, nk, 0], v_smem.index(WG))
+    # clip rows past seqlen_k; a packed sequence's last tile goes from registers instead,
+    # its rows masked (``backward_split._store_grad``: TMA would write the next document's).
+    if VARLEN:
+        _store_grad((dk * scale).to(dtype), k_smem.index(WG), dk_desc, Dk, dk_sh, dk_sm, b, kvh, k_row, nk,
+                    seqlen_k, True)
+        _store_grad(dv.to(dtype), v_smem.index(WG), dv_desc, Dv, dv_sh, dv_sm, b, kvh, k_row, nk, seqlen_k, True)
+    else:
+        k_smem.index(WG).reshape([ROWS, HEAD_D]).store((dk * scale).to(dtype))
+        v_smem.index(WG).reshape([ROWS, HEAD_D]).store(dv.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(dk_desc, [b, kvh, nk, 0], k_smem.index(WG))
+        tma.async_copy_shared_to_global(dv_desc, [b, kvh, nk, 0], v_smem.index(WG))
     tma.store_wait(pendings=0)
 
 
 @gluon.jit
 def _consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
                p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
-               seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows):
+               seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
+               q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
     _consumer(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
               p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
-              seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows)
+              seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
+              q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
 
 
 @gluon.jit
 def _consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
                p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
-               seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows):
+               seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
+               q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
     _consumer(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
               p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
-              seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows)
+              seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
+              q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
 
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
             p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
-            seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows):
+            seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
+            q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
+    VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
+    k0 = n0
+    if VARLEN:  # a packed sequence's keys from row k_row on, its queries from row q_row on
+        k0 = k_row + n0
     for wg in gl.static_range(2):
         mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), k_smem.index(wg))
-        tma.async_copy_global_to_shared(v_desc, [b, kvh, n0 + wg * ROWS, 0], kv_bar.index(wg), v_smem.index(wg))
+        tma.async_copy_global_to_shared(k_desc, [b, kvh, k0 + wg * ROWS, 0], kv_bar.index(wg), k_smem.index(wg))
+        tma.async_copy_global_to_shared(v_desc, [b, kvh, k0 + wg * ROWS, 0], kv_bar.index(wg), v_smem.index(wg))
     q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
     for s in range(nq * group_size):
         slot = s % NUM_BUF
         hq, m0 = _step_coords(s, q_lo, nq, q_rot, kvh, group_size)
+        if VARLEN:
+            m0 = q_row + m0
         mbarrier.wait(q_empty.index(slot), ((s // NUM_BUF) & 1) ^ 1)  # fresh barriers pass phase 1
         mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, hq, m0, 0], q_ready.index(slot), q_smem.index(slot))
@@ -297,7 +329,8 @@ def _loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sme
 @gluon.jit
 def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
              p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
-             seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows):
+             seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
+             q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
     """For every step, once both warpgroups have stored their dQ halves in the step's slot:
     add them into the float32 dQ (a (B * H * dq_rows, D) matrix) with two bulk TMA
     reductions; then wait until the previous step's reductions have read their slot and
@@ -306,12 +339,16 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sm
     DQ_BUF: gl.constexpr = dq_smem.type.shape[0] // 2
     HALF_D: gl.constexpr = dq_smem.type.shape[2]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
+    VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
     q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
     for t in range(nq * group_size):
         slot = t % DQ_BUF
         mbarrier.wait(dq_full.index(slot), (t // DQ_BUF) & 1)
         hq, m0 = _step_coords(t, q_lo, nq, q_rot, kvh, group_size)
-        row = (b * nheads + hq) * dq_rows + m0
+        if VARLEN:  # (1, H, dq_rows, D): the sequence's rows from q_row on
+            row = hq * dq_rows + q_row + m0
+        else:
+            row = (b * nheads + hq) * dq_rows + m0
         for half in gl.static_range(2):
             async_reduce_add_shared_to_global(dq_desc, [row, half * HALF_D], dq_smem.index(2 * slot + half))
         if DQ_BUF > 1:
@@ -326,23 +363,39 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sm
 
 @gluon.jit
 def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size,
-                    seqlen_q, num_n_blocks, diag_offset, qk_scale, scale, dq_desc, dq_rows,
-                    CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, DQ_BUF: gl.constexpr,
+                    seqlen_q, num_n_blocks, diag_offset, qk_scale, scale, dq_desc, dq_rows, seqlen_k, Items,
+                    item_cap, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, DQ_BUF: gl.constexpr,
                     CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr,
                     KEYS_OUTER: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     pid = gl.program_id(0)  # flat grid over (batch, kv head) pairs and blocks of 2 * ROWS keys
-    if KEYS_OUTER:  # block-major: every pair's block 0 first (causal: the blocks with the most queries)
-        num_pairs = gl.num_programs(0) // num_n_blocks
-        nb = pid // num_pairs
-        bk = pid % num_pairs
-    else:  # pair-major: a pair's blocks run side by side (its Q and dO shared in L2)
-        nb = pid % num_n_blocks
-        bk = pid // num_n_blocks
+    lse_stride = seqlen_q
+    if Items.dtype.element_ty == gl.int32:
+        # Packed sequences (B = 1): (kv head, work item over key blocks), heads outer as in
+        # ``common.work_item``; the item's sequence from its first rows (q_row, k_row), with
+        # its own lengths and bottom-right diagonal. Lse and Delta are (1, H, total_q).
+        count = gl.load(Items)
+        if pid >= count * nheads_k:
+            return
+        kvh = pid // count
+        seq, nb, q_row, seqlen_q, k_row, seqlen_k = varlen_item(Items, pid % count, item_cap)
+        diag_offset = seqlen_k - seqlen_q
+        num_n_blocks = gl.cdiv(seqlen_k, 2 * ROWS)
+        b = seq * 0
+    else:
+        if KEYS_OUTER:  # block-major: every pair's block 0 first (causal: the blocks with the most queries)
+            num_pairs = gl.num_programs(0) // num_n_blocks
+            nb = pid // num_pairs
+            bk = pid % num_pairs
+        else:  # pair-major: a pair's blocks run side by side (its Q and dO shared in L2)
+            nb = pid % num_n_blocks
+            bk = pid // num_n_blocks
+        b = bk // nheads_k
+        kvh = bk % nheads_k
+        q_row = b * 0
+        k_row = q_row
     n0 = nb * (2 * ROWS)
-    b = bk // nheads_k
-    kvh = bk % nheads_k
     q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
     q_rot = (nb * nq) // num_n_blocks
 
@@ -376,7 +429,8 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
 
     args = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
             p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
-            seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows)
+            seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
+            q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args), (_reducer, args)],
                        [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, REDUCER_REGS])
 
@@ -412,7 +466,7 @@ def dq_accumulator_layout(head_dim: int, swizzle: int | None = None):
 
 def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int,
                                causal: bool, num_buf: int | None = None, dq_buf: int = DQ_BUF,
-                               dq_swizzle: int | None = None) -> None:
+                               dq_swizzle: int | None = None, varlen=None) -> None:
     """Launch the one-pass kernel and the dQ postprocess; the caller checked
     ``scope.backward_scope`` and TMA alignment (``backends.registry.backward``).
 
@@ -425,6 +479,12 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
         num_buf, dq_buf: (Q, dO) ring slots (default ``NUM_BUF[D]``) and float32 dQ slots;
             dq_swizzle: the dQ slots' swizzle (default ``DQ_SWIZZLE``) (experiments:
             benchmarks/experiments/gluon_bwd_onepass.py).
+        varlen: None, or (Varlen, key table, ...) for packed sequences (B = 1; Sq and Sk the
+            total rows), as ``backward_split.attention_backward_ws`` takes it: the work list of
+            blocks of 2 * BLOCK keys (``backends.worklist.build_work_items``); further
+            tables are ignored. Each sequence's causal diagonal is its bottom-right one
+            (``diag_offset`` is not read). dK and dV rows outside every sequence are not
+            written; dQ's are written as zeros (the postprocess casts every row).
 
     Memory: a float32 dQ of B x H x Sq (rounded up to 64) x D, zeroed per call.
     """
@@ -446,14 +506,23 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     flat = acc.view(-1, head_dim)
     dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [BLOCK, head_dim // 2],
                                dq_accumulator_layout(head_dim, dq_swizzle))
-    num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
-    _launch((num_n_blocks * batch * nheads_k,),
+    if varlen is None:
+        num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
+        grid = num_n_blocks * batch * nheads_k
+        items = (lse, 0, dk, 0, 0, dv, 0, 0)  # unread: Items' float dtype selects the fixed-length path
+    else:
+        if batch != 1:
+            raise ValueError(f"packed sequences come as one batch row, got batch {batch}")
+        kv_table, kv_cap = varlen[1]
+        num_n_blocks, grid = 0, kv_cap * nheads_k
+        items = (kv_table, kv_cap, dk, dk.stride(1), dk.stride(2), dv, dv.stride(1), dv.stride(2))
+    _launch((grid,),
             (tma_descriptor(q, BLOCK), tma_descriptor(k, BLOCK), tma_descriptor(v, BLOCK),
              tma_descriptor(dout, BLOCK), tma_descriptor(dk, BLOCK), tma_descriptor(dv, BLOCK), lse, delta,
              nheads, nheads_k, nheads // nheads_k, seqlen_q, num_n_blocks, diag_offset, scale * LOG2E, scale,
-             dq_desc, rows),
+             dq_desc, rows, seqlen_k, *items),
             dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=CONSUMER_REGS,
                  LOADER_REGS=LOADER_REGS, REDUCER_REGS=REDUCER_REGS,
-                 KEYS_OUTER=keys_outer(causal, nheads // nheads_k)), 4, 1)
+                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k)), 4, 1)
     _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
                     (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]), dict(BLOCK_M=BLOCK, HEAD_D=head_dim), 4, 1)

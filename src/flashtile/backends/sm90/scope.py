@@ -67,15 +67,16 @@ def backward_scope(call) -> Optional[str]:
 
 
 def onepass_scope(call, bwd_dq: str) -> Optional[str]:
-    """The one-pass backward instead of the split kernels: fixed lengths, a head dim of
-    ONEPASS_HEAD_DIMS, not deterministic (its dQ is summed by float32 reductions in a
-    varying order), and ``FLASHTILE_BWD_DQ`` auto (``bwd_dq``)."""
+    """The one-pass backward instead of the split kernels: a head dim of ONEPASS_HEAD_DIMS,
+    not deterministic (its dQ is summed by float32 reductions in a varying order),
+    ``FLASHTILE_BWD_DQ`` (``bwd_dq``) auto or onepass, and fixed lengths unless onepass (its
+    packed-call variant has compiled but not yet run on a GPU)."""
     if call.deterministic:
         return "deterministic: the split kernels (the one-pass kernel sums dQ in a varying order)"
-    if call.varlen:
-        return "packed calls take the split kernels"
     if call.head_dim not in ONEPASS_HEAD_DIMS:
         return f"the one-pass kernel takes head dims {ONEPASS_HEAD_DIMS}; d{call.head_dim} takes the split kernels"
-    if bwd_dq != "auto":
+    if bwd_dq not in ("auto", "onepass"):
         return f"FLASHTILE_BWD_DQ={bwd_dq} keeps the split kernels"
+    if call.varlen and bwd_dq != "onepass":
+        return "packed calls take the split kernels (FLASHTILE_BWD_DQ=onepass: the one-pass kernel, not yet measured)"
     return None
