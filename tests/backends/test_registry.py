@@ -148,7 +148,11 @@ def test_the_launch_asks_the_registry(monkeypatch, triton_backend):
         return str(err.value)
 
     monkeypatch.delenv("FLASHTILE_BWD_DQ", raising=False)
+    poisoned = backward_onepass.accumulator
+    monkeypatch.setattr(backward_onepass, "accumulator", lambda q: poisoned(q).fill_(float("nan")))
     assert chosen(64) == "one-pass"
+    acc = seen[-1]["dq_accum"]  # zeroed by the Delta launch, no memset
+    assert acc.shape == (1, 2, 64, 64) and torch.equal(acc, torch.zeros_like(acc))
     assert chosen(64, deterministic=True) == "split"
     assert chosen(128) == "one-pass"
     assert chosen(128, deterministic=True) == "split"
@@ -178,6 +182,7 @@ def test_the_launch_asks_the_registry(monkeypatch, triton_backend):
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")
     name, (varlen, (table, cap), *rest) = chosen_packed()  # one program per block of 128 keys
     assert name == "one-pass" and rest == [] and varlen.batch == 2 and int(table[0]) == 2 <= cap
+    assert seen[-1]["dq_accum"] is None  # packed rows do not tile it: the kernel's host zeroes its own
 
 
 def test_every_kernel_is_described():

@@ -345,15 +345,21 @@ def _launch_backward(choice, q, k, v, out4, lse, do4, dq4, dk4, dv4, problem, al
             tables = [(choice.config.block_n_kv, True)]
         else:
             tables = [(choice.config.block_n_kv, True), (choice.config.block_m_q, False)]
+        acc = None  # the one-pass kernel's float32 dQ, zeroed by the preprocess's launch (fixed lengths)
+        if choice.kernel == "sm90.backward_onepass" and varlen is None:
+            from flashtile.backends.sm90 import backward_onepass
+
+            acc = backward_onepass.accumulator(q)
         delta, built = triton_backward.preprocess(out4, do4, dlse, varlen, tables, problem.window_left,
-                                                  problem.window_right, k.shape[2])
+                                                  problem.window_right, k.shape[2], accumulator=acc)
         if choice.kernel == "sm90.backward_onepass":
             from flashtile.backends.sm90 import backward_onepass
 
             backward_onepass.attention_backward_onepass(q, k, v, do4, lse, delta, dq4, dk4, dv4,
                                                         scale=problem.scale, diag_offset=problem.diag_offset,
                                                         causal=problem.causal,
-                                                        varlen=None if varlen is None else (varlen, *built))
+                                                        varlen=None if varlen is None else (varlen, *built),
+                                                        dq_accum=acc)
         elif choice.family == "sm90":
             from flashtile.backends.sm90 import backward_split
 

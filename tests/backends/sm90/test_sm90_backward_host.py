@@ -78,6 +78,9 @@ def test_one_pass_arguments_are_checked_before_any_work():
     t = torch.zeros(1, 2, 8, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="num_buf"):
         attention_backward_onepass(t, t, t, t, lse, lse, t, t, t, scale=0.1, diag_offset=0, causal=False, num_buf=1)
+    with pytest.raises(ValueError, match="dq_accum"):  # rows are padded to 64
+        attention_backward_onepass(t, t, t, t, lse, lse, t, t, t, scale=0.1, diag_offset=0, causal=False,
+                                   dq_accum=torch.zeros(1, 2, 8, 64))
 
 
 @pytest.mark.parametrize("causal, nheads_k, block_major", [(True, 2, True), (True, 1, True), (True, 4, False),

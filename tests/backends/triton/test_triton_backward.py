@@ -370,3 +370,22 @@ def test_sdpa_rows_hidden_by_finfo_min(dtype):
         mean_v = v.double().mean(dim=2)
         for row in (2, 7):
             torch.testing.assert_close(got[0][:, :, row].double(), mean_v, atol=1e-5, rtol=0)
+
+
+def test_preprocess_zeroes_the_one_pass_accumulator():
+    """The Delta launch zeroes the one-pass backward's float32 dQ (fixed lengths), one
+    launch fewer than a memset: every row of every (batch, head), padding rows included,
+    and Delta unchanged by it. Packed calls and a wrongly shaped buffer are refused first."""
+    from flashtile.backends.triton.backward import preprocess
+
+    g = torch.Generator().manual_seed(0)
+    out, dout = (torch.randn(2, 3, 70, 64, generator=g).to(torch.float16) for _ in range(2))
+    acc = torch.full((2, 3, 128, 64), float("nan"))
+    plain, _ = preprocess(out, dout, None, None, [], -1, -1, 70)
+    delta, built = preprocess(out, dout, None, None, [], -1, -1, 70, accumulator=acc)
+    assert torch.equal(delta, plain) and built == [] and torch.equal(acc, torch.zeros_like(acc))
+    for bad in (torch.zeros(2, 3, 70, 64), torch.zeros(2, 3, 128, 64, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="accumulator"):
+            preprocess(out, dout, None, None, [], -1, -1, 70, accumulator=bad)
+    with pytest.raises(ValueError, match="fixed-length"):
+        preprocess(out, dout, None, object(), [], -1, -1, 70, accumulator=acc)

@@ -464,9 +464,20 @@ def dq_accumulator_layout(head_dim: int, swizzle: int | None = None):
     return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=2)
 
 
+def accumulator(q):
+    """An uninitialised float32 dQ for ``attention_backward_onepass(dq_accum=)``: (B, H, Sq
+    rounded up to BLOCK, D) of a q (B, H, Sq, D). The backward's Delta preprocess zeroes it
+    in its own launch (``triton.backward.preprocess(accumulator=)``: fixed lengths)."""
+    import torch
+
+    batch, nheads, seqlen_q, head_dim = q.shape
+    return torch.empty((batch, nheads, triton.cdiv(seqlen_q, BLOCK) * BLOCK, head_dim), dtype=torch.float32,
+                       device=q.device)
+
+
 def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int,
                                causal: bool, num_buf: int | None = None, dq_buf: int = DQ_BUF,
-                               dq_swizzle: int | None = None, varlen=None) -> None:
+                               dq_swizzle: int | None = None, varlen=None, dq_accum=None) -> None:
     """Launch the one-pass kernel and the dQ postprocess; the caller checked
     ``scope.backward_scope`` and TMA alignment (``backends.registry.backward``).
 
@@ -485,8 +496,10 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
             tables are ignored. Each sequence's causal diagonal is its bottom-right one
             (``diag_offset`` is not read). dK and dV rows outside every sequence are not
             written; dQ's are written as zeros (the postprocess casts every row).
+        dq_accum: None, or ``accumulator(q)`` already zeroed (the library's path: the
+            preprocess zeroed it), else the call allocates and zeroes one.
 
-    Memory: a float32 dQ of B x H x Sq (rounded up to 64) x D, zeroed per call.
+    Memory: a float32 dQ of B x H x Sq (rounded up to 64) x D.
     """
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -502,7 +515,13 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     if batch * nheads * rows >= 2 ** 31:
         raise ValueError(f"batch x heads x padded seqlen_q = {batch * nheads * rows} exceeds the int32 rows "
                          f"of a TMA coordinate")
-    acc = torch.zeros((batch, nheads, rows, head_dim), dtype=torch.float32, device=q.device)
+    if dq_accum is None:
+        acc = torch.zeros((batch, nheads, rows, head_dim), dtype=torch.float32, device=q.device)
+    elif dq_accum.shape != (batch, nheads, rows, head_dim) or dq_accum.dtype != torch.float32:
+        raise ValueError(f"dq_accum must be float32 {(batch, nheads, rows, head_dim)} (accumulator(q)), got "
+                         f"{dq_accum.dtype} {tuple(dq_accum.shape)}")
+    else:
+        acc = dq_accum
     flat = acc.view(-1, head_dim)
     dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [BLOCK, head_dim // 2],
                                dq_accumulator_layout(head_dim, dq_swizzle))
