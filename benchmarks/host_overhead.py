@@ -135,6 +135,8 @@ def cpu_stub(n: int = 2000) -> None:
     """Host microseconds per call of flashtile's API with every kernel launch stubbed."""
     from flashtile.runtime.stubs import stub_launches
 
+    if os.environ.get("TRITON_INTERPRET") != "1":  # read when the kernels are defined: too late to set here
+        raise SystemExit("--cpu-stub runs the Triton path on CPU tensors: run it with TRITON_INTERPRET=1")
     os.environ.setdefault("FLASHTILE_BACKEND", "triton")
     with stub_launches():
         rows = workloads("cpu", torch.float16, 64, 128, peers=False)
