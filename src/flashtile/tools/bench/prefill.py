@@ -25,15 +25,20 @@ from flashtile.tools.bench.common import (HIDDEN, SDPA_BACKENDS, TOKENS, RowWrit
                                           reason, run_info)
 from flashtile.traffic import attention_flops
 
-IMPLS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "naive", "sdpa-flashtile")
-DEFAULT_IMPLS = IMPLS[:-1]  # sdpa-flashtile (SDPA's flash backend through flashtile's provider): on request
+IMPLS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "naive", "sdpa-flashtile",
+         "flashtile-det")
+# On request: sdpa-flashtile (SDPA's flash backend through flashtile's provider) and
+# flashtile-det (flashtile with deterministic=True: the backward's split kernels).
+DEFAULT_IMPLS = IMPLS[:-2]
+DIRECT = ("flashtile", "flashtile-det")  # flashtile's own API: (B, S, H, D) inputs
 PASSES = ("fwd", "bwd", "fwd_bwd")
 _DTYPES = ("fp16", "bf16")
 # naive materialises the fp32 softmax: above this it is minutes per call or an OOM.
 NAIVE_SCORES_LIMIT_BYTES = 40 * 2**30
 # Dry-run only: plausible H200 fp16 rates so summaries and plots look like real ones.
 _FAKE_TFLOPS = {"flashtile": 450.0, "sdpa-flash": 320.0, "sdpa-cudnn": 560.0,
-                "sdpa-efficient": 165.0, "flex": 420.0, "naive": 40.0, "sdpa-flashtile": 440.0}
+                "sdpa-efficient": 165.0, "flex": 420.0, "naive": 40.0, "sdpa-flashtile": 440.0,
+                "flashtile-det": 420.0}
 
 
 class SkipMeasurement(Exception):
@@ -95,9 +100,10 @@ def build_forward(impl: str, shape: Shape, q: Any, k: Any, v: Any) -> Callable[[
     import torch
     causal = shape.causal
     gqa = shape.nheads_k != shape.nheads
-    if impl == "flashtile":
+    if impl in DIRECT:
         import flashtile
-        return lambda: flashtile.flash_attn_func(q, k, v, causal=causal)
+        deterministic = impl == "flashtile-det"
+        return lambda: flashtile.flash_attn_func(q, k, v, causal=causal, deterministic=deterministic)
     if impl in SDPA_BACKENDS or impl == "sdpa-flashtile":
         from torch.nn.attention import SDPBackend, sdpa_kernel
         backend = getattr(SDPBackend, SDPA_BACKENDS.get(impl, "FLASH_ATTENTION"))
@@ -174,11 +180,11 @@ def measure_shape(shape: Shape, impls: list[str], passes: list[str], warmup: int
     bhsd = [t.transpose(1, 2).contiguous() for t in bshd]
     ref = _reference_slice(shape, *bshd)
     for impl in impls:
-        inputs = bshd if impl == "flashtile" else bhsd
+        inputs = bshd if impl in DIRECT else bhsd
         try:
             out, first_s = _sync_wall(build_forward(impl, shape, *inputs))
             out = _first(out)
-            got = out[-1, :, -1, :] if impl == "flashtile" else out[-1, -1]
+            got = out[-1, :, -1, :] if impl in DIRECT else out[-1, -1]
             diff = (got.float() - ref).abs().max().item()
             del out, got
             emit(impl, "first_call", {"first_call_s": first_s, "max_abs_diff": diff})
@@ -234,7 +240,7 @@ def memory_rows(shape: Shape, impls: list[str], emit: Callable[[str, str, dict[s
     import torch
     dt = {"fp16": torch.float16, "bf16": torch.bfloat16}[shape.dtype]
     for impl in impls:
-        dims = [(shape.batch, shape.seqlen, h, shape.headdim) if impl == "flashtile"
+        dims = [(shape.batch, shape.seqlen, h, shape.headdim) if impl in DIRECT
                 else (shape.batch, h, shape.seqlen, shape.headdim)
                 for h in (shape.nheads, shape.nheads_k, shape.nheads_k)]
         for pass_ in ("fwd_mem", "fwd_bwd_mem"):
@@ -326,17 +332,18 @@ def summary_markdown(rows: list[dict[str, Any]]) -> str:
                          + " | ".join(txt) + " |")
         lines.append("")
     keys = sorted({k[:-1] for k in cells}, key=lambda k: (PASSES.index(k[5]), _DTYPES.index(k[4]), k[0], k[1], k[3]))
-    provider = "sdpa-flashtile" in impls  # the provider's speed as a share of the direct call's
+    # The provider's speed, and the deterministic call's, as a share of the direct call's.
+    shares = [i for i in ("sdpa-flashtile", "flashtile-det") if i in impls]
     lines += ["### TFLOP/s (do_bench median)", "",
               "| d | seqlen | batch | causal | dtype | pass | " + " | ".join(impls)
-              + " | flashtile/sdpa-flash | flashtile/sdpa-cudnn |" + (" sdpa-flashtile/flashtile |" if provider else "")
+              + " | flashtile/sdpa-flash | flashtile/sdpa-cudnn |" + "".join(f" {i}/flashtile |" for i in shares)
               + " flashtile max abs diff |",
-              "|---" * (9 + len(impls) + provider) + "|"]
+              "|---" * (9 + len(impls) + len(shares)) + "|"]
     for k in keys:
         lines.append(f"| {k[0]} | {k[1]} | {k[2]} | {'yes' if k[3] else 'no'} | {k[4]} | {k[5]} | "
                      + " | ".join(tf(k, i) for i in impls)
                      + f" | {ratio(k, 'sdpa-flash')} | {ratio(k, 'sdpa-cudnn')} |"
-                     + (f" {ratio(k, 'flashtile', 'sdpa-flashtile')} |" if provider else "") + f" {diff(k)} |")
+                     + "".join(f" {ratio(k, 'flashtile', i)} |" for i in shares) + f" {diff(k)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -392,7 +399,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=_DTYPES, nargs="+", default=list(_DTYPES))
     p.add_argument("--pass", dest="passes", choices=PASSES, nargs="+", default=["fwd"])
     p.add_argument("--impl", choices=IMPLS, nargs="+", default=list(DEFAULT_IMPLS),
-                   help="sdpa-flashtile: SDPA's flash backend with flashtile's provider active (not by default)")
+                   help="sdpa-flashtile: SDPA's flash backend with flashtile's provider active; flashtile-det: "
+                        "deterministic=True (neither by default)")
     p.add_argument("--out", type=Path, help="default benchmarks/results/<gpu>/ (dry run: a temp dir)")
     p.add_argument("--tag", help="file stem of the rows, summary and plots (default bench-<date>)")
     p.add_argument("--warmup", type=int, default=25, help="do_bench warm-up, ms")
