@@ -39,6 +39,9 @@ if [[ $what == bench || $what == all ]]; then
   FLASHTILE_BWD_DQ=atomic timeout 90 python3 -m flashtile.tools.bench --dtype bf16 --pass bwd --impl flashtile \
     --headdim 64 128 --out /tmp/bench --tag h200-bf16-atomic-dq > "$OUT/bench-atomic.log" 2>&1
   echo "bench atomic-dq rc=$?"
+  timeout 120 python3 -m flashtile.tools.bench --dtype bf16 --pass bwd --impl flashtile flashtile-det \
+    --headdim 64 128 --seqlen 2048 8192 --out /tmp/bench --tag h200-bf16-deterministic > "$OUT/bench-det.log" 2>&1
+  echo "bench deterministic rc=$?"; grep "| bwd " "$OUT/bench-det.log" | tail -8
   timeout 60 python3 benchmarks/train_block.py --seqlen 8192 --out /tmp/bench/train-block.jsonl > "$OUT/train-block.log" 2>&1
   echo "train block rc=$?"; tail -6 "$OUT/train-block.log"
   tar czf "$OUT/bench.tgz" -C /tmp/bench .
