@@ -176,12 +176,14 @@ def test_one_pass_packed_sequences(causal, head_dim, bwd_ws_calls, monkeypatch):
     document's rows, which must add exactly nothing: its keys masked out of P (non-causal;
     the diagonal's mask when causal), its query rows' P zero (their dQ reductions add zeros
     into the neighbour's rows), a last dK/dV tile stored from registers with its rows masked.
-    A document with no queries (its keys' dK/dV are zeros), a 1-token one, q and k lengths
-    that differ (bottom-right diagonals), GQA; QUALITY's rule against float64 with
-    NaN-poisoned gradients, then dK and dV bitwise equal on a rerun (each program owns its
-    keys) and dQ within the rule again."""
+    A document with no queries (its keys' dK/dV are zeros), one with no keys, a 1-token one,
+    q and k lengths that differ (bottom-right diagonals), GQA; 1472 query rows in all (a
+    multiple of 64), so the last document's last tile runs past the accumulator's rows of its
+    head into the next head's. QUALITY's rule against float64 with NaN-poisoned gradients,
+    then dK and dV bitwise equal on a rerun (each program owns its keys) and dQ within the
+    rule again."""
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")
-    case = VarlenCase((0, 1, 17, 113, 1000, 300), (5, 1, 130, 113, 700, 300), head_dim=head_dim,
+    case = VarlenCase((0, 1, 17, 113, 9, 1000, 332), (5, 1, 130, 113, 0, 700, 300), head_dim=head_dim,
                       dtype=torch.bfloat16, nheads=6, nheads_k=2, causal=causal)
     first = check_varlen(case, device="cuda")
     again = check_varlen(case, device="cuda")
