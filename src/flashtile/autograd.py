@@ -143,15 +143,21 @@ class _EagerAttention(torch.autograd.Function):
     ``forward`` takes ctx itself: a separate ``setup_context`` makes every ``apply`` bind
     its arguments with ``inspect.signature`` (torch 2.11-2.13; ~25 us of the device host's
     time per call, H200 run 50). Only plain eager calls come here (``_plain_eager``: no
-    functorch transform, which would need ``setup_context``)."""
+    functorch transform, which would need ``setup_context``).
+
+    ``apply(hint, where, q, k, v, sink, tail)``: the op's arguments after v come as one
+    tuple ``tail`` (``apply`` walks every argument in Python and C++: ~1-2 us per call
+    saved against 16 loose ones); the sink, the one differentiable tensor among them, comes
+    loose as well, so that its gradient has a slot (it is also in ``tail``)."""
 
     @staticmethod
-    def forward(ctx, hint, where, *inputs):
+    def forward(ctx, hint, where, q, k, v, sink, tail):
         # q, k, v come in ``where`` (a ``layout.LAYOUTS``) and out goes back in it. The
         # forward's plan entry is kept in ``hint.below`` when the caller has a hint
         # (``attention``), else found here; the backward finds its own entry below it.
-        a = run.FwdArgs.of((layout.canonical(inputs[0], where), layout.canonical(inputs[1], where),
-                            layout.canonical(inputs[2], where)) + inputs[3:])
+        inputs = (q, k, v) + tail
+        a = run.FwdArgs.of((layout.canonical(q, where), layout.canonical(k, where),
+                            layout.canonical(v, where)) + tail)
         entry = None if hint is None else hint.below.get("attn_fwd")
         if entry is None:
             entry = run.forward_entry(a)
@@ -177,7 +183,8 @@ class _EagerAttention(torch.autograd.Function):
             bwd = partial(run.backward_planned, ctx.entry)
         else:
             bwd = run.backward
-        return (None, None) + _grads(ctx, dout, dlse, bwd)
+        grads = _grads(ctx, dout, dlse, bwd)
+        return None, None, *grads[:3], grads[19] if ctx.sink is not None else None, None
 
 
 def _refuse_forward_ad(*tensors) -> None:
@@ -227,7 +234,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, w
         return layout.from_bshd(out, qkv_layout), lse
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sink is not None and sink.requires_grad)):
-        return _EagerAttention.apply(hint, qkv_layout, q, k, v, *tail)
+        return _EagerAttention.apply(hint, qkv_layout, q, k, v, sink, tail)
     out, lse = run.forward(*(layout.canonical(t, qkv_layout) for t in (q, k, v)), *tail)
     return layout.from_bshd(out, qkv_layout), lse
 
