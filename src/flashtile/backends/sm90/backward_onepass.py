@@ -65,8 +65,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtile.backends.sm90.backward_split import BLOCK, CONSUMER_REGS, LOADER_REGS, ROWS, _store_grad
-from flashtile.backends.sm90.common import step_range, tma_descriptor, varlen_item
+from flashtile.backends.sm90.backward_split import BLOCK, CONSUMER_REGS, LOADER_REGS, ROWS
+from flashtile.backends.sm90.common import step_range, store_grad_tile, tma_descriptor, varlen_item
 from flashtile.backends.sm90.tma_reduce import async_reduce_add_shared_to_global
 from flashtile.backends.triton.scores import C_LOG2E, LOG2E
 from flashtile.runtime.launch import Launcher
@@ -263,11 +263,11 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 
     # K and V are no longer read: their tiles stage dK and dV for the TMA stores, which
     # clip rows past seqlen_k; a packed sequence's last tile goes from registers instead,
-    # its rows masked (``backward_split._store_grad``: TMA would write the next document's).
+    # its rows masked (``common.store_grad_tile``: TMA would write the next document's).
     if VARLEN:
-        _store_grad((dk * scale).to(dtype), k_smem.index(WG), dk_desc, Dk, dk_sh, dk_sm, b, kvh, k_row, nk,
+        store_grad_tile((dk * scale).to(dtype), k_smem.index(WG), dk_desc, Dk, dk_sh, dk_sm, b, kvh, k_row, nk,
                     seqlen_k, True)
-        _store_grad(dv.to(dtype), v_smem.index(WG), dv_desc, Dv, dv_sh, dv_sm, b, kvh, k_row, nk, seqlen_k, True)
+        store_grad_tile(dv.to(dtype), v_smem.index(WG), dv_desc, Dv, dv_sh, dv_sm, b, kvh, k_row, nk, seqlen_k, True)
     else:
         k_smem.index(WG).reshape([ROWS, HEAD_D]).store((dk * scale).to(dtype))
         v_smem.index(WG).reshape([ROWS, HEAD_D]).store(dv.to(dtype))
@@ -364,9 +364,9 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sm
 @gluon.jit
 def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size,
                     seqlen_q, num_n_blocks, diag_offset, qk_scale, scale, dq_desc, dq_rows, seqlen_k, Items,
-                    item_cap, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, DQ_BUF: gl.constexpr,
-                    CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr, REDUCER_REGS: gl.constexpr,
-                    KEYS_OUTER: gl.constexpr):
+                    item_cap, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr,
+                    DQ_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
+                    REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     pid = gl.program_id(0)  # flat grid over (batch, kv head) pairs and blocks of 2 * ROWS keys

@@ -61,7 +61,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtile.backends.sm90.common import load_kv_tiles, step_range, tma_descriptor, varlen_item, work_item
+from flashtile.backends.sm90.common import (load_kv_tiles, step_range, store_grad_tile, tma_descriptor,
+                                           varlen_item, work_item)
 from flashtile.backends.sm90.scope import SPLIT_HEAD_DIMS
 from flashtile.backends.triton.scores import C_LOG2E, LOG2E
 from flashtile.runtime.launch import Launcher
@@ -175,39 +176,6 @@ def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag
 
 
 @gluon.jit
-def _store_grad(x, smem, desc, Ptr, stride_h, stride_m, b, h, row0, r, seqlen, VARLEN: gl.constexpr):
-    """Rows r .. r + ROWS of x (ROWS, D; a warpgroup's gradient tile) into head h of a
-    gradient at batch b, rows row0 + r ..: by TMA through its staging tile ``smem``, which
-    clips rows past the tensor's end; but a varlen tile that reaches past its sequence's
-    end (seqlen rows from row0) goes from registers, its rows masked: a TMA store would
-    overwrite the next document's first rows. The caller waits for the TMA stores. (The
-    register store keeps the wgmma layout: 4-byte stores, one tile per sequence end; the
-    forward's 16-byte ones go through a layout conversion, whose scratch the dK/dV
-    kernel's 229 KB of shared memory has no room for.)"""
-    HEAD_D: gl.constexpr = x.shape[1]
-    if VARLEN:
-        if r + ROWS > seqlen:
-            layout: gl.constexpr = x.type.layout
-            rows = r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
-            cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
-            ptrs = (Ptr + h.to(gl.int64) * stride_h + (row0 + rows).to(gl.int64)[:, None] * stride_m
-                    + cols[None, :])
-            gl.store(ptrs, x, mask=(rows < seqlen)[:, None])
-        else:
-            _tma_store_tile(x, smem, desc, b, h, row0 + r)
-    else:
-        _tma_store_tile(x, smem, desc, b, h, row0 + r)
-
-
-@gluon.jit
-def _tma_store_tile(x, smem, desc, b, h, row):
-    HEAD_D: gl.constexpr = x.shape[1]
-    smem.reshape([ROWS, HEAD_D]).store(x)
-    fence_async_shared()
-    tma.async_copy_shared_to_global(desc, [b, h, row, 0], smem)
-
-
-@gluon.jit
 def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta,
                    q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty,
                    b, kvh, n0, group_size, nheads, seqlen_q, seqlen_k, diag_offset, qk_scale, scale, q_row, k_row, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
@@ -273,9 +241,9 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
 
     # K and V are no longer read: their tiles stage dK and dV for the TMA stores.
     VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
-    _store_grad((dk * scale).to(dtype), k_smem.index(WG), dk_desc, Dk, dk_sh, dk_sm, b, kvh, k_row, nk, seqlen_k,
-                VARLEN)
-    _store_grad(dv.to(dtype), v_smem.index(WG), dv_desc, Dv, dv_sh, dv_sm, b, kvh, k_row, nk, seqlen_k, VARLEN)
+    store_grad_tile((dk * scale).to(dtype), k_smem.index(WG), dk_desc, Dk, dk_sh, dk_sm, b, kvh, k_row, nk,
+                    seqlen_k, VARLEN)
+    store_grad_tile(dv.to(dtype), v_smem.index(WG), dv_desc, Dv, dv_sh, dv_sm, b, kvh, k_row, nk, seqlen_k, VARLEN)
     tma.store_wait(pendings=0)
 
 
@@ -340,7 +308,7 @@ def dkdv_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, n
     lse_stride = seqlen_q
     if Items.dtype.element_ty == gl.int32:
         # Varlen: (work item over key blocks, kv head); batch row 0 from the sequence's
-        # first rows, its own lengths and diagonal (dK/dV: see ``_store_grad``).
+        # first rows, its own lengths and diagonal (dK/dV: see ``common.store_grad_tile``).
         count = gl.load(Items)  # (kv head, item), heads outer: see common.work_item
         if pid >= count * nheads_k:
             return
@@ -460,8 +428,8 @@ def _dq_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dq_desc, Lse
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
         mbarrier.arrive(k_empty.index(last), count=1)
     # dO is no longer read: its tile stages dQ for the TMA store.
-    _store_grad((dq * scale).to(dtype), do_smem.index(WG), dq_desc, Dq, dq_sh, dq_sm, b, h, q_row, mq, seqlen_q,
-                Items.dtype.element_ty == gl.int32)
+    store_grad_tile((dq * scale).to(dtype), do_smem.index(WG), dq_desc, Dq, dq_sh, dq_sm, b, h, q_row, mq,
+                    seqlen_q, Items.dtype.element_ty == gl.int32)
     tma.store_wait(pendings=0)
 
 
@@ -844,7 +812,7 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
         varlen: None, or (Varlen, key table, query table) for packed sequences (B = 1,
             head dims 64/128): the work lists of blocks of 2 * BLOCK keys and queries
             (``backends.worklist.build_work_items``). The kernels store dQ, dK, dV in place, a
-            tile that reaches past its sequence's end from registers (``_store_grad``);
+            tile that reaches past its sequence's end from registers (``common.store_grad_tile``);
             rows outside every sequence are not written.
     """
     batch, nheads, seqlen_q, head_dim = q.shape

@@ -1,4 +1,5 @@
-"""What the Hopper (Gluon) kernels share: work items, the K/V loader, TMA descriptors.
+"""What the Hopper (Gluon) kernels share: work items, the K/V loader, gradient tile stores,
+TMA descriptors.
 
 The forward (``forward.py``) and both backwards (``backward_split.py``,
 ``backward_onepass.py``) of this package take their work items, the K/V ring loader and
@@ -11,7 +12,7 @@ import functools
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.runtime.launch import TESTED_VERSION
@@ -95,6 +96,41 @@ def load_kv_tiles(k_desc, v_desc, k_smem, v_smem, k_ready, k_empty, v_ready, v_e
         mbarrier.expect(v_ready.index(slot), v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(v_desc, [b, kvh, k_row + j * BLOCK_N, 0], v_ready.index(slot),
                                         v_smem.index(slot))
+
+
+@gluon.jit
+def store_grad_tile(x, smem, desc, Ptr, stride_h, stride_m, b, h, row0, r, seqlen, VARLEN: gl.constexpr):
+    """Rows r .. r + R of x (R x D; a warpgroup's gradient tile) into head h of a gradient at
+    batch b, rows row0 + r ..: by TMA through its staging tile ``smem``, which clips rows
+    past the tensor's end; but a varlen tile that reaches past its sequence's end (seqlen
+    rows from row0) goes from registers, its rows masked: a TMA store would overwrite the
+    next document's first rows. The caller waits for the TMA stores. (The register store
+    keeps the wgmma layout: 4-byte stores, one tile per sequence end; the forward's 16-byte
+    ones go through a layout conversion, whose scratch the dK/dV kernel's 229 KB of shared
+    memory has no room for.) The split backward's dK, dV and dQ and the one-pass backward's
+    packed dK and dV."""
+    ROWS: gl.constexpr = x.shape[0]
+    HEAD_D: gl.constexpr = x.shape[1]
+    if VARLEN:
+        if r + ROWS > seqlen:
+            layout: gl.constexpr = x.type.layout
+            rows = r + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+            cols = gl.arange(0, HEAD_D, layout=gl.SliceLayout(0, layout))
+            ptrs = (Ptr + h.to(gl.int64) * stride_h + (row0 + rows).to(gl.int64)[:, None] * stride_m
+                    + cols[None, :])
+            gl.store(ptrs, x, mask=(rows < seqlen)[:, None])
+        else:
+            tma_store_tile(x, smem, desc, b, h, row0 + r)
+    else:
+        tma_store_tile(x, smem, desc, b, h, row0 + r)
+
+
+@gluon.jit
+def tma_store_tile(x, smem, desc, b, h, row):
+    """x (R x D) into head h of batch b from row ``row`` on, by TMA through ``smem``."""
+    smem.reshape([x.shape[0], x.shape[1]]).store(x)
+    fence_async_shared()
+    tma.async_copy_shared_to_global(desc, [b, h, row, 0], smem)
 
 
 @gluon.jit
