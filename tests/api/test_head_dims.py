@@ -160,6 +160,20 @@ def test_rotary_with_a_latent_cache_is_refused():
     assert torch.equal(k_cache, before)
 
 
+def test_a_latent_cache_takes_v_as_the_same_view_of_k():
+    """v_cache a view of k_cache's first columns: both appends write those bytes (on a GPU in no
+    fixed order), so v must be k's same view; a copy with other values, or a view of other
+    columns, is refused before anything is written."""
+    k_cache = torch.zeros(1, 8, 1, 64)
+    before = k_cache.clone()
+    k = torch.randn(1, 1, 1, 64)
+    for v in (torch.randn(1, 1, 1, 32), k[..., :32].clone(), k[..., 32:]):
+        with pytest.raises(ValueError, match="v must be a view of k's columns"):
+            flashtile.flash_attn_with_kvcache(torch.randn(1, 1, 2, 64), k_cache, k_cache[..., :32], k, v,
+                                              cache_seqlens=2)
+    assert torch.equal(k_cache, before)
+
+
 def test_the_context_parallel_layer_refuses_a_value_head_dim():
     from flashtile.problem.validate import parallel_call
 

@@ -75,8 +75,9 @@ def flash_attn_with_kvcache(
         k, v: None, or (batch, seqlen_new, nheads_k, headdim) and (..., headdim_v): written
             into the caches at positions cache_seqlens .. cache_seqlens + seqlen_new
             (rotated first when rotary tables are given), then attended to in the same
-            call. Where v_cache shares k_cache's memory, v is written last (pass v =
-            k[..., :headdim_v]), and rotary tables are refused (they would rotate v).
+            call. Where v_cache shares k_cache's memory, v must be the same view of k
+            (v = k[..., :headdim_v]; anything else is refused: both appends write those
+            columns), and rotary tables are refused (they would rotate v).
         rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2): k is rotated at
             positions cache_seqlens + i (its index in the cache row, leftpad included, as
             flash-attn does); q at the same positions when causal or windowed, else all of

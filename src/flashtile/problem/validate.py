@@ -716,6 +716,15 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     if rotary_dim and k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr():
         raise ValueError("rotary_cos/rotary_sin cannot be used with a v_cache that shares k_cache's memory (a latent "
                          "cache): rotating k would rotate v too; apply the rotary embedding before the call")
+    if k is not None and k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr():
+        # Both appends write the shared columns, in no fixed order on a GPU (different threads
+        # store k's and v's columns): only the same values give one answer, so v must be the
+        # view of k that v_cache is of k_cache.
+        if (v.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
+                or v.data_ptr() - k.data_ptr() != v_cache.data_ptr() - k_cache.data_ptr()
+                or v.stride()[:-1] != k.stride()[:-1]):
+            raise ValueError("v must be a view of k's columns, as v_cache is of k_cache's (MLA's latent cache: "
+                             "v = k[..., :headdim_v]): both are appended into the same cache memory")
     scale = softmax_scale("softmax_scale", softmax_scale_, dim)
     left, right = causal_window(causal, window_size)
     # q is rotated at its own positions when some side bounds the keys, as flash-attn

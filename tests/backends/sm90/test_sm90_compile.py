@@ -207,6 +207,30 @@ def test_decode_kernels_compile_for_sm90(tmp_path):
         assert smem[("16 slice=128", d)] >= smem[("0", d)] > smem[("16", d)], smem
 
 
+@pytest.mark.slow(seconds=25)
+def test_decode_kernel_orders_its_append_and_its_combine(tmp_path):
+    """What the fused append and the fused combine rely on, in sm_90a PTX (a Triton upgrade
+    could move it): the append's global stores, then a CTA barrier, then the pipeline's
+    first cp.async of a key tile (the loads read the new keys back from the cache); and the
+    combine's acq_rel ticket, then a CTA barrier, then the winner's L2 (.cg) loads of the
+    other programs' partials."""
+    code = ("import re\n"
+            "from flashtile.tools.sm90_check import compile_decode\n"
+            "c = next(k for k in compile_decode('bf16', 64, rows=4, fused_combine=True)"
+            " if k.name.startswith('decode bf16'))\n"
+            "lines = c.ptx.splitlines()\n"
+            "def first(pat, after=0):\n"
+            "    return next(i for i in range(after, len(lines)) if re.search(pat, lines[i]))\n"
+            "load = first(r'cp\\.async\\.c[ga]')\n"
+            "stores = [i for i in range(load) if 'st.global' in lines[i]]\n"
+            "bars = [i for i in range(max(stores, default=0), load) if 'bar.sync' in lines[i]]\n"
+            "atom = first(r'atom\\..*acq_rel')\n"
+            "cg = first(r'ld\\.global\\.cg', atom)\n"
+            "print(len(stores), len(bars), sum('bar.sync' in lines[i] for i in range(atom, cg)))")
+    stores, bars, combine_bars = map(int, _compile_run(tmp_path, "-c", code).split())
+    assert stores > 0 and bars > 0 and combine_bars > 0, (stores, bars, combine_bars)
+
+
 @pytest.mark.slow(seconds=30)
 def test_wide_head_dims_compile_and_fit(tmp_path):
     """Issue 36's shapes build for sm_90a and fit shared memory: the forward and backward at

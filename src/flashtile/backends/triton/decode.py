@@ -222,8 +222,9 @@ def _append_tile(K, V, KCache, VCache, BatchIdx, Table, Cos, Sin, b64, hk64, t, 
             row = tl.minimum(tl.maximum(tl.load(BatchIdx + b64), 0), batch_cache - 1).to(tl.int64)
         row_k = row * stride_cb + pos.to(tl.int64) * stride_cs
         row_v = row * stride_db + pos.to(tl.int64) * stride_ds
-    # k, then v: where v_cache is a view of k_cache's first columns (MLA's latent cache, v =
-    # k[..., :Dv]), v's store writes those columns last, with the same values.
+    # Where v_cache is a view of k_cache's first columns (MLA's latent cache), both stores
+    # write those columns, from different threads in no fixed order: validate.kvcache_call
+    # requires v to be k's same view (v = k[..., :Dv]), so they write the same values.
     ok = t_ok[:, None] & d_ok[None, :]
     tl.store(KCache + hk64 * stride_ch + row_k[:, None] + offs_d[None, :], k, mask=ok)
     if SAME_DV:
@@ -286,6 +287,9 @@ def _last_split_combines(Counters, group, num_splits, OutPart, LsePart, Out, Lse
     other programs' partials bypass L1 (.cg)."""
     tl.debug_barrier()
     ticket = tl.atomic_add(Counters + group, 1, sem="acq_rel", scope="gpu")
+    # Every thread's later loads after the one thread's acquire (Triton 3.6's broadcast of
+    # the ticket has a barrier of its own; this one does not depend on it).
+    tl.debug_barrier()
     if ticket == num_splits - 1:
         tl.atomic_xchg(Counters + group, 0, sem="relaxed", scope="gpu")
         lse_row = LsePart + b64 * stride_lpb + h64 * stride_lph + t
