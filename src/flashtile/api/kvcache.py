@@ -88,10 +88,13 @@ def flash_attn_with_kvcache(
         cache_batch_idx: None, or int32 (batch,): the cache row of each batch element (not
             with block_table). None: sequence b uses row b, so a cache allocated for a larger
             batch (batch_cache >= batch) serves fewer sequences; its other rows are untouched.
+            When k and v are appended, no two sequences may share a row (not checked: the
+            appends and the reads of one launch would race).
         cache_leftpad: None, or int32 (batch,): the cache row starts at that index (not
             with block_table).
         block_table: None, or int32 (batch, max_blocks): sequence b's cache is pages
-            block_table[b, 0], block_table[b, 1], ...
+            block_table[b, 0], block_table[b, 1], ...; when k and v are appended, a page
+            that receives new keys belongs to one sequence only (not checked, as above).
         softmax_scale, window_size, softcap, alibi_slopes: as in ``flash_attn_func``; causal
             is bottom-right against the valid cache: query i of sequence b sees key j iff
             j <= i + len_k(b) - seqlen_q, len_k(b) = cache_seqlens + seqlen_new - leftpad.
