@@ -172,6 +172,11 @@ def test_a_latent_cache_takes_v_as_the_same_view_of_k():
             flashtile.flash_attn_with_kvcache(torch.randn(1, 1, 2, 64), k_cache, k_cache[..., :32], k, v,
                                               cache_seqlens=2)
     assert torch.equal(k_cache, before)
+    # k and v pages side by side in one buffer share its storage, not memory: no such rule
+    pages = torch.zeros(2, 2, 8, 1, 64)
+    out = flashtile.flash_attn_with_kvcache(torch.randn(1, 1, 2, 64), pages[0], pages[1], k, torch.randn(1, 1, 1, 64),
+                                            cache_seqlens=2)
+    assert out.shape == (1, 1, 2, 64) and torch.equal(pages[0, 0, 2], k[0, 0])
 
 
 def test_the_context_parallel_layer_refuses_a_value_head_dim():

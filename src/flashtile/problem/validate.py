@@ -653,6 +653,21 @@ class CacheCall(NamedTuple):
     sink: Optional[torch.Tensor] = None
 
 
+def _column_view(part: torch.Tensor, whole: torch.Tensor, offset: Optional[int] = None) -> bool:
+    """Whether ``part`` is a view of some of ``whole``'s last-dim columns (rows the same, as
+    ``whole[..., a:b]``): MLA's latent cache, v_cache = k_cache[..., :512], whose appends
+    write the same memory. Other views of one buffer (k and v pages side by side) are not.
+    ``offset``: the byte offset it must sit at (None: any within a row)."""
+    if part.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr():
+        return False
+    gap = part.data_ptr() - whole.data_ptr()
+    if (part.shape[:-1] != whole.shape[:-1] or part.stride() != whole.stride() or part.stride(-1) != 1
+            or gap % part.element_size()):
+        return False
+    first = gap // part.element_size()
+    return (offset is None or gap == offset) and 0 <= first and first + part.shape[-1] <= whole.shape[-1]
+
+
 def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                  block_table, softmax_scale_, causal, window_size, softcap_, rotary_interleaved, alibi_slopes,
                  num_splits, return_softmax_lse, learnable_sink=None, attention_chunk_=0,
@@ -713,18 +728,15 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     rotary_dim = rotary_tables(rotary_cos, rotary_sin, q, dim)
     if rotary_dim and k is None:
         raise ValueError("rotary_cos/rotary_sin apply only when k and v are appended (as in flash-attn)")
-    if rotary_dim and k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr():
+    latent = _column_view(v_cache, k_cache)
+    if rotary_dim and latent:
         raise ValueError("rotary_cos/rotary_sin cannot be used with a v_cache that shares k_cache's memory (a latent "
                          "cache): rotating k would rotate v too; apply the rotary embedding before the call")
-    if k is not None and k_cache.untyped_storage().data_ptr() == v_cache.untyped_storage().data_ptr():
+    if k is not None and latent and not _column_view(v, k, v_cache.data_ptr() - k_cache.data_ptr()):
         # Both appends write the shared columns, in no fixed order on a GPU (different threads
-        # store k's and v's columns): only the same values give one answer, so v must be the
-        # view of k that v_cache is of k_cache.
-        if (v.untyped_storage().data_ptr() != k.untyped_storage().data_ptr()
-                or v.data_ptr() - k.data_ptr() != v_cache.data_ptr() - k_cache.data_ptr()
-                or v.stride()[:-1] != k.stride()[:-1]):
-            raise ValueError("v must be a view of k's columns, as v_cache is of k_cache's (MLA's latent cache: "
-                             "v = k[..., :headdim_v]): both are appended into the same cache memory")
+        # store k's and v's columns): only the same values give one answer.
+        raise ValueError("v must be a view of k's columns, as v_cache is of k_cache's (MLA's latent cache: "
+                         "v = k[..., :headdim_v]): both are appended into the same cache memory")
     scale = softmax_scale("softmax_scale", softmax_scale_, dim)
     left, right = causal_window(causal, window_size)
     # q is rotated at its own positions when some side bounds the keys, as flash-attn
