@@ -336,8 +336,9 @@ def _launch_backward(choice, q, k, v, out4, lse, do4, dq4, dk4, dv4, problem, al
     A sink needs nothing here: it is in the LSE, and its own gradient is ``_sink_grad``."""
     from flashtile.backends.triton import backward as triton_backward
 
+    onepass = choice.kernel == "sm90.backward_onepass"
     with device_context(q):
-        if choice.kernel == "sm90.backward_onepass":
+        if onepass:
             tables = [(128, True)]  # one program per block of 128 keys
         elif choice.family == "sm90":
             tables = [(128, True), (128, False)]  # the Gluon kernels' blocks: 128 keys, 128 queries
@@ -346,15 +347,14 @@ def _launch_backward(choice, q, k, v, out4, lse, do4, dq4, dk4, dv4, problem, al
         else:
             tables = [(choice.config.block_n_kv, True), (choice.config.block_m_q, False)]
         acc = None  # the one-pass kernel's float32 dQ, zeroed by the preprocess's launch (fixed lengths)
-        if choice.kernel == "sm90.backward_onepass" and varlen is None:
+        if onepass:
             from flashtile.backends.sm90 import backward_onepass
 
-            acc = backward_onepass.accumulator(q)
+            if varlen is None:
+                acc = backward_onepass.accumulator(q)
         delta, built = triton_backward.preprocess(out4, do4, dlse, varlen, tables, problem.window_left,
                                                   problem.window_right, k.shape[2], accumulator=acc)
-        if choice.kernel == "sm90.backward_onepass":
-            from flashtile.backends.sm90 import backward_onepass
-
+        if onepass:
             backward_onepass.attention_backward_onepass(q, k, v, do4, lse, delta, dq4, dk4, dv4,
                                                         scale=problem.scale, diag_offset=problem.diag_offset,
                                                         causal=problem.causal,
