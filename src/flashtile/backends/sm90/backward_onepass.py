@@ -125,10 +125,8 @@ def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, q
     packed one, so P is masked there (causal: the diagonal's mask already does, since every
     row's last key is at most seqlen_k - 1)."""
     rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    if VARLEN:  # Lse and Delta are (1, H, total_q): the sequence's rows from q_row on
-        row_off = hq.to(gl.int64) * lse_stride + q_row
-    else:
-        row_off = (b * nheads + hq).to(gl.int64) * seqlen_q
+    # (B, H, Sq) rows lse_stride apart; packed: (1, H, total_q), the sequence's from q_row on
+    row_off = (b * nheads + hq).to(gl.int64) * lse_stride + q_row
     lse2 = gl.load(Lse + row_off + rows, mask=rows < seqlen_q, other=float("inf")) * C_LOG2E
     delta = gl.load(Delta + row_off + rows, mask=rows < seqlen_q, other=0.0)
     p = gl.exp2(s * qk_scale - lse2[:, None])
@@ -306,10 +304,7 @@ def _loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sme
             q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
-    VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
-    k0 = n0
-    if VARLEN:  # a packed sequence's keys from row k_row on, its queries from row q_row on
-        k0 = k_row + n0
+    k0 = k_row + n0  # a packed sequence's keys from row k_row on, its queries from row q_row on (else 0)
     for wg in gl.static_range(2):
         mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, kvh, k0 + wg * ROWS, 0], kv_bar.index(wg), k_smem.index(wg))
@@ -318,8 +313,7 @@ def _loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sme
     for s in range(nq * group_size):
         slot = s % NUM_BUF
         hq, m0 = _step_coords(s, q_lo, nq, q_rot, kvh, group_size)
-        if VARLEN:
-            m0 = q_row + m0
+        m0 = q_row + m0
         mbarrier.wait(q_empty.index(slot), ((s // NUM_BUF) & 1) ^ 1)  # fresh barriers pass phase 1
         mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [b, hq, m0, 0], q_ready.index(slot), q_smem.index(slot))
@@ -339,16 +333,12 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sm
     DQ_BUF: gl.constexpr = dq_smem.type.shape[0] // 2
     HALF_D: gl.constexpr = dq_smem.type.shape[2]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
-    VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
     q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
     for t in range(nq * group_size):
         slot = t % DQ_BUF
         mbarrier.wait(dq_full.index(slot), (t // DQ_BUF) & 1)
         hq, m0 = _step_coords(t, q_lo, nq, q_rot, kvh, group_size)
-        if VARLEN:  # (1, H, dq_rows, D): the sequence's rows from q_row on
-            row = hq * dq_rows + q_row + m0
-        else:
-            row = (b * nheads + hq) * dq_rows + m0
+        row = (b * nheads + hq) * dq_rows + q_row + m0  # packed: b = 0, the sequence's rows from q_row on
         for half in gl.static_range(2):
             async_reduce_add_shared_to_global(dq_desc, [row, half * HALF_D], dq_smem.index(2 * slot + half))
         if DQ_BUF > 1:
