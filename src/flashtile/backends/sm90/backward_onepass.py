@@ -505,13 +505,10 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     if batch * nheads * rows >= 2 ** 31:
         raise ValueError(f"batch x heads x padded seqlen_q = {batch * nheads * rows} exceeds the int32 rows "
                          f"of a TMA coordinate")
-    if dq_accum is None:
-        acc = torch.zeros((batch, nheads, rows, head_dim), dtype=torch.float32, device=q.device)
-    elif dq_accum.shape != (batch, nheads, rows, head_dim) or dq_accum.dtype != torch.float32:
+    if dq_accum is not None and (dq_accum.shape != (batch, nheads, rows, head_dim) or dq_accum.dtype != torch.float32):
         raise ValueError(f"dq_accum must be float32 {(batch, nheads, rows, head_dim)} (accumulator(q)), got "
                          f"{dq_accum.dtype} {tuple(dq_accum.shape)}")
-    else:
-        acc = dq_accum
+    acc = accumulator(q).zero_() if dq_accum is None else dq_accum
     flat = acc.view(-1, head_dim)
     dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [BLOCK, head_dim // 2],
                                dq_accumulator_layout(head_dim, dq_swizzle))
