@@ -339,6 +339,53 @@ def test_fused_combine_matches_the_combine_kernel(triton_backend, monkeypatch, n
                    sink=sink, **ref_kw)
 
 
+CHECK_CASES = {**COMBINE_CASES,
+               "one-split-rows": (dict(batch=3, sq=2, new=2), dict(causal=True, num_splits=1)),
+               "one-split-pages": (dict(batch=3, sq=1, new=0, page=8), dict(num_splits=1))}
+
+
+@pytest.mark.parametrize("combine", ["separate", "fused"])
+@pytest.mark.parametrize("name", list(CHECK_CASES))
+def test_fused_check_matches_the_check_kernel(triton_backend, monkeypatch, name, combine):
+    """FLASHTILE_DECODE_CHECK=fused: metadata checked on the device by the decode kernel
+    itself (its first program), no check launch; a good call is bitwise the call with the
+    check kernel, the counters are left at 0 (a second call gives the same), and a bad value
+    (the last sequence's length past the cache) makes every out and lse NaN with the cache
+    untouched, whether the call appends or not."""
+    from flashtile.backends.triton import decode
+
+    case, call = CHECK_CASES[name]
+    q, k, v, kc, vc, table, seqlens = _case(**case)
+    sink = torch.tensor([0.3, -1.0, 2.0, 0.0] * (q.shape[2] // 4)) if call.get("sink") else None
+    kw = dict(block_table=table, causal=call.get("causal", False), window_size=call.get("window", (-1, -1)),
+              softcap=call.get("softcap", 0.0), num_splits=call["num_splits"], learnable_sink=sink,
+              return_softmax_lse=True)
+    counters = torch.full((96,), 0, dtype=torch.int32)
+    monkeypatch.setattr(decode, "stream_counter", lambda device, size: counters[:max(size, 1)])
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", combine)
+    counts = _spy_launches(monkeypatch)
+    got = {}
+    for mode in ("separate", "fused", "fused"):
+        monkeypatch.setenv("FLASHTILE_DECODE_CHECK", mode)
+        caches = kc.clone(), vc.clone()
+        out, lse = flashtile.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=seqlens, **kw)
+        assert counts.pop("_launch_check", 0) == (mode == "separate")
+        assert torch.equal(counters, torch.zeros_like(counters))  # left at 0 for the next launch
+        got.setdefault(mode, []).append((out, lse, *caches))
+    want = got["separate"][0]
+    for result in got["fused"]:
+        assert all(torch.equal(a, b) for a, b in zip(result, want))
+    bad = seqlens.clone()
+    bad[-1] = (table.shape[1] * kc.shape[1] if table is not None else kc.shape[1]) - case.get("new", 1) + 1
+    before = kc.clone(), vc.clone()
+    out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=bad, **kw)
+    assert counts.pop("_launch_check", 0) == 0
+    assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
+    assert out.isnan().all() and lse.isnan().all()
+    assert torch.equal(counters, torch.zeros_like(counters))
+
+
 def test_fused_combine_keeps_a_failed_check_nan(triton_backend, monkeypatch):
     """A bad value found by the device check: NaN out and lse through the fused combine too,
     and the cache untouched."""
@@ -355,7 +402,7 @@ def test_fused_combine_keeps_a_failed_check_nan(triton_backend, monkeypatch):
 
 
 @pytest.mark.parametrize("check", ["host", "device"])
-@pytest.mark.parametrize("mode", ["default", "separate-append", "fused-combine"])
+@pytest.mark.parametrize("mode", ["default", "separate-append", "fused-combine", "fused-check"])
 @pytest.mark.parametrize("page", [0, 16])
 def test_padding_sequences(backend, monkeypatch, page, mode, check):
     """padding_sequences=True (transformers' continuous batching under CUDA graphs pads a
@@ -368,6 +415,8 @@ def test_padding_sequences(backend, monkeypatch, page, mode, check):
         monkeypatch.setenv("FLASHTILE_DECODE_APPEND", "separate")
     if mode == "fused-combine":
         monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "fused")
+    if mode == "fused-check":
+        monkeypatch.setenv("FLASHTILE_DECODE_CHECK", "fused")
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", check)
     q, k, v, kc, vc, table, seqlens = _case(batch=5, sq=1, new=1, heads=(8, 2), capacity=160,
                                              seqlens=(7, 0, 100, 0, 159 - 1), page=page)
@@ -539,6 +588,22 @@ def test_sink_on_rows_that_see_no_key(backend):
     _run_and_check(q, None, None, kc, vc, seqlens, causal=True, sink=sink)
 
 
+def _keep_status(monkeypatch) -> list:
+    """The status tensors of the decode launches that follow (the device check's verdict,
+    read after the launch: the check kernel's or the decode kernel's own)."""
+    from flashtile.backends.triton import decode
+
+    found = []
+    orig = decode.decode
+
+    def keep(*a, **kw):
+        orig(*a, **kw)
+        found.append(kw["status"])
+
+    monkeypatch.setattr(decode, "decode", keep)
+    return found
+
+
 @pytest.mark.parametrize("bad, status", [
     (dict(cache_seqlens=torch.tensor([0, 17, 40], dtype=torch.int32)), (1, 2, 0, 40)),
     (dict(cache_seqlens=torch.tensor([0, -1, 3], dtype=torch.int32)), (1, 1, 0, -1)),
@@ -546,22 +611,16 @@ def test_sink_on_rows_that_see_no_key(backend):
     (dict(cache_batch_idx=torch.tensor([0, 1, 3], dtype=torch.int32)), (3, 2, 0, 3)),
     (dict(rotary_cos=torch.ones(30, 4), rotary_sin=torch.zeros(30, 4)), (5, 2, 0, 31)),
 ])
-def test_device_check(triton_backend, monkeypatch, bad, status):
+@pytest.mark.parametrize("where", ["separate", "fused"])
+def test_device_check(triton_backend, monkeypatch, bad, status, where):
     """FLASHTILE_KVCACHE_CHECK=device (what CUDA metadata gets): a bad value found by the
-    check kernel leaves the cache bitwise unchanged and makes out and lse NaN; a good call
-    is the same as with the host's check."""
-    from flashtile.backends.triton import decode
-
-    found = []
-    orig = decode.check_metadata
-
-    def keep(st, *a, **kw):
-        orig(st, *a, **kw)
-        found.append(st)
-
-    monkeypatch.setattr(decode, "check_metadata", keep)
+    check kernel (or the decode kernel's own check: FLASHTILE_DECODE_CHECK=fused) leaves the
+    cache bitwise unchanged and makes out and lse NaN; a good call is the same as with the
+    host's check."""
+    found = _keep_status(monkeypatch)
+    monkeypatch.setenv("FLASHTILE_DECODE_CHECK", where)
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
-    monkeypatch.setenv("FLASHTILE_PLANS", "0")  # a replay does not call check_metadata
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")  # a replay does not call decode.decode
     q, k, v, kc, vc, _, seqlens = _case()
     args = dict(k=k, v=v, cache_seqlens=seqlens)
     good = flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **args)
@@ -591,12 +650,16 @@ def test_device_check(triton_backend, monkeypatch, bad, status):
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]) and out.isnan().all()
 
 
-def test_device_check_with_splits(triton_backend, monkeypatch):
+@pytest.mark.parametrize("check, combine", [("separate", "separate"), ("fused", "separate"), ("fused", "fused")])
+def test_device_check_with_splits(triton_backend, monkeypatch, check, combine):
     """The device check with split-KV: status and the partial results share one scratch
     allocation (``decode.scratch``); recorded on good calls and replayed on a bad one, the
-    cache stays unchanged and out and lse are NaN through the combine."""
+    cache stays unchanged and out and lse are NaN through the combine. The same with the
+    check in the decode kernel, and with the combine there too (one launch a step)."""
     from flashtile.backends.triton import decode
 
+    monkeypatch.setenv("FLASHTILE_DECODE_CHECK", check)
+    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", combine)
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
     q, k, v, kc, vc, _, seqlens = _case(capacity=300, seqlens=(0, 170, 290))
     assert decode.split_plan(q, kc, None, 3)[0] == 3
@@ -615,12 +678,10 @@ def test_device_check_with_splits(triton_backend, monkeypatch):
     assert out.isnan().all() and lse.isnan().all()
 
 
-def test_device_check_paged(triton_backend, monkeypatch):
-    from flashtile.backends.triton import decode
-
-    found = []
-    orig = decode.check_metadata
-    monkeypatch.setattr(decode, "check_metadata", lambda st, *a, **kw: (orig(st, *a, **kw), found.append(st)))
+@pytest.mark.parametrize("where", ["separate", "fused"])
+def test_device_check_paged(triton_backend, monkeypatch, where):
+    found = _keep_status(monkeypatch)
+    monkeypatch.setenv("FLASHTILE_DECODE_CHECK", where)
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
     monkeypatch.setenv("FLASHTILE_PLANS", "0")
     q, k, v, kc, vc, table, seqlens = _case(page=16, capacity=40)

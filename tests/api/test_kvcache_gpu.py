@@ -195,6 +195,60 @@ def test_fused_combine_matches_the_combine_kernel(monkeypatch, page, batch):
     assert all(int(c.abs().sum()) == 0 for c in plan._COUNTERS.values())
 
 
+@pytest.mark.parametrize("combine", ["separate", "fused"])
+@pytest.mark.parametrize("page", [0, 16])
+@pytest.mark.parametrize("batch", [1, 4, 64])
+def test_fused_check_matches_the_check_kernel(monkeypatch, page, batch, combine):
+    """FLASHTILE_DECODE_CHECK=fused on the GPU, where the decode kernel's programs run at once
+    and in no promised order: the first to take a ticket checks the metadata, the others
+    wait for its verdict before their first write. 30 generation steps (each appends one
+    token) bitwise equal to the check kernel's, in a CUDA graph too; then a bad length (the
+    last sequence past its cache) on the same graph: every out and lse NaN, the caches
+    untouched; the stream's counters left at 0 (a wait that never ended would hang here:
+    the run's timeout names it)."""
+    from flashtile.runtime import replay as plan
+
+    seqlens = [int(x) for x in torch.randint(1, 8000, (batch,), generator=torch.Generator().manual_seed(batch))]
+    q, k, v, kc, vc, table, sl = _cuda(*_case(batch=batch, sq=1, new=1, heads=(32, 8), d=128, capacity=8192,
+                                              seqlens=seqlens, dtype=torch.bfloat16, page=page))
+    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", combine)
+    kw = dict(block_table=table, causal=True, return_softmax_lse=True)
+    caches = {mode: (kc.clone(), vc.clone()) for mode in ("separate", "fused")}
+    for step in range(30):
+        q, k, v = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
+        got = {}
+        for mode in ("separate", "fused"):
+            monkeypatch.setenv("FLASHTILE_DECODE_CHECK", mode)
+            got[mode] = flashtile.flash_attn_with_kvcache(q, *caches[mode], k, v, cache_seqlens=sl, **kw)
+        assert torch.equal(got["separate"][0], got["fused"][0]) and torch.equal(got["separate"][1], got["fused"][1])
+        assert all(torch.equal(a, b) for a, b in zip(caches["separate"], caches["fused"])), step
+    torch.cuda.synchronize()
+    assert all(int(c.abs().sum()) == 0 for c in plan._COUNTERS.values())
+    monkeypatch.setenv("FLASHTILE_DECODE_CHECK", "fused")
+    lens = sl.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flashtile.flash_attn_with_kvcache(q, *caches["fused"], k, v, cache_seqlens=lens, **kw)  # warm up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flashtile.flash_attn_with_kvcache(q, *caches["fused"], k, v, cache_seqlens=lens, **kw)
+    for _ in range(3):
+        want = flashtile.flash_attn_with_kvcache(q, *(c.clone() for c in caches["fused"]), k, v, cache_seqlens=lens,
+                                                 **kw)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    lens[-1] = (table.shape[1] * kc.shape[1] if table is not None else kc.shape[1])  # no room for the new token
+    before = [c.clone() for c in caches["fused"]]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.isnan().all() and lse.isnan().all()
+    assert all(torch.equal(a, b) for a, b in zip(caches["fused"], before))
+    assert all(int(c.abs().sum()) == 0 for c in plan._COUNTERS.values())
+
+
 @pytest.mark.parametrize("page", [0, 16])
 def test_padding_sequences_on_the_device_check(page):
     """padding_sequences=True with CUDA metadata (checked on the device, as under CUDA

@@ -456,15 +456,17 @@ def _kvcache_run(a: KVCacheArgs) -> tuple[Tensor, Tensor]:
     if out.numel() == 0:
         return out, lse
     status, parts = decode.scratch(q, a.k_cache, a.table, a.num_splits, a.device_check, a.v_cache.shape[-1])
-    if a.device_check:
+    # the decode kernel appends k, v itself (a short append: decode.FUSED_APPEND_MAX)
+    fused = 0 < new <= decode.FUSED_APPEND_MAX and settings.decode_append() == "fused"
+    # ... and checks the metadata itself where it is the only writer (no append kernel)
+    fused_check = a.device_check and (new == 0 or fused) and settings.decode_check() == "fused"
+    if a.device_check and not fused_check:
         paged = a.table is not None
         page = a.k_cache.shape[1] if paged else 0
         capacity = a.table.shape[1] * page if paged else a.k_cache.shape[1]
         decode.check_metadata(status, a.seqlens, a.leftpad, a.batch_idx, a.table, new=new, queries=seqlen_q,
                               capacity=capacity, batch_cache=a.batch_cache, num_blocks=a.num_blocks, page=page,
                               rotary_len=a.rotary_len, rotary_local=a.rotary_local, padding=a.padding)
-    # the decode kernel appends k, v itself (a short append: decode.FUSED_APPEND_MAX)
-    fused = 0 < new <= decode.FUSED_APPEND_MAX and settings.decode_append() == "fused"
     if new > 0 and not fused:
         decode.append(a.k_cache, a.v_cache, a.k, a.v, a.seqlens, a.batch_idx, a.table, a.cos, a.sin,
                       interleaved=a.interleaved, status=status, padding=a.padding)
@@ -473,7 +475,8 @@ def _kvcache_run(a: KVCacheArgs) -> tuple[Tensor, Tensor]:
                   window_right=a.window_right, interleaved=a.interleaved, rotary_local=a.rotary_local,
                   num_splits=a.num_splits, status=status, parts=parts, sink=a.sink, chunk=a.attention_chunk,
                   k_new=a.k if fused else None, v_new=a.v if fused else None,
-                  fused_combine=settings.decode_combine() == "fused", padding=a.padding)
+                  fused_combine=settings.decode_combine() == "fused", padding=a.padding, fused_check=fused_check,
+                  rotary_len=a.rotary_len)
     return out, lse
 
 

@@ -22,6 +22,10 @@ two of them. A switch with a value outside its choices raises ValueError naming 
 ``FLASHTILE_DECODE_COMBINE``  ``separate`` (a split decode's combine kernel) or ``fused``
                            (the decode kernel's last split of each group merges the
                            partials; interpreter-tested, not yet measured on a GPU)
+``FLASHTILE_DECODE_CHECK``  ``separate`` (a device check of kv-cache metadata is a
+                           launch of its own) or ``fused`` (the decode kernel checks
+                           them itself, where it is the call's only writer;
+                           interpreter-tested, not yet run on a GPU)
 ``FLASHTILE_AUTOTUNE``     ``1``/``true``/``yes``: time forward configs once per key
 ``FLASHTILE_CACHE_DIR``    where autotuning keeps its winners (``~/.cache/flashtile``)
 ``FLASHTILE_PLANS``        ``0`` turns launch plans (replays) off
@@ -38,7 +42,8 @@ import os
 # Every switch above, in the order the launch plans key on them (runtime.replay.env_key).
 SWITCHES = ("FLASHTILE_PLANS", "FLASHTILE_BACKEND", "FLASHTILE_WS", "FLASHTILE_BWD_DQ", "FLASHTILE_AUTOTUNE",
             "FLASHTILE_FAST_LAUNCH", "FLASHTILE_LAUNCH_CHECK", "FLASHTILE_CACHE_DIR", "TRITON_INTERPRET",
-            "FLASHTILE_KVCACHE_CHECK", "FLASHTILE_DECODE_APPEND", "FLASHTILE_DECODE_COMBINE")
+            "FLASHTILE_KVCACHE_CHECK", "FLASHTILE_DECODE_APPEND", "FLASHTILE_DECODE_COMBINE",
+            "FLASHTILE_DECODE_CHECK")
 
 # CPython keeps os.environ's encoded mapping in step with every os.environ write; where it
 # is missing (another interpreter), the public way.
@@ -108,6 +113,11 @@ def decode_append() -> str:
 def decode_combine() -> str:
     """``FLASHTILE_DECODE_COMBINE``: separate or fused."""
     return _choice("FLASHTILE_DECODE_COMBINE", ("separate", "fused"))
+
+
+def decode_check() -> str:
+    """``FLASHTILE_DECODE_CHECK``: separate or fused."""
+    return _choice("FLASHTILE_DECODE_CHECK", ("separate", "fused"))
 
 
 def autotune() -> bool:

@@ -363,11 +363,13 @@ def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extr
 
 def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, extras: bool = False,
                    split: bool = True, page_slice: int = 0, head_dim_v: int = 0,
-                   append: bool = True, fused_combine: bool = False, append_t: int = 1) -> list[Compiled]:
+                   append: bool = True, fused_combine: bool = False, append_t: int = 1,
+                   fused_check: bool = False) -> list[Compiled]:
     """The KV-cache kernels of ``backends/triton/decode.py`` as a decode step launches them: the check,
     the append kernel (``FLASHTILE_DECODE_APPEND=separate``'s) and the decode kernel, which
     appends the new keys itself when ``append`` (the default: ``fused``)
-    (``rows`` packed query rows, seqlen_q x group; ``paged``:
+    (``rows`` packed query rows, seqlen_q x group; ``fused_check``: the decode kernel checks the
+    metadata itself, no check kernel; ``paged``:
     the page size, 0 for a row cache, a multiple of the key tile reads one table entry per
     tile), then the combine kernel when ``split``. ``extras`` turns on every option
     (leftpad, batch index, windows, softcap, ALiBi, rotary); ``page_slice``: the page
@@ -377,7 +379,7 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
     block_m, block_n, block_d, block_dv = decode.block_sizes(head_dim, rows, head_dim_v)
     dims = f"d{head_dim}" + (f"-{head_dim_v}" if head_dim_v and head_dim_v != head_dim else "")
     tag = (f"{dtype} {dims} rows={rows} paged={paged} extras={extras}" + (f" slice={page_slice}" if page_slice else "")
-           + (f" append_t={append_t}" if append_t != 1 else ""))
+           + (f" append_t={append_t}" if append_t != 1 else "") + (" check=fused" if fused_check else ""))
     ints = ("SeqLens", "LeftPad", "BatchIdx", "Table", "Status")
     ptrs = {n: "*i32" for n in ints}
     ptrs.update({n: f"*{dtype}" for n in ("Q", "K", "V", "KCache", "VCache", "Out", "KNew", "VNew")})
@@ -386,7 +388,7 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
     kind = decode.layout(paged > 0, paged, block_n)
     out = [_compile(f"decode-check {tag}", decode.check_kernel, ptrs,
                     dict(HAS_LEFTPAD=extras, HAS_BATCH_IDX=extras and not paged, PAGED=paged > 0, ROTARY=extras,
-                         ROTARY_LOCAL=False, BLOCK=16, PADDING=extras), 4, 1),
+                         ROTARY_LOCAL=False, BLOCK=16, BLOCK_E=decode.CHECK_BLOCK_E, PADDING=extras), 8, 1),
            _compile(f"decode-append {tag}", decode.append_kernel, ptrs,
                     dict(BLOCK_T=16, BLOCK_D=block_d, BLOCK_DV=block_dv, SAME_DV=not head_dim_v or head_dim_v == head_dim,
                          PAGED=paged > 0,
@@ -401,8 +403,12 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
                          HAS_LEFTPAD=extras, WINDOW_LEFT=extras, WINDOW_RIGHT=extras, SOFTCAP=extras,
                          HAS_ALIBI=extras, ROTARY=extras, INTERLEAVED=False, ROTARY_LOCAL=extras, SPLIT=split,
                          CHECKED=True, IEEE_DOT=dtype == "fp32", HAS_SINK=extras, CHUNK=extras,
-                         APPEND=append, APPEND_T=append_t, FUSED_COMBINE=fused_combine and split, PADDING=extras), 4,
+                         APPEND=append, APPEND_T=append_t, FUSED_COMBINE=fused_combine and split, PADDING=extras,
+                         FUSED_CHECK=fused_check, CHECK_ROTARY=fused_check and extras, CHECK_BLOCK=16,
+                         CHECK_BLOCK_E=decode.FUSED_CHECK_BLOCK_E), 4,
                     decode.stages(kind, block_d, block_dv))]
+    if fused_check:
+        out = out[1:]  # no check kernel
     if split and not fused_combine:
         out.append(_compile(f"decode-combine {tag}", decode.combine_kernel, ptrs,
                             dict(BLOCK_S=16, BLOCK_D=block_dv, HAS_SINK=extras), 4, 1))
@@ -418,6 +424,8 @@ def decode_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, append=False)  # the decode loop alone
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, fused_combine=True)
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=4, fused_combine=True, fused_check=True)  # one launch
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=16, page_slice=128, fused_check=True)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=16, append_t=16)  # speculative: 16 new a step
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, split=False)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=16)

@@ -181,12 +181,12 @@ def test_decode_kernels_compile_for_sm90(tmp_path):
     runs what the compiler refuses (a non-constexpr global read in a kernel, H200 run 65)."""
     out = _compile_run(tmp_path, "-m", "flashtile.tools.sm90_check", "--decode", "--regs")
     lines = [line for line in out.splitlines() if line.startswith(("ok  ", "FAIL"))]
-    assert len(lines) == 3 * 34 and all(line.startswith("ok  ") for line in lines), out
-    for kind in ("decode-check", "decode-append", "decode-combine"):
-        assert sum(f" {kind} " in line for line in lines) == (3 * 9 if kind != "decode-combine" else 3 * 7), out
+    assert len(lines) == 3 * 39 and all(line.startswith("ok  ") for line in lines), out
+    for kind, n in (("decode-check", 9), ("decode-append", 11), ("decode-combine", 8)):
+        assert sum(f" {kind} " in line for line in lines) == 3 * n, out
     # the plain decode kernels (the bandwidth-bound loop) keep their tiles in registers
     plain = [line for line in lines if " decode bf16 " in line and "extras=False" in line]
-    assert len(plain) == 24 and all(" spill=    0B" in line for line in plain), "\n".join(plain)
+    assert len(plain) == 30 and all(" spill=    0B" in line for line in plain), "\n".join(plain)
     # appending the new keys in the decode kernel (the default) costs the loop no registers:
     # its append loop takes one token a step (APPEND_T=1, a decode step's)
     regs = {" append=separate" in line: int(re.search(r"regs=\s*(\d+)", line).group(1))
@@ -205,6 +205,14 @@ def test_decode_kernels_compile_for_sm90(tmp_path):
     for d in ("d64", "d128", "d256"):
         assert smem[("256", d)] >= smem[("0", d)], smem
         assert smem[("16 slice=128", d)] >= smem[("0", d)] > smem[("16", d)], smem
+    # the metadata check inside the decode kernel (FLASHTILE_DECODE_CHECK=fused) takes no
+    # shared memory from the key pipeline: the check runs before the loop, in registers
+    fused = [line for line in plain if " check=fused " in line]
+    assert len(fused) == 6
+    for line in fused:
+        twin = line.replace(" check=fused", "").split("B  ", 1)[1]
+        base = next(x for x in plain if x.split("B  ", 1)[1] == twin)
+        assert re.search(r"smem=\s*(\d+)", line).group(1) == re.search(r"smem=\s*(\d+)", base).group(1), (line, base)
 
 
 @pytest.mark.slow(seconds=25)

@@ -36,6 +36,10 @@ in [0, start], rows and blocks in range), so values no one checked cannot addres
 outside the cache. The values are checked before any write: on the host when they are
 there, else by ``check_kernel`` on the device; when it finds an error (``status[0] != 0``)
 the append writes nothing and the output and LSE are NaN (see ``flashtile.api.kvcache``).
+``FLASHTILE_DECODE_CHECK=fused`` (not the default until a GPU has run it) checks them in the
+decode kernel instead, where it is the call's only writer: the first of its programs to
+take a ticket checks, and every program waits for that verdict before its first write
+(``decode_kernel``'s docstring), so a decode step with the fused combine is one launch.
 """
 
 from __future__ import annotations
@@ -63,6 +67,10 @@ OK, BAD_SEQLEN, BAD_LEFTPAD, BAD_BATCH_IDX, BAD_BLOCK, BAD_ROTARY = 0, 1, 2, 3, 
 _C_SEQLEN, _C_LEFTPAD, _C_BATCH_IDX, _C_BLOCK, _C_ROTARY = map(
     tl.constexpr, (BAD_SEQLEN, BAD_LEFTPAD, BAD_BATCH_IDX, BAD_BLOCK, BAD_ROTARY))
 MAX_SPLITS = 128
+# Table entries the device check reads a step (``_first_bad_page``; 8 warps: 8 a thread), and
+# inside the decode kernel (4 warps) when it checks the metadata itself.
+CHECK_BLOCK_E = 2048
+FUSED_CHECK_BLOCK_E = 1024
 # num_stages of the decode kernel. 3 double-buffers the K and V tiles of a row cache. When a
 # tile lies in one page ("tile") its block-table read is one more pipeline stage in front
 # of the tile, and Triton 3.6 gives K and V two buffers only from 5 stages on (one buffer
@@ -123,18 +131,47 @@ def _seq_bounds(SeqLens, LeftPad, b, new, capacity, HAS_LEFTPAD: tl.constexpr):
 
 
 @triton.jit
-def check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache,
+def _first_bad_page(SeqLens, Table, before, new, num_blocks, page_size, max_blocks, stride_table,
+                    BLOCK_E: tl.constexpr, PADDING: tl.constexpr):
+    """The first bad block_table entry (an index outside [0, num_blocks)) among the pages
+    sequences 0 .. before - 1 address after the append, as a flat index b * max_blocks + j
+    (1 << 30: none). The table is read as one flat array, BLOCK_E entries a step, each
+    entry's load independent of its sequence's length (a row's entries past its pages are
+    read and ignored), so a step waits on one load latency: a per-sequence loop over a
+    wide table (2048 pages of 16 at 32k tokens) waited on one latency per 16 pages."""
+    NONE: tl.constexpr = 1 << 30
+    end = before * max_blocks
+    first = NONE
+    for e0 in range(0, end, BLOCK_E):
+        e = e0 + tl.arange(0, BLOCK_E)
+        live = e < end
+        b = e // max_blocks
+        j = e - b * max_blocks
+        n = tl.load(SeqLens + b, mask=live, other=0)
+        blk = tl.load(Table + b.to(tl.int64) * stride_table + j, mask=live, other=0)
+        if PADDING:
+            live = live & (n >= 0)
+        want = live & (j < (n + new + page_size - 1) // page_size)
+        bad = want & ((blk < 0) | (blk >= num_blocks))
+        first = tl.minimum(first, tl.min(tl.where(bad, e, NONE), 0))
+    return first
+
+
+@triton.jit
+def _check_values(SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache,
                   num_blocks, page_size, max_blocks, stride_table, rotary_len,
                   HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
-                  ROTARY: tl.constexpr, ROTARY_LOCAL: tl.constexpr, BLOCK: tl.constexpr, PADDING: tl.constexpr):
-    """One program: the metadata checks of ``problem.validate.cache_values`` on the device.
-    Writes status = (code, sequence, index, value) of the first sequence with an error,
-    checked in the order seqlen, leftpad, batch_idx, rotary, block_table (code 0: none).
-    PADDING: a negative cache_seqlens marks a padding sequence, which has nothing to check."""
+                  ROTARY: tl.constexpr, ROTARY_LOCAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+                  PADDING: tl.constexpr):
+    """The metadata checks of ``problem.validate.cache_values`` in one program: (code,
+    sequence, index, value) of the first sequence with an error, each sequence checked in
+    the order seqlen, leftpad, batch_idx, rotary, block_table (code 0: none). PADDING: a
+    negative cache_seqlens marks a padding sequence, which has nothing to check. First the
+    per-sequence values, BLOCK sequences a step; then the table entries of the sequences
+    before the first one with a bad value (``_first_bad_page``)."""
     NONE: tl.constexpr = 1 << 30
     code = 0
-    where_b = 0
-    where_j = 0
+    where_b = NONE
     value = 0
     for c0 in range(0, batch, BLOCK):
         b = c0 + tl.arange(0, BLOCK)
@@ -144,7 +181,6 @@ def check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries,
             ok = ok & (n >= 0)
         err = tl.where(ok & ((n < 0) | (n + new > capacity)), _C_SEQLEN, 0)
         val = n
-        idx = b * 0
         if HAS_LEFTPAD:
             pad = tl.load(LeftPad + b, mask=ok, other=0)
             bad = ok & (err == 0) & ((pad < 0) | (pad > n))
@@ -163,36 +199,56 @@ def check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries,
             bad = ok & (err == 0) & (need > rotary_len)
             err = tl.where(bad, _C_ROTARY, err)
             val = tl.where(bad, need, val)
-        if PAGED:
-            # the pages a sequence addresses after the append; the first bad one
-            pages = (n + new + page_size - 1) // page_size
-            first = tl.full([BLOCK], NONE, tl.int32)
-            found = tl.zeros([BLOCK], tl.int32)
-            for j0 in range(0, max_blocks, BLOCK):
-                j = j0 + tl.arange(0, BLOCK)
-                want = (ok & (err == 0))[:, None] & (j[None, :] < pages[:, None]) & (j[None, :] < max_blocks)
-                blk = tl.load(Table + b.to(tl.int64)[:, None] * stride_table + j[None, :], mask=want, other=0)
-                bad_j = want & ((blk < 0) | (blk >= num_blocks))
-                jj = tl.min(tl.where(bad_j, j[None, :], NONE), 1)
-                hit = jj[:, None] == j[None, :]
-                new_hit = (first == NONE) & (jj < NONE)
-                found = tl.where(new_hit, tl.sum(tl.where(hit & bad_j, blk, 0), 1), found)
-                first = tl.where(new_hit, jj, first)
-            bad = first < NONE
-            err = tl.where(bad, _C_BLOCK, err)
-            val = tl.where(bad, found, val)
-            idx = tl.where(bad, first, idx)
         bb = tl.min(tl.where(err != 0, b, NONE), 0)
         pick = b == bb
         take = (code == 0) & (bb < NONE)
         where_b = tl.where(take, bb, where_b)
-        where_j = tl.where(take, tl.sum(tl.where(pick, idx, 0), 0), where_j)
         value = tl.where(take, tl.sum(tl.where(pick, val, 0), 0), value)
         code = tl.where(take, tl.sum(tl.where(pick, err, 0), 0), code)
+    where_j = 0
+    if PAGED:
+        first = _first_bad_page(SeqLens, Table, tl.minimum(where_b, batch), new, num_blocks, page_size, max_blocks,
+                                stride_table, BLOCK_E, PADDING)
+        hit = first < NONE  # before where_b, so it comes first
+        fb = tl.where(hit, first // tl.maximum(max_blocks, 1), 0)
+        fj = tl.where(hit, first - fb * max_blocks, 0)
+        blk = tl.load(Table + fb.to(tl.int64) * stride_table + fj, mask=hit, other=0)
+        code = tl.where(hit, _C_BLOCK, code)
+        where_b = tl.where(hit, fb, where_b)
+        where_j = fj
+        value = tl.where(hit, blk, value)
+    where_b = tl.where(code == 0, 0, where_b)
+    return code, where_b, where_j, value
+
+
+@triton.jit
+def check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache,
+                  num_blocks, page_size, max_blocks, stride_table, rotary_len,
+                  HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
+                  ROTARY: tl.constexpr, ROTARY_LOCAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+                  PADDING: tl.constexpr):
+    """One program: status = (code, sequence, index, value) of ``_check_values``."""
+    code, where_b, where_j, value = _check_values(
+        SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache, num_blocks, page_size,
+        max_blocks, stride_table, rotary_len, HAS_LEFTPAD, HAS_BATCH_IDX, PAGED, ROTARY, ROTARY_LOCAL, BLOCK,
+        BLOCK_E, PADDING)
     tl.store(Status, code)
     tl.store(Status + 1, where_b)
     tl.store(Status + 2, where_j)
     tl.store(Status + 3, value)
+
+
+@triton.jit
+def _verdict(Sync, Status, need):
+    """The fused check's verdict (``decode_kernel``, FUSED_CHECK): where ``need``, wait until
+    the checking program has published the status (Sync[1] != 0; one thread's gpu-scope
+    acquire, then a CTA barrier), then whether it found an error. Where not ``need`` the
+    result is meaningless: the caller must not use it."""
+    go = need
+    while go:
+        go = tl.atomic_add(Sync + 1, 0, sem="acquire", scope="gpu") == 0
+    tl.debug_barrier()
+    return tl.load(Status, cache_modifier=".cg") != 0
 
 
 @triton.jit
@@ -344,6 +400,7 @@ def decode_kernel(
     nheads_k, group, seqlen_q, head_dim, new, capacity, page_size, num_blocks, batch_cache,
     num_splits, split_size, num_m_blocks, rotary_dim, rotary_max,
     qk_scale, softcap_in, softcap_out, window_left, window_right, chunk, head_dim_v,
+    batch, max_blocks, rotary_len,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
     SAME_DV: tl.constexpr, PAGED: tl.constexpr, PAGE_TILE: tl.constexpr, PAGE_SLICE: tl.constexpr, HAS_BATCH_IDX: tl.constexpr,
     HAS_LEFTPAD: tl.constexpr,
@@ -351,7 +408,8 @@ def decode_kernel(
     ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, ROTARY_LOCAL: tl.constexpr,
     SPLIT: tl.constexpr, CHECKED: tl.constexpr, IEEE_DOT: tl.constexpr, HAS_SINK: tl.constexpr,
     CHUNK: tl.constexpr, APPEND: tl.constexpr, APPEND_T: tl.constexpr, FUSED_COMBINE: tl.constexpr,
-    PADDING: tl.constexpr,
+    PADDING: tl.constexpr, FUSED_CHECK: tl.constexpr = False, CHECK_ROTARY: tl.constexpr = False,
+    CHECK_BLOCK: tl.constexpr = 16, CHECK_BLOCK_E: tl.constexpr = 1024,
 ):
     """Program (b, hk, block of rows, split): rows r = t * group + g of KV head hk against
     keys [split * split_size, (split + 1) * split_size) of sequence b (module docstring).
@@ -361,7 +419,15 @@ def decode_kernel(
     read back from it: a program reads only its own split's keys, and every program of a
     split writes the same values, so no program waits on another.
     FUSED_COMBINE (with SPLIT): the last split of each group to finish merges the partials
-    (``_last_split_combines``) instead of ``combine_kernel``."""
+    (``_last_split_combines``) instead of ``combine_kernel``.
+    FUSED_CHECK (with CHECKED): ``check_kernel``'s work, one launch less. Each program takes
+    a ticket (Counters[0]); the first to arrive checks the metadata (``_check_values``: the
+    same status) and publishes it (Counters[1], release); a program waits for that verdict
+    (``_verdict``) before its first write: before appending where it has new tokens, else
+    before its results. The checker waits on no one and holds a ticket, so it is running:
+    no program can wait forever (the ticket order, not the program id, names it: CUDA does
+    not promise that program 0 starts first). The last program to finish (Counters[2])
+    leaves the three counters at 0; the fused combine's counters follow them (Counters + 4)."""
     pid = tl.program_id(0)
     split = pid % num_splits
     rest = pid // num_splits
@@ -389,7 +455,22 @@ def decode_kernel(
     n, pad, raw_n = _seq_bounds(SeqLens, LeftPad, b, new, capacity, HAS_LEFTPAD)
     len_k = n + new - pad
     diag = len_k - seqlen_q
-    if CHECKED:
+    sync = Counters
+    if FUSED_CHECK:
+        Counters = Counters + 4  # the fused combine's counters follow the check's three
+        ticket = tl.atomic_add(sync, 1, sem="relaxed", scope="gpu")
+        if ticket == 0:
+            code, where_b, where_j, value = _check_values(
+                SeqLens, LeftPad, BatchIdx, Table, batch, new, seqlen_q, capacity, batch_cache, num_blocks,
+                page_size, max_blocks, stride_table, rotary_len, HAS_LEFTPAD, HAS_BATCH_IDX, PAGED, CHECK_ROTARY,
+                ROTARY_LOCAL, CHECK_BLOCK, CHECK_BLOCK_E, PADDING)
+            tl.store(Status, code)
+            tl.store(Status + 1, where_b)
+            tl.store(Status + 2, where_j)
+            tl.store(Status + 3, value)
+            tl.debug_barrier()  # every thread's stores before the one thread's release
+            tl.atomic_xchg(sync + 1, 1, sem="release", scope="gpu")
+    elif CHECKED:
         bad = tl.load(Status) != 0
 
     # query rows, rotated at their positions (cache indices) while loading
@@ -414,7 +495,7 @@ def decode_kernel(
         hi = tl.minimum(hi, chunk_start(t_last + diag, chunk) + chunk)
     lo = tl.maximum(lo, split * split_size)
     hi = tl.minimum(hi, split * split_size + split_size)
-    if CHECKED:
+    if CHECKED and not FUSED_CHECK:
         hi = tl.where(bad, lo, hi)
     if PADDING:
         padding_seq = raw_n < 0  # a padding sequence: no key read, nothing appended
@@ -425,7 +506,9 @@ def decode_kernel(
         # the new tokens at key indices (n - pad) + t inside this split, whatever the rows see
         t_lo = tl.maximum(split * split_size - (n - pad), 0)
         t_hi = tl.minimum(split * split_size + split_size - (n - pad), new)
-        if CHECKED:
+        if FUSED_CHECK:
+            t_hi = tl.where(_verdict(sync, Status, t_hi > t_lo), t_lo, t_hi)  # a failed check: write nothing
+        elif CHECKED:
             t_hi = tl.where(bad, t_lo, t_hi)  # a failed check: write nothing
         if PADDING:
             t_hi = tl.where(padding_seq, t_lo, t_hi)
@@ -513,6 +596,13 @@ def decode_kernel(
     seen = l_i != 0.0
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * C_LN2, float("-inf"))
+    if FUSED_CHECK:
+        bad = _verdict(sync, Status, True)
+        done = tl.atomic_add(sync + 2, 1, sem="acq_rel", scope="gpu")
+        if done == tl.num_programs(0) - 1:  # every program has its ticket and its verdict
+            tl.atomic_xchg(sync, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync + 1, 0, sem="relaxed", scope="gpu")
+            tl.atomic_xchg(sync + 2, 0, sem="relaxed", scope="gpu")
     if CHECKED:
         out = tl.where(bad, float("nan"), out)
         lse = tl.where(bad, float("nan"), lse)
@@ -625,6 +715,11 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
     return max(1, min(triton.cdiv(12 * sms, programs), most))
 
 
+def check_block(batch: int) -> int:
+    """Sequences the device check reads a step."""
+    return min(128, max(16, triton.next_power_of_2(batch)))
+
+
 def check_metadata(status, seqlens, leftpad, batch_idx, table, *, new: int, queries: int, capacity: int,
                    batch_cache: int, num_blocks: int, page: int, rotary_len: int, rotary_local: bool,
                    padding: bool = False) -> None:
@@ -639,8 +734,8 @@ def check_metadata(status, seqlens, leftpad, batch_idx, table, *, new: int, quer
              rotary_len),
             dict(HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None, PAGED=table is not None,
                  ROTARY=rotary_len >= 0, ROTARY_LOCAL=rotary_local,
-                 BLOCK=min(128, max(16, triton.next_power_of_2(batch))), PADDING=padding),
-            4, 1)
+                 BLOCK=check_block(batch), BLOCK_E=CHECK_BLOCK_E, PADDING=padding),
+            8, 1)
 
 
 def append(k_cache, v_cache, k, v, seqlens, batch_idx, table, cos, sin, *, interleaved: bool, status=None,
@@ -722,7 +817,8 @@ def scratch(q, k_cache, table, num_splits: int, checked: bool, head_dim_v: int =
 def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, alibi, cos, sin, *,
            new: int, scale: float, softcap: float, window_left: int, window_right: int, interleaved: bool,
            rotary_local: bool, num_splits: int, status=None, parts=None, sink=None, chunk: int = 0,
-           k_new=None, v_new=None, fused_combine: bool = False, padding: bool = False) -> None:
+           k_new=None, v_new=None, fused_combine: bool = False, padding: bool = False, fused_check: bool = False,
+           rotary_len: int = -1) -> None:
     """Attention of q (batch, seqlen_q, H, D) against the caches (after the append; k_cache
     of head dim D, v_cache of Dv, which may be a view of k_cache's first Dv columns):
     out (batch, seqlen_q, H, Dv), lse (batch, H, seqlen_q) float32 (unit last stride).
@@ -735,7 +831,9 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
     itself (``append``'s work, rotary included; None: the caches already hold them).
     ``fused_combine``: with more than one split, the decode kernel's last split of each
     group merges the partials (counters from ``runtime.replay.stream_counter``), no
-    ``combine_kernel`` launch."""
+    ``combine_kernel`` launch. ``fused_check`` (with ``status``): the decode kernel checks the
+    metadata values itself (``check_metadata``'s status, one launch less; ``rotary_len``: the
+    rotary tables' positions, -1 without)."""
     import torch
 
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -766,7 +864,9 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
         out_part, lse_part = out, lse
     fused_combine = fused_combine and splits > 1
     groups = batch * nheads_k * num_m_blocks
-    counters = stream_counter(q.device, groups) if fused_combine else q
+    fused_check = fused_check and status is not None
+    sync = 4 if fused_check else 0  # the fused check's counters come first
+    counters = stream_counter(q.device, sync + groups * fused_combine) if sync or fused_combine else q
     with device_context(q):
         _launch_decode(
             (batch * nheads_k * num_m_blocks * splits,),
@@ -788,7 +888,7 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
              nheads_k, group, seqlen_q, head_dim, new, capacity, page, k_cache.shape[0], k_cache.shape[0],
              splits, split_size, num_m_blocks, 2 * cos.shape[1] if rotary else 0, cos.shape[0] - 1 if rotary else 0,
              scale * LOG2E, scale / softcap if softcap_on else 0.0, softcap * LOG2E if softcap_on else 0.0,
-             window_left, window_right, chunk, head_dim_v),
+             window_left, window_right, chunk, head_dim_v, batch, table.shape[1] if paged else 0, rotary_len),
             dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv, SAME_DV=head_dim_v == head_dim,
                  PAGED=paged,
                  PAGE_TILE=kind == "tile", PAGE_SLICE=page_slice, HAS_BATCH_IDX=batch_idx is not None,
@@ -798,7 +898,9 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
                  IEEE_DOT=q.dtype == torch.float32, HAS_SINK=sink is not None, CHUNK=chunk > 0,
                  APPEND=k_new is not None, APPEND_T=min(APPEND_T_MAX if max(block_d, block_dv) <= 256 else 8,
                                                         triton.next_power_of_2(max(new, 1))),
-                 FUSED_COMBINE=fused_combine, PADDING=padding),
+                 FUSED_COMBINE=fused_combine, PADDING=padding, FUSED_CHECK=fused_check,
+                 CHECK_ROTARY=fused_check and rotary_len >= 0, CHECK_BLOCK=check_block(batch),
+                 CHECK_BLOCK_E=FUSED_CHECK_BLOCK_E),
             4, stages(kind, block_d, block_dv))
         if splits > 1 and not fused_combine:
             combine(out_part, lse_part, out, lse, sink)
