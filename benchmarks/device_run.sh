@@ -130,17 +130,18 @@ fi
 if [[ $what == decode-ab ]]; then
   # Issue 38's decode folds, A/B in one call: generation steps (--append) of flashtile alone,
   # eager and CUDA graphs, with the append kernel / the append in the decode kernel (the
-  # default) / the combine fused too. Shapes: B8 L4k, B8 L32k, B64 L8k, B1-B4 at 4k-32k, B4 page 16.
-  only="0 1 3 10 11 13 14 15 18 19 21 23 25"
-  for cfg in "separate separate" "fused separate" "fused fused"; do
+  # default) / the combine fused too / the device check fused too (one launch a step).
+  # Shapes: B8 L4k, B8 L32k, B64 L8k, B8 L32k page 16, B1-B4 at 4k-32k, B4 page 16.
+  only="0 1 3 6 10 11 13 14 15 18 19 21 23 25"
+  for cfg in "separate separate separate" "fused separate separate" "fused fused separate" "fused fused fused"; do
     set -- $cfg
-    FLASHTILE_DECODE_APPEND=$1 FLASHTILE_DECODE_COMBINE=$2 timeout ${DECODE_AB_TIMEOUT:-150} \
+    FLASHTILE_DECODE_APPEND=$1 FLASHTILE_DECODE_COMBINE=$2 FLASHTILE_DECODE_CHECK=$3 timeout ${DECODE_AB_TIMEOUT:-150} \
       python3 -m flashtile.tools.bench --decode --append --impl flashtile --only $only --out /tmp/bench \
-      --tag "h200-decode-append-$1-combine-$2" > "/tmp/bench/decode-ab-$1-$2.log" 2>&1
-    echo "decode append=$1 combine=$2 rc=$?"; grep -E "^B" "/tmp/bench/decode-ab-$1-$2.log" | tail -26
+      --tag "h200-decode-append-$1-combine-$2-check-$3" > "/tmp/bench/decode-ab-$1-$2-$3.log" 2>&1
+    echo "decode append=$1 combine=$2 check=$3 rc=$?"; grep -E "^B" "/tmp/bench/decode-ab-$1-$2-$3.log" | tail -28
   done
   timeout 40 python3 benchmarks/host_overhead.py --only kvcache > "$OUT/host-decode.log" 2>&1
-  for sw in FLASHTILE_DECODE_APPEND=separate FLASHTILE_DECODE_COMBINE=fused; do
+  for sw in FLASHTILE_DECODE_APPEND=separate FLASHTILE_DECODE_COMBINE=fused "FLASHTILE_DECODE_COMBINE=fused FLASHTILE_DECODE_CHECK=fused"; do
     echo "# $sw" >> "$OUT/host-decode.log"
     env $sw timeout 40 python3 benchmarks/host_overhead.py --only kvcache --impl flashtile >> "$OUT/host-decode.log" 2>&1
   done
