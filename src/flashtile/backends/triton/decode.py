@@ -137,11 +137,13 @@ def _first_bad_page(SeqLens, Table, before, new, num_blocks, page_size, max_bloc
     sequences 0 .. before - 1 address after the append, as a flat index b * max_blocks + j
     (1 << 30: none). The table is read as one flat array, BLOCK_E entries a step, each
     entry's load independent of its sequence's length (a row's entries past its pages are
-    read and ignored), so a step waits on one load latency: a per-sequence loop over a
-    wide table (2048 pages of 16 at 32k tokens) waited on one latency per 16 pages."""
+    read and ignored), and each lane keeps its own minimum (one reduction, after the loop),
+    so a step waits on one load latency and no barrier: the per-sequence loop before this
+    one waited on a load and a CTA-wide reduction per 16 pages (2048 pages of 16 at 32k
+    tokens: 128 steps)."""
     NONE: tl.constexpr = 1 << 30
     end = before * max_blocks
-    first = NONE
+    first = tl.full([BLOCK_E], NONE, tl.int32)  # per lane: no reduction (no CTA barrier) inside the loop
     for e0 in range(0, end, BLOCK_E):
         e = e0 + tl.arange(0, BLOCK_E)
         live = e < end
@@ -153,8 +155,8 @@ def _first_bad_page(SeqLens, Table, before, new, num_blocks, page_size, max_bloc
             live = live & (n >= 0)
         want = live & (j < (n + new + page_size - 1) // page_size)
         bad = want & ((blk < 0) | (blk >= num_blocks))
-        first = tl.minimum(first, tl.min(tl.where(bad, e, NONE), 0))
-    return first
+        first = tl.minimum(first, tl.where(bad, e, NONE))
+    return tl.min(first, 0)
 
 
 @triton.jit
