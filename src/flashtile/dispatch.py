@@ -18,6 +18,9 @@ from flashtile import autograd  # registers torch.ops.flashtile
 from flashtile.backends import layout, registry
 from flashtile.problem.spec import Problem, Varlen
 from flashtile.problem.validate import cache_strides
+from flashtile.runtime import settings
+
+settings.trace_as_constants(torch.compiler.assume_constant_result)
 
 
 def new_seed(device) -> torch.Tensor:

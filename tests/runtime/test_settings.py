@@ -75,3 +75,33 @@ def test_no_other_library_module_reads_the_environment():
             if isinstance(node, ast.Attribute) and node.attr in ("environ", "getenv"):
                 readers.append(f"{rel}:{node.lineno}")
     assert not readers, readers
+
+
+def test_torch_compile_reads_a_switch_once_when_it_traces(monkeypatch):
+    """A traced call reads the switches in Python, once (``trace_as_constants``, set up by the
+    torch glue): Dynamo never traces the reads, which torch 2.11's could not (the environment
+    mapping's ``get``), and the value is the graph's from then on."""
+    torch = pytest.importorskip("torch")
+    import flashtile.dispatch  # noqa: F401  (the torch glue marks the readers)
+
+    reads = []
+
+    def get(key):  # a read Dynamo cannot trace: it breaks the graph where traced
+        torch._dynamo.graph_break()
+        reads.append(key)
+        return None if key != settings.SWITCH_KEYS[settings.SWITCHES.index("FLASHTILE_BWD_DQ")] else b"split"
+
+    monkeypatch.setattr(settings, "_get", get)
+    settings._PARSED.clear()
+
+    def f(x):
+        return x + 1 if settings.bwd_dq() == "split" else x - 1
+
+    torch._dynamo.reset()
+    compiled = torch.compile(f, fullgraph=True, backend="eager")
+    x = torch.zeros(3)
+    assert torch.equal(compiled(x), x + 1)
+    n = len(reads)
+    assert n >= 1
+    assert torch.equal(compiled(x), x + 1) and len(reads) == n  # the graph holds the value
+    settings._PARSED.clear()

@@ -1,7 +1,7 @@
 """Every environment switch flashtile reads, read and checked here and nowhere else.
 
 The switches are read at call time, not at import (tests and benchmarks flip them inside
-one process), through the mapping behind ``os.environ``: ``os.environ.get`` costs about
+one process; a call traced by torch.compile reads them once: ``trace_as_constants``), through the mapping behind ``os.environ``: ``os.environ.get`` costs about
 1.5 us a name (it encodes the key first), the mapping about 0.1 us, and a launch reads
 two of them. A switch with a value outside its choices raises ValueError naming it.
 
@@ -78,6 +78,17 @@ def _choice(name: str, choices: tuple[str, ...]) -> str:
     if len(_PARSED) < 256:
         _PARSED[(name, raw)] = value
     return value
+
+
+def trace_as_constants(mark) -> None:
+    """Have torch.compile read every switch once, when it traces a call, and keep the value
+    in the graph (``mark``: ``torch.compiler.assume_constant_result``, which only tags the
+    function: eager calls are unchanged). Without it Dynamo traces the reads themselves,
+    which torch 2.11's cannot (the environment mapping's ``get``: a graph break, an error
+    under ``fullgraph=True``; H100, session 24). A switch changed after a compile therefore
+    does not reach that compiled graph, as with a kernel choice."""
+    mark(_read)
+    mark(_choice)
 
 
 def backend() -> str:
