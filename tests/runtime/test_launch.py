@@ -157,8 +157,11 @@ def test_the_interpreter_takes_tritons_path(monkeypatch):
 @pytest.mark.gpu
 def test_direct_launches_hit_and_match(monkeypatch):
     """Second call of a shape goes direct; misaligned inputs and odd lengths get their own
-    binaries; every direct launch is checked against Triton's own lookup."""
+    binaries; every direct launch is checked against Triton's own lookup. The Triton
+    kernels only (FLASHTILE_WS=0): on Hopper the aligned backward calls take the Gluon
+    kernels, and only the misaligned one reached the Triton dK/dV kernel (H100, session 24)."""
     monkeypatch.setenv("FLASHTILE_LAUNCH_CHECK", "1")
+    monkeypatch.setenv("FLASHTILE_WS", "0")
     import flashtile
     from flashtile.backends.triton import backward, forward
 
