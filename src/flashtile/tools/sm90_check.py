@@ -519,8 +519,13 @@ def compile_flex(kernel: str, dtype: str, head_dim: int, score_mod=None, mask_mo
     pointers.update({n: "*i32" for n in ("KvNum", "KvIdx", "QNum", "QIdx", "FullNum", "FullIdx")})
     pointers.update(SCORE_ARGS=args_of(score), MASK_ARGS=args_of(mask))
     sig = _signature(fn, pointers, constexprs)
+    # the specialization of a launch whose lengths and head dims are multiples of 16, as
+    # at run time: with it the pipeliner buffers K and V in shared memory (without it the
+    # d192/128 forward compiled at 164 KB here and needed 256 KB on the H100, session 24)
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if (isinstance(sig[name], str) and sig[name].startswith("*")) or name.startswith("stride_")}
+             if (isinstance(sig[name], str) and sig[name].startswith("*")) or name.startswith("stride_")
+             or (name in ("seqlen_q", "seqlen_k", "head_dim", "head_dim_v")
+                 and (name != "head_dim" or head_dim % 16 == 0) and (name != "head_dim_v" or head_dim_v % 16 == 0))}
     from triton.compiler import ASTSource
 
     src = ASTSource(fn, sig, constexprs=constexprs, attrs=attrs)
@@ -543,6 +548,18 @@ def flex_checks(head_dims=(64, 128), dtype: str = "bf16"):
         for kernel in ("fwd", "dq", "dkdv"):
             for _, score, mask in cases:
                 yield lambda k=kernel, d=head_dim, s=score, m=mask: compile_flex(k, dtype, d, s(), m())
+    # a learned (L, S) bias and a per-head table (each score reads a tile of a captured
+    # tensor), and q/k and v head dims of their own (H100, session 24: both past shared memory)
+    bias, table = torch.zeros(700, 700), torch.zeros(4, 1399)
+
+    def learned(score, b, h, q_idx, kv_idx):
+        return score + table[h, q_idx - kv_idx + 699] + bias[q_idx, kv_idx]
+
+    for kernel in ("fwd", "dq", "dkdv"):
+        yield lambda k=kernel: compile_flex(k, dtype, 64, learned, mods.causal)
+        for d, dv in ((192, 128), (32, 96), (256, 256)):
+            yield lambda k=kernel, d=d, dv=dv: compile_flex(k, dtype, d, mods.alibi(torch.rand(16)), mods.causal,
+                                                             head_dim_v=dv)
 
 
 def main(argv=None) -> int:

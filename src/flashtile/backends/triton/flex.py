@@ -359,7 +359,8 @@ def tiles(block_d: int, block_dv: int, heavy: bool, interpret: bool = False) -> 
     dims ``block_d``/``block_dv``. ``heavy``: a mod loads a whole (queries x keys) tile from
     a captured tensor (an (L, S) bias, a relative table): it holds that tile in registers and
     the pipeliner buffers it, so narrower key tiles and 2 stages. From sm_90a compiles
-    (``tools/sm90_check --flex``: shared memory, spills); unmeasured on a device."""
+    (``tools/sm90_check --flex``: shared memory, spills, with the run-time specialization of
+    lengths and head dims that are multiples of 16); unmeasured for speed on a device."""
     if interpret:
         return (16, 16, 4, 1), (16, 16, 4, 1), (16, 16, 4, 1)
     wide = max(block_d, block_dv)
@@ -367,14 +368,19 @@ def tiles(block_d: int, block_dv: int, heavy: bool, interpret: bool = False) -> 
         fwd = {16: (128, 64, 8, 2), 32: (128, 64, 8, 2), 64: (128, 64, 8, 2), 128: (128, 64, 8, 2)}.get(
             wide, (64, 32, 8, 1))
     else:
+        # 256 columns (d192, d256) at one stage: two needed 256 KB of shared memory (H100)
         fwd = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 128, 8, 3),
-               256: (128, 64, 8, 2)}.get(wide, (64, 32, 8, 2))
-    dq = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2),
-          256: (64, 64, 8, 2)}.get(wide, (32, 16, 8, 1))
+               256: (128, 64, 8, 1)}.get(wide, (64, 32, 8, 2))
+    if heavy:  # the dQ kernel buffers the mod's tile too: 3 stages needed 240 KB at d64 (H100)
+        dq = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}.get(
+            wide, (64, 64, 8, 1))
+    else:
+        dq = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 2),
+              256: (64, 64, 8, 1)}.get(wide, (32, 16, 8, 1))
     # dK/dV: BLOCK_M queries per step of a BLOCK_N-key program; 32 queries keep the
     # accumulators' spills small (d128: 340 B against 1.3 KB at 64; d64: none against 1 KB).
     dkdv = {16: (32, 64, 4, 2), 32: (32, 64, 4, 2), 64: (32, 64, 4, 2), 128: (32, 64, 4, 2),
-            256: (32, 64, 8, 2)}.get(wide, (16, 32, 8, 1))
+            256: (32, 64, 8, 1)}.get(wide, (16, 32, 8, 1))
     return fwd, dq, dkdv
 
 
