@@ -31,6 +31,18 @@ def _inputs(batch, heads, heads_k, seqlen, dim, dtype, seed=0):
     return q, k, v, torch.randn(batch, heads, seqlen, dim, generator=g).to("cuda", dtype)
 
 
+def _varlen_attn(q, k, v, cu, max_len, causal):
+    """torch's varlen_attn, whichever causal argument the installed torch takes (is_causal
+    in some releases; window_size (-1, 0) in 2.11 and 2.13)."""
+    import inspect
+
+    from torch.nn.attention.varlen import varlen_attn
+
+    if "is_causal" in inspect.signature(varlen_attn).parameters:
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, is_causal=causal)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0) if causal else (-1, -1))
+
+
 def _run(fn, q, k, v, dout):
     leaves = [t.clone().requires_grad_(True) for t in (q, k, v)]
     out = fn(*leaves)
@@ -67,12 +79,12 @@ def test_sdpa_flash_backend_runs_flashtile(provider, dtype, causal, heads_k, com
 
 
 def test_varlen_attn_runs_flashtile(provider):
-    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    pytest.importorskip("torch.nn.attention.varlen")
     g = torch.Generator(device="cpu").manual_seed(3)
     cu = torch.tensor([0, 100, 1100, 1600], dtype=torch.int32, device="cuda")
     q, k, v = (torch.randn(1600, 8, 64, generator=g).to("cuda", torch.bfloat16).requires_grad_(True)
                for _ in range(3))
-    out = varlen.varlen_attn(q, k, v, cu, cu, 1000, 1000, is_causal=True)
+    out = _varlen_attn(q, k, v, cu, 1000, True)
     want = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 1000, 1000, causal=True)
     assert (out.float() - want.float()).abs().max() < 1e-2
     dout = torch.randn_like(out)
@@ -97,7 +109,10 @@ def test_transformers_sdpa_model_through_the_provider(provider):
     and nothing else, so its flash backend takes the calls): with the provider active the
     flash ops run flashtile (no fallback), the logits agree with PyTorch's flash backend's
     within bf16's rounding, and every greedy token the provider picks is PyTorch's best up to
-    a near-tie (teacher forcing, as test_transformers_gpu.py)."""
+    a near-tie (teacher forcing, as test_transformers_gpu.py). generate's prefill passes SDPA
+    an explicit mask (transformers of the device image, H100 session 24: "No available
+    kernel" with the flash backend alone), so generate may also use the efficient backend;
+    its decode steps (one query, no mask) take the flash backend, hence flashtile."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
                                       num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048)
@@ -107,7 +122,8 @@ def test_transformers_sdpa_model_through_the_provider(provider):
     ids = torch.randint(0, 1000, (2, 700), generator=torch.Generator().manual_seed(1)).cuda()
     with torch.no_grad(), sdpa_kernel(SDPBackend.FLASH_ATTENTION):
         got = model(ids).logits.float()
-        tokens = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
+        with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+            tokens = model.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)
         torch_sdpa.deactivate()
         ref = model(ids).logits.float()
         forced = model(tokens).logits.float()[:, ids.shape[1] - 1:-1]
@@ -124,7 +140,7 @@ def test_sdpa_through_the_provider_in_a_cuda_graph(provider):
     """F.scaled_dot_product_attention (flash backend) and varlen_attn with the provider
     active, captured in a CUDA graph and replayed on new inputs: each replay is the eager
     call's result (the provider's path reads no metadata on the host while capturing)."""
-    varlen = pytest.importorskip("torch.nn.attention.varlen")
+    pytest.importorskip("torch.nn.attention.varlen")
     q, k, v, _ = _inputs(2, 8, 2, 1024, 128, torch.bfloat16)
     cu = torch.tensor([0, 300, 2048], dtype=torch.int32, device="cuda")
     flat = [t.transpose(1, 2).reshape(2048, t.shape[1], 128).contiguous() for t in (q, k, v)]
@@ -132,8 +148,7 @@ def test_sdpa_through_the_provider_in_a_cuda_graph(provider):
     def step():
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
             a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        b = varlen.varlen_attn(flat[0], flat[1].repeat_interleave(4, 1), flat[2].repeat_interleave(4, 1), cu, cu,
-                               1748, 1748, is_causal=True)
+        b = _varlen_attn(flat[0], flat[1].repeat_interleave(4, 1), flat[2].repeat_interleave(4, 1), cu, 1748, True)
         return a, b
 
     stream = torch.cuda.Stream()
