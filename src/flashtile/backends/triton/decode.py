@@ -426,13 +426,22 @@ def decode_kernel(
     (``_last_split_combines``) instead of ``combine_kernel``.
     FUSED_CHECK (with CHECKED): ``check_kernel``'s work, one launch less. Each program takes
     a ticket (Counters[0]); the first to arrive checks the metadata (``_check_values``: the
-    same status) and publishes it (Counters[1], release); a program waits for that verdict
+    same status) and publishes it (Counters[1], release), and takes no work item (the grid
+    has one program more; the others take item ticket - 1: in H100 run 113 the checker also
+    ran a split of its own, which then ended last); a program waits for that verdict
     (``_verdict``) before its first write: before appending where it has new tokens, else
     before its results. The checker waits on no one and holds a ticket, so it is running:
     no program can wait forever (the ticket order, not the program id, names it: CUDA does
     not promise that program 0 starts first). The last program to finish (Counters[2])
     leaves the three counters at 0; the fused combine's counters follow them (Counters + 4)."""
     pid = tl.program_id(0)
+    sync = Counters
+    if FUSED_CHECK:
+        Counters = Counters + 4  # the fused combine's counters follow the check's three
+        ticket = tl.atomic_add(sync, 1, sem="relaxed", scope="gpu")
+        # the first program to arrive checks and takes no work item (the grid has one more
+        # program): the check stays off every split's path; the others take theirs in order
+        pid = tl.maximum(ticket - 1, 0)
     split = pid % num_splits
     rest = pid // num_splits
     m_block = rest % num_m_blocks
@@ -446,6 +455,8 @@ def decode_kernel(
     t = r // group
     h = hk * group + r % group
     row_ok = t < seqlen_q
+    if FUSED_CHECK:
+        row_ok = row_ok & (ticket != 0)
     offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < head_dim
@@ -459,10 +470,7 @@ def decode_kernel(
     n, pad, raw_n = _seq_bounds(SeqLens, LeftPad, b, new, capacity, HAS_LEFTPAD)
     len_k = n + new - pad
     diag = len_k - seqlen_q
-    sync = Counters
     if FUSED_CHECK:
-        Counters = Counters + 4  # the fused combine's counters follow the check's three
-        ticket = tl.atomic_add(sync, 1, sem="relaxed", scope="gpu")
         if ticket == 0:
             code, where_b, where_j, value = _check_values(
                 SeqLens, LeftPad, BatchIdx, Table, batch, new, seqlen_q, capacity, batch_cache, num_blocks,
@@ -501,6 +509,8 @@ def decode_kernel(
     hi = tl.minimum(hi, split * split_size + split_size)
     if CHECKED and not FUSED_CHECK:
         hi = tl.where(bad, lo, hi)
+    if FUSED_CHECK:
+        hi = tl.where(ticket == 0, lo, hi)  # the checker reads no key
     if PADDING:
         padding_seq = raw_n < 0  # a padding sequence: no key read, nothing appended
         hi = tl.where(padding_seq, lo, hi)
@@ -511,6 +521,7 @@ def decode_kernel(
         t_lo = tl.maximum(split * split_size - (n - pad), 0)
         t_hi = tl.minimum(split * split_size + split_size - (n - pad), new)
         if FUSED_CHECK:
+            t_hi = tl.where(ticket == 0, t_lo, t_hi)
             t_hi = tl.where(_verdict(sync, Status, t_hi > t_lo), t_lo, t_hi)  # a failed check: write nothing
         elif CHECKED:
             t_hi = tl.where(bad, t_lo, t_hi)  # a failed check: write nothing
@@ -618,7 +629,13 @@ def decode_kernel(
         tl.store(OutPart + s64 * stride_pp + b64 * stride_pb + t64[:, None] * stride_ps + h64[:, None] * stride_ph
                  + offs_dv[None, :], out, mask=ok)
         tl.store(LsePart + s64 * stride_lp + b64 * stride_lpb + h64 * stride_lph + t, lse, mask=row_ok)
-        if FUSED_COMBINE:
+        if FUSED_COMBINE and FUSED_CHECK:
+            if ticket != 0:  # the checker belongs to no group
+                _last_split_combines(Counters, rest, num_splits, OutPart, LsePart, Out, Lse, Sink, b64, t, t64, h64,
+                                     row_ok, offs_dv, dv_ok, stride_pp, stride_pb, stride_ps, stride_ph, stride_lp,
+                                     stride_lpb, stride_lph, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+                                     BLOCK_M, BLOCK_DV, HAS_SINK)
+        elif FUSED_COMBINE:
             _last_split_combines(Counters, rest, num_splits, OutPart, LsePart, Out, Lse, Sink, b64, t, t64, h64,
                                  row_ok, offs_dv, dv_ok, stride_pp, stride_pb, stride_ps, stride_ph, stride_lp,
                                  stride_lpb, stride_lph, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
@@ -873,7 +890,7 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
     counters = stream_counter(q.device, sync + groups * fused_combine) if sync or fused_combine else q
     with device_context(q):
         _launch_decode(
-            (batch * nheads_k * num_m_blocks * splits,),
+            (batch * nheads_k * num_m_blocks * splits + fused_check,),  # the fused check: its checker too
             (q, k_cache, v_cache, out, lse, out_part, lse_part, seqlens if status is None else status, seqlens,
              seqlens if leftpad is None else leftpad, seqlens if batch_idx is None else batch_idx,
              table if paged else seqlens, q if alibi is None else alibi, cos if rotary else q, sin if rotary else q,
