@@ -304,13 +304,19 @@ COMBINE_CASES = {
 }
 
 
+@pytest.mark.parametrize("chunk", [0, 1, 2])
 @pytest.mark.parametrize("name", list(COMBINE_CASES))
-def test_fused_combine_matches_the_combine_kernel(triton_backend, monkeypatch, name):
+def test_fused_combine_matches_the_combine_kernel(triton_backend, monkeypatch, name, chunk):
     """FLASHTILE_DECODE_COMBINE=fused: no combine launch; the last split of each (sequence,
-    kv head, row block) to finish merges the partials. Out and lse agree with the combine
-    kernel's (the same sums in another order) and with the reference; its counters (from
-    stream_counter) are left at 0, so a second call with them gives the same results."""
+    kv head, row block) to finish merges the partials, ``chunk`` splits a step (0: the
+    default, here one step for every split; 1 and 2: several steps, a partial last one).
+    Out and lse agree with the combine kernel's (the same sums in another order) and with
+    the reference; its counters (from stream_counter) are left at 0, so a second call with
+    them gives the same results."""
     from flashtile.backends.triton import decode
+
+    if chunk:
+        monkeypatch.setattr(decode, "combine_chunk", lambda block_m, block_dv: chunk)
 
     case, call = COMBINE_CASES[name]
     q, k, v, kc, vc, table, seqlens = _case(**case)
