@@ -244,14 +244,16 @@ def check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries,
 
 
 @triton.jit
-def _verdict(Sync, Status, need):
-    """The fused check's verdict (``decode_kernel``, FUSED_CHECK): where ``need``, wait until
-    the checking program has published the status (Sync[1] != 0; one thread's gpu-scope
-    acquire, then a CTA barrier), then whether it found an error. Where not ``need`` the
-    result is meaningless: the caller must not use it."""
-    go = need
+def _verdict(Sync, Status):
+    """The fused check's verdict (``decode_kernel``, FUSED_CHECK): wait until the checking
+    program has published the status (Sync[1] != 0), then whether it found an error. One
+    thread polls with relaxed loads (an acquire per poll would invalidate the SM's L1 each
+    time: sm_90a's CCTL.IVALL), then one acquire, then a CTA barrier, then every thread's
+    load of the status from L2."""
+    go = tl.atomic_add(Sync + 1, 0, sem="relaxed", scope="gpu") == 0
     while go:
-        go = tl.atomic_add(Sync + 1, 0, sem="acquire", scope="gpu") == 0
+        go = tl.atomic_add(Sync + 1, 0, sem="relaxed", scope="gpu") == 0
+    tl.atomic_add(Sync + 1, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()
     return tl.load(Status, cache_modifier=".cg") != 0
 
@@ -450,9 +452,11 @@ def decode_kernel(
     sync = Counters
     if FUSED_CHECK:
         Counters = Counters + 4  # the fused combine's counters follow the check's three
-        ticket = tl.atomic_add(sync, 1, sem="relaxed", scope="gpu")
         # the first program to arrive checks and takes no work item (the grid has one more
-        # program): the check stays off every split's path; the others take theirs in order
+        # program): the check stays off every split's path; the others take theirs in order.
+        # Modulo the grid: a ticket counter left non-zero (a launch that never finished)
+        # still names exactly one checker and gives every item once: no wait forever.
+        ticket = tl.atomic_add(sync, 1, sem="relaxed", scope="gpu") % tl.num_programs(0)
         pid = tl.maximum(ticket - 1, 0)
     split = pid % num_splits
     rest = pid // num_splits
@@ -534,7 +538,8 @@ def decode_kernel(
         t_hi = tl.minimum(split * split_size + split_size - (n - pad), new)
         if FUSED_CHECK:
             t_hi = tl.where(ticket == 0, t_lo, t_hi)
-            t_hi = tl.where(_verdict(sync, Status, t_hi > t_lo), t_lo, t_hi)  # a failed check: write nothing
+            if t_hi > t_lo:  # only a program that appends waits here
+                t_hi = tl.where(_verdict(sync, Status), t_lo, t_hi)  # a failed check: write nothing
         elif CHECKED:
             t_hi = tl.where(bad, t_lo, t_hi)  # a failed check: write nothing
         if PADDING:
@@ -624,7 +629,7 @@ def decode_kernel(
     out = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * C_LN2, float("-inf"))
     if FUSED_CHECK:
-        bad = _verdict(sync, Status, True)
+        bad = _verdict(sync, Status)
         done = tl.atomic_add(sync + 2, 1, sem="acq_rel", scope="gpu")
         if done == tl.num_programs(0) - 1:  # every program has its ticket and its verdict
             tl.atomic_xchg(sync, 0, sem="relaxed", scope="gpu")
@@ -758,8 +763,9 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
 
 def combine_chunk(block_m: int, block_dv: int) -> int:
     """Splits the fused combine merges a step: a (chunk, rows, Dv) float32 tile of at most
-    4096 elements (32 registers a thread at 4 warps; a power of 2, at least 1)."""
-    return max(1, 4096 // (block_m * block_dv))
+    2048 elements (16 registers a thread at 4 warps; a power of 2, at least 1): 4096 spilled
+    44 B at d64 with 16 rows and every option (sm_90a)."""
+    return max(1, 2048 // (block_m * block_dv))
 
 
 def check_block(batch: int) -> int:
