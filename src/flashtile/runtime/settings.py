@@ -1,9 +1,9 @@
 """Every environment switch flashtile reads, read and checked here and nowhere else.
 
 The switches are read at call time, not at import (tests and benchmarks flip them inside
-one process; a call traced by torch.compile reads them once: ``trace_as_constants``), through the mapping behind ``os.environ``: ``os.environ.get`` costs about
-1.5 us a name (it encodes the key first), the mapping about 0.1 us, and a launch reads
-two of them. A switch with a value outside its choices raises ValueError naming it.
+one process; a call traced by torch.compile reads them once: ``trace_as_constants``),
+through the mapping behind ``os.environ``: ``os.environ.get`` costs about 1.5 us a name
+(it encodes the key first), the mapping about 0.1 us, and a launch reads two of them. A switch with a value outside its choices raises ValueError naming it.
 
 =========================  ==============================================================
 ``FLASHTILE_BACKEND``      ``auto`` (CUDA tensors: the kernels; CPU tensors: the torch

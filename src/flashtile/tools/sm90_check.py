@@ -406,8 +406,8 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
                          APPEND=append, APPEND_T=append_t, FUSED_COMBINE=fused_combine and split, PADDING=extras,
                          FUSED_CHECK=fused_check, CHECK_ROTARY=fused_check and extras, CHECK_BLOCK=16,
                          CHECK_BLOCK_E=decode.FUSED_CHECK_BLOCK_E,
-                         MERGE_M=min(block_m, max(2, 1 << (rows - 1).bit_length())),
-                         COMBINE_CHUNK=decode.combine_chunk(min(block_m, max(2, 1 << (rows - 1).bit_length())), block_dv)
+                         MERGE_M=decode.merge_rows(block_m, rows),
+                         COMBINE_CHUNK=decode.combine_chunk(decode.merge_rows(block_m, rows), block_dv)
                          if fused_combine and split else 1), 4,
                     decode.stages(kind, block_d, block_dv))]
     if fused_check:

@@ -163,13 +163,13 @@ def _first_bad_page(SeqLens, Table, before, new, num_blocks, page_size, max_bloc
 
 
 @triton.jit
-def _check_values(SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache,
+def _check_status(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache,
                   num_blocks, page_size, max_blocks, stride_table, rotary_len,
                   HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
                   ROTARY: tl.constexpr, ROTARY_LOCAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
                   PADDING: tl.constexpr):
-    """The metadata checks of ``problem.validate.cache_values`` in one program: (code,
-    sequence, index, value) of the first sequence with an error, each sequence checked in
+    """The metadata checks of ``problem.validate.cache_values`` in one program: Status =
+    (code, sequence, index, value) of the first sequence with an error, each sequence checked in
     the order seqlen, leftpad, batch_idx, rotary, block_table (code 0: none). PADDING: a
     negative cache_seqlens marks a padding sequence, which has nothing to check. First the
     per-sequence values, BLOCK sequences a step; then the table entries of the sequences
@@ -223,7 +223,10 @@ def _check_values(SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capaci
         where_j = fj
         value = tl.where(hit, blk, value)
     where_b = tl.where(code == 0, 0, where_b)
-    return code, where_b, where_j, value
+    tl.store(Status, code)
+    tl.store(Status + 1, where_b)
+    tl.store(Status + 2, where_j)
+    tl.store(Status + 3, value)
 
 
 @triton.jit
@@ -232,15 +235,10 @@ def check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries,
                   HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
                   ROTARY: tl.constexpr, ROTARY_LOCAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
                   PADDING: tl.constexpr):
-    """One program: status = (code, sequence, index, value) of ``_check_values``."""
-    code, where_b, where_j, value = _check_values(
-        SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache, num_blocks, page_size,
-        max_blocks, stride_table, rotary_len, HAS_LEFTPAD, HAS_BATCH_IDX, PAGED, ROTARY, ROTARY_LOCAL, BLOCK,
-        BLOCK_E, PADDING)
-    tl.store(Status, code)
-    tl.store(Status + 1, where_b)
-    tl.store(Status + 2, where_j)
-    tl.store(Status + 3, value)
+    """One program: status = (code, sequence, index, value) (``_check_status``)."""
+    _check_status(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache, num_blocks,
+                  page_size, max_blocks, stride_table, rotary_len, HAS_LEFTPAD, HAS_BATCH_IDX, PAGED, ROTARY,
+                  ROTARY_LOCAL, BLOCK, BLOCK_E, PADDING)
 
 
 @triton.jit
@@ -439,7 +437,7 @@ def decode_kernel(
     FUSED_COMBINE (with SPLIT): the last split of each group to finish merges the partials
     (``_last_split_combines``) instead of ``combine_kernel``.
     FUSED_CHECK (with CHECKED): ``check_kernel``'s work, one launch less. Each program takes
-    a ticket (Counters[0]); the first to arrive checks the metadata (``_check_values``: the
+    a ticket (Counters[0]); the first to arrive checks the metadata (``_check_status``: the
     same status) and publishes it (Counters[1], release), and takes no work item (the grid
     has one program more; the others take item ticket - 1: in H100 run 113 the checker also
     ran a split of its own, which then ended last); a program waits for that verdict
@@ -450,6 +448,7 @@ def decode_kernel(
     leaves the three counters at 0; the fused combine's counters follow them (Counters + 4)."""
     pid = tl.program_id(0)
     sync = Counters
+    joins = True  # the program has a work item (the fused check's checker has none)
     if FUSED_CHECK:
         Counters = Counters + 4  # the fused combine's counters follow the check's three
         # the first program to arrive checks and takes no work item (the grid has one more
@@ -458,6 +457,7 @@ def decode_kernel(
         # still names exactly one checker and gives every item once: no wait forever.
         ticket = tl.atomic_add(sync, 1, sem="relaxed", scope="gpu") % tl.num_programs(0)
         pid = tl.maximum(ticket - 1, 0)
+        joins = ticket != 0
     split = pid % num_splits
     rest = pid // num_splits
     m_block = rest % num_m_blocks
@@ -488,14 +488,9 @@ def decode_kernel(
     diag = len_k - seqlen_q
     if FUSED_CHECK:
         if ticket == 0:
-            code, where_b, where_j, value = _check_values(
-                SeqLens, LeftPad, BatchIdx, Table, batch, new, seqlen_q, capacity, batch_cache, num_blocks,
-                page_size, max_blocks, stride_table, rotary_len, HAS_LEFTPAD, HAS_BATCH_IDX, PAGED, CHECK_ROTARY,
-                ROTARY_LOCAL, CHECK_BLOCK, CHECK_BLOCK_E, PADDING)
-            tl.store(Status, code)
-            tl.store(Status + 1, where_b)
-            tl.store(Status + 2, where_j)
-            tl.store(Status + 3, value)
+            _check_status(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, seqlen_q, capacity, batch_cache,
+                          num_blocks, page_size, max_blocks, stride_table, rotary_len, HAS_LEFTPAD, HAS_BATCH_IDX,
+                          PAGED, CHECK_ROTARY, ROTARY_LOCAL, CHECK_BLOCK, CHECK_BLOCK_E, PADDING)
             tl.debug_barrier()  # every thread's stores before the one thread's release
             tl.atomic_xchg(sync + 1, 1, sem="release", scope="gpu")
     elif CHECKED:
@@ -654,17 +649,11 @@ def decode_kernel(
             tm64 = tm.to(tl.int64)
             hm64 = (hk * group + rm % group).to(tl.int64)
             ok_m = tm < seqlen_q
-        if FUSED_COMBINE and FUSED_CHECK:
-            if ticket != 0:  # the checker belongs to no group
+            if joins:  # the checker belongs to no group
                 _last_split_combines(Counters, rest, num_splits, OutPart, LsePart, Out, Lse, Sink, b64, tm, tm64,
                                      hm64, ok_m, offs_dv, dv_ok, stride_pp, stride_pb, stride_ps, stride_ph, stride_lp,
                                      stride_lpb, stride_lph, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
                                      MERGE_M, BLOCK_DV, HAS_SINK, COMBINE_CHUNK)
-        elif FUSED_COMBINE:
-            _last_split_combines(Counters, rest, num_splits, OutPart, LsePart, Out, Lse, Sink, b64, tm, tm64, hm64,
-                                 ok_m, offs_dv, dv_ok, stride_pp, stride_pb, stride_ps, stride_ph, stride_lp,
-                                 stride_lpb, stride_lph, stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-                                 MERGE_M, BLOCK_DV, HAS_SINK, COMBINE_CHUNK)
     else:
         tl.store(Out + b64 * stride_ob + t64[:, None] * stride_os + h64[:, None] * stride_oh + offs_dv[None, :],
                  out.to(Out.dtype.element_ty), mask=ok)
@@ -759,6 +748,12 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
     if programs < 2 * sms and not gather:
         return max(1, min(2 * sms // programs, most))
     return max(1, min(triton.cdiv(12 * sms, programs), most))
+
+
+def merge_rows(block_m: int, rows: int) -> int:
+    """The fused combine's rows per block: the block's real rows rounded up to a power of 2
+    (at least 2), not the BLOCK_M a tl.dot needs (GQA 4 x 1 query: 4, not 16)."""
+    return min(block_m, max(2, triton.next_power_of_2(rows)))
 
 
 def combine_chunk(block_m: int, block_dv: int) -> int:
@@ -917,7 +912,7 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
         out_part, lse_part = out, lse
     fused_combine = fused_combine and splits > 1
     groups = batch * nheads_k * num_m_blocks
-    merge_m = min(block_m, max(2, triton.next_power_of_2(seqlen_q * group)))  # the fused combine's rows
+    merge_m = merge_rows(block_m, seqlen_q * group)
     fused_check = fused_check and status is not None
     sync = 4 if fused_check else 0  # the fused check's counters come first
     counters = stream_counter(q.device, sync + groups * fused_combine) if sync or fused_combine else q
