@@ -138,6 +138,9 @@ def cpu_stub(n: int = 2000) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":  # read when the kernels are defined: too late to set here
         raise SystemExit("--cpu-stub runs the Triton path on CPU tensors: run it with TRITON_INTERPRET=1")
     os.environ.setdefault("FLASHTILE_BACKEND", "triton")
+    # a GPU call's metadata is on the device and checked there (the path the kv-cache rows
+    # time on a GPU); CPU metadata would take the host check instead
+    os.environ.setdefault("FLASHTILE_KVCACHE_CHECK", "device")
     with stub_launches():
         rows = workloads("cpu", torch.float16, 64, 128, peers=False)
         for name, impls in rows.items():

@@ -702,10 +702,11 @@ def test_device_check_paged(triton_backend, monkeypatch, where):
 
 
 def test_repeated_calls_skip_validation(triton_backend, monkeypatch):
-    """Metadata checked on the device: a repeated call with one key goes straight to the
-    kernels (validated once) and to their plan (one key made per call: the kernels' entry
-    is kept under the API's), bitwise the same as the full path; a changed shape or flag
-    is another key and is validated (bad ones still raise)."""
+    """Metadata checked on the device: a repeated call with one key is validated once and
+    then replays one plan of the whole call (one key made per call, the API's), bitwise the
+    same as the full path; a changed shape or flag is another key and is validated (bad
+    ones still raise)."""
+    from flashtile.api import kvcache as api
     from flashtile.problem import validate
     from flashtile.runtime import replay as plan
 
@@ -717,9 +718,14 @@ def test_repeated_calls_skip_validation(triton_backend, monkeypatch):
     q, k, v, kc, vc, table, seqlens = _case(page=16, capacity=40, heads=(4, 2))
     alibi = torch.rand(4)
     args = dict(cache_seqlens=seqlens, block_table=table, causal=True, alibi_slopes=alibi, return_softmax_lse=True)
-    outs = [flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **args) for _ in range(3)]
+    api._PLANS.clear()
+    outs = [flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **args) for _ in range(4)]
     assert len(calls) == 1
-    assert len(keys) == 2 + 1 + 1  # the first call: the API's key and the kernels'; then the API's alone
+    # the first call: the API's key and the kernels'; the second: the API's, and the kernels'
+    # refused (None) while the API's plan is recorded; then the API's alone (a replay)
+    assert len(keys) == 2 + 2 + 1 + 1
+    (entry,) = api._PLANS.entries.values()
+    assert [type(p) for p in entry.plans.values()] == [plan.Plan]
     monkeypatch.setenv("FLASHTILE_PLANS", "0")
     kc2 = kc.clone()
     want = flashtile.flash_attn_with_kvcache(q, kc2, vc.clone(), k, v, **args)

@@ -137,7 +137,9 @@ def flash_attn_with_kvcache(
         if key is not None:
             entry = _PLANS.entry(key, tensors)
             if entry.prepared is not None:
-                return _fast(entry, *tensors)
+                # the whole call replays as one plan (its launches and buffers), as a
+                # repeated ``flash_attn_func`` call does
+                return replay.run(entry, tensors, lambda: _fast(entry, *tensors))
     call = validate.kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx,
                                  cache_leftpad, block_table, softmax_scale, causal, window_size, softcap,
                                  rotary_interleaved, alibi_slopes, num_splits, return_softmax_lse, learnable_sink,
@@ -168,14 +170,18 @@ def flash_attn_with_kvcache(
 def _fast(entry, q, k_cache, v_cache, k, v, cos, sin, seqlens, batch_idx, leftpad, table, alibi, sink):
     """A repeated call whose key was validated (``flash_attn_with_kvcache``'s first call
     with it stored what the kernels need besides the tensors in ``entry.prepared``):
-    metadata on the device, checked there, so nothing here depends on values."""
+    metadata on the device, checked there, so nothing here depends on values. While
+    ``replay.run`` records this call as the API's plan, the kernels' own plan (``hint``)
+    is not used: one recording at a time; a call whose API plan was refused (a copy such
+    as a bfloat16 sink's float32 cast) keeps the kernels' plan."""
     spec, rotary, expand_alibi, want_lse = entry.prepared
     if expand_alibi:
         alibi = alibi.unsqueeze(0).expand(q.shape[0], alibi.shape[0])
     if not rotary:
         cos = sin = None
     out, lse = dispatch.kvcache_kernels(q, k_cache, v_cache, k, v, cos, sin, seqlens, leftpad, batch_idx, table,
-                                        alibi, spec, True, hint=entry, sink=sink)
+                                        alibi, spec, True, sink=sink,
+                                        hint=entry if replay.active_recorder() is None else None)
     return (out, lse) if want_lse else out
 
 

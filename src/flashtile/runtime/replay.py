@@ -226,16 +226,19 @@ class Recorder(TorchDispatchMode):
         return self.inputs[index] if index < n else self.slots[index - n]
 
     def _view(self, t: torch.Tensor) -> tuple:
-        """(source, element offset, size, stride) of a tensor: a view of a source."""
+        """(source, element offset, size, stride, dtype) of a tensor: a view of a source,
+        reinterpreted (``dtype`` not None) when its dtype differs from the source's but has
+        the same element size (a float32 scratch's int32 status words)."""
         if type(t) is not torch.Tensor:
             raise _Refuse("a tensor subclass")
         src, off = self._where(t.data_ptr())
         if isinstance(src, tuple):
             raise _Refuse("a view of the work counter")
         base = self._source_tensor(src)
-        if base.dtype != t.dtype or off % t.element_size():
-            raise _Refuse("a view with another dtype")
-        return (src, off // t.element_size(), tuple(t.shape), tuple(t.stride()))
+        if base.element_size() != t.element_size() or off % t.element_size():
+            raise _Refuse("a view with another element size")
+        dtype = None if base.dtype == t.dtype else t.dtype
+        return (src, off // t.element_size(), tuple(t.shape), tuple(t.stride()), dtype)
 
     # What Launcher reports ------------------------------------------------------------
     def launch(self, launcher, compiled, grid, args, constexprs, num_warps, num_stages) -> None:
@@ -353,8 +356,10 @@ class _GenericLaunch:
 
 
 def _as_view(sources, view) -> torch.Tensor:
-    src, off, size, stride = view
+    src, off, size, stride, dtype = view
     base = sources[src]
+    if dtype is not None:
+        base = base.view(dtype)
     if off == 0 and tuple(base.shape) == size and tuple(base.stride()) == stride:
         return base
     return base.as_strided(size, stride, base.storage_offset() + off)
