@@ -155,6 +155,33 @@ def test_varlen_and_kvcache_replay(replays, plans_off):
     assert _same(got, plans_off(lambda: decode(2)))
 
 
+
+def test_varlen_call_replays_whole_and_checks_new_metadata(replays, plans_off):
+    """A packed call is validated once per key and then replays one plan of the whole call
+    (the API's); new metadata tensors under a warm key are still checked (bad values
+    raise) and read by the replay (another split of the same tokens, bitwise the full path)."""
+    from flashtile.api import varlen as api
+
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(30, 2, 16, generator=g)
+    k, v = torch.randn(30, 1, 16, generator=g), torch.randn(30, 1, 16, generator=g)
+    run = lambda cu: flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 16, 16, causal=True)  # noqa: E731
+    first = torch.tensor([0, 5, 5, 19, 30], dtype=torch.int32)
+    for _ in range(3):
+        run(first)
+    (entry,) = api._PLANS.entries.values()
+    assert [type(p) for p in entry.plans.values()] == [plan.Plan]
+    other = torch.tensor([0, 12, 20, 20, 30], dtype=torch.int32)
+    n = replays["n"]
+    got = run(other)
+    assert replays["n"] > n
+    assert _same(got, plans_off(lambda: run(other)))
+    assert not _same(got, run(first))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        run(torch.tensor([0, 12, 8, 20, 30], dtype=torch.int32))
+    with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\]"):
+        run(torch.tensor([0, 12, 20, 20, 29], dtype=torch.int32))
+
 def test_a_changed_argument_misses(replays):
     q, k, v = _qkv(1, 24, 24, 2, 2, 16)
     variants = [

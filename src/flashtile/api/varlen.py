@@ -15,7 +15,9 @@ import torch
 
 from flashtile import dispatch
 from flashtile.problem import validate
+from flashtile.runtime import replay
 
+_PLANS = replay.cache("flash_attn_varlen_func")
 
 _PADDED: dict = {}  # the padded metadata of recent eager calls (``_padding_sequences``)
 
@@ -77,16 +79,39 @@ def _padding_sequences(q, k, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqle
 def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal,
             window_size, softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q, seqused_k,
             learnable_sink=None, attention_chunk=0, names=("q", "k", "v")):
-    call = validate.varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p,
-                                softmax_scale, causal, window_size, softcap, alibi_slopes, deterministic,
-                                return_attn_probs, block_table, seqused_q, seqused_k, names, learnable_sink,
-                                attention_chunk)
+    """Validate (the shapes once per key, the metadata values once per set of tensors),
+    then run; a repeated call without grad replays its whole launch plan (``runtime.replay``),
+    as ``flash_attn_func`` does."""
+    full = lambda: validate.varlen_call(  # noqa: E731
+        q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+        softcap, alibi_slopes, deterministic, return_attn_probs, block_table, seqused_q, seqused_k, names,
+        learnable_sink, attention_chunk)
+    inputs = (q, k, v, cu_seqlens_q, cu_seqlens_k, alibi_slopes, block_table, seqused_q, seqused_k, learnable_sink)
+    scalars = replay.plain_scalars((names, max_seqlen_q, max_seqlen_k, dropout_p, softmax_scale, causal, window_size,
+                                    softcap, deterministic, return_attn_probs, attention_chunk))
+    key = None if scalars is None else replay.make_key(inputs, scalars)
+    if key is None:
+        return _run(q, k, v, full(), learnable_sink)
+    entry = _PLANS.entry(key, inputs)
+    if entry.prepared is None:
+        call = full()
+        entry.prepared = validate.varlen_prepared(call)
+    else:
+        call = validate.varlen_repeat(entry.prepared, q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k,
+                                      block_table, alibi_slopes)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
+                                    or (learnable_sink is not None and learnable_sink.requires_grad)):
+        return _run(q, k, v, call, learnable_sink, entry)  # autograd's Function replays the kernels' plans
+    return replay.run(entry, inputs, lambda: _run(q, k, v, call, learnable_sink))
+
+
+def _run(q, k, v, call: validate.VarlenCall, sink, hint=None):
     # (total, H, D) in and out: the views to the kernels' (1, H, total, D) and back happen
     # inside the autograd node (as a select outside it, out[0] cost a zero-filled gradient
     # and a copy per backward: H200 run 80, 55 us of a 1.6 ms varlen backward).
     out, lse, probs = dispatch.attention_with_probs(q, k, v, call.problem, call.alibi, call.varlen,
-                                                    call.want_probs, qkv_layout="thd", block_table=call.block_table,
-                                                    sink=learnable_sink)
+                                                    call.want_probs, hint=hint, qkv_layout="thd",
+                                                    block_table=call.block_table, sink=sink)
     return (out, lse.squeeze(0), probs) if call.want_probs else out
 
 

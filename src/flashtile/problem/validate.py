@@ -397,6 +397,34 @@ def varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     return VarlenCall(problem, Varlen(cu_q, cu_k, used_q, used_k, max_q, max_k), table, slopes, want_probs)
 
 
+
+def varlen_repeat(call: VarlenCall, q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
+                  alibi_slopes) -> VarlenCall:
+    """A packed call whose key (``runtime.replay``: shapes, strides, dtypes, devices,
+    alignment, scalars) an earlier ``varlen_call`` validated (``call``, stored without its
+    tensors by ``varlen_prepared``): only the metadata values are checked again
+    (``varlen_values``: a dictionary lookup when they are the tensors an earlier call
+    checked), and the call gets this call's tensors."""
+    v = call.varlen
+    cu_q, cu_k = cu_seqlens_q.contiguous(), cu_seqlens_k.contiguous()
+    used_q = None if seqused_q is None else seqused_q.contiguous()
+    used_k = None if seqused_k is None else seqused_k.contiguous()
+    table = None if block_table is None else block_table.contiguous()
+    paged = table is not None
+    varlen_values(cu_q, cu_k, used_q, used_k, v.max_seqlen_q, v.max_seqlen_k, q.shape[0],
+                  None if paged else k.shape[0], table, k.shape[1] if paged else 0, k.shape[0] if paged else 0)
+    slopes = alibi_slopes
+    if slopes is not None and slopes.dim() == 1:
+        slopes = slopes.unsqueeze(0).expand(cu_q.numel() - 1, slopes.shape[0])
+    return call._replace(varlen=v._replace(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seqused_q=used_q, seqused_k=used_k),
+                         block_table=table, alibi=slopes)
+
+
+def varlen_prepared(call: VarlenCall) -> VarlenCall:
+    """``call`` without its tensors: what a plan entry keeps for ``varlen_repeat``."""
+    return call._replace(varlen=call.varlen._replace(cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                                                     seqused_k=None), block_table=None, alibi=None)
+
 # Validated varlen metadata: one host copy per distinct set of tensors (a training step
 # reuses its cu_seqlens across every layer). Keyed by the tensors' identity, storage and
 # version counter, so an in-place edit or a new tensor is checked again.
