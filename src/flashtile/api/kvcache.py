@@ -148,19 +148,18 @@ def flash_attn_with_kvcache(
     host = _host_check(call.seqlens, mode)
     if host or not kernels:
         validate.cache_values(call)
-    hint = None
     same = (call.seqlens is cache_seqlens and call.leftpad is cache_leftpad and call.batch_idx is cache_batch_idx
             and call.block_table is block_table)
     if kernels and entry is not None and not host and mode != "host" and same:
-        # Nothing of this call's host path depends on more than the key: the next call
-        # with it goes straight to the kernels (``_fast``), and the kernels' plan entry
-        # is kept under this one (``hint``).
+        # Nothing of this call's host path depends on more than the key: this call is
+        # recorded as the key's plan of the whole call, and the next one replays it (or,
+        # where a plan is refused, goes straight to the kernels: ``_fast``).
         entry.prepared = (call.spec, call.rotary, call.alibi is not alibi_slopes, call.want_lse)
-        hint = entry
+        return replay.run(entry, tensors, lambda: _fast(entry, *tensors))
     if kernels:
         out, lse = dispatch.kvcache_kernels(q, k_cache, v_cache, k, v, rotary_cos if call.rotary else None,
                                             rotary_sin if call.rotary else None, call.seqlens, call.leftpad,
-                                            call.batch_idx, call.block_table, call.alibi, call.spec, not host, hint,
+                                            call.batch_idx, call.block_table, call.alibi, call.spec, not host, None,
                                             learnable_sink)
     else:
         out, lse = dispatch.kvcache_twin(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, call)
