@@ -681,16 +681,29 @@ class CacheCall(NamedTuple):
     sink: Optional[torch.Tensor] = None
 
 
+_TRACED_VIEWS = (" (under torch.compile, views of one tensor with the same rows count as sharing memory: "
+                 "their addresses are not known while tracing; pass tensors that are not views of one tensor)")
+
+
 def _column_view(part: torch.Tensor, whole: torch.Tensor, offset: Optional[int] = None) -> bool:
     """Whether ``part`` is a view of some of ``whole``'s last-dim columns (rows the same, as
     ``whole[..., a:b]``): MLA's latent cache, v_cache = k_cache[..., :512], whose appends
     write the same memory. Other views of one buffer (k and v pages side by side) are not.
-    ``offset``: the byte offset it must sit at (None: any within a row)."""
+    ``offset``: the byte offset it must sit at (None: any within a row).
+
+    Under torch.compile (fake tensors: no addresses, no storage offsets) the answer is
+    conservative: views of one base (``part`` made from ``whole``, or both from one tensor)
+    with the same rows count as sharing memory. The callers only refuse on it, so a traced
+    call is refused where an eager one might not be, never computed differently."""
+    if (part.dtype != whole.dtype or part.shape[:-1] != whole.shape[:-1] or part.stride() != whole.stride()
+            or part.stride(-1) != 1):
+        return False
+    if torch.compiler.is_compiling():
+        return part._base is whole or (part._base is not None and part._base is whole._base)
     if part.untyped_storage().data_ptr() != whole.untyped_storage().data_ptr():
         return False
     gap = part.data_ptr() - whole.data_ptr()
-    if (part.shape[:-1] != whole.shape[:-1] or part.stride() != whole.stride() or part.stride(-1) != 1
-            or gap % part.element_size()):
+    if gap % part.element_size():
         return False
     first = gap // part.element_size()
     return (offset is None or gap == offset) and 0 <= first and first + part.shape[-1] <= whole.shape[-1]
@@ -759,12 +772,15 @@ def kvcache_call(q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlen
     latent = _column_view(v_cache, k_cache)
     if rotary_dim and latent:
         raise ValueError("rotary_cos/rotary_sin cannot be used with a v_cache that shares k_cache's memory (a latent "
-                         "cache): rotating k would rotate v too; apply the rotary embedding before the call")
-    if k is not None and latent and not _column_view(v, k, v_cache.data_ptr() - k_cache.data_ptr()):
+                         "cache): rotating k would rotate v too; apply the rotary embedding before the call"
+                         + _TRACED_VIEWS * torch.compiler.is_compiling())
+    if k is not None and latent and not _column_view(
+            v, k, None if torch.compiler.is_compiling() else v_cache.data_ptr() - k_cache.data_ptr()):
         # Both appends write the shared columns, in no fixed order on a GPU (different threads
         # store k's and v's columns): only the same values give one answer.
         raise ValueError("v must be a view of k's columns, as v_cache is of k_cache's (MLA's latent cache: "
-                         "v = k[..., :headdim_v]): both are appended into the same cache memory")
+                         "v = k[..., :headdim_v]): both are appended into the same cache memory"
+                         + _TRACED_VIEWS * torch.compiler.is_compiling())
     scale = softmax_scale("softmax_scale", softmax_scale_, dim)
     left, right = causal_window(causal, window_size)
     # q is rotated at its own positions when some side bounds the keys, as flash-attn
