@@ -76,8 +76,11 @@ NUM_BUF = {64: 4, 128: 2}  # (Q, dO) ring slots
 DQ_BUF = 2  # float32 dQ slots (64 x D each: with 2 ring slots at d128, 224 of the 227 KB)
 # The dQ slots' swizzle in bytes (0: none). The wgmma accumulator's st.shared.v2 stores are
 # 2-way bank-conflicted at 128 and 64, 4-way at 0, conflict-free at 32 (gl.bank_conflicts,
-# sm_90a); a 32-byte swizzle cuts each slot's TMA reduction into 8-column boxes.
-DQ_SWIZZLE = 128
+# sm_90a); a 32-byte swizzle cuts each slot's TMA reduction into 8-column boxes. Measured
+# on an H100 (runs 117, 123, 124 of docs/perf-notes.md, both swizzles in one process): 32
+# bytes win at every d64 shape (+3.5 to +9.7%, S2048-16384, causal and not) and lose 0-3%
+# at d128, so it is chosen per head dim.
+DQ_SWIZZLE = {64: 32, 128: 128}
 REDUCER_REGS = 24
 
 
@@ -447,8 +450,8 @@ _launch_convert = Launcher(_dq_convert)
 
 def dq_accumulator_layout(head_dim: int, swizzle: int | None = None):
     """The shared-memory layout of a (BLOCK, D / 2) float32 dQ slot (and its TMA box):
-    ``swizzle`` bytes (None: ``DQ_SWIZZLE``)."""
-    swizzle = DQ_SWIZZLE if swizzle is None else swizzle
+    ``swizzle`` bytes (None: ``DQ_SWIZZLE[head_dim]``)."""
+    swizzle = DQ_SWIZZLE[head_dim] if swizzle is None else swizzle
     if swizzle not in (0, 32, 64, 128):
         raise ValueError(f"a dQ swizzle is 0, 32, 64 or 128 bytes, got {swizzle}")
     return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=2)
@@ -478,7 +481,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
             minus the LSE's own upstream gradient if any).
         causal: key j visible to query i iff j <= i + diag_offset.
         num_buf, dq_buf: (Q, dO) ring slots (default ``NUM_BUF[D]``) and float32 dQ slots;
-            dq_swizzle: the dQ slots' swizzle (default ``DQ_SWIZZLE``) (experiments:
+            dq_swizzle: the dQ slots' swizzle (default ``DQ_SWIZZLE[D]``) (experiments:
             benchmarks/experiments/gluon_bwd_onepass.py).
         varlen: None, or (Varlen, key table, ...) for packed sequences (B = 1; Sq and Sk the
             total rows), as ``backward_split.attention_backward_ws`` takes it: the work list of
