@@ -74,7 +74,9 @@ def test_backward_choices(monkeypatch):
     assert registry.backward(_call(head_dim=256)).kernel == "sm90.backward_split_d256"
     det = registry.backward(_call(head_dim=128, deterministic=True))
     assert det.kernel == "sm90.backward_split" and "deterministic" in det.why[0]
-    packed = registry.backward(_call(head_dim=128, varlen=True))
+    # packed calls: the one-pass kernel without causal (where it won), the split kernels with
+    assert registry.backward(_call(head_dim=128, varlen=True)).kernel == "sm90.backward_onepass"
+    packed = registry.backward(_call(head_dim=128, varlen=True, window_right=0))
     assert packed.kernel == "sm90.backward_split" and "FLASHTILE_BWD_DQ=onepass" in packed.why[0]
     assert registry.backward(_call(head_dim=256, varlen=True)).kernel == "triton.backward"
     assert registry.backward(_call(head_dim=64, varlen=True, seqused=True)).family == "triton"
@@ -85,8 +87,8 @@ def test_backward_choices(monkeypatch):
                           ("atomic", "sm90.backward_split")):
         monkeypatch.setenv("FLASHTILE_BWD_DQ", value)
         assert registry.backward(_call(head_dim=64)).kernel == kernel, value
-    monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")  # packed calls too, never deterministic ones or d256
-    assert registry.backward(_call(head_dim=128, varlen=True)).kernel == "sm90.backward_onepass"
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")  # causal packed calls too, never deterministic ones or d256
+    assert registry.backward(_call(head_dim=128, varlen=True, window_right=0)).kernel == "sm90.backward_onepass"
     assert registry.backward(_call(head_dim=64, varlen=True, deterministic=True)).kernel == "sm90.backward_split"
     assert registry.backward(_call(head_dim=256, varlen=True)).kernel == "triton.backward"
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "atomic")

@@ -11,8 +11,8 @@ through the mapping behind ``os.environ``: ``os.environ.get`` costs about 1.5 us
                            ``TRITON_INTERPRET=1``) or ``torch`` (the twin everywhere)
 ``FLASHTILE_WS``           ``0`` keeps every call off the Gluon (Hopper) kernels
 ``FLASHTILE_BWD_DQ``       ``auto``, ``split`` (no one-pass Gluon backward), ``onepass``
-                           (``auto``, and packed calls on the one-pass kernel too: compiled,
-                           not yet run on a GPU) or ``atomic`` (the Triton backward's dQ by
+                           (``auto``, and causal packed calls on the one-pass kernel too:
+                           ``auto`` takes only non-causal ones) or ``atomic`` (the Triton backward's dQ by
                            atomics; never when deterministic)
 ``FLASHTILE_KVCACHE_CHECK``  ``auto``, ``host`` or ``device``: where kv-cache metadata
                            values are checked (``flashtile.api.kvcache``)
