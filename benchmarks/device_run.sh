@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|combine-ncu|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -221,4 +221,49 @@ if [[ $what == fwd-schedule ]]; then
       > "$OUT/gpu-tests-ws-fwd.log" 2>&1
     echo "ws fwd tests rc=$?"; tail -n 3 "$OUT/gpu-tests-ws-fwd.log"
   fi
+fi
+if [[ $what == train5 ]]; then
+  # Issue 38's training-step target: train_block.py five times with its no-attention and
+  # deterministic rows; attention's time = step - no-attention step, median of five.
+  for i in 1 2 3 4 5; do
+    timeout ${TRAIN_TIMEOUT:-100} python3 benchmarks/train_block.py --seqlen 8192 --out "$OUT/train-block-5.jsonl" \
+      --impls flashtile sdpa-cudnn flashtile-deterministic no-attention > "$OUT/train-block-$i.log" 2>&1
+    echo "train block $i rc=$?"; grep -E "ms$" "$OUT/train-block-$i.log" | tail -4
+  done
+  python3 - "$OUT/train-block-5.jsonl" <<'PY'
+import json, statistics, sys
+rows = [json.loads(line) for line in open(sys.argv[1])]
+by = {}
+for r in rows:
+    by.setdefault(r.get("impl"), []).append(r.get("ms"))
+base = by.get("no-attention") or [0.0]
+for impl, ms in sorted(by.items()):
+    att = [m - b for m, b in zip(ms, base)]
+    print(f"{impl:26s} step median {statistics.median(ms):7.2f} ms  attention median {statistics.median(att):6.2f} ms")
+if by.get("flashtile") and by.get("sdpa-cudnn"):
+    f = [m - b for m, b in zip(by["flashtile"], base)]
+    c = [m - b for m, b in zip(by["sdpa-cudnn"], base)]
+    print(f"attention flashtile / cuDNN: median of five {statistics.median([a / b for a, b in zip(f, c)]):.3f} (target <= 0.87)")
+PY
+fi
+if [[ $what == combine-ncu ]]; then
+  # Why the fused combine is slower at small batch (runs 106, 115): the decode kernel with
+  # and without it at B1 x 8192 cached (GQA 32/8, d128), under Nsight Compute.
+  ncu=$(ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+  for mode in separate fused; do
+    FLASHTILE_DECODE_COMBINE=$mode timeout 150 $ncu -k regex:decode_kernel --launch-skip 5 --launch-count 1 \
+      --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
+      --section SchedulerStats --section MemoryWorkloadAnalysis \
+      python3 -c "
+import torch, flashtile
+q = torch.randn(1, 1, 32, 128, device='cuda', dtype=torch.bfloat16)
+kc, vc = (torch.randn(1, 8192, 8, 128, device='cuda', dtype=torch.bfloat16) for _ in range(2))
+lens = torch.full((1,), 8000, device='cuda', dtype=torch.int32)
+for _ in range(8):
+    flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
+torch.cuda.synchronize()
+" > "$OUT/combine-ncu-$mode.log" 2>&1
+    echo "combine $mode ncu rc=$?"
+    grep -E "Duration|Grid Size|Registers|Achieved Occupancy|Stall|Warp Cycles|Throughput|ERR" "$OUT/combine-ncu-$mode.log" | head -30
+  done
 fi
