@@ -397,7 +397,6 @@ def varlen_call(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     return VarlenCall(problem, Varlen(cu_q, cu_k, used_q, used_k, max_q, max_k), table, slopes, want_probs)
 
 
-
 def varlen_repeat(call: VarlenCall, q, k, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, block_table,
                   alibi_slopes) -> VarlenCall:
     """A packed call whose key (``runtime.replay``: shapes, strides, dtypes, devices,
@@ -424,6 +423,7 @@ def varlen_prepared(call: VarlenCall) -> VarlenCall:
     """``call`` without its tensors: what a plan entry keeps for ``varlen_repeat``."""
     return call._replace(varlen=call.varlen._replace(cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                                                      seqused_k=None), block_table=None, alibi=None)
+
 
 # Validated varlen metadata: one host copy per distinct set of tensors (a training step
 # reuses its cu_seqlens across every layer). Keyed by the tensors' identity, storage and
