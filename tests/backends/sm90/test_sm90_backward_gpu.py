@@ -171,8 +171,8 @@ def test_lse_gradient(bwd_ws_calls):
 @pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_pass_packed_sequences(causal, head_dim, bwd_ws_calls, monkeypatch):
-    """FLASHTILE_BWD_DQ=onepass: packed calls on the one-pass kernel (not the default until
-    measured). Documents end inside key blocks and query tiles, so the kernel reads the next
+    """FLASHTILE_BWD_DQ=onepass: packed calls on the one-pass kernel (the default for
+    non-causal ones since H100 run 118; causal ones only with the switch). Documents end inside key blocks and query tiles, so the kernel reads the next
     document's rows, which must add exactly nothing: its keys masked out of P (non-causal;
     the diagonal's mask when causal), its query rows' P zero (their dQ reductions add zeros
     into the neighbour's rows), a last dK/dV tile stored from registers with its rows masked.
