@@ -163,12 +163,13 @@ def _first_bad_page(SeqLens, Table, before, new, num_blocks, page_size, max_bloc
 
 
 @triton.jit
-def _check_status(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache,
-                  num_blocks, page_size, max_blocks, stride_table, rotary_len,
-                  HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
-                  ROTARY: tl.constexpr, ROTARY_LOCAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
-                  PADDING: tl.constexpr):
-    """The metadata checks of ``problem.validate.cache_values`` in one program: Status =
+def check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache,
+                 num_blocks, page_size, max_blocks, stride_table, rotary_len,
+                 HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
+                 ROTARY: tl.constexpr, ROTARY_LOCAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
+                 PADDING: tl.constexpr):
+    """The metadata checks of ``problem.validate.cache_values`` in one program (launched
+    alone, or called by the decode kernel's checker program: FUSED_CHECK): Status =
     (code, sequence, index, value) of the first sequence with an error, each sequence checked in
     the order seqlen, leftpad, batch_idx, rotary, block_table (code 0: none). PADDING: a
     negative cache_seqlens marks a padding sequence, which has nothing to check. First the
@@ -227,18 +228,6 @@ def _check_status(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries
     tl.store(Status + 1, where_b)
     tl.store(Status + 2, where_j)
     tl.store(Status + 3, value)
-
-
-@triton.jit
-def check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache,
-                  num_blocks, page_size, max_blocks, stride_table, rotary_len,
-                  HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
-                  ROTARY: tl.constexpr, ROTARY_LOCAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
-                  PADDING: tl.constexpr):
-    """One program: status = (code, sequence, index, value) (``_check_status``)."""
-    _check_status(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache, num_blocks,
-                  page_size, max_blocks, stride_table, rotary_len, HAS_LEFTPAD, HAS_BATCH_IDX, PAGED, ROTARY,
-                  ROTARY_LOCAL, BLOCK, BLOCK_E, PADDING)
 
 
 @triton.jit
@@ -437,7 +426,7 @@ def decode_kernel(
     FUSED_COMBINE (with SPLIT): the last split of each group to finish merges the partials
     (``_last_split_combines``) instead of ``combine_kernel``.
     FUSED_CHECK (with CHECKED): ``check_kernel``'s work, one launch less. Each program takes
-    a ticket (Counters[0]); the first to arrive checks the metadata (``_check_status``: the
+    a ticket (Counters[0]); the first to arrive checks the metadata (``check_kernel``: the
     same status) and publishes it (Counters[1], release), and takes no work item (the grid
     has one program more; the others take item ticket - 1: in H100 run 113 the checker also
     ran a split of its own, which then ended last); a program waits for that verdict
@@ -488,9 +477,9 @@ def decode_kernel(
     diag = len_k - seqlen_q
     if FUSED_CHECK:
         if ticket == 0:
-            _check_status(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, seqlen_q, capacity, batch_cache,
-                          num_blocks, page_size, max_blocks, stride_table, rotary_len, HAS_LEFTPAD, HAS_BATCH_IDX,
-                          PAGED, CHECK_ROTARY, ROTARY_LOCAL, CHECK_BLOCK, CHECK_BLOCK_E, PADDING)
+            check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, seqlen_q, capacity, batch_cache,
+                         num_blocks, page_size, max_blocks, stride_table, rotary_len, HAS_LEFTPAD, HAS_BATCH_IDX,
+                         PAGED, CHECK_ROTARY, ROTARY_LOCAL, CHECK_BLOCK, CHECK_BLOCK_E, PADDING)
             tl.debug_barrier()  # every thread's stores before the one thread's release
             tl.atomic_xchg(sync + 1, 1, sem="release", scope="gpu")
     elif CHECKED:
