@@ -3,7 +3,8 @@
 The switches are read at call time, not at import (tests and benchmarks flip them inside
 one process; a call traced by torch.compile reads them once: ``trace_as_constants``),
 through the mapping behind ``os.environ``: ``os.environ.get`` costs about 1.5 us a name
-(it encodes the key first), the mapping about 0.1 us, and a launch reads two of them. A switch with a value outside its choices raises ValueError naming it.
+(it encodes the key first), the mapping about 0.1 us, and a launch reads two of them. A
+switch with a value outside its choices raises ValueError naming it.
 
 =========================  ==============================================================
 ``FLASHTILE_BACKEND``      ``auto`` (CUDA tensors: the kernels; CPU tensors: the torch
@@ -12,8 +13,8 @@ through the mapping behind ``os.environ``: ``os.environ.get`` costs about 1.5 us
 ``FLASHTILE_WS``           ``0`` keeps every call off the Gluon (Hopper) kernels
 ``FLASHTILE_BWD_DQ``       ``auto``, ``split`` (no one-pass Gluon backward), ``onepass``
                            (``auto``, and causal packed calls on the one-pass kernel too:
-                           ``auto`` takes only non-causal ones) or ``atomic`` (the Triton backward's dQ by
-                           atomics; never when deterministic)
+                           ``auto`` takes only non-causal ones) or ``atomic`` (the Triton
+                           backward's dQ by atomics; never when deterministic)
 ``FLASHTILE_KVCACHE_CHECK``  ``auto``, ``host`` or ``device``: where kv-cache metadata
                            values are checked (``flashtile.api.kvcache``)
 ``FLASHTILE_DECODE_APPEND``  ``fused`` (the decode kernel writes the new keys and values

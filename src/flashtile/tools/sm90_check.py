@@ -386,32 +386,31 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
     ptrs.update(Lse="*fp32", OutPart="*fp32", LsePart="*fp32", Alibi="*fp32", Cos="*fp32", Sin="*fp32",
                 Sink="*fp32", Counters="*i32")
     kind = decode.layout(paged > 0, paged, block_n)
-    out = [_compile(f"decode-check {tag}", decode.check_kernel, ptrs,
-                    dict(HAS_LEFTPAD=extras, HAS_BATCH_IDX=extras and not paged, PAGED=paged > 0, ROTARY=extras,
-                         ROTARY_LOCAL=False, BLOCK=16, BLOCK_E=decode.CHECK_BLOCK_E, PADDING=extras), 8, 1),
-           _compile(f"decode-append {tag}", decode.append_kernel, ptrs,
-                    dict(BLOCK_T=16, BLOCK_D=block_d, BLOCK_DV=block_dv, SAME_DV=not head_dim_v or head_dim_v == head_dim,
-                         PAGED=paged > 0,
-                         HAS_BATCH_IDX=extras and not paged,
-                         ROTARY=extras, INTERLEAVED=False, CHECKED=True, PADDING=extras), 4, 1),
-           _compile(f"decode {tag} split={split}" + ("" if append else " append=separate")
-                    + (" combine=fused" if fused_combine else ""), decode.decode_kernel, ptrs,
-                    dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
-                         SAME_DV=not head_dim_v or head_dim_v == head_dim, PAGED=paged > 0,
-                         PAGE_TILE=kind == "tile", PAGE_SLICE=page_slice,
-                         HAS_BATCH_IDX=extras and not paged,
-                         HAS_LEFTPAD=extras, WINDOW_LEFT=extras, WINDOW_RIGHT=extras, SOFTCAP=extras,
-                         HAS_ALIBI=extras, ROTARY=extras, INTERLEAVED=False, ROTARY_LOCAL=extras, SPLIT=split,
-                         CHECKED=True, IEEE_DOT=dtype == "fp32", HAS_SINK=extras, CHUNK=extras,
-                         APPEND=append, APPEND_T=append_t, FUSED_COMBINE=fused_combine and split, PADDING=extras,
-                         FUSED_CHECK=fused_check, CHECK_ROTARY=fused_check and extras, CHECK_BLOCK=16,
-                         CHECK_BLOCK_E=decode.FUSED_CHECK_BLOCK_E,
-                         MERGE_M=decode.merge_rows(block_m, rows),
-                         COMBINE_CHUNK=decode.combine_chunk(decode.merge_rows(block_m, rows), block_dv)
-                         if fused_combine and split else 1), 4,
-                    decode.stages(kind, block_d, block_dv))]
-    if fused_check:
-        out = out[1:]  # no check kernel
+    out = [] if fused_check else [  # the fused check: no check kernel
+        _compile(f"decode-check {tag}", decode.check_kernel, ptrs,
+                 dict(HAS_LEFTPAD=extras, HAS_BATCH_IDX=extras and not paged, PAGED=paged > 0, ROTARY=extras,
+                      ROTARY_LOCAL=False, BLOCK=16, BLOCK_E=decode.CHECK_BLOCK_E, PADDING=extras), 8, 1)]
+    out += [_compile(f"decode-append {tag}", decode.append_kernel, ptrs,
+                     dict(BLOCK_T=16, BLOCK_D=block_d, BLOCK_DV=block_dv, SAME_DV=not head_dim_v or head_dim_v == head_dim,
+                          PAGED=paged > 0,
+                          HAS_BATCH_IDX=extras and not paged,
+                          ROTARY=extras, INTERLEAVED=False, CHECKED=True, PADDING=extras), 4, 1),
+            _compile(f"decode {tag} split={split}" + ("" if append else " append=separate")
+                     + (" combine=fused" if fused_combine else ""), decode.decode_kernel, ptrs,
+                     dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
+                          SAME_DV=not head_dim_v or head_dim_v == head_dim, PAGED=paged > 0,
+                          PAGE_TILE=kind == "tile", PAGE_SLICE=page_slice,
+                          HAS_BATCH_IDX=extras and not paged,
+                          HAS_LEFTPAD=extras, WINDOW_LEFT=extras, WINDOW_RIGHT=extras, SOFTCAP=extras,
+                          HAS_ALIBI=extras, ROTARY=extras, INTERLEAVED=False, ROTARY_LOCAL=extras, SPLIT=split,
+                          CHECKED=True, IEEE_DOT=dtype == "fp32", HAS_SINK=extras, CHUNK=extras,
+                          APPEND=append, APPEND_T=append_t, FUSED_COMBINE=fused_combine and split, PADDING=extras,
+                          FUSED_CHECK=fused_check, CHECK_ROTARY=fused_check and extras, CHECK_BLOCK=16,
+                          CHECK_BLOCK_E=decode.FUSED_CHECK_BLOCK_E,
+                          MERGE_M=decode.merge_rows(block_m, rows),
+                          COMBINE_CHUNK=decode.combine_chunk(decode.merge_rows(block_m, rows), block_dv)
+                          if fused_combine and split else 1), 4,
+                     decode.stages(kind, block_d, block_dv))]
     if split and not fused_combine:
         out.append(_compile(f"decode-combine {tag}", decode.combine_kernel, ptrs,
                             dict(BLOCK_S=16, BLOCK_D=block_dv, HAS_SINK=extras), 4, 1))

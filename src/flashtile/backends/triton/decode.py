@@ -14,9 +14,9 @@ read:
   nheads_k alone would not. ``FLASHTILE_DECODE_COMBINE=fused`` merges in the decode
   kernel instead: the last split of each group to finish does it (``_last_split_combines``,
   behind a per-group counter that it leaves at 0), and no ``combine_kernel`` runs. Not the
-  default: on an H100 it was correct but slower at small batch (B1 x 4096: 17.9 us a step
-  against 10.3) while the merge went one split a step over 16 rows; it now reads chunks of
-  splits over the real rows only (unmeasured).
+  default: on an H100 it is correct but slower at small batch (B1 x 4096: 18.9 us a
+  generation step against 10.9, run 115), with its merge reading chunks of splits over
+  the real rows only as much as with one split a step (run 106): the cost is elsewhere.
 * **Addressing.** Keys are read where they are: cache row ``cache_batch_idx[b]`` (or b)
   from ``cache_leftpad[b]``, or page ``block_table[b, p // page]`` at ``p % page``. When
   the page size is a multiple of the key tile a tile lies in one page (one table read per
