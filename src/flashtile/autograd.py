@@ -156,15 +156,21 @@ class _EagerAttention(torch.autograd.Function):
         # forward's plan entry is kept in ``hint.below`` when the caller has a hint
         # (``attention``), else found here; the backward finds its own entry below it.
         inputs = (q, k, v) + tail
-        a = run.FwdArgs.of((layout.canonical(q, where), layout.canonical(k, where),
-                            layout.canonical(v, where)) + tail)
-        entry = None if hint is None else hint.below.get("attn_fwd")
-        if entry is None:
-            entry = run.forward_entry(a)
-            if hint is not None and entry is not None:
-                hint.below["attn_fwd"] = entry
-        out, lse = run.forward_planned(entry, a)
-        out = layout.from_bshd(out, where)
+        if hint is not None and hint.below.get("attention") is tail:
+            # a keyed call (``attention_keyed``): the forward, layouts included, is one plan
+            # on the caller's q, k, v, so a repeated call makes no op arguments
+            entry = replay.below(hint, "attn_fwd_keyed", (q, k, v))
+            out, lse = replay.run(entry, (q, k, v), partial(_forward_in_layout, where, q, k, v, tail))
+        else:
+            a = run.FwdArgs.of((layout.canonical(q, where), layout.canonical(k, where),
+                                layout.canonical(v, where)) + tail)
+            entry = None if hint is None else hint.below.get("attn_fwd")
+            if entry is None:
+                entry = run.forward_entry(a)
+                if hint is not None and entry is not None:
+                    hint.below["attn_fwd"] = entry
+            out, lse = run.forward_planned(entry, a)
+            out = layout.from_bshd(out, where)
         # An unused LSE (or out) arrives as None and skips the Delta update; the op's
         # autograd passes zeros instead. Same gradients either way.
         ctx.set_materialize_grads(False)
@@ -185,6 +191,13 @@ class _EagerAttention(torch.autograd.Function):
             bwd = run.backward
         grads = _grads(ctx, dout, dlse, bwd)
         return None, None, *grads[:3], grads[19] if ctx.sink is not None else None, None
+
+
+def _forward_in_layout(where: str, q: Tensor, k: Tensor, v: Tensor, tail: tuple) -> tuple[Tensor, Tensor]:
+    """The forward op's work (no plan of its own) for q, k, v in ``where``: out in ``where``, lse."""
+    out, lse = run.forward_planned(None, run.FwdArgs.of((layout.canonical(q, where), layout.canonical(k, where),
+                                                         layout.canonical(v, where)) + tail))
+    return layout.from_bshd(out, where), lse
 
 
 def _refuse_forward_ad(*tensors) -> None:
@@ -237,6 +250,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, w
         return _EagerAttention.apply(hint, qkv_layout, q, k, v, sink, tail)
     out, lse = run.forward(*(layout.canonical(t, qkv_layout) for t in (q, k, v)), *tail)
     return layout.from_bshd(out, qkv_layout), lse
+
+
+def attention_keyed(hint, qkv_layout: str, q: Tensor, k: Tensor, v: Tensor, tail: tuple) -> tuple[Tensor, Tensor]:
+    """``attention`` for a call with grad whose plan key was made (``runtime.replay.make_key``:
+    nothing traces or transforms it, no forward-AD level, plain tensors, so ``_plain_eager``
+    holds) and whose op arguments after v are ``tail`` (no tensor among them, no sink):
+    the eager autograd node directly (``dispatch.attention_keyed``)."""
+    return _EagerAttention.apply(hint, qkv_layout, q, k, v, None, tail)
 
 
 @torch.library.custom_op("flashtile::kvcache", mutates_args=("k_cache", "v_cache"), device_types=("cuda", "cpu"))

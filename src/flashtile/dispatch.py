@@ -71,6 +71,27 @@ def attention(q, k, v, problem: Problem, alibi=None, mask=None, varlen: Optional
         () if varlen is None else varlen, hint, qkv_layout, sink, problem.chunk)
 
 
+def attention_keyed(q, k, v, problem: Problem, hint, qkv_layout: str = "bhsd") -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention(q, k, v, problem, hint=hint, qkv_layout=qkv_layout)`` for a call whose plan
+    key was made (``runtime.replay.make_key`` gave one, so nothing traces or transforms it
+    and no forward-AD level is open) and that has no tensor but q, k, v (no ALiBi, mask,
+    dropout, varlen or sink): the same result. What ``attention`` derives from the key alone
+    (the family, the layout copies, the op's arguments) is derived once per key and kept
+    in ``hint.below``; a key that needs ``attention``'s full path keeps going there."""
+    tail = hint.below.get("attention")
+    if tail is None:
+        plain = (problem.dropout_p == 0.0 and q.device.type != "meta" and registry.backend(q.device) == "kernels"
+                 and all(t.stride(-1) == 1 for t in (q, k, v)))
+        # the deterministic flag: the key holds torch.are_deterministic_algorithms_enabled()
+        tail = hint.below["attention"] = (
+            (problem.scale, problem.diag_offset, problem.window_left, problem.window_right, problem.softcap,
+             None, None, 0.0, None, problem.deterministic or torch.are_deterministic_algorithms_enabled())
+            + ((None, None, None, None, 0, 0, None, problem.chunk) if problem.chunk else ())) if plain else ()
+    if not tail:
+        return attention(q, k, v, problem, hint=hint, qkv_layout=qkv_layout)
+    return autograd.attention_keyed(hint, qkv_layout, q, k, v, tail)
+
+
 def attention_with_probs(q, k, v, problem: Problem, alibi=None, varlen: Optional[Varlen] = None,
                          want_probs: bool = False, hint=None, qkv_layout: str = "bhsd", block_table=None,
                          sink=None):

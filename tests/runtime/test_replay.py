@@ -90,6 +90,35 @@ def test_replayed_training_step_is_bitwise_the_full_path(replays, plans_off):
     assert _same(got, plans_off(lambda: step(2)))
 
 
+@pytest.mark.parametrize("case", ["packed", "bhsd", "chunk", "deterministic"])
+def test_keyed_training_calls_replay_bitwise(case, replays, plans_off, monkeypatch):
+    """A training call without per-call tensors (``dispatch.attention_keyed``) replays its
+    forward as one plan on the caller's q, k, v: packed (overlapping) views, another
+    layout, a chunk in the op's arguments and the deterministic switch each keep their
+    own plan and their gradients."""
+    if case == "deterministic":
+        monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
+
+    def step(seed):
+        kwargs = dict(causal=True, attention_chunk=16 if case == "chunk" else 0)
+        if case == "packed":
+            qkv = torch.randn(2, 40, 3, 4, 16, generator=torch.Generator().manual_seed(seed)).requires_grad_()
+            out = flashtile.flash_attn_qkvpacked_func(qkv, **kwargs)
+            leaves = [qkv]
+        else:
+            leaves = [t.detach().requires_grad_() for t in _qkv(2, 40, 56, 4, 2, 16, seed=seed,
+                                                                  layout="bhsd" if case == "bhsd" else "bshd")]
+            out = flashtile.flash_attn_func(*leaves, **kwargs)
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        return (out.detach(), *grads)
+
+    step(1)
+    assert replays["n"] == 0
+    got = step(2)
+    assert replays["n"] == 2  # the forward's plan and the backward's
+    assert _same(got, plans_off(lambda: step(2)))
+
+
 def test_backward_plan_follows_dout_layout_and_the_lse_gradient(replays, plans_off):
     """A training call finds its backward's entry from the forward's by dout, dlse and the
     switches alone (``autograd._attn_bwd_planned``): each of these must get its own plan."""

@@ -437,6 +437,15 @@ class _Entry:
         self.below: dict = {}
 
 
+def below(entry: _Entry, name: str, inputs: Sequence[Optional[torch.Tensor]]) -> _Entry:
+    """The entry ``name`` of a call one layer down that ``entry``'s key determines but its
+    inputs' addresses (``entry.below[name]``), made on first use with these inputs."""
+    e = entry.below.get(name)
+    if e is None:
+        e = entry.below[name] = _Entry(inputs)
+    return e
+
+
 class Cache:
     """Plans of one call site: key -> ``_Entry``."""
 

@@ -22,7 +22,7 @@ switch with a value outside its choices raises ValueError naming it.
                            (an append kernel first, one launch more)
 ``FLASHTILE_DECODE_COMBINE``  ``separate`` (a split decode's combine kernel) or ``fused``
                            (the decode kernel's last split of each group merges the
-                           partials; correct on an H100, slower at small batch)
+                           partials; correct on an H100, slower under CUDA graphs)
 ``FLASHTILE_DECODE_CHECK``  ``separate`` (a device check of kv-cache metadata is a
                            launch of its own) or ``fused`` (the decode kernel checks
                            them itself, where it is the call's only writer;

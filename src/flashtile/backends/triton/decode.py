@@ -14,9 +14,11 @@ read:
   nheads_k alone would not. ``FLASHTILE_DECODE_COMBINE=fused`` merges in the decode
   kernel instead: the last split of each group to finish does it (``_last_split_combines``,
   behind a per-group counter that it leaves at 0), and no ``combine_kernel`` runs. Not the
-  default: on an H100 it is correct but slower at small batch (B1 x 4096: 18.9 us a
-  generation step against 10.9, run 115), with its merge reading chunks of splits over
-  the real rows only as much as with one split a step (run 106): the cost is elsewhere.
+  default: on an H100 under CUDA graphs it is 1-5 us slower a step (B1 x 4096: 12.1 us
+  against 9.1; B1 x 8192: 16.8 against 12.0, run 130), as the last split's merge of 16-32
+  splits is serial after every split's work; eager it is faster (one launch less, host
+  bound at small batch). Run 129 measured its parts: the arrival costs ~1 us, the merge
+  the rest (it was 35.5 us at B1 x 8192 while its loops summed over splits across warps).
 * **Addressing.** Keys are read where they are: cache row ``cache_batch_idx[b]`` (or b)
   from ``cache_leftpad[b]``, or page ``block_table[b, p // page]`` at ``p % page``. When
   the page size is a multiple of the key tile a tile lies in one page (one table read per
@@ -346,23 +348,30 @@ def _last_split_combines(Counters, group, num_splits, OutPart, LsePart, Out, Lse
     tl.debug_barrier()
     if ticket == num_splits - 1:
         tl.atomic_xchg(Counters + group, 0, sem="relaxed", scope="gpu")
+        # The loops keep per-split running values in the tiles' own shape, (CHUNK, rows) and
+        # (CHUNK, rows, Dv), and reduce over splits once after them: a sum over the split axis
+        # inside a loop crossed warps (shared memory and two barriers a step; H100 runs
+        # 129-130: B1 x 8192, 32 splits, 35.5 -> 16.8 us a step). A partial's load does not
+        # wait for its LSE: a split without keys wrote 0s, weight 0. (Pipelining the loop's
+        # loads, tl.range num_stages=3, gained nothing: run 131.)
         lse_row = LsePart + b64 * stride_lpb + h64 * stride_lph + t
         offs_c = tl.arange(0, CHUNK)
-        top = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        nans = tl.zeros([BLOCK_M], tl.int32)
+        tops = tl.full([CHUNK, BLOCK_M], float("-inf"), tl.float32)
+        nans = tl.zeros([CHUNK, BLOCK_M], tl.int32)
         for s0 in range(0, num_splits, CHUNK):
             sc = s0 + offs_c
             ok = (sc < num_splits)[:, None] & row_ok[None, :]
             part_lse = tl.load(lse_row[None, :] + sc.to(tl.int64)[:, None] * stride_lp, mask=ok,
                                other=float("-inf"), cache_modifier=".cg")
-            nans += tl.sum((part_lse != part_lse).to(tl.int32), 0)
-            top = tl.maximum(top, tl.max(part_lse, 0))
+            nans += (part_lse != part_lse).to(tl.int32)
+            tops = tl.maximum(tops, part_lse)
+        top = tl.max(tops, 0)
         if HAS_SINK:
             sink = tl.load(Sink + h64, mask=row_ok, other=float("-inf"))
             top = tl.maximum(top, sink)
         top = tl.where(top == float("-inf"), 0.0, top)
-        total = tl.zeros([BLOCK_M], tl.float32)
-        merged = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        totals = tl.zeros([CHUNK, BLOCK_M], tl.float32)
+        sums = tl.zeros([CHUNK, BLOCK_M, BLOCK_DV], tl.float32)
         part_row = OutPart + b64 * stride_pb + t64[:, None] * stride_ps + h64[:, None] * stride_ph + offs_dv[None, :]
         for s0 in range(0, num_splits, CHUNK):
             sc = s0 + offs_c
@@ -370,12 +379,14 @@ def _last_split_combines(Counters, group, num_splits, OutPart, LsePart, Out, Lse
             ok = (sc < num_splits)[:, None] & row_ok[None, :]
             part_lse = tl.load(lse_row[None, :] + sc64[:, None] * stride_lp, mask=ok, other=float("-inf"),
                                cache_modifier=".cg")
-            w = tl.exp(part_lse - top[None, :])
-            total += tl.sum(w, 0)
-            live = ok & (part_lse != float("-inf"))
             part = tl.load(part_row[None, :, :] + sc64[:, None, None] * stride_pp,
-                           mask=live[:, :, None] & dv_ok[None, None, :], other=0.0, cache_modifier=".cg")
-            merged += tl.sum(w[:, :, None] * part, 0)
+                           mask=ok[:, :, None] & dv_ok[None, None, :], other=0.0, cache_modifier=".cg")
+            w = tl.exp(part_lse - top[None, :])
+            totals += w
+            sums += w[:, :, None] * part
+        total = tl.sum(totals, 0)
+        merged = tl.sum(sums, 0)
+        nans = tl.sum(nans, 0)
         if HAS_SINK:
             total += tl.exp(sink - top)
         out = merged / tl.where(total == 0.0, 1.0, total)[:, None]
