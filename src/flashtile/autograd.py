@@ -175,7 +175,7 @@ class _EagerAttention(torch.autograd.Function):
         # autograd passes zeros instead. Same gradients either way.
         ctx.set_materialize_grads(False)
         _setup_context(ctx, inputs, (out, lse))
-        ctx.entry, ctx.layout = entry, where
+        ctx.entry, ctx.layout, ctx.keyed = entry, where, hint is not None and hint.below.get("attention") is tail
         return out, lse
 
     @staticmethod
@@ -185,6 +185,14 @@ class _EagerAttention(torch.autograd.Function):
         # traced backward (compiled autograd) also needs the op and its fake kernel.
         if torch.is_grad_enabled() or not _plain_eager(dout, dlse):
             bwd = torch.ops.flashtile.attn_bwd
+        elif ctx.keyed:
+            # a keyed call's backward, layouts included, is one plan on the saved tensors,
+            # dout and dlse, found below the forward's by what only the backward brings
+            inputs = (*ctx.saved_tensors, dout, dlse)
+            entry = replay.below(ctx.entry, (replay.env_key(), replay.tensor_key(dout), replay.tensor_key(dlse)),
+                                 inputs)
+            dq, dk, dv = replay.run(entry, inputs, lambda: _grads(ctx, dout, dlse, run.backward)[:3])
+            return None, None, dq, dk, dv, None, None
         elif ctx.entry is not None:
             bwd = partial(run.backward_planned, ctx.entry)
         else:
