@@ -74,10 +74,12 @@ def test_backward_choices(monkeypatch):
     assert registry.backward(_call(head_dim=256)).kernel == "sm90.backward_split_d256"
     det = registry.backward(_call(head_dim=128, deterministic=True))
     assert det.kernel == "sm90.backward_split" and "deterministic" in det.why[0]
-    # packed calls: the one-pass kernel without causal (where it won), the split kernels with
+    # packed calls: the one-pass kernel without causal and at d64 (where it won), the split
+    # kernels for causal ones at d128
     assert registry.backward(_call(head_dim=128, varlen=True)).kernel == "sm90.backward_onepass"
     packed = registry.backward(_call(head_dim=128, varlen=True, window_right=0))
     assert packed.kernel == "sm90.backward_split" and "FLASHTILE_BWD_DQ=onepass" in packed.why[0]
+    assert registry.backward(_call(head_dim=64, varlen=True, window_right=0)).kernel == "sm90.backward_onepass"
     assert registry.backward(_call(head_dim=256, varlen=True)).kernel == "triton.backward"
     assert registry.backward(_call(head_dim=64, varlen=True, seqused=True)).family == "triton"
     # the backward does not consult the forward's table: short causal d64 is Gluon here
@@ -167,8 +169,8 @@ def test_the_launch_asks_the_registry(monkeypatch, triton_backend):
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "split")
     assert chosen(64) == "split"
 
-    def chosen_packed():  # two documents of 40 and 24 rows
-        q, k, v = (torch.randn(64, 2, 64, dtype=torch.float16, requires_grad=True) for _ in range(3))
+    def chosen_packed(head_dim=64):  # two documents of 40 and 24 rows
+        q, k, v = (torch.randn(64, 2, head_dim, dtype=torch.float16, requires_grad=True) for _ in range(3))
         cu = torch.tensor([0, 40, 64], dtype=torch.int32)
         out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 40, 40, causal=True)
         with monkeypatch.context() as m:
@@ -179,8 +181,9 @@ def test_the_launch_asks_the_registry(monkeypatch, triton_backend):
         return str(err.value), seen[-1]["varlen"]
 
     monkeypatch.delenv("FLASHTILE_BWD_DQ")
-    name, (_, keys, queries) = chosen_packed()  # the split kernels: a key and a query work list
+    name, (_, keys, queries) = chosen_packed(128)  # causal d128: the split kernels, a key and a query work list
     assert name == "split" and keys[1] > 0 and queries[1] > 0
+    assert chosen_packed(64)[0] == "one-pass"  # causal d64: the one-pass kernel
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")
     name, (varlen, (table, cap), *rest) = chosen_packed()  # one program per block of 128 keys
     assert name == "one-pass" and rest == [] and varlen.batch == 2 and int(table[0]) == 2 <= cap

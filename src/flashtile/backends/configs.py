@@ -222,7 +222,7 @@ def bwd_dq_mode(deterministic: bool) -> str:
 
     ``FLASHTILE_BWD_DQ``: ``auto`` (default), ``onepass`` and ``split`` give split here
     (``auto`` lets the Hopper one-pass Gluon kernel take the head dims where it is faster,
-    ``onepass`` causal packed calls too: ``sm90.scope.onepass_scope``; ``split`` keeps the split
+    ``onepass`` causal packed d128 calls too: ``sm90.scope.onepass_scope``; ``split`` keeps the split
     kernels everywhere);
     ``atomic`` opts in to the fused variant. Determinism (the call's flag or
     ``torch.use_deterministic_algorithms``) always wins over it.

@@ -70,15 +70,17 @@ def onepass_scope(call, bwd_dq: str) -> Optional[str]:
     """The one-pass backward instead of the split kernels: a head dim of ONEPASS_HEAD_DIMS,
     not deterministic (its dQ is summed by float32 reductions in a varying order),
     ``FLASHTILE_BWD_DQ`` (``bwd_dq``) auto or onepass, and for packed calls either no causal
-    mask or ``onepass`` (H100 run 118, packed backward one-pass / split: 1.03-1.08x without
-    causal at every row, 0.95-1.02x causal)."""
+    mask, head dim 64 or ``onepass`` (H100 packed backward one-pass / split: without causal
+    1.03-1.08x at every row in run 118, 1.04-1.14x in run 127; causal at d64 1.01-1.04x
+    with the 32-byte dQ swizzle, at d128 0.98-1.03x: run 127)."""
     if call.deterministic:
         return "deterministic: the split kernels (the one-pass kernel sums dQ in a varying order)"
     if call.head_dim not in ONEPASS_HEAD_DIMS:
         return f"the one-pass kernel takes head dims {ONEPASS_HEAD_DIMS}; d{call.head_dim} takes the split kernels"
     if bwd_dq not in ("auto", "onepass"):
         return f"FLASHTILE_BWD_DQ={bwd_dq} keeps the split kernels"
-    if call.varlen and bwd_dq != "onepass" and (call.window_left >= 0 or call.window_right >= 0):
-        return ("causal packed calls take the split kernels (the one-pass kernel ran 0.95-1.02x them there; "
-                "FLASHTILE_BWD_DQ=onepass takes it)")
+    if (call.varlen and bwd_dq != "onepass" and call.head_dim != 64
+            and (call.window_left >= 0 or call.window_right >= 0)):
+        return (f"causal packed calls at d{call.head_dim} take the split kernels (the one-pass kernel ran "
+                "0.98-1.03x them there; FLASHTILE_BWD_DQ=onepass takes it)")
     return None
