@@ -213,7 +213,7 @@ def _launch_forward(choice, q, k, v, out4, lse, problem, alibi, mask, seed, varl
         from flashtile.backends.sm90 import forward as sm90_forward
 
         sm90_forward.attention_forward_ws(q, k, v, out4, lse, scale=problem.scale, diag_offset=problem.diag_offset,
-                                          causal=problem.causal, varlen=varlen)
+                                          causal=problem.causal, varlen=varlen, sink=sink)
     else:
         from flashtile.backends.triton import forward as triton_forward
 

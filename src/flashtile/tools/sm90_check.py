@@ -246,10 +246,12 @@ def _compile_ws(name: str, fn, dtype: str, head_dim: int, rows: dict, constexprs
 
 
 def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int | None = None,
-                       num_buf: int | None = None, dynamic: bool = False, varlen: bool = False) -> Compiled:
+                       num_buf: int | None = None, dynamic: bool = False, varlen: bool = False,
+                       sink: bool = False) -> Compiled:
     """The warp-specialized Gluon forward (``backends.sm90.forward``; its default tiles unless given;
     ``dynamic``: the kernel of the dynamic schedule; ``varlen``: that kernel on a work list
-    (Items an int32 pointer), as packed sequences run it)."""
+    (Items an int32 pointer), as packed sequences run it; ``sink``: with an attention sink
+    (Sink a float32 pointer, else q's dtype: none))."""
     from flashtile.backends.sm90 import forward as forward_sm90
     from flashtile.backends.sm90.forward import HALF_M, LOADER_REGS, fwd_ws_dyn_kernel, fwd_ws_kernel
 
@@ -257,11 +259,15 @@ def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int 
     num_buf = num_buf or forward_sm90.NUM_BUF
     dynamic = dynamic or varlen
     name = "fwd-ws-varlen" if varlen else "fwd-ws-dyn" if dynamic else "fwd-ws"
-    return _compile_ws(f"{name} {dtype} d{head_dim} causal={causal} block_n={block_n} num_buf={num_buf}",
+    pointers = dict(Sink="*fp32" if sink else f"*{dtype}")
+    if varlen:
+        pointers.update(Items="*i32", Out=f"*{dtype}")
+    return _compile_ws(f"{name} {dtype} d{head_dim} causal={causal} block_n={block_n} num_buf={num_buf}"
+                       + (" sink" if sink else ""),
                        fwd_ws_dyn_kernel if dynamic else fwd_ws_kernel, dtype, head_dim,
                        dict(q_desc=HALF_M, k_desc=block_n, v_desc=block_n, o_desc=HALF_M),
                        dict(CAUSAL=causal, NUM_BUF=num_buf, CONSUMER_REGS=240, LOADER_REGS=LOADER_REGS),
-                       dict(Items="*i32", Out=f"*{dtype}") if varlen else None)
+                       pointers)
 
 
 def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf: int | None = None,

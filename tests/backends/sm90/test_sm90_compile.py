@@ -125,18 +125,22 @@ def test_gluon_forward_dynamic_schedule_compiles(tmp_path):
     for sm_90a within shared memory, redistributes registers, claims items with one
     atomic per claim (the first and the loop's) plus the exchange that resets the counter
     for the next launch, and keeps its tiles out of local memory (the causal d128 kernel
-    spills loop scalars: 128 bytes)."""
+    spills loop scalars: 128 bytes); with an attention sink too (d128: its epilogue reads
+    the sink, one more global load)."""
     script = (
         "from flashtile.tools.sm90_check import compile_forward_ws\n"
-        "for d in (64, 128, 256):\n"
-        "    c = compile_forward_ws('bf16', d, causal=True, dynamic=True)\n"
+        "for d, sink in ((64, False), (128, False), (256, False), (128, True)):\n"
+        "    c = compile_forward_ws('bf16', d, causal=True, dynamic=True, sink=sink)\n"
         "    regs, spill = c.registers()\n"
-        "    print('dyn', f'd={d} spill={spill} smem={c.shared}', f\"setmaxnreg={c.ptx.count('setmaxnreg')}\",\n"
-        "          f\"atom={c.ptx.count('atom.global')}\", f\"exch={c.ptx.count('.exch.')}\", flush=True)\n"
+        "    print('dyn', f'd={d} sink={sink} spill={spill} smem={c.shared}', f\"setmaxnreg={c.ptx.count('setmaxnreg')}\",\n"
+        "          f\"atom={c.ptx.count('atom.global')}\", f\"exch={c.ptx.count('.exch.')}\",\n"
+        "          f\"loads={c.ptx.count('ld.global')}\", flush=True)\n"
     )
     out = _compile_run(tmp_path, "-c", script)
     lines = _report(out, ("dyn",))
-    assert len(lines) == 3, out
+    assert len(lines) == 4, out
+    loads = {(f["d"], f["sink"]): int(f["loads"]) for _, f in lines}
+    assert loads[("128", "True")] > loads[("128", "False")], loads
     for line, fields in lines:
         assert int(fields["smem"]) <= SM90_SHARED_LIMIT and int(fields["setmaxnreg"]) > 0, line
         assert int(fields["atom"]) == 3 and int(fields["exch"]) == 1 and int(fields["spill"]) <= 128, line

@@ -48,7 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashtile.backends.sm90.common import load_kv_tiles, tma_descriptor, work_item
-from flashtile.backends.triton.scores import C_LN2, LOG2E
+from flashtile.backends.triton.scores import C_LN2, C_LOG2E, LOG2E
 from flashtile.runtime.device import device_index, sm_count
 from flashtile.runtime.launch import Launcher
 from flashtile.runtime.replay import stream_counter
@@ -128,7 +128,7 @@ def _store_o_varlen(out, o_desc, o_tile, q_empty, WG: gl.constexpr, Out, stride_
 @gluon.jit
 def _consume_item(WG: gl.constexpr, t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem,
                   v_smem, q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads,
-                  group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om):
+                  group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink):
     """Warpgroup WG's 64 rows of work item t: it key tiles were consumed before it (the
     position in the K/V ring) and done items (the Q barriers' phase). Returns its key tiles."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
@@ -151,6 +151,7 @@ def _consume_item(WG: gl.constexpr, t, it, done, q_desc, k_desc, v_desc, o_desc,
     ALIAS_O: gl.constexpr = HEAD_D > 128
     zeros_s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
+    HAS_SINK: gl.constexpr = Sink.dtype.element_ty == gl.float32  # else q's pointer (fp16/bf16)
     lse_stride = seqlen_q  # varlen: total_q (the host passes it as seqlen_q)
     b, h, kvh, bh, m0, n_tiles, q_row, k_row, seqlen_q, seqlen_k, diag_offset = work_item(
         t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, Items, item_cap,
@@ -208,6 +209,17 @@ def _consume_item(WG: gl.constexpr, t, it, done, q_desc, k_desc, v_desc, o_desc,
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(v_empty.index(last), count=1)
 
+    m_fin = m_i * qk_scale  # the rows' running max in base 2
+    if HAS_SINK:
+        # one more logit per query head in the denominator only (``triton.scores.add_sink``):
+        # a row that saw no key ends with out 0 and lse sink[h]
+        sink2 = gl.load(Sink + h) * C_LOG2E
+        top = gl.maximum(m_fin, sink2)
+        top = gl.where(top == float("-inf"), 0.0, top)  # a -inf sink on an empty row: stays empty
+        alpha = gl.exp2(m_fin - top)
+        l_i = l_i * alpha + gl.exp2(sink2 - top)
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        m_fin = top
     # l == 0 exactly when a row saw no key (NaN from the data propagates instead).
     seen = l_i != 0.0
     l_safe = gl.where(seen, l_i, 1.0)
@@ -224,7 +236,7 @@ def _consume_item(WG: gl.constexpr, t, it, done, q_desc, k_desc, v_desc, o_desc,
             tma.store_wait(pendings=0)
             mbarrier.arrive(q_empty.index(WG), count=1)
     rows = mq + gl.arange(0, ROWS, layout=row_s)
-    lse = gl.where(seen, (m_i * qk_scale + gl.log2(l_safe)) * C_LN2, float("-inf"))
+    lse = gl.where(seen, (m_fin + gl.log2(l_safe)) * C_LN2, float("-inf"))
     gl.store(Lse + bh.to(gl.int64) * lse_stride + q_row + rows, lse, mask=rows < seqlen_q)
     return n_tiles
 
@@ -232,13 +244,13 @@ def _consume_item(WG: gl.constexpr, t, it, done, q_desc, k_desc, v_desc, o_desc,
 @gluon.jit
 def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
               q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size,
-              seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om):
+              seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink):
     it = 0  # key tiles consumed so far: the position in the K/V ring
     done = 0  # work items finished
     for t in range(gl.program_id(0), num_m_blocks * num_bh, gl.num_programs(0)):
         it += _consume_item(WG, t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
                             q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads,
-                            group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om)
+                            group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink)
         done += 1
     tma.store_wait(pendings=0)
 
@@ -246,25 +258,25 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_s
 @gluon.jit
 def _consumer0(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-               qk_scale, Items, item_cap, Out, stride_oh, stride_om):
+               qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink):
     _consumer(0, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
               k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-              qk_scale, Items, item_cap, Out, stride_oh, stride_om)
+              qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink)
 
 
 @gluon.jit
 def _consumer1(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-               qk_scale, Items, item_cap, Out, stride_oh, stride_om):
+               qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink):
     _consumer(1, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
               k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-              qk_scale, Items, item_cap, Out, stride_oh, stride_om)
+              qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink)
 
 
 @gluon.jit
 def _load_item(t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty,
                k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-               diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om):
+               diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink):
     """Work item t's Q tiles, then its K/V tiles into the ring; returns its key tiles."""
     ROWS: gl.constexpr = q_desc.block_type.shape[2]
     BLOCK_N: gl.constexpr = k_desc.block_type.shape[2]
@@ -285,13 +297,13 @@ def _load_item(t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem,
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
             k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-            qk_scale, Items, item_cap, Out, stride_oh, stride_om):
+            qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink):
     it = 0
     done = 0
     for t in range(gl.program_id(0), num_m_blocks * num_bh, gl.num_programs(0)):
         it += _load_item(t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready,
                          q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size,
-                         seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om)
+                         seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink)
         done += 1
 
 
@@ -329,7 +341,7 @@ def _allocate(q_desc, k_desc, v_desc, o_desc, CAUSAL: gl.constexpr, NUM_BUF: gl.
 
 @gluon.jit
 def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seqlen_q, seqlen_k,
-                   num_m_blocks, num_bh, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om,
+                   num_m_blocks, num_bh, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink,
                    CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                    LOADER_REGS: gl.constexpr):
     """Persistent when launched on fewer programs than work items: each program walks the
@@ -338,7 +350,7 @@ def fwd_ws_kernel(q_desc, k_desc, v_desc, o_desc, Lse, nheads, group_size, seqle
     (q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty, v_ready,
      v_empty) = _allocate(q_desc, k_desc, v_desc, o_desc, CAUSAL, NUM_BUF)
     args = (q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-            v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om)
+            v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink)
     gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args)], [4, 1],
                        [CONSUMER_REGS, LOADER_REGS])
 
@@ -387,7 +399,7 @@ def _read_item(n, item_smem, item_ready, item_empty):
 @gluon.jit
 def _dyn_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
                   q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size,
-                  seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Counter, item_smem, item_ready, item_empty):
+                  seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink, Counter, item_smem, item_ready, item_empty):
     total = _total_items(num_m_blocks, num_bh, nheads, Items)
     it = 0
     done = 0
@@ -395,7 +407,7 @@ def _dyn_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem,
     while t < total:
         it += _consume_item(WG, t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem,
                             q_ready, q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads,
-                            group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om)
+                            group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink)
         done += 1
         t = _read_item(done, item_smem, item_ready, item_empty)
     tma.store_wait(pendings=0)
@@ -404,25 +416,25 @@ def _dyn_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, o_desc, Lse, q_smem,
 @gluon.jit
 def _dyn_consumer0(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                    k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                   diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Counter, item_smem, item_ready, item_empty):
+                   diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink, Counter, item_smem, item_ready, item_empty):
     _dyn_consumer(0, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                   k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                  diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Counter, item_smem, item_ready, item_empty)
+                  diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink, Counter, item_smem, item_ready, item_empty)
 
 
 @gluon.jit
 def _dyn_consumer1(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                    k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                   diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Counter, item_smem, item_ready, item_empty):
+                   diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink, Counter, item_smem, item_ready, item_empty):
     _dyn_consumer(1, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                   k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k,
-                  diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Counter, item_smem, item_ready, item_empty)
+                  diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink, Counter, item_smem, item_ready, item_empty)
 
 
 @gluon.jit
 def _dyn_loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready,
                 k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
-                qk_scale, Items, item_cap, Out, stride_oh, stride_om, Counter, item_smem, item_ready, item_empty):
+                qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink, Counter, item_smem, item_ready, item_empty):
     total = _total_items(num_m_blocks, num_bh, nheads, Items)
     it = 0
     done = 0
@@ -431,7 +443,7 @@ def _dyn_loader(q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_s
     while t < total:
         it += _load_item(t, it, done, q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready,
                          q_empty, k_ready, k_empty, v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size,
-                         seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om)
+                         seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink)
         done += 1
         t = _claim_item(Counter)
         _publish_item(t, done, item_smem, item_ready, item_empty)  # t >= total tells the consumers to stop
@@ -451,7 +463,7 @@ def _reset_counter(Counter, t, total):
 
 @gluon.jit
 def fwd_ws_dyn_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Counter, nheads, group_size, seqlen_q, seqlen_k,
-                       num_m_blocks, num_bh, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om,
+                       num_m_blocks, num_bh, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink,
                        CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr,
                        LOADER_REGS: gl.constexpr):
     """``fwd_ws_kernel`` with the dynamic schedule; *Counter (int32) must be 0 at launch,
@@ -465,7 +477,7 @@ def fwd_ws_dyn_kernel(q_desc, k_desc, v_desc, o_desc, Lse, Counter, nheads, grou
         mbarrier.init(item_ready.index(i), count=1)
         mbarrier.init(item_empty.index(i), count=2)  # both consumers read an entry
     args = (q_desc, k_desc, v_desc, o_desc, Lse, q_smem, o_smem, k_smem, v_smem, q_ready, q_empty, k_ready, k_empty,
-            v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om,
+            v_ready, v_empty, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset, qk_scale, Items, item_cap, Out, stride_oh, stride_om, Sink,
             Counter, item_smem, item_ready, item_empty)
     gl.warp_specialize([(_dyn_consumer0, args), (_dyn_consumer1, args), (_dyn_loader, args)], [4, 1],
                        [CONSUMER_REGS, LOADER_REGS])
@@ -477,7 +489,7 @@ _launch_dyn = Launcher(fwd_ws_dyn_kernel)
 
 def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, causal: bool,
                          block_n: int | None = None, num_buf: int = NUM_BUF, persistent: bool | None = None,
-                         dynamic: bool | None = None, varlen=None) -> None:
+                         dynamic: bool | None = None, varlen=None, sink=None) -> None:
     """Launch the warp-specialized forward; the registry checked its scope
     (``scope.forward_scope``) and TMA alignment.
 
@@ -499,6 +511,8 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
             1-3% on some causal rows at S4096-S16384 (benchmarks/experiments/fwd_schedule.py).
         varlen: None, or an ``backends.worklist.Varlen`` (B = 1, packed sequences: the dynamic
             schedule over the device-built work list; ``diag_offset`` is per sequence).
+        sink: None, or (H,) float32 contiguous: one logit per query head in the softmax's
+            denominator (natural log units; the LSE includes it).
     """
     batch, nheads, seqlen_q, head_dim = q.shape
     block_n = block_n or default_block_n(head_dim)
@@ -512,12 +526,12 @@ def attention_forward_ws(q, k, v, out, lse, *, scale: float, diag_offset: int, c
         items, dynamic, num_m_blocks = cap * nheads, True, 0
         # seqlen_q: the LSE's row stride (total_q); the lengths come from the work list
         sizes = (nheads, nheads // k.shape[1], seqlen_q, 0, 0, 0, 0, scale * LOG2E,
-                 table, cap, out, out.stride(1), out.stride(2))
+                 table, cap, out, out.stride(1), out.stride(2), q if sink is None else sink)
     else:
         num_m_blocks = triton.cdiv(seqlen_q, BLOCK_M)
         items = num_m_blocks * batch * nheads
         sizes = (nheads, nheads // k.shape[1], seqlen_q, k.shape[2], num_m_blocks, batch * nheads, diag_offset,
-                 scale * LOG2E, lse, 0, lse, 0, 0)
+                 scale * LOG2E, lse, 0, lse, 0, 0, q if sink is None else sink)
     if dynamic is None:
         dynamic = persistent is None and (causal or head_dim <= 128)
     persistent = bool(persistent)

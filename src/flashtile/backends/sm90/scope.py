@@ -49,11 +49,8 @@ def _rows_scope(call) -> Optional[str]:
 
 
 def forward_scope(call) -> Optional[str]:
-    """The Gluon forward: ``_rows_scope``, and no attention sink."""
-    reason = _rows_scope(call)
-    if reason is None and call.sink:
-        reason = "the Gluon forward has no attention sinks (the Triton forward adds them)"
-    return reason
+    """The Gluon forward: ``_rows_scope`` (an attention sink joins its epilogue)."""
+    return _rows_scope(call)
 
 
 def backward_scope(call) -> Optional[str]:
