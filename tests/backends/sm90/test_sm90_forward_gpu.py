@@ -124,6 +124,33 @@ def test_every_schedule(seqs, head_dim, causal, schedule, ws_calls):
     assert_close("lse", lse, ref_lse, base_lse)
 
 
+@pytest.mark.parametrize("seqs", [(1500, 1777), (1777, 300)], ids=lambda s: f"Q{s[0]}-K{s[1]}")
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("schedule", ["persistent", "dynamic"])
+def test_sinks_in_the_epilogue(seqs, head_dim, schedule, ws_calls):
+    """``attention_forward_ws(sink=)``: one logit per query head in the denominator (small,
+    large and -inf sinks), causal with rows that see no key (Q1777-K300: out 0, lse the
+    sink, or -inf with a -inf sink). The registry sends calls with a sink here only once
+    this passes on a GPU (``sm90.scope.forward_scope``)."""
+    from flashtile.backends.sm90.forward import attention_forward_ws
+
+    g = torch.Generator(device="cuda").manual_seed(7)
+    B, H, Hk, D = 2, 6, 2, head_dim
+    Sq, Sk = seqs
+    q = torch.randn(B, H, Sq, D, device="cuda", dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(B, Hk, Sk, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    sink = torch.tensor([-1.0, 0.5, 3.0, 12.0, float("-inf"), 2.0], device="cuda")
+    out = torch.full_like(q, float("nan"))
+    lse = torch.full((B, H, Sq), float("nan"), device="cuda")
+    attention_forward_ws(q, k, v, out, lse, scale=D ** -0.5, diag_offset=Sk - Sq, causal=True,
+                         persistent=schedule == "persistent", dynamic=schedule == "dynamic", sink=sink)
+    kwargs = dict(scale=D ** -0.5, diag_offset=Sk - Sq, window_right=0, sink=sink)
+    ref, ref_lse = plain_attention(q, k, v, dtype=torch.float64, **kwargs)
+    base, base_lse = plain_attention(q, k, v, **kwargs)
+    assert_close("out", out, ref, base)
+    assert_close("lse", lse, ref_lse, base_lse)
+
+
 def test_dynamic_schedule_is_bitwise_repeatable(ws_calls):
     """Which program takes an item varies between runs of the dynamic schedule; what each
     item computes does not (each row block is one item, in a fixed key order)."""
