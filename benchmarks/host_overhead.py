@@ -1,6 +1,7 @@
 """Host cost per call next to GPU time: forward, forward with grad, backward, varlen
 forward, kv-cache decode and a generation step (decode + append), for flashtile and its
-peers in the same process.
+peers in the same process; flashtile's calls through ``flash_attn_func`` and through its
+own ``scaled_dot_product_attention`` (``flashtile-sdpa``, the fixed-length rows).
 
     PYTHONPATH=src python3 benchmarks/host_overhead.py [--plans-off]
 
@@ -36,7 +37,7 @@ import torch
 
 import flashtile
 
-IMPLS = ("flashtile", "sdpa-cudnn", "sdpa-flash", "sdpa-flashtile")
+IMPLS = ("flashtile", "flashtile-sdpa", "sdpa-cudnn", "sdpa-flash", "sdpa-flashtile")
 
 
 @contextlib.contextmanager
@@ -103,10 +104,20 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
         "kvcache decode + append, B8 4096": {"flashtile": lambda: flashtile.flash_attn_with_kvcache(
             qd, kc, vc, kd, vd, cache_seqlens=seqlens)},
     }
+    # flashtile's own SDPA API on (B, H, S, D) tensors (torch's semantics: top-left causal)
+    t = lambda x: x.transpose(1, 2)
+    qh, kh, vh = (t(x).contiguous() for x in (q, k, v))
+    lh = [t(x).detach().contiguous().requires_grad_(True) for x in leaves]
+    oh = flashtile.scaled_dot_product_attention(*lh, is_causal=True)
+    doh = torch.randn_like(oh)
+    rows["fwd, no grad"]["flashtile-sdpa"] = lambda: flashtile.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+    rows["fwd, inputs require grad"]["flashtile-sdpa"] = lambda: flashtile.scaled_dot_product_attention(
+        *lh, is_causal=True)
+    rows["bwd (autograd.grad, retained graph)"]["flashtile-sdpa"] = lambda: torch.autograd.grad(
+        oh, lh, doh, retain_graph=True)
     if not peers:
         return rows
-    t = lambda x: x.transpose(1, 2)
-    qt, kt, vt = (t(x).contiguous() for x in (q, k, v))
+    qt, kt, vt = qh, kh, vh
     lt = [t(x).detach().contiguous().requires_grad_(True) for x in leaves]
     qvt, kvt, vvt = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (qv, kv, vv))
     qdt = t(qd).contiguous()
@@ -144,12 +155,12 @@ def cpu_stub(n: int = 2000) -> None:
     with stub_launches():
         rows = workloads("cpu", torch.float16, 64, 128, peers=False)
         for name, impls in rows.items():
-            fn = impls["flashtile"]
-            try:
-                us = host_us(fn, n=n // 10, warmup=100, sync=lambda: None, blocks=10)
-                print(f"{name:38s} flashtile host {us:7.1f} us", flush=True)
-            except Exception as err:  # a workload the stub cannot run: say so, go on
-                print(f"{name:38s} flashtile failed: {type(err).__name__}: {err}", flush=True)
+            for impl, fn in impls.items():
+                try:
+                    us = host_us(fn, n=n // 10, warmup=100, sync=lambda: None, blocks=10)
+                    print(f"{name:38s} {impl:14s} host {us:7.1f} us", flush=True)
+                except Exception as err:  # a workload the stub cannot run: say so, go on
+                    print(f"{name:38s} {impl:14s} failed: {type(err).__name__}: {err}", flush=True)
 
 
 def main(argv=None) -> int:
@@ -160,8 +171,8 @@ def main(argv=None) -> int:
     p.add_argument("--seqlen", type=int, default=512, help="fwd/bwd rows: --batch, 16 heads, causal")
     p.add_argument("--batch", type=int, default=4, help="fwd/bwd rows' batch")
     p.add_argument("--only", nargs="+", help="the workloads whose name holds one of these words")
-    p.add_argument("--impl", nargs="+", choices=IMPLS, default=IMPLS[:3],
-                   help="default: flashtile and the two SDPA backends (sdpa-flashtile on request)")
+    p.add_argument("--impl", nargs="+", choices=IMPLS, default=IMPLS[:4],
+                   help="default: flashtile's two APIs and the two SDPA backends (sdpa-flashtile on request)")
     p.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16")
     args = p.parse_args(argv)
     if args.plans_off:

@@ -119,6 +119,39 @@ def test_keyed_training_calls_replay_bitwise(case, replays, plans_off, monkeypat
     assert _same(got, plans_off(lambda: step(2)))
 
 
+@pytest.mark.parametrize("case", ["causal", "3d", "gqa", "dropout"])
+def test_sdpa_calls_replay_bitwise(case, replays, plans_off):
+    """``flashtile.scaled_dot_product_attention`` without a mask or sink validates once per key:
+    a repeated call without grad replays its whole plan, one with grad replays its forward and
+    backward plans; both bitwise the full path. With dropout (a fresh seed per call, drawn
+    outside any plan) the same torch seed gives the same result on either path."""
+    kwargs = dict(is_causal=case != "gqa", enable_gqa=case == "gqa", dropout_p=0.3 if case == "dropout" else 0.0)
+    shape = (3, 40, 16) if case == "3d" else (2, 4, 40, 16)
+    kshape = (2, 2, 56, 16) if case == "gqa" else shape
+
+    def inputs(seed, grad=False):
+        g = torch.Generator().manual_seed(seed)
+        return [torch.randn(s, generator=g).requires_grad_(grad) for s in (shape, kshape, kshape)]
+
+    def call(seed):
+        torch.manual_seed(seed)  # the dropout's seed
+        return flashtile.scaled_dot_product_attention(*inputs(seed), **kwargs)
+
+    def step(seed):
+        torch.manual_seed(seed)
+        leaves = inputs(seed, grad=True)
+        out = flashtile.scaled_dot_product_attention(*leaves, **kwargs)
+        return (out.detach(), *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+
+    call(1)
+    step(1)
+    assert replays["n"] == 0
+    got = call(2), step(2)
+    if case != "dropout":
+        assert replays["n"] == 3  # the call's plan, the step's forward and backward
+    assert _same(got, plans_off(lambda: (call(2), step(2))))
+
+
 def test_backward_plan_follows_dout_layout_and_the_lse_gradient(replays, plans_off):
     """A training call finds its backward's entry from the forward's by dout, dlse and the
     switches alone (``autograd._attn_bwd_planned``): each of these must get its own plan."""
