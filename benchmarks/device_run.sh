@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|combine-ncu|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|combine-ncu|session26|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -265,5 +265,20 @@ torch.cuda.synchronize()
 " > "$OUT/combine-ncu-$mode.log" 2>&1
     echo "combine $mode ncu rc=$?"
     grep -E "Duration|Grid Size|Registers|Achieved Occupancy|Stall|Warp Cycles|Throughput|ERR" "$OUT/combine-ncu-$mode.log" | head -30
+  done
+fi
+if [[ $what == session26 ]]; then
+  # What session 26 changed that no GPU ran (perf-notes "Next device session"): the Gluon
+  # forward's Sink argument and its sink epilogue (not routed yet), the keyed training path
+  # (flash_attn_func and scaled_dot_product_attention with grad: forward and backward plans
+  # on the caller's tensors), causal packed d64 calls on the one-pass backward; then the
+  # host cost against cuDNN, twice.
+  timeout ${S26_TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests/backends/sm90/test_sm90_forward_gpu.py \
+    tests/runtime/test_replay_gpu.py tests/backends/test_backward_gpu.py tests/api/test_varlen_gpu.py \
+    -v -rf -n ${TESTS_WORKERS:-8} --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-session26.log" 2>&1
+  echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-session26.log" | cut -c1-200 | tail -15
+  for i in 1 2; do
+    timeout 80 python3 benchmarks/host_overhead.py > "$OUT/host-overhead-$i.log" 2>&1
+    echo "host overhead $i rc=$?"; grep -v Warn "$OUT/host-overhead-$i.log" | tail -7
   done
 fi
