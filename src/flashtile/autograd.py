@@ -25,7 +25,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from flashtile.backends import layout, run
-from flashtile.runtime import replay
+from flashtile.runtime import replay, settings
 
 @torch.library.custom_op("flashtile::attn_fwd", mutates_args=(), device_types=("cuda", "cpu"))
 def attn_fwd(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
@@ -185,12 +185,14 @@ class _EagerAttention(torch.autograd.Function):
         # traced backward (compiled autograd) also needs the op and its fake kernel.
         if torch.is_grad_enabled() or not _plain_eager(dout, dlse):
             bwd = torch.ops.flashtile.attn_bwd
-        elif ctx.keyed:
+        elif ctx.keyed and replay.active_recorder() is None and settings.plans_enabled():
             # a keyed call's backward, layouts included, is one plan on the saved tensors,
-            # dout and dlse, found below the forward's by what only the backward brings
-            inputs = (*ctx.saved_tensors, dout, dlse)
-            entry = replay.below(ctx.entry, (replay.env_key(), replay.tensor_key(dout), replay.tensor_key(dlse)),
-                                 inputs)
+            # dout and dlse, found below the forward's by what only the backward brings and
+            # by the saved tensors' own keys (a saved-tensors hook may hand them back with
+            # other strides)
+            saved = ctx.saved_tensors
+            inputs = (*saved, dout, dlse)
+            entry = replay.below(ctx.entry, (replay.env_key(), *map(replay.tensor_key, inputs)), inputs)
             dq, dk, dv = replay.run(entry, inputs, lambda: _grads(ctx, dout, dlse, run.backward)[:3])
             return None, None, dq, dk, dv, None, None
         elif ctx.entry is not None:

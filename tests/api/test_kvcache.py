@@ -344,6 +344,26 @@ def test_fused_combine_matches_the_combine_kernel(triton_backend, monkeypatch, n
                    sink=sink, **ref_kw)
 
 
+def test_fused_combine_skips_a_split_a_row_does_not_see(triton_backend, monkeypatch):
+    """Two query rows of one block, split at key 64: the second split's only key (64) is seen
+    by row 1, not by row 0 (causal). With inf in that key's value row, row 0's partial of the
+    second split is 0 * inf = NaN; both combines leave it out (its LSE is -inf), so row 0 is
+    finite and the same either way."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 2, 1, 16, generator=g)
+    kc, vc = torch.randn(1, 128, 1, 16, generator=g), torch.randn(1, 128, 1, 16, generator=g)
+    vc[0, 64] = float("inf")
+    seqlens = torch.tensor([65], dtype=torch.int32)
+    got = {}
+    for mode in ("separate", "fused"):
+        monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", mode)
+        got[mode] = flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=seqlens, causal=True, num_splits=2,
+                                                      return_softmax_lse=True)
+    assert torch.isfinite(got["separate"][0][0, 0]).all()
+    torch.testing.assert_close(got["fused"][0][0, 0], got["separate"][0][0, 0], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(got["fused"][1], got["separate"][1], atol=1e-6, rtol=1e-6)
+
+
 CHECK_CASES = {**COMBINE_CASES,
                "one-split-rows": (dict(batch=3, sq=2, new=2), dict(causal=True, num_splits=1)),
                "one-split-pages": (dict(batch=3, sq=1, new=0, page=8), dict(num_splits=1))}

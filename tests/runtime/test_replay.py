@@ -152,6 +152,31 @@ def test_sdpa_calls_replay_bitwise(case, replays, plans_off):
     assert _same(got, plans_off(lambda: (call(2), step(2))))
 
 
+@pytest.mark.parametrize("api", ["flash", "sdpa"])
+def test_backward_plan_follows_the_saved_tensors_strides(api, replays, plans_off):
+    """A saved-tensors hook may hand the backward its tensors with other strides than the
+    forward saved (``.contiguous()`` of a transposed view here): the backward's plan is found
+    by the saved tensors' keys too, so those gradients are right, not read with the strides
+    of the warm plan."""
+    def step(seed, hook):
+        g = torch.Generator().manual_seed(seed)
+        # each API's layout as a transposed view: flash's (batch, seqlen, heads, dim) of
+        # (batch, heads, seqlen, dim) memory, SDPA's the other way round
+        shape = (1, 2, 32, 16) if api == "flash" else (1, 32, 2, 16)
+        leaves = [torch.randn(shape, generator=g).transpose(1, 2).requires_grad_() for _ in range(3)]
+        pack = (lambda t: t.contiguous()) if hook else (lambda t: t)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            if api == "flash":
+                out = flashtile.flash_attn_func(*leaves, causal=True)
+            else:
+                out = flashtile.scaled_dot_product_attention(*leaves, is_causal=True)
+        return (out.detach(), *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+
+    for seed in (1, 2, 3):
+        step(seed, hook=False)
+    assert _same(step(4, hook=True), plans_off(lambda: step(4, hook=True)))
+
+
 def test_backward_plan_follows_dout_layout_and_the_lse_gradient(replays, plans_off):
     """A training call finds its backward's entry from the forward's by dout, dlse and the
     switches alone (``autograd._attn_bwd_planned``): each of these must get its own plan."""

@@ -271,12 +271,13 @@ def backward(*args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
 
 def backward_planned(fwd_entry, *args) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The backward of a planned forward: its key is the forward's plus what only the
-    backward brings (dout, dlse, the switches), so the entry is found in the forward
-    entry's ``below`` without making the full key."""
+    backward brings (dout, dlse, the switches) and the saved tensors' keys (a
+    saved-tensors hook may hand them back with other strides), so the entry is found in
+    the forward entry's ``below`` without making the full key."""
     a = BwdArgs.of(args)
     if replay.active_recorder() is not None:  # inside another call's recording: never planned
         return _backward_run(a)
-    small = (replay.env_key(), replay.tensor_key(a.dout), replay.tensor_key(a.dlse))
+    small = (replay.env_key(), *map(replay.tensor_key, (a.dout, a.q, a.k, a.v, a.out, a.lse, a.dlse)))
     entry = fwd_entry.below.get(small)
     tensors = a.tensors()
     if entry is None:

@@ -352,8 +352,8 @@ def _last_split_combines(Counters, group, num_splits, OutPart, LsePart, Out, Lse
         # (CHUNK, rows, Dv), and reduce over splits once after them: a sum over the split axis
         # inside a loop crossed warps (shared memory and two barriers a step; H100 runs
         # 129-130: B1 x 8192, 32 splits, 35.5 -> 16.8 us a step). A partial's load does not
-        # wait for its LSE: a split without keys wrote 0s, weight 0. (Pipelining the loop's
-        # loads, tl.range num_stages=3, gained nothing: run 131.)
+        # wait for its LSE. (Pipelining the loop's loads, tl.range num_stages=3, gained
+        # nothing: run 131.)
         lse_row = LsePart + b64 * stride_lpb + h64 * stride_lph + t
         offs_c = tl.arange(0, CHUNK)
         tops = tl.full([CHUNK, BLOCK_M], float("-inf"), tl.float32)
@@ -383,7 +383,10 @@ def _last_split_combines(Counters, group, num_splits, OutPart, LsePart, Out, Lse
                            mask=ok[:, :, None] & dv_ok[None, None, :], other=0.0, cache_modifier=".cg")
             w = tl.exp(part_lse - top[None, :])
             totals += w
-            sums += w[:, :, None] * part
+            # a row that sees no key of a split its block's other rows see: weight 0, and its
+            # partial is not read into the sum (0 * inf from a value row would be NaN), as in
+            # ``combine_kernel``; selected after the load, which does not wait for the LSE
+            sums += tl.where((part_lse != float("-inf"))[:, :, None], w[:, :, None] * part, 0.0)
         total = tl.sum(totals, 0)
         merged = tl.sum(sums, 0)
         nans = tl.sum(nans, 0)
