@@ -271,14 +271,19 @@ if [[ $what == session26 ]]; then
   # What session 26 changed that no GPU ran (perf-notes "Next device session"): the Gluon
   # forward's Sink argument and its sink epilogue (not routed yet), the keyed training path
   # (flash_attn_func and scaled_dot_product_attention with grad: forward and backward plans
-  # on the caller's tensors), causal packed d64 calls on the one-pass backward; then the
-  # host cost against cuDNN, twice.
-  timeout ${S26_TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests/backends/sm90/test_sm90_forward_gpu.py \
+  # on the caller's tensors, found by the saved tensors' keys), causal packed d64 calls on
+  # the one-pass backward, the fused combine's review mend; then the host cost against
+  # cuDNN, twice, and the combine A/B.
+  timeout ${S26_TESTS_TIMEOUT:-380} python3 -m pytest -m gpu tests/backends/sm90/test_sm90_forward_gpu.py \
     tests/runtime/test_replay_gpu.py tests/backends/test_backward_gpu.py tests/api/test_varlen_gpu.py \
+    tests/api/test_kvcache_gpu.py \
     -v -rf -n ${TESTS_WORKERS:-8} --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-session26.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-session26.log" | cut -c1-200 | tail -15
   for i in 1 2; do
     timeout 80 python3 benchmarks/host_overhead.py > "$OUT/host-overhead-$i.log" 2>&1
     echo "host overhead $i rc=$?"; grep -v Warn "$OUT/host-overhead-$i.log" | tail -7
   done
+  # the fused combine after the review mend (5d2be30: a split a row does not see is selected out)
+  timeout 60 python3 benchmarks/experiments/decode_combine_ab.py --rep 50 > "$OUT/combine-ab.log" 2>&1
+  echo "combine A/B rc=$?"; tail -6 "$OUT/combine-ab.log"
 fi
