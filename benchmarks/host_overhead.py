@@ -117,8 +117,6 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
         oh, lh, doh, retain_graph=True)
     if not peers:
         return rows
-    qt, kt, vt = qh, kh, vh
-    lt = [t(x).detach().contiguous().requires_grad_(True) for x in leaves]
     qvt, kvt, vvt = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (qv, kv, vv))
     qdt = t(qd).contiguous()
     kdt, vdt = (t(x).repeat_interleave(Hq // Hk, dim=1).contiguous() for x in (kc, vc))
@@ -130,12 +128,12 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
                     return fn()
             return call
         with sdpa_kernel(backend), provider(impl == "sdpa-flashtile"):
-            o = sdpa(*lt, is_causal=True)
+            o = sdpa(*lh, is_causal=True)
         do = torch.randn_like(o)
-        rows["fwd, no grad"][impl] = forced(lambda: sdpa(qt, kt, vt, is_causal=True))
-        rows["fwd, inputs require grad"][impl] = forced(lambda: sdpa(*lt, is_causal=True))
+        rows["fwd, no grad"][impl] = forced(lambda: sdpa(qh, kh, vh, is_causal=True))
+        rows["fwd, inputs require grad"][impl] = forced(lambda: sdpa(*lh, is_causal=True))
         rows["bwd (autograd.grad, retained graph)"][impl] = forced(
-            lambda o=o, do=do: torch.autograd.grad(o, lt, do, retain_graph=True))
+            lambda o=o, do=do: torch.autograd.grad(o, lh, do, retain_graph=True))
         rows["varlen fwd, 4 documents"][impl] = forced(lambda: sdpa(qvt, kvt, vvt, is_causal=True))
         rows["kvcache decode, B8 4096 cached"][impl] = forced(lambda: sdpa(qdt, kdt, vdt))
         rows["kvcache decode + append, B8 4096"][impl] = rows["kvcache decode, B8 4096 cached"][impl]

@@ -156,14 +156,14 @@ class _EagerAttention(torch.autograd.Function):
         # forward's plan entry is kept in ``hint.below`` when the caller has a hint
         # (``attention``), else found here; the backward finds its own entry below it.
         inputs = (q, k, v) + tail
-        if hint is not None and hint.below.get("attention") is tail:
+        keyed = hint is not None and hint.below.get("attention") is tail
+        if keyed:
             # a keyed call (``attention_keyed``): the forward, layouts included, is one plan
             # on the caller's q, k, v, so a repeated call makes no op arguments
             entry = replay.below(hint, "attn_fwd_keyed", (q, k, v))
             out, lse = replay.run(entry, (q, k, v), partial(_forward_in_layout, where, q, k, v, tail))
         else:
-            a = run.FwdArgs.of((layout.canonical(q, where), layout.canonical(k, where),
-                                layout.canonical(v, where)) + tail)
+            a = _fwd_args(where, q, k, v, tail)
             entry = None if hint is None else hint.below.get("attn_fwd")
             if entry is None:
                 entry = run.forward_entry(a)
@@ -175,7 +175,7 @@ class _EagerAttention(torch.autograd.Function):
         # autograd passes zeros instead. Same gradients either way.
         ctx.set_materialize_grads(False)
         _setup_context(ctx, inputs, (out, lse))
-        ctx.entry, ctx.layout, ctx.keyed = entry, where, hint is not None and hint.below.get("attention") is tail
+        ctx.entry, ctx.layout, ctx.keyed = entry, where, keyed
         return out, lse
 
     @staticmethod
@@ -203,10 +203,14 @@ class _EagerAttention(torch.autograd.Function):
         return None, None, *grads[:3], grads[19] if ctx.sink is not None else None, None
 
 
+def _fwd_args(where: str, q: Tensor, k: Tensor, v: Tensor, tail: tuple) -> run.FwdArgs:
+    """The forward op's arguments for q, k, v given in ``where``."""
+    return run.FwdArgs.of((layout.canonical(q, where), layout.canonical(k, where), layout.canonical(v, where)) + tail)
+
+
 def _forward_in_layout(where: str, q: Tensor, k: Tensor, v: Tensor, tail: tuple) -> tuple[Tensor, Tensor]:
     """The forward op's work (no plan of its own) for q, k, v in ``where``: out in ``where``, lse."""
-    out, lse = run.forward_planned(None, run.FwdArgs.of((layout.canonical(q, where), layout.canonical(k, where),
-                                                         layout.canonical(v, where)) + tail))
+    out, lse = run.forward_planned(None, _fwd_args(where, q, k, v, tail))
     return layout.from_bshd(out, where), lse
 
 
@@ -235,6 +239,17 @@ def _plain_eager(*tensors) -> bool:
     return all(t is None or (type(t) is Tensor and t.device.type != "meta") for t in tensors)
 
 
+def op_tail(scale: float, diag_offset: int, window_left: int, window_right: int, softcap: float,
+            alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], dropout_p: float, seed: Optional[Tensor],
+            deterministic: bool, varlen: tuple = (), sink: Optional[Tensor] = None, chunk: int = 0) -> tuple:
+    """``attn_fwd``'s arguments after q, k, v (``varlen``: empty or its six; the sink and the
+    chunk only when either is set, after the varlen six)."""
+    if sink is not None or chunk:
+        varlen = (*(varlen or (None, None, None, None, 0, 0)), sink, chunk)
+    return (scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
+            deterministic, *varlen)
+
+
 def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, window_left: int,
               window_right: int, softcap: float, alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor],
               dropout_p: float = 0.0, seed: Optional[Tensor] = None,
@@ -247,12 +262,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, w
     (``runtime.replay``) of an API call whose key determines this call's arguments but
     their addresses; a training call then keeps its kernels' entry in ``hint.below``.
     ``sink``: None or (H,) float32 (differentiable). ``chunk``: chunked attention (0: off)."""
-    if sink is not None or chunk:
-        varlen = (*(varlen or (None, None, None, None, 0, 0)), sink, chunk)
-    tail = (scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
-            deterministic, *varlen)
+    tail = op_tail(scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
+                   deterministic, varlen, sink, chunk)
     _refuse_forward_ad(q, k, v, alibi_slopes, attn_mask, sink)
-    if not _plain_eager(q, k, v, alibi_slopes, attn_mask, seed, *varlen[:4], sink):
+    if not _plain_eager(q, k, v, alibi_slopes, attn_mask, seed, *tail[10:14], sink):
         out, lse = torch.ops.flashtile.attn_fwd(*(layout.canonical(t, qkv_layout) for t in (q, k, v)), *tail)
         return layout.from_bshd(out, qkv_layout), lse
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad

@@ -83,10 +83,10 @@ def attention_keyed(q, k, v, problem: Problem, hint, qkv_layout: str = "bhsd") -
         plain = (problem.dropout_p == 0.0 and q.device.type != "meta" and registry.backend(q.device) == "kernels"
                  and all(t.stride(-1) == 1 for t in (q, k, v)))
         # the deterministic flag: the key holds torch.are_deterministic_algorithms_enabled()
-        tail = hint.below["attention"] = (
-            (problem.scale, problem.diag_offset, problem.window_left, problem.window_right, problem.softcap,
-             None, None, 0.0, None, problem.deterministic or torch.are_deterministic_algorithms_enabled())
-            + ((None, None, None, None, 0, 0, None, problem.chunk) if problem.chunk else ())) if plain else ()
+        tail = hint.below["attention"] = autograd.op_tail(
+            problem.scale, problem.diag_offset, problem.window_left, problem.window_right, problem.softcap, None,
+            None, 0.0, None, problem.deterministic or torch.are_deterministic_algorithms_enabled(),
+            chunk=problem.chunk) if plain else ()
     if not tail:
         return attention(q, k, v, problem, hint=hint, qkv_layout=qkv_layout)
     return autograd.attention_keyed(hint, qkv_layout, q, k, v, tail)

@@ -76,26 +76,12 @@ def test_replayed_forward_is_bitwise_the_full_path(case, replays, plans_off):
     assert _same(got, want)
 
 
-def test_replayed_training_step_is_bitwise_the_full_path(replays, plans_off):
-    def step(seed):
-        leaves = [t.requires_grad_() for t in _qkv(2, 40, 56, 4, 2, 16, seed=seed)]
-        out = flashtile.flash_attn_func(*leaves, causal=True)
-        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
-        return (out.detach(), *grads)
-
-    step(1)
-    assert replays["n"] == 0
-    got = step(2)
-    assert replays["n"] == 2  # the forward's plan and the backward's
-    assert _same(got, plans_off(lambda: step(2)))
-
-
-@pytest.mark.parametrize("case", ["packed", "bhsd", "chunk", "deterministic"])
-def test_keyed_training_calls_replay_bitwise(case, replays, plans_off, monkeypatch):
+@pytest.mark.parametrize("case", ["plain", "packed", "bhsd", "chunk", "deterministic"])
+def test_replayed_training_step_is_bitwise_the_full_path(case, replays, plans_off, monkeypatch):
     """A training call without per-call tensors (``dispatch.attention_keyed``) replays its
-    forward as one plan on the caller's q, k, v: packed (overlapping) views, another
-    layout, a chunk in the op's arguments and the deterministic switch each keep their
-    own plan and their gradients."""
+    forward and its backward as one plan each on the caller's tensors, bitwise the full
+    path: packed (overlapping) views, another layout, a chunk in the op's arguments and
+    the deterministic switch each keep their own plans and their gradients."""
     if case == "deterministic":
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
 
@@ -106,7 +92,8 @@ def test_keyed_training_calls_replay_bitwise(case, replays, plans_off, monkeypat
             out = flashtile.flash_attn_qkvpacked_func(qkv, **kwargs)
             leaves = [qkv]
         else:
-            leaves = [t.detach().requires_grad_() for t in _qkv(1, 24, 40, 2, 1, 16, seed=seed,
+            shape = (2, 40, 56, 4, 2, 16) if case == "plain" else (1, 24, 40, 2, 1, 16)
+            leaves = [t.detach().requires_grad_() for t in _qkv(*shape, seed=seed,
                                                                   layout="bhsd" if case == "bhsd" else "bshd")]
             out = flashtile.flash_attn_func(*leaves, **kwargs)
         grads = torch.autograd.grad(out, leaves, torch.ones_like(out))

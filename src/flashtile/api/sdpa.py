@@ -64,8 +64,8 @@ def scaled_dot_product_attention(
                 call = validate.sdpa_call(*args)
                 entry.prepared = (call.problem, call.squeeze)
             if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
-                return _keyed(entry, query, key, value)
-            return replay.run(entry, (query, key, value), lambda: _keyed(entry, query, key, value))
+                return _keyed(entry, query, key, value, grad=True)
+            return replay.run(entry, (query, key, value), lambda: _keyed(entry, query, key, value, grad=False))
     return _run(validate.sdpa_call(*args), learnable_sink)
 
 
@@ -74,13 +74,13 @@ def _run(call: validate.SdpaCall, sink) -> torch.Tensor:
     return out.squeeze(1) if call.squeeze else out
 
 
-def _keyed(entry, query, key, value) -> torch.Tensor:
+def _keyed(entry, query, key, value, grad: bool) -> torch.Tensor:
     """A call of a validated key without a mask or a sink (``entry.prepared``: its problem,
-    and whether 3-D inputs got a head axis)."""
+    and whether 3-D inputs got a head axis); ``grad``: it needs the autograd node."""
     problem, squeeze = entry.prepared
     if squeeze:
         query, key, value = query.unsqueeze(1), key.unsqueeze(1), value.unsqueeze(1)
-    if torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad):
+    if grad:
         out = dispatch.attention_keyed(query, key, value, problem, entry, "bhsd")[0]
     else:
         out, _ = dispatch.attention(query, key, value, problem, hint=entry)

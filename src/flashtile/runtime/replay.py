@@ -437,9 +437,10 @@ class _Entry:
         self.below: dict = {}
 
 
-def below(entry: _Entry, name: str, inputs: Sequence[Optional[torch.Tensor]]) -> _Entry:
-    """The entry ``name`` of a call one layer down that ``entry``'s key determines but its
-    inputs' addresses (``entry.below[name]``), made on first use with these inputs."""
+def below(entry: _Entry, name: Any, inputs: Sequence[Optional[torch.Tensor]]) -> _Entry:
+    """The entry ``name`` (any hashable: a string, or a key of what only that call brings)
+    of a call one layer down that ``entry``'s key determines but its inputs' addresses
+    (``entry.below[name]``), made on first use with these inputs."""
     e = entry.below.get(name)
     if e is None:
         e = entry.below[name] = _Entry(inputs)
