@@ -150,8 +150,20 @@ def cpu_stub(n: int = 2000) -> None:
     # a GPU call's metadata is on the device and checked there (the path the kv-cache rows
     # time on a GPU); CPU metadata would take the host check instead
     os.environ.setdefault("FLASHTILE_KVCACHE_CHECK", "device")
+    from flashtile.integrations import torch_sdpa
+
+    handle = torch_sdpa.install("CPU")  # the provider's rows: PyTorch's flash ops called directly
     with stub_launches():
         rows = workloads("cpu", torch.float16, 64, 128, peers=False)
+        op = torch.ops.aten._scaled_dot_product_flash_attention
+        qh, kh, vh = (torch.randn(4, 16, 128, 64, dtype=torch.float16) for _ in range(3))
+        lh = [torch.randn(4, 16, 128, 64, dtype=torch.float16, requires_grad=True) for _ in range(3)]
+        oh = op(*lh, 0.0, True)[0]
+        doh = torch.randn_like(oh)
+        rows["fwd, no grad"]["sdpa-flashtile"] = lambda: op(qh, kh, vh, 0.0, True)
+        rows["fwd, inputs require grad"]["sdpa-flashtile"] = lambda: op(*lh, 0.0, True)
+        rows["bwd (autograd.grad, retained graph)"]["sdpa-flashtile"] = lambda: torch.autograd.grad(
+            oh, lh, doh, retain_graph=True)
         for name, impls in rows.items():
             for impl, fn in impls.items():
                 try:
@@ -159,6 +171,7 @@ def cpu_stub(n: int = 2000) -> None:
                     print(f"{name:38s} {impl:14s} host {us:7.1f} us", flush=True)
                 except Exception as err:  # a workload the stub cannot run: say so, go on
                     print(f"{name:38s} {impl:14s} failed: {type(err).__name__}: {err}", flush=True)
+    handle.remove()
 
 
 def main(argv=None) -> int:

@@ -52,9 +52,13 @@ def _run(fn, q, k, v, dout):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("heads_k", [16, 4])
-@pytest.mark.parametrize("compiled", [False, True])
-def test_sdpa_flash_backend_runs_flashtile(provider, dtype, causal, heads_k, compiled):
+@pytest.mark.parametrize("compiled, how", [(False, "bhsd"), (True, "bhsd"), (False, "bshd")])
+def test_sdpa_flash_backend_runs_flashtile(provider, dtype, causal, heads_k, compiled, how):
+    """Values and gradients, and the strides of PyTorch's own kernel (out laid out as query,
+    each gradient as its input) for contiguous inputs and for views of (B, S, H, D) buffers."""
     q, k, v, dout = _inputs(2, 16, heads_k, 1027, 128, dtype)
+    if how == "bshd":
+        q, k, v, dout = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, dout))
 
     def sdpa(q, k, v):
         with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
@@ -75,6 +79,7 @@ def test_sdpa_flash_backend_runs_flashtile(provider, dtype, causal, heads_k, com
                                         (FORWARD_FACTOR, GRAD_FACTOR, GRAD_FACTOR, GRAD_FACTOR)):
         assert (a.float() - b.float()).abs().max() <= 1e-2 * b.float().abs().max() + 1e-3, name
         assert_close(name, a, r, p, factor)
+        assert a.stride() == p.stride(), name
     assert not torch_sdpa.FALLBACKS
 
 

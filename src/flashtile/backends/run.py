@@ -171,24 +171,37 @@ def forward(*args) -> tuple[Tensor, Tensor]:
     return forward_planned(forward_entry(a), a)
 
 
-def _forward_run(a: FwdArgs) -> tuple[Tensor, Tensor]:
-    """The forward's ordinary path: buffers, the registry's choice, launches."""
+def forward_into(out4: Tensor, *args) -> Tensor:
+    """The forward op's ordinary path (no plan of its own) writing out into the caller's
+    ``out4`` (B, H, Sq, Dv), any strides with unit stride along Dv (the kernels read its
+    strides; the registry takes its alignment into account); returns lse (B, H, Sq)
+    float32. For callers whose contract fixes out's layout (``integrations/torch_sdpa``)."""
+    return _forward_run(FwdArgs.of(args), out4)[1]
+
+
+def _forward_run(a: FwdArgs, out4: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    """The forward's ordinary path: buffers (``out4``: the caller's), the registry's
+    choice, launches."""
     q, k, v = a.q, a.k, a.v
     _refuse_interpreted_bf16(q)
     batch, nheads, seqlen_q, _ = q.shape
     varlen = _varlen(a)
-    out = q.new_empty((batch, seqlen_q, nheads, v.shape[-1]))  # returned as it is: not a view
-    out4 = out.transpose(1, 2)
+    if out4 is None:
+        out = q.new_empty((batch, seqlen_q, nheads, v.shape[-1]))  # returned as it is: not a view
+        out4 = out.transpose(1, 2)
+    else:
+        out = out4.transpose(1, 2)
     lse = layout.new_lse(q)
     no_keys = k.shape[2] == 0
     if out4.numel() == 0 or (varlen is not None and varlen.batch == 0) or (no_keys and varlen is None):
         # No keys at all: every row is empty (output 0, LSE -inf or the sink), as in the kernel.
-        out.zero_()
+        out4.zero_()
         if a.sink is not None and varlen is None:
             return out, lse.copy_(a.sink[None, :, None].expand_as(lse))
         return out, lse.fill_(float("-inf"))
     if no_keys and a.sink is None:  # packed, no keys: the same (a sink's rows go to the kernel)
-        return out.zero_(), lse.fill_(float("-inf"))
+        out4.zero_()
+        return out, lse.fill_(float("-inf"))
     if varlen is not None and varlen.seqused:
         # Rows past a sequence's used length belong to no work item.
         out4.zero_()
@@ -298,11 +311,20 @@ def _sink_grad(sink: Optional[Tensor], lse: Tensor, delta: Tensor) -> Tensor:
         return triton_backward.sink_grad(sink, lse, delta)
 
 
-def _backward_run(a: BwdArgs) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The backward's ordinary path: buffers, the registry's choice, Delta, launches."""
+def backward_into(grads: tuple[Tensor, Tensor, Tensor], *args) -> Tensor:
+    """The backward op's ordinary path (no plan of its own) writing dq, dk, dv into the
+    caller's ``grads`` (B, H, Sq, D), (B, Hk, Sk, D), (B, Hk, Sk, Dv): any strides with unit
+    stride along D; returns dsink ((0,) without a sink). For callers whose contract fixes
+    the gradients' layout (``integrations/torch_sdpa``)."""
+    return _backward_run(BwdArgs.of(args), grads)[3]
+
+
+def _backward_run(a: BwdArgs, grads: Optional[tuple] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The backward's ordinary path: buffers (``grads``: the caller's dq, dk, dv (B, H, S,
+    D) views), the registry's choice, Delta, launches."""
     q, k, v = a.q, a.k, a.v
     varlen = _varlen(a)
-    dq4, dk4, dv4 = layout.bshd_view(q), layout.bshd_view(k), layout.bshd_view(v)
+    dq4, dk4, dv4 = grads or (layout.bshd_view(q), layout.bshd_view(k), layout.bshd_view(v))
     if q.numel() == 0 or k.numel() == 0 or (varlen is not None and varlen.batch == 0):
         # Out is 0 wherever there are rows: Delta is -dlse.
         delta = torch.zeros_like(a.lse) if a.dlse is None else -a.dlse.float().contiguous()

@@ -40,12 +40,16 @@ import contextlib
 import functools
 import torch
 
-from flashtile import dispatch
+from flashtile import autograd, dispatch
+from flashtile.backends import layout, run
 from flashtile.problem import validate
+from flashtile.runtime import replay
 
 NAME = "flashtile"
 FALLBACKS: collections.Counter = collections.Counter()
 _HANDLE: list = [None]  # the active handle when activated without the registry
+_FWD_PLANS = replay.cache("sdpa_provider_forward")
+_BWD_PLANS = replay.cache("sdpa_provider_backward")
 
 
 class Handle:
@@ -100,11 +104,17 @@ def _like_meta(op: str, results, args, kwargs):
                  for r, st in zip(results, strides))
 
 
+def _rng(query):
+    """rng_state and philox offset of a call without dropout: placeholders, uninitialized
+    as PyTorch's own flash kernel leaves them (no fill launches); the backward reads them
+    only with dropout, which goes to PyTorch's kernel."""
+    return (torch.empty((2,), dtype=torch.uint64, device=query.device),
+            torch.empty((), dtype=torch.uint64, device=query.device))
+
+
 def _aux(query):
     """rng_state, philox offset and debug mask of a call without dropout (placeholders)."""
-    return (torch.zeros((2,), dtype=torch.uint64, device=query.device),
-            torch.zeros((), dtype=torch.uint64, device=query.device),
-            torch.empty(0, dtype=query.dtype, device=query.device))
+    return (*_rng(query), torch.empty(0, dtype=query.dtype, device=query.device))
 
 
 def _side(value) -> int:
@@ -185,12 +195,58 @@ def _sdpa_forward(original, keyset, query, key, value, dropout_p=0.0, is_causal=
         return _fallback("_scaled_dot_product_flash_attention", "dropout" if dropout_p > 0 else "return_debug_mask",
                          original, keyset, (query, key, value, dropout_p, is_causal, return_debug_mask),
                          dict(scale=scale))
-    call = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True)
-    out, lse = dispatch.attention(call.query, call.key, call.value, call.problem)
     args = (query, key, value, dropout_p, is_causal, return_debug_mask)
-    out = _like_meta("_scaled_dot_product_flash_attention", (out,), args, {"scale": scale})[0]
-    rng, offset, debug = _aux(query)
-    return out, lse, None, None, query.shape[2], key.shape[2], rng, offset, debug
+    if not dispatch.runs_kernels(query.device):  # the twin (tests install the provider on the CPU key)
+        call = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True)
+        out, lse = dispatch.attention(call.query, call.key, call.value, call.problem)
+        out = _like_meta("_scaled_dot_product_flash_attention", (out,), args, {"scale": scale})[0]
+        return (out, lse, None, None, query.shape[2], key.shape[2], *_aux(query))
+    inputs = (query, key, value)
+    entry = _entry(_FWD_PLANS, inputs, (is_causal, scale))
+    if entry is None:
+        return _sdpa_forward_kernels(_prepared_forward(args, scale), query, key, value)
+    if entry.prepared is None:
+        entry.prepared = _prepared_forward(args, scale)
+    return replay.run(entry, inputs, lambda: _sdpa_forward_kernels(entry.prepared, query, key, value))
+
+
+def _entry(plans, inputs, scalars):
+    """The plan entry of a provider call (``runtime.replay``: the call is validated once per
+    key and a repeated one replays its buffers and launches), or None when not planned."""
+    plain = replay.plain_scalars(scalars)
+    plan_key = None if plain is None else replay.make_key(inputs, plain)
+    return None if plan_key is None else plans.entry(plan_key, inputs)
+
+
+def _prepared_forward(args, scale):
+    """What a forward call derives from its key: its problem and out's strides (the op's
+    meta kernel's: out laid out as query is, so no copy follows the kernel)."""
+    query, key, value, _, is_causal, _ = args
+    problem = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True).problem
+    shapes = tuple((tuple(a.shape), tuple(a.stride()), a.dtype) for a in (query, key, value))
+    marked = ("<t>",) * 3 + args[3:]
+    stride = _meta_strides("_scaled_dot_product_flash_attention", shapes, marked, (("scale", scale),))[0]
+    return problem, stride
+
+
+def _sdpa_forward_kernels(prepared, query, key, value):
+    """The forward on the kernels, out written in the op's layout."""
+    problem, stride = prepared
+    q, k, v = (layout.unit_last_stride(t) for t in (query, key, value))
+    out = torch.empty_strided((*q.shape[:3], v.shape[-1]), stride, dtype=q.dtype, device=q.device)
+    if out.stride(-1) != 1:
+        raise NotImplementedError(f"flashtile's provider cannot write out with the strides {stride} of PyTorch's "
+                                  f"meta kernel (the kernels need unit stride along the head dim)")
+    lse = run.forward_into(out, q, k, v, *_tail(problem))
+    rng, offset = _rng(query)
+    return out, lse, None, None, query.shape[2], key.shape[2], rng, offset, query.new_empty(0)
+
+
+def _tail(problem):
+    """The forward and backward ops' arguments after q, k, v (no dropout)."""
+    return autograd.op_tail(problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
+                            problem.softcap, None, None, 0.0, None,
+                            problem.deterministic or torch.are_deterministic_algorithms_enabled())
 
 
 def _sdpa_backward(original, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
@@ -199,8 +255,34 @@ def _sdpa_backward(original, keyset, grad_out, query, key, value, out, logsumexp
         return _fallback("_scaled_dot_product_flash_attention_backward", "dropout", original, keyset,
                          (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                           is_causal, philox_seed, philox_offset), dict(scale=scale))
-    call = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True)
-    grads = dispatch.attention_grads(grad_out, call.query, call.key, call.value, out, logsumexp, call.problem)
+    if not dispatch.runs_kernels(query.device):
+        call = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True)
+        grads = dispatch.attention_grads(grad_out, call.query, call.key, call.value, out, logsumexp, call.problem)
+        return tuple(_restrided(g, t.stride()) for g, t in zip(grads, (query, key, value)))
+    inputs = (grad_out, query, key, value, out, logsumexp)
+    entry = _entry(_BWD_PLANS, inputs, (is_causal, scale))
+    if entry is None:
+        return _sdpa_backward_kernels(_prepared_backward(query, key, value, is_causal, scale), *inputs)
+    if entry.prepared is None:
+        entry.prepared = _prepared_backward(query, key, value, is_causal, scale)
+    return replay.run(entry, inputs, lambda: _sdpa_backward_kernels(entry.prepared, *inputs))
+
+
+def _prepared_backward(query, key, value, is_causal, scale):
+    """What a backward call derives from its key: its problem and the gradients' strides
+    (the meta kernel's: each laid out as its input, so no copy follows the kernels)."""
+    problem = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True).problem
+    return problem, tuple(torch.empty_like(t, device="meta").stride() for t in (query, key, value))
+
+
+def _sdpa_backward_kernels(prepared, grad_out, query, key, value, out, logsumexp):
+    """The backward on the kernels, each gradient written in its input's layout."""
+    problem, strides = prepared
+    q, k, v, dout = (layout.unit_last_stride(t) for t in (query, key, value, grad_out))
+    grads = tuple(torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device) for t, st in zip((q, k, v), strides))
+    if any(g.stride(-1) != 1 for g in grads):  # an input whose head dim is not its innermost axis
+        grads = tuple(torch.empty_like(t) for t in (q, k, v))
+    run.backward_into(grads, dout.transpose(1, 2), q, k, v, out.transpose(1, 2), logsumexp, *_tail(problem))
     return tuple(_restrided(g, t.stride()) for g, t in zip(grads, (query, key, value)))
 
 
