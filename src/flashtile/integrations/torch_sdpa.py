@@ -50,6 +50,8 @@ FALLBACKS: collections.Counter = collections.Counter()
 _HANDLE: list = [None]  # the active handle when activated without the registry
 _FWD_PLANS = replay.cache("sdpa_provider_forward")
 _BWD_PLANS = replay.cache("sdpa_provider_backward")
+_FLASH_FWD_PLANS = replay.cache("flash_provider_forward")
+_FLASH_BWD_PLANS = replay.cache("flash_provider_backward")
 
 
 class Handle:
@@ -97,9 +99,7 @@ def _meta_strides(op: str, shapes: tuple, args: tuple, kwargs: tuple) -> tuple:
 
 def _like_meta(op: str, results, args, kwargs):
     """``results`` with the strides of ``op``'s meta kernel on ``args``."""
-    shapes = tuple((tuple(a.shape), tuple(a.stride()), a.dtype) for a in args if isinstance(a, torch.Tensor))
-    marked = tuple("<t>" if isinstance(a, torch.Tensor) else a for a in args)
-    strides = _meta_strides(op, shapes, marked, tuple(sorted(kwargs.items())))
+    strides = _meta_strides(op, _shapes(args), _marked(args), tuple(sorted(kwargs.items())))
     return tuple(_restrided(r, st) if isinstance(r, torch.Tensor) and st is not None else r
                  for r, st in zip(results, strides))
 
@@ -122,14 +122,15 @@ def _side(value) -> int:
 
 
 def _problem(query, key, value, cum_q, cum_k, max_q, max_k, is_causal, scale, left, right):
-    """The validated problem (and Varlen) of a flash op's call, no dropout."""
+    """The validated problem, Varlen and ``validate.VarlenCall`` (None, None for a dense
+    call) of a flash op's call, no dropout."""
     window = (_side(left), _side(right))
     if cum_q is None:
         call = validate.flash_call(query, key, value, 0.0, scale, is_causal, window, 0.0, None, False, False)
-        return call.problem, None
+        return call.problem, None, None
     call = validate.varlen_call(query, key, value, cum_q, cum_k, int(max_q), int(max_k), 0.0, scale, is_causal,
                                 window, 0.0, None, False, False, None, None, None)
-    return call.problem, call.varlen
+    return call.problem, call.varlen, call
 
 
 def _flash_forward(original, keyset, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
@@ -148,14 +149,62 @@ def _flash_forward(original, keyset, query, key, value, cum_seq_q, cum_seq_k, ma
               else "seqused_k (the backward op has none)" if seqused_k is not None else None)
     if reason is not None:
         return _fallback(_op, reason, original, keyset, args, kwargs)
-    problem, varlen = _problem(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
-                               window_size_left, window_size_right)
-    out, lse = dispatch.attention(query, key, value, problem, None, None, varlen,
-                                  qkv_layout="bshd" if varlen is None else "thd")
-    if varlen is not None:
-        lse = lse.squeeze(0)  # (H, total_q)
-    out = _like_meta("_flash_attention_forward", (out,), args, {})[0]
-    return (out, lse, *_aux(query))
+    sides = (window_size_left, window_size_right)
+    if not dispatch.runs_kernels(query.device):
+        problem, varlen, _ = _problem(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
+                                      *sides)
+        out, lse = dispatch.attention(query, key, value, problem, None, None, varlen,
+                                      qkv_layout="bshd" if varlen is None else "thd")
+        if varlen is not None:
+            lse = lse.squeeze(0)  # (H, total_q)
+        out = _like_meta("_flash_attention_forward", (out,), args, {})[0]
+        return (out, lse, *_aux(query))
+    inputs = (query, key, value, cum_seq_q, cum_seq_k)
+    entry = _entry(_FLASH_FWD_PLANS, inputs, (max_q, max_k, is_causal, scale, *sides))
+    prepared = None if entry is None else entry.prepared
+    if prepared is None:
+        problem, varlen, call = _problem(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
+                                         *sides)
+        stride = _meta_strides("_flash_attention_forward", _shapes(args), _marked(args), ())[0]
+        prepared = (problem, None if call is None else validate.varlen_prepared(call), stride)
+        if entry is not None:
+            entry.prepared = prepared
+    else:
+        varlen = _varlen_again(prepared[1], query, key, cum_seq_q, cum_seq_k)
+    if entry is None:
+        return _flash_forward_kernels(prepared, varlen, query, key, value)
+    return replay.run(entry, inputs, lambda: _flash_forward_kernels(prepared, varlen, query, key, value))
+
+
+def _shapes(args) -> tuple:
+    """(shape, stride, dtype) of each tensor among an op's arguments (``_meta_strides``)."""
+    return tuple((tuple(a.shape), tuple(a.stride()), a.dtype) for a in args if isinstance(a, torch.Tensor))
+
+
+def _marked(args) -> tuple:
+    """An op's arguments with each tensor replaced by "<t>" (``_meta_strides``)."""
+    return tuple("<t>" if isinstance(a, torch.Tensor) else a for a in args)
+
+
+def _varlen_again(prepared, query, key, cum_q, cum_k):
+    """A planned packed call's Varlen (None: a dense call) with this call's offsets, their
+    values checked (``validate.varlen_repeat``: a lookup for tensors checked before)."""
+    if prepared is None:
+        return None
+    return validate.varlen_repeat(prepared, query, key, cum_q, cum_k, None, None, None, None).varlen
+
+
+def _flash_forward_kernels(prepared, varlen, query, key, value):
+    """``_flash_attention_forward`` on the kernels, out written in the op's layout."""
+    problem, _, stride = prepared
+    where = "bshd" if varlen is None else "thd"
+    q, k, v = (layout.canonical(layout.unit_last_stride(t), where) for t in (query, key, value))
+    out = torch.empty_strided((*query.shape[:-1], value.shape[-1]), stride, dtype=query.dtype, device=query.device)
+    if out.stride(-1) != 1:
+        raise NotImplementedError(f"flashtile's provider cannot write out with the strides {stride} of PyTorch's "
+                                  f"meta kernel (the kernels need unit stride along the head dim)")
+    lse = run.forward_into(layout.canonical(out, where), q, k, v, *_tail(problem, varlen))
+    return (out, lse if varlen is None else lse.squeeze(0), *_aux(query))
 
 
 def _flash_forward_inplace(original, keyset, out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
@@ -181,12 +230,28 @@ def _flash_backward(original, keyset, grad_out, query, key, value, out, logsumex
                          dict(scale=scale, window_size_left=window_size_left, window_size_right=window_size_right))
     if cum_seq_q is not None and cum_seq_q.numel() == 0:
         cum_seq_q = cum_seq_k = None  # a dense call's backward gets empty offsets
-    problem, varlen = _problem(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
-                               window_size_left, window_size_right)
-    lse = logsumexp if varlen is None else logsumexp.unsqueeze(0)
-    grads = dispatch.attention_grads(grad_out, query, key, value, out, lse, problem, None, varlen,
-                                     qkv_layout="bshd" if varlen is None else "thd")
-    return tuple(_restrided(g, t.stride()) for g, t in zip(grads, (query, key, value)))
+    sides = (window_size_left, window_size_right)
+    if not dispatch.runs_kernels(query.device):
+        problem, varlen, _ = _problem(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
+                                      *sides)
+        lse = logsumexp if varlen is None else logsumexp.unsqueeze(0)
+        grads = dispatch.attention_grads(grad_out, query, key, value, out, lse, problem, None, varlen,
+                                         qkv_layout="bshd" if varlen is None else "thd")
+        return tuple(_restrided(g, t.stride()) for g, t in zip(grads, (query, key, value)))
+    inputs = (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k)
+    entry = _entry(_FLASH_BWD_PLANS, inputs, (max_q, max_k, is_causal, scale, *sides))
+    prepared = None if entry is None else entry.prepared
+    if prepared is None:
+        problem, varlen, call = _problem(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
+                                         *sides)
+        prepared = (problem, None if call is None else validate.varlen_prepared(call), _like_inputs(query, key, value))
+        if entry is not None:
+            entry.prepared = prepared
+    else:
+        varlen = _varlen_again(prepared[1], query, key, cum_seq_q, cum_seq_k)
+    if entry is None:
+        return _backward_kernels(prepared, varlen, *inputs[:6])
+    return replay.run(entry, inputs, lambda: _backward_kernels(prepared, varlen, *inputs[:6]))
 
 
 def _sdpa_forward(original, keyset, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
@@ -223,9 +288,7 @@ def _prepared_forward(args, scale):
     meta kernel's: out laid out as query is, so no copy follows the kernel)."""
     query, key, value, _, is_causal, _ = args
     problem = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True).problem
-    shapes = tuple((tuple(a.shape), tuple(a.stride()), a.dtype) for a in (query, key, value))
-    marked = ("<t>",) * 3 + args[3:]
-    stride = _meta_strides("_scaled_dot_product_flash_attention", shapes, marked, (("scale", scale),))[0]
+    stride = _meta_strides("_scaled_dot_product_flash_attention", _shapes(args), _marked(args), (("scale", scale),))[0]
     return problem, stride
 
 
@@ -242,11 +305,13 @@ def _sdpa_forward_kernels(prepared, query, key, value):
     return out, lse, None, None, query.shape[2], key.shape[2], rng, offset, query.new_empty(0)
 
 
-def _tail(problem):
-    """The forward and backward ops' arguments after q, k, v (no dropout)."""
+def _tail(problem, varlen=None):
+    """The forward op's arguments after q, k, v (no dropout; ``varlen``: a packed call's
+    metadata), the backward op's up to its dlse."""
     return autograd.op_tail(problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
                             problem.softcap, None, None, 0.0, None,
-                            problem.deterministic or torch.are_deterministic_algorithms_enabled())
+                            problem.deterministic or torch.are_deterministic_algorithms_enabled(),
+                            () if varlen is None else tuple(varlen))
 
 
 def _sdpa_backward(original, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
@@ -262,27 +327,41 @@ def _sdpa_backward(original, keyset, grad_out, query, key, value, out, logsumexp
     inputs = (grad_out, query, key, value, out, logsumexp)
     entry = _entry(_BWD_PLANS, inputs, (is_causal, scale))
     if entry is None:
-        return _sdpa_backward_kernels(_prepared_backward(query, key, value, is_causal, scale), *inputs)
+        return _backward_kernels(_prepared_backward(query, key, value, is_causal, scale), None, *inputs, "bhsd")
     if entry.prepared is None:
         entry.prepared = _prepared_backward(query, key, value, is_causal, scale)
-    return replay.run(entry, inputs, lambda: _sdpa_backward_kernels(entry.prepared, *inputs))
+    return replay.run(entry, inputs, lambda: _backward_kernels(entry.prepared, None, *inputs, "bhsd"))
 
 
 def _prepared_backward(query, key, value, is_causal, scale):
-    """What a backward call derives from its key: its problem and the gradients' strides
-    (the meta kernel's: each laid out as its input, so no copy follows the kernels)."""
+    """What a backward call derives from its key: its problem (no packed metadata) and the
+    gradients' strides (``_like_inputs``)."""
     problem = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True).problem
-    return problem, tuple(torch.empty_like(t, device="meta").stride() for t in (query, key, value))
+    return problem, None, _like_inputs(query, key, value)
 
 
-def _sdpa_backward_kernels(prepared, grad_out, query, key, value, out, logsumexp):
-    """The backward on the kernels, each gradient written in its input's layout."""
-    problem, strides = prepared
+def _like_inputs(*inputs) -> tuple:
+    """The strides of the backward meta kernels' gradients: each laid out as its input (so
+    no copy follows the kernels)."""
+    return tuple(torch.empty_like(t, device="meta").stride() for t in inputs)
+
+
+def _backward_kernels(prepared, varlen, grad_out, query, key, value, out, logsumexp, where="bshd"):
+    """A flash op's backward on the kernels (q, k, v, out and dout given in ``where``; "thd"
+    when ``varlen``), each gradient written in its input's layout."""
+    problem, _, strides = prepared
+    where = "thd" if varlen is not None else where
     q, k, v, dout = (layout.unit_last_stride(t) for t in (query, key, value, grad_out))
     grads = tuple(torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device) for t, st in zip((q, k, v), strides))
     if any(g.stride(-1) != 1 for g in grads):  # an input whose head dim is not its innermost axis
         grads = tuple(torch.empty_like(t) for t in (q, k, v))
-    run.backward_into(grads, dout.transpose(1, 2), q, k, v, out.transpose(1, 2), logsumexp, *_tail(problem))
+    lse = logsumexp if varlen is None else logsumexp.unsqueeze(0)
+    canon = lambda t: layout.canonical(t, where)  # noqa: E731
+    tail = _tail(problem)
+    if varlen is not None:
+        tail = (*tail, None, *varlen)  # the backward op's dlse, then the packed metadata
+    run.backward_into(tuple(map(canon, grads)), layout.to_bshd(dout, where), canon(q), canon(k), canon(v),
+                      layout.to_bshd(out, where), lse, *tail)
     return tuple(_restrided(g, t.stride()) for g, t in zip(grads, (query, key, value)))
 
 
