@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|combine-ncu|session26|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|combine-ncu|session26|session27-tests|session27-bench|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -266,6 +266,30 @@ torch.cuda.synchronize()
     echo "combine $mode ncu rc=$?"
     grep -E "Duration|Grid Size|Registers|Achieved Occupancy|Stall|Warp Cycles|Throughput|ERR" "$OUT/combine-ncu-$mode.log" | head -30
   done
+fi
+if [[ $what == session27-tests ]]; then
+  # session 26's GPU tests (below) and the SDPA provider's (session 27: out and gradients
+  # written in PyTorch's layouts, calls planned), in one call
+  timeout ${S27_TESTS_TIMEOUT:-540} python3 -m pytest -m gpu tests/backends/sm90/test_sm90_forward_gpu.py \
+    tests/runtime/test_replay_gpu.py tests/backends/test_backward_gpu.py tests/api/test_varlen_gpu.py \
+    tests/api/test_kvcache_gpu.py tests/integrations/test_torch_sdpa_gpu.py \
+    -v -rf -n ${TESTS_WORKERS:-8} --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-session27.log" 2>&1
+  echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-session27.log" | cut -c1-200 | tail -15
+fi
+if [[ $what == session27-bench ]]; then
+  # host cost of every row, the provider's included, twice; the fused combine's A/B
+  for i in 1 2; do
+    timeout 100 python3 benchmarks/host_overhead.py --impl flashtile flashtile-sdpa sdpa-cudnn sdpa-flash \
+      sdpa-flashtile > "$OUT/host-overhead-$i.log" 2>&1
+    echo "host overhead $i rc=$?"; grep -v Warn "$OUT/host-overhead-$i.log" | tail -7
+  done
+  timeout 60 python3 benchmarks/experiments/decode_combine_ab.py --rep 50 > "$OUT/combine-ab.log" 2>&1
+  echo "combine A/B rc=$?"; tail -6 "$OUT/combine-ab.log"
+  if [[ -n ${S27_SINKS:-} ]]; then  # once sinks are routed to the Gluon forward
+    timeout 200 python3 -m pytest -m gpu tests/api/test_sinks_gpu.py -q -rf -n 8 -p no:warnings \
+      -p no:cacheprovider > "$OUT/gpu-tests-sinks.log" 2>&1
+    echo "sinks tests rc=$?"; tail -3 "$OUT/gpu-tests-sinks.log"
+  fi
 fi
 if [[ $what == session26 ]]; then
   # What session 26 changed that no GPU ran (perf-notes "Next device session"): the Gluon
