@@ -228,15 +228,13 @@ def test_bad_sinks_are_refused_by_every_entry_point(sink, error, match):
     assert torch.equal(cache, before)  # nothing written
 
 
-def test_the_registry_sends_sinks_to_the_triton_forward_only():
+def test_the_registry_sends_sinks_to_the_gluon_kernels():
     from flashtile.backends import registry
 
     call = registry.Call(capability=(9, 0), dtype="bfloat16", head_dim=128, seqlen_q=4096, window_right=0,
                          sink=True)
-    fwd = registry.forward(call)
-    assert fwd.kernel == "triton.forward" and any("sink" in why for why in fwd.why)
-    assert registry.forward(registry.Call(capability=(9, 0), dtype="bfloat16", head_dim=128, seqlen_q=4096,
-                                          window_right=0)).kernel == "sm90.forward"
+    # the Gluon forward adds the sink in its epilogue
+    assert registry.forward(call).kernel == "sm90.forward"
     # the backward sees a sink only through the LSE: the Gluon kernels take it
     assert registry.backward(call).family == "sm90"
 

@@ -1,7 +1,7 @@
 """Learnable sinks on the GPU (``pytest -m gpu``): QUALITY.md's rule at fp16/bf16 with
 NaN-poisoned outputs in every entry point, the gradients of q, k, v and the sink; on
-Hopper the Triton forward (the Gluon forward has no sinks) with the default backward (the
-Gluon kernels where they take the call) and the Triton backward; determinism reruns."""
+Hopper the default kernels (the Gluon forward and backward where they take the call) and
+the Triton backward; determinism reruns."""
 
 from __future__ import annotations
 

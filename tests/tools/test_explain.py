@@ -31,7 +31,7 @@ from flashtile.tools.explain import explain  # noqa: E402
     (dict(seqlen_q=1, seqlen_k=500, head_dim=128, causal=True), "Gluon", "Gluon", "run as non-causal"),
     (dict(seqlen_q=4096, device="cpu"), "chunked torch twin", "torch autograd", "torch twin"),
     (dict(seqlen_q=4096, ws_env=False), "Triton", "Triton", "FLASHTILE_WS=0"),
-    (dict(seqlen_q=4096, head_dim=128, causal=True, sink=True), "Triton", "Gluon", "no attention sinks"),
+    (dict(seqlen_q=4096, head_dim=128, causal=True, sink=True), "Gluon", "Gluon", None),
     (dict(seqlen_q=8192, head_dim=128, causal=True, chunk=1024), "Triton", "Triton", "not chunked attention"),
     (dict(seqlen_q=4096, head_dim=128, causal=True, chunk=4096), "Gluon", "Gluon", None),  # one chunk: off
 ])

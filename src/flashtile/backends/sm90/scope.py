@@ -49,14 +49,9 @@ def _rows_scope(call) -> Optional[str]:
 
 
 def forward_scope(call) -> Optional[str]:
-    """The Gluon forward: ``_rows_scope``, and no attention sink yet: the kernel adds one in
-    its epilogue (``attention_forward_ws(sink=)``, session 26), but that has run on no GPU;
-    ``test_sm90_forward_gpu.py::test_sinks_in_the_epilogue`` must pass before calls with a
-    sink are routed here."""
-    reason = _rows_scope(call)
-    if reason is None and call.sink:
-        reason = "the Gluon forward has no attention sinks (the Triton forward adds them)"
-    return reason
+    """The Gluon forward: ``_rows_scope`` (an attention sink is added in its epilogue:
+    ``attention_forward_ws(sink=)``)."""
+    return _rows_scope(call)
 
 
 def backward_scope(call) -> Optional[str]:
