@@ -88,56 +88,80 @@ def _laid_out(t, how):
     return t.contiguous() if how == "bhsd" else t.transpose(1, 2).contiguous().transpose(1, 2)
 
 
-# every case on the twin; half of them on the kernels (the interpreter takes ~3 s a case)
+def _sdpa_inputs(seed, dtype, heads_k, seqlen_k, how):
+    """q (2, 4, 37, 16), k, v (2, heads_k, seqlen_k, 16) and dout laid out as ``how`` says:
+    "bhsd", "bshd" (``_laid_out``) or "qkv" (q, k, v sliced from one (B, S, 3, H, D)
+    projection: not dense, so the gradients' layout is empty_like's, not the inputs')."""
+    g = torch.Generator().manual_seed(seed)
+    if how == "qkv":
+        q, k, v = torch.randn(2, 37, 3, 4, 16, generator=g).to(dtype).permute(2, 0, 3, 1, 4)
+    else:
+        q = _laid_out(torch.randn(2, 4, 37, 16, generator=g).to(dtype), how)
+        k, v = (_laid_out(torch.randn(2, heads_k, seqlen_k, 16, generator=g).to(dtype), how) for _ in range(2))
+    dout = _laid_out(torch.randn(2, 4, 37, 16, generator=g).to(dtype), "bhsd" if how == "qkv" else how)
+    return q, k, v, dout
+
+
+# every case on the twin; some on the kernels (the interpreter takes ~3 s a case)
 _CONTRACT = [("torch", c, hk, how) for c in (False, True) for hk in (4, 2) for how in ("bhsd", "bshd")] + [
-    ("triton", False, 4, "bhsd"), ("triton", False, 2, "bshd"), ("triton", True, 4, "bshd"),
-    ("triton", True, 2, "bhsd")]
+    ("torch", True, 4, "qkv"), ("triton", False, 4, "bhsd"), ("triton", False, 2, "bshd"),
+    ("triton", True, 2, "bhsd"), ("triton", True, 4, "qkv")]
 
 
 @pytest.mark.parametrize("backend, causal, heads_k, how", _CONTRACT)
 def test_sdpa_op_contract(on_cpu, request, monkeypatch, plan_replays, backend, causal, heads_k, how):
-    """On the twin and on the kernels (interpreted): the op's outputs have the meta kernel's
-    strides (out laid out as query, each gradient as its input: written so by the kernels,
-    not copied after, or the call could not be planned), values and gradients are PyTorch
-    math's, and a repeated call replays its plan with the same results."""
+    """On the twin and on the kernels (interpreted): the op's outputs have the meta kernels'
+    strides (out laid out as query, each gradient as ``empty_like`` its input: written so by
+    the kernels, not copied after, or the call could not be planned), values and gradients
+    are PyTorch math's, and a repeated call on new tensors of the same layout replays its
+    plans (one replay per op) with the right results."""
     _family(request, monkeypatch, backend)
-    g = torch.Generator().manual_seed(0)
     dtype = torch.float32 if backend == "torch" else torch.float16
-    q = _laid_out(torch.randn(2, 4, 37, 16, generator=g).to(dtype), how)
-    k, v = (_laid_out(torch.randn(2, heads_k, 37 if causal else 50, 16, generator=g).to(dtype), how)
-            for _ in range(2))
-    res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=0.3)
-    meta = torch.ops.aten._scaled_dot_product_flash_attention(*(t.to("meta") for t in (q, k, v)), 0.0, causal,
-                                                                False, scale=0.3)
-    for got, want in zip(res, meta):
-        if isinstance(want, torch.Tensor):
-            assert got.shape == want.shape and got.dtype == want.dtype
-            assert got.stride() == want.stride() or got.numel() <= 1
-        else:
-            assert got == want
     tol = 1e-5 if backend == "torch" else 4e-3  # float16 inputs and outputs on the kernels
-    ref, leaves = _math(q, k, v, causal, scale=0.3)
-    assert (res[0].double() - ref).abs().max() < tol
-    lse_ref = torch.logsumexp(_scores(q, k, causal, 0.3), -1)
-    assert (res[1].double() - lse_ref).abs().max() < (1e-5 if backend == "torch" else 1e-3)
-    dout = _laid_out(torch.randn(res[0].shape, generator=g).to(dtype), how)
-
-    def backward():
-        return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+    for seed in (0, 1):
+        plan_replays["n"] = 0
+        q, k, v, dout = _sdpa_inputs(seed, dtype, heads_k, 37 if causal else 50, how)
+        res = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=0.3)
+        meta = torch.ops.aten._scaled_dot_product_flash_attention(*(t.to("meta") for t in (q, k, v)), 0.0, causal,
+                                                                    False, scale=0.3)
+        for got, want in zip(res, meta):
+            if isinstance(want, torch.Tensor):
+                assert got.shape == want.shape and got.dtype == want.dtype
+                assert got.stride() == want.stride() or got.numel() <= 1
+            else:
+                assert got == want
+        ref, leaves = _math(q, k, v, causal, scale=0.3)
+        assert (res[0].double() - ref).abs().max() < tol
+        lse_ref = torch.logsumexp(_scores(q, k, causal, 0.3), -1)
+        assert (res[1].double() - lse_ref).abs().max() < (1e-5 if backend == "torch" else 1e-3)
+        grads = torch.ops.aten._scaled_dot_product_flash_attention_backward(
             dout, q, k, v, res[0], res[1], torch.empty(0), torch.empty(0), q.shape[2], k.shape[2], 0.0, causal,
             res[6], res[7], scale=0.3)
+        want = torch.autograd.grad(ref, leaves, dout.double())
+        for got, exp, inp in zip(grads, want, (q, k, v)):
+            assert got.shape == inp.shape and got.stride() == torch.empty_like(inp, device="meta").stride()
+            assert (got.double() - exp).abs().max() < 4 * tol
+        if backend == "triton":  # planned: the second round is one replay per op
+            assert plan_replays["n"] == 2 * seed
 
-    grads = backward()
-    want = torch.autograd.grad(ref, leaves, dout.double())
-    for got, exp, inp in zip(grads, want, (q, k, v)):
-        assert got.shape == inp.shape and got.stride() == inp.stride()
-        assert (got.double() - exp).abs().max() < 4 * tol
-    if backend == "triton":  # the kernels' path is planned: each repeated call is one replay, bit for bit
-        plan_replays["n"] = 0
-        again = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, False, scale=0.3)
-        assert torch.equal(again[0], res[0]) and torch.equal(again[1], res[1])
-        assert all(torch.equal(a, b) for a, b in zip(backward(), grads))
-        assert plan_replays["n"] == 2
+
+def test_v_head_dim_of_its_own(on_cpu, backend):
+    """v's head dim other than q's (PyTorch's flash ops do not take it, and their meta
+    kernels give out q's head dim): out is still (B, H, L, Ev), dense in query's order, with
+    math's values (not written over rows of another shape)."""
+    g = torch.Generator().manual_seed(3)
+    dtype, tol = (torch.float32, 1e-5) if backend == "torch" else (torch.float16, 4e-3)
+    q, k = (torch.randn(1, 2, 8, 16, generator=g).to(dtype) for _ in range(2))
+    v = torch.randn(1, 2, 8, 32, generator=g).to(dtype)
+    out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, False)[0]
+    assert out.shape == (1, 2, 8, 32) and out.is_contiguous()
+    ref, _ = _math(q, k, v, True)
+    assert (out.double() - ref).abs().max() < tol
+    packed = torch.ops.aten._flash_attention_forward(q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous(),
+                                                     v.transpose(1, 2).contiguous(), None, None, 8, 8, 0.0, True,
+                                                     False)[0]
+    assert packed.shape == (1, 8, 2, 32) and packed.is_contiguous()
+    assert (packed.transpose(1, 2).double() - ref).abs().max() < tol
 
 
 def _scores(q, k, causal, scale):
@@ -173,7 +197,8 @@ def test_flash_op_dense_and_packed_contract(on_cpu, request, monkeypatch, plan_r
     pq, pk, pv = (t.reshape(60, *t.shape[2:]) for t in (q, k, v))
 
     def packed():
-        return fwd(pq, pk, pv, cu, cu, 30, 30, 0.0, causal, False, window_size_left=left, window_size_right=right)
+        # max_seqlen 45 (an upper bound, as flash-attn takes it): the offsets may change below
+        return fwd(pq, pk, pv, cu, cu, 45, 45, 0.0, causal, False, window_size_left=left, window_size_right=right)
 
     pout, plse, *_ = packed()
     assert pout.shape == (60, 4, 16) and plse.shape == (4, 60)
@@ -193,7 +218,7 @@ def test_flash_op_dense_and_packed_contract(on_cpu, request, monkeypatch, plan_r
                 window_size_right=right)
 
     def packed_grads():
-        return bwd(dout.reshape(60, 4, 16), pq, pk, pv, pout, plse, cu, cu, 30, 30, 0.0, causal, rng, offset,
+        return bwd(dout.reshape(60, 4, 16), pq, pk, pv, pout, plse, cu, cu, 45, 45, 0.0, causal, rng, offset,
                    window_size_left=left, window_size_right=right)
 
     pgrads = packed_grads()
@@ -206,6 +231,13 @@ def test_flash_op_dense_and_packed_contract(on_cpu, request, monkeypatch, plan_r
         assert all(torch.equal(a, b) for a, b in zip(packed()[:2], (pout, plse)))
         assert all(torch.equal(a, b) for a, b in zip(packed_grads(), pgrads))
         assert plan_replays["n"] == 2
+    # offsets of the same shape with other values (a new tensor, checked again): a replay on the
+    # kernels, with flash_attn_varlen_func's results
+    cu[1] = 15  # two sequences of 15 and 45 tokens
+    got = packed()[0]
+    want = flashtile.flash_attn_varlen_func(pq, pk, pv, cu, cu, 45, 45, causal=causal, window_size=ws)
+    assert (got - want).abs().max() < tol and (got - pout).abs().max() > 0.1
+    assert plan_replays["n"] == (3 if backend == "triton" else 0)
 
 
 @pytest.mark.parametrize("kept_by", ["get_kernel", "binding"])

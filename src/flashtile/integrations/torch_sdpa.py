@@ -97,13 +97,6 @@ def _meta_strides(op: str, shapes: tuple, args: tuple, kwargs: tuple) -> tuple:
     return tuple(o.stride() if isinstance(o, torch.Tensor) else None for o in outs)
 
 
-def _like_meta(op: str, results, args, kwargs):
-    """``results`` with the strides of ``op``'s meta kernel on ``args``."""
-    strides = _meta_strides(op, _shapes(args), _marked(args), tuple(sorted(kwargs.items())))
-    return tuple(_restrided(r, st) if isinstance(r, torch.Tensor) and st is not None else r
-                 for r, st in zip(results, strides))
-
-
 def _rng(query):
     """rng_state and philox offset of a call without dropout: placeholders, uninitialized
     as PyTorch's own flash kernel leaves them (no fill launches); the backward reads them
@@ -157,7 +150,7 @@ def _flash_forward(original, keyset, query, key, value, cum_seq_q, cum_seq_k, ma
                                       qkv_layout="bshd" if varlen is None else "thd")
         if varlen is not None:
             lse = lse.squeeze(0)  # (H, total_q)
-        out = _like_meta("_flash_attention_forward", (out,), args, {})[0]
+        out = _restrided(out, _out_stride("_flash_attention_forward", args, (), query, value))
         return (out, lse, *_aux(query))
     inputs = (query, key, value, cum_seq_q, cum_seq_k)
     entry = _entry(_FLASH_FWD_PLANS, inputs, (max_q, max_k, is_causal, scale, *sides))
@@ -165,7 +158,7 @@ def _flash_forward(original, keyset, query, key, value, cum_seq_q, cum_seq_k, ma
     if prepared is None:
         problem, varlen, call = _problem(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
                                          *sides)
-        stride = _meta_strides("_flash_attention_forward", _shapes(args), _marked(args), ())[0]
+        stride = _out_stride("_flash_attention_forward", args, (), query, value)
         prepared = (problem, None if call is None else validate.varlen_prepared(call), stride)
         if entry is not None:
             entry.prepared = prepared
@@ -199,12 +192,36 @@ def _flash_forward_kernels(prepared, varlen, query, key, value):
     problem, _, stride = prepared
     where = "bshd" if varlen is None else "thd"
     q, k, v = (layout.canonical(layout.unit_last_stride(t), where) for t in (query, key, value))
-    out = torch.empty_strided((*query.shape[:-1], value.shape[-1]), stride, dtype=query.dtype, device=query.device)
-    if out.stride(-1) != 1:
-        raise NotImplementedError(f"flashtile's provider cannot write out with the strides {stride} of PyTorch's "
-                                  f"meta kernel (the kernels need unit stride along the head dim)")
+    out = _new_out(query, value, stride)
     lse = run.forward_into(layout.canonical(out, where), q, k, v, *_tail(problem, varlen))
-    return (out, lse if varlen is None else lse.squeeze(0), *_aux(query))
+    return (_restrided(out, stride), lse if varlen is None else lse.squeeze(0), *_aux(query))
+
+
+def _out_stride(op: str, args, kwargs: tuple, query, value) -> tuple:
+    """out's strides: those of ``op``'s meta kernel (``empty_like(query)``). With v's head dim
+    other than q's (which PyTorch's flash ops do not take, and for which their meta kernels
+    give q's head dim) a dense buffer of out's shape in query's dimension order."""
+    if value.shape[-1] == query.shape[-1]:
+        return _meta_strides(op, _shapes(args), _marked(args), kwargs)[0]
+    return _dense_like(query, value.shape[-1])
+
+
+def _dense_like(t: torch.Tensor, last: int) -> tuple:
+    """The strides of a dense tensor of ``t``'s shape but ``last`` along its last axis, in the
+    dimension order of ``t`` (what ``empty_like`` gives for ``t``'s own shape)."""
+    order = torch.empty_like(t, device="meta").stride()
+    perm = sorted(range(t.dim()), key=lambda i: -order[i])
+    return torch.empty_permuted((*t.shape[:-1], last), perm, device="meta").stride()
+
+
+def _new_out(query, value, stride) -> torch.Tensor:
+    """out's buffer for the kernels: with ``stride``, or, where that has no unit stride along
+    the head dim (a query whose head dim is not its innermost axis), a contiguous one that
+    ``_restrided`` then copies (such a call is not planned)."""
+    shape = (*query.shape[:-1], value.shape[-1])
+    if stride[-1] != 1:
+        return query.new_empty(shape)
+    return torch.empty_strided(shape, stride, dtype=query.dtype, device=query.device)
 
 
 def _flash_forward_inplace(original, keyset, out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
@@ -237,7 +254,7 @@ def _flash_backward(original, keyset, grad_out, query, key, value, out, logsumex
         lse = logsumexp if varlen is None else logsumexp.unsqueeze(0)
         grads = dispatch.attention_grads(grad_out, query, key, value, out, lse, problem, None, varlen,
                                          qkv_layout="bshd" if varlen is None else "thd")
-        return tuple(_restrided(g, t.stride()) for g, t in zip(grads, (query, key, value)))
+        return tuple(map(_restrided, grads, _like_inputs(query, key, value)))
     inputs = (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k)
     entry = _entry(_FLASH_BWD_PLANS, inputs, (max_q, max_k, is_causal, scale, *sides))
     prepared = None if entry is None else entry.prepared
@@ -264,7 +281,8 @@ def _sdpa_forward(original, keyset, query, key, value, dropout_p=0.0, is_causal=
     if not dispatch.runs_kernels(query.device):  # the twin (tests install the provider on the CPU key)
         call = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True)
         out, lse = dispatch.attention(call.query, call.key, call.value, call.problem)
-        out = _like_meta("_scaled_dot_product_flash_attention", (out,), args, {"scale": scale})[0]
+        out = _restrided(out, _out_stride("_scaled_dot_product_flash_attention", args, (("scale", scale),), query,
+                                          value))
         return (out, lse, None, None, query.shape[2], key.shape[2], *_aux(query))
     inputs = (query, key, value)
     entry = _entry(_FWD_PLANS, inputs, (is_causal, scale))
@@ -288,21 +306,17 @@ def _prepared_forward(args, scale):
     meta kernel's: out laid out as query is, so no copy follows the kernel)."""
     query, key, value, _, is_causal, _ = args
     problem = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True).problem
-    stride = _meta_strides("_scaled_dot_product_flash_attention", _shapes(args), _marked(args), (("scale", scale),))[0]
-    return problem, stride
+    return problem, _out_stride("_scaled_dot_product_flash_attention", args, (("scale", scale),), query, value)
 
 
 def _sdpa_forward_kernels(prepared, query, key, value):
     """The forward on the kernels, out written in the op's layout."""
     problem, stride = prepared
     q, k, v = (layout.unit_last_stride(t) for t in (query, key, value))
-    out = torch.empty_strided((*q.shape[:3], v.shape[-1]), stride, dtype=q.dtype, device=q.device)
-    if out.stride(-1) != 1:
-        raise NotImplementedError(f"flashtile's provider cannot write out with the strides {stride} of PyTorch's "
-                                  f"meta kernel (the kernels need unit stride along the head dim)")
+    out = _new_out(query, value, stride)
     lse = run.forward_into(out, q, k, v, *_tail(problem))
     rng, offset = _rng(query)
-    return out, lse, None, None, query.shape[2], key.shape[2], rng, offset, query.new_empty(0)
+    return _restrided(out, stride), lse, None, None, query.shape[2], key.shape[2], rng, offset, query.new_empty(0)
 
 
 def _tail(problem, varlen=None):
@@ -323,7 +337,7 @@ def _sdpa_backward(original, keyset, grad_out, query, key, value, out, logsumexp
     if not dispatch.runs_kernels(query.device):
         call = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True)
         grads = dispatch.attention_grads(grad_out, call.query, call.key, call.value, out, logsumexp, call.problem)
-        return tuple(_restrided(g, t.stride()) for g, t in zip(grads, (query, key, value)))
+        return tuple(map(_restrided, grads, _like_inputs(query, key, value)))
     inputs = (grad_out, query, key, value, out, logsumexp)
     entry = _entry(_BWD_PLANS, inputs, (is_causal, scale))
     if entry is None:
@@ -341,20 +355,23 @@ def _prepared_backward(query, key, value, is_causal, scale):
 
 
 def _like_inputs(*inputs) -> tuple:
-    """The strides of the backward meta kernels' gradients: each laid out as its input (so
-    no copy follows the kernels)."""
+    """The strides of the backward meta kernels' gradients (``empty_like`` of each input: its
+    strides where it is dense, else dense in its dimension order, as for q, k, v sliced from
+    one packed projection), which the kernels write directly."""
     return tuple(torch.empty_like(t, device="meta").stride() for t in inputs)
 
 
 def _backward_kernels(prepared, varlen, grad_out, query, key, value, out, logsumexp, where="bshd"):
     """A flash op's backward on the kernels (q, k, v, out and dout given in ``where``; "thd"
-    when ``varlen``), each gradient written in its input's layout."""
+    when ``varlen``), each gradient written in the layout of the op's meta kernel."""
     problem, _, strides = prepared
     where = "thd" if varlen is not None else where
     q, k, v, dout = (layout.unit_last_stride(t) for t in (query, key, value, grad_out))
-    grads = tuple(torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device) for t, st in zip((q, k, v), strides))
-    if any(g.stride(-1) != 1 for g in grads):  # an input whose head dim is not its innermost axis
+    if any(st[-1] != 1 for st in strides):  # an input whose head dim is not its innermost axis: copied after
         grads = tuple(torch.empty_like(t) for t in (q, k, v))
+    else:
+        grads = tuple(torch.empty_strided(t.shape, st, dtype=t.dtype, device=t.device)
+                      for t, st in zip((q, k, v), strides))
     lse = logsumexp if varlen is None else logsumexp.unsqueeze(0)
     canon = lambda t: layout.canonical(t, where)  # noqa: E731
     tail = _tail(problem)
@@ -362,7 +379,7 @@ def _backward_kernels(prepared, varlen, grad_out, query, key, value, out, logsum
         tail = (*tail, None, *varlen)  # the backward op's dlse, then the packed metadata
     run.backward_into(tuple(map(canon, grads)), layout.to_bshd(dout, where), canon(q), canon(k), canon(v),
                       layout.to_bshd(out, where), lse, *tail)
-    return tuple(_restrided(g, t.stride()) for g, t in zip(grads, (query, key, value)))
+    return tuple(map(_restrided, grads, strides))
 
 
 KERNELS = {
