@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|combine-ncu|session26|session27-tests|session27-bench|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|combine-ncu|session27-tests|session27-bench|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -268,16 +268,19 @@ torch.cuda.synchronize()
   done
 fi
 if [[ $what == session27-tests ]]; then
-  # session 26's GPU tests (below) and the SDPA provider's (session 27: out and gradients
-  # written in PyTorch's layouts, calls planned), in one call
+  # The GPU tests of what sessions 26-27 changed (the Gluon forward's sink epilogue, the keyed
+  # training path, causal packed d64 on the one-pass backward, the fused combine's mend, the
+  # SDPA provider writing PyTorch's layouts with planned calls), in one call. -n 6: run 132
+  # ran them at -n 8 on an H100 and 18 of them ran out of GPU memory.
   timeout ${S27_TESTS_TIMEOUT:-540} python3 -m pytest -m gpu tests/backends/sm90/test_sm90_forward_gpu.py \
     tests/runtime/test_replay_gpu.py tests/backends/test_backward_gpu.py tests/api/test_varlen_gpu.py \
-    tests/api/test_kvcache_gpu.py tests/integrations/test_torch_sdpa_gpu.py \
-    -v -rf -n ${TESTS_WORKERS:-8} --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-session27.log" 2>&1
+    tests/api/test_kvcache_gpu.py tests/integrations/test_torch_sdpa_gpu.py tests/api/test_sinks_gpu.py \
+    -v -rf -n ${TESTS_WORKERS:-6} --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-session27.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-session27.log" | cut -c1-200 | tail -15
 fi
 if [[ $what == session27-bench ]]; then
-  # host cost of every row, the provider's included, twice; the fused combine's A/B
+  # host cost of every row, the SDPA provider's included, twice; the fused combine's A/B
+  # (after 5d2be30's mend); the sink rows of features.py, now on the Gluon forward
   for i in 1 2; do
     timeout 100 python3 benchmarks/host_overhead.py --impl flashtile flashtile-sdpa sdpa-cudnn sdpa-flash \
       sdpa-flashtile > "$OUT/host-overhead-$i.log" 2>&1
@@ -285,31 +288,6 @@ if [[ $what == session27-bench ]]; then
   done
   timeout 60 python3 benchmarks/experiments/decode_combine_ab.py --rep 50 > "$OUT/combine-ab.log" 2>&1
   echo "combine A/B rc=$?"; tail -6 "$OUT/combine-ab.log"
-  if [[ -n ${S27_SINKS:-} ]]; then  # once sinks are routed to the Gluon forward
-    timeout 200 python3 -m pytest -m gpu tests/api/test_sinks_gpu.py -q -rf -n 8 -p no:warnings \
-      -p no:cacheprovider > "$OUT/gpu-tests-sinks.log" 2>&1
-    echo "sinks tests rc=$?"; tail -3 "$OUT/gpu-tests-sinks.log"
-  fi
-fi
-if [[ $what == session26 ]]; then
-  # What session 26 changed that no GPU ran (perf-notes "Next device session"): the Gluon
-  # forward's Sink argument and its sink epilogue (not routed yet), the keyed training path
-  # (flash_attn_func and scaled_dot_product_attention with grad: forward and backward plans
-  # on the caller's tensors, found by the saved tensors' keys), causal packed d64 calls on
-  # the one-pass backward, the fused combine's review mend; then the host cost against
-  # cuDNN, twice, and the combine A/B.
-  timeout ${S26_TESTS_TIMEOUT:-380} python3 -m pytest -m gpu tests/backends/sm90/test_sm90_forward_gpu.py \
-    tests/runtime/test_replay_gpu.py tests/backends/test_backward_gpu.py tests/api/test_varlen_gpu.py \
-    tests/api/test_kvcache_gpu.py \
-    -v -rf -n ${TESTS_WORKERS:-8} --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-session26.log" 2>&1
-  echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-session26.log" | cut -c1-200 | tail -15
-  for i in 1 2; do
-    # all five rows: the SDPA provider's (sdpa-flashtile) too, planned since session 27
-    timeout 100 python3 benchmarks/host_overhead.py --impl flashtile flashtile-sdpa sdpa-cudnn sdpa-flash \
-      sdpa-flashtile > "$OUT/host-overhead-$i.log" 2>&1
-    echo "host overhead $i rc=$?"; grep -v Warn "$OUT/host-overhead-$i.log" | tail -7
-  done
-  # the fused combine after the review mend (5d2be30: a split a row does not see is selected out)
-  timeout 60 python3 benchmarks/experiments/decode_combine_ab.py --rep 50 > "$OUT/combine-ab.log" 2>&1
-  echo "combine A/B rc=$?"; tail -6 "$OUT/combine-ab.log"
+  timeout 150 python3 benchmarks/features.py --skip wide --pass fwd --out "$OUT/features.jsonl" > "$OUT/features.log" 2>&1
+  echo "features rc=$?"; tail -24 "$OUT/features.log" | cut -c1-220
 fi
