@@ -230,14 +230,25 @@ def test_flash_op_dense_and_packed_contract(on_cpu, request, monkeypatch, plan_r
         plan_replays["n"] = 0
         assert all(torch.equal(a, b) for a, b in zip(packed()[:2], (pout, plse)))
         assert all(torch.equal(a, b) for a, b in zip(packed_grads(), pgrads))
-        assert plan_replays["n"] == 2
+        # the in-place op's kernels write into the caller's out, no copy after them (a new out:
+        # the plan patches its address)
+        again = torch.full_like(pout, float("nan"))
+        copies = []
+        with monkeypatch.context() as m:
+            original = torch.Tensor.copy_
+            m.setattr(torch.Tensor, "copy_", lambda t, *a, **k: copies.append(t) or original(t, *a, **k))
+            torch.ops.aten._flash_attention_forward_no_dropout_inplace(
+                again, pq, pk, pv, cu, cu, 30, 30, 0.0, causal, False, window_size_left=left,
+                window_size_right=right)
+        assert torch.equal(again, pout) and not copies
+        assert plan_replays["n"] == 3
     # offsets of the same shape with other values (a new tensor, checked again): a replay on the
     # kernels, with flash_attn_varlen_func's results
     cu[1] = 15  # two sequences of 15 and 45 tokens
     got = packed()[0]
     want = flashtile.flash_attn_varlen_func(pq, pk, pv, cu, cu, 45, 45, causal=causal, window_size=ws)
     assert (got - want).abs().max() < tol and (got - pout).abs().max() > 0.1
-    assert plan_replays["n"] == (3 if backend == "triton" else 0)
+    assert plan_replays["n"] == (4 if backend == "triton" else 0)
 
 
 @pytest.mark.parametrize("kept_by", ["get_kernel", "binding"])

@@ -128,7 +128,7 @@ def _problem(query, key, value, cum_q, cum_k, max_q, max_k, is_causal, scale, le
 
 def _flash_forward(original, keyset, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal,
                    return_debug_mask, *, scale=None, window_size_left=None, window_size_right=None, seqused_k=None,
-                   alibi_slopes=None, block_table=None, num_splits=None, _op="_flash_attention_forward"):
+                   alibi_slopes=None, block_table=None, num_splits=None, _op="_flash_attention_forward", _out=None):
     args = (query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p, is_causal, return_debug_mask)
     kwargs = dict(scale=scale, window_size_left=window_size_left, window_size_right=window_size_right,
                   seqused_k=seqused_k, alibi_slopes=alibi_slopes)
@@ -152,7 +152,7 @@ def _flash_forward(original, keyset, query, key, value, cum_seq_q, cum_seq_k, ma
             lse = lse.squeeze(0)  # (H, total_q)
         out = _restrided(out, _out_stride("_flash_attention_forward", args, (), query, value))
         return (out, lse, *_aux(query))
-    inputs = (query, key, value, cum_seq_q, cum_seq_k)
+    inputs = (query, key, value, cum_seq_q, cum_seq_k, _out)
     entry = _entry(_FLASH_FWD_PLANS, inputs, (max_q, max_k, is_causal, scale, *sides))
     prepared = None if entry is None else entry.prepared
     if prepared is None:
@@ -165,8 +165,8 @@ def _flash_forward(original, keyset, query, key, value, cum_seq_q, cum_seq_k, ma
     else:
         varlen = _varlen_again(prepared[1], query, key, cum_seq_q, cum_seq_k)
     if entry is None:
-        return _flash_forward_kernels(prepared, varlen, query, key, value)
-    return replay.run(entry, inputs, lambda: _flash_forward_kernels(prepared, varlen, query, key, value))
+        return _flash_forward_kernels(prepared, varlen, query, key, value, _out)
+    return replay.run(entry, inputs, lambda: _flash_forward_kernels(prepared, varlen, query, key, value, _out))
 
 
 def _shapes(args) -> tuple:
@@ -187,14 +187,16 @@ def _varlen_again(prepared, query, key, cum_q, cum_k):
     return validate.varlen_repeat(prepared, query, key, cum_q, cum_k, None, None, None, None).varlen
 
 
-def _flash_forward_kernels(prepared, varlen, query, key, value):
-    """``_flash_attention_forward`` on the kernels, out written in the op's layout."""
+def _flash_forward_kernels(prepared, varlen, query, key, value, given=None):
+    """``_flash_attention_forward`` on the kernels, out written in the op's layout (or into
+    ``given``: the in-place op's out, unit stride along its head dim)."""
     problem, _, stride = prepared
     where = "bshd" if varlen is None else "thd"
     q, k, v = (layout.canonical(layout.unit_last_stride(t), where) for t in (query, key, value))
-    out = _new_out(query, value, stride)
+    out = _new_out(query, value, stride) if given is None else given
     lse = run.forward_into(layout.canonical(out, where), q, k, v, *_tail(problem, varlen))
-    return (_restrided(out, stride), lse if varlen is None else lse.squeeze(0), *_aux(query))
+    out = out if given is not None else _restrided(out, stride)
+    return (out, lse if varlen is None else lse.squeeze(0), *_aux(query))
 
 
 def _out_stride(op: str, args, kwargs: tuple, query, value) -> tuple:
@@ -231,9 +233,14 @@ def _flash_forward_inplace(original, keyset, out, query, key, value, cum_seq_q, 
         return _fallback("_flash_attention_forward_no_dropout_inplace", "an argument flashtile does not take",
                          original, keyset, (out, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
                                             is_causal, return_debug_mask), kwargs)
+    # the kernels write into out directly where they can (unit stride along its head dim, the
+    # op's shape and dtype); elsewhere the result is copied into it
+    direct = (dispatch.runs_kernels(query.device) and out.stride(-1) == 1 and out.dtype == query.dtype
+              and tuple(out.shape) == (*query.shape[:-1], value.shape[-1]))
     result, lse, *_ = _flash_forward(None, keyset, query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, dropout_p,
-                                     is_causal, return_debug_mask, **kwargs)
-    out.copy_(result)
+                                     is_causal, return_debug_mask, **kwargs, _out=out if direct else None)
+    if not direct:
+        out.copy_(result)
     return lse
 
 
