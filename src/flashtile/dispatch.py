@@ -83,13 +83,20 @@ def attention_keyed(q, k, v, problem: Problem, hint, qkv_layout: str = "bhsd") -
         plain = (problem.dropout_p == 0.0 and q.device.type != "meta" and registry.backend(q.device) == "kernels"
                  and all(t.stride(-1) == 1 for t in (q, k, v)))
         # the deterministic flag: the key holds torch.are_deterministic_algorithms_enabled()
-        tail = hint.below["attention"] = autograd.op_tail(
-            problem.scale, problem.diag_offset, problem.window_left, problem.window_right, problem.softcap, None,
-            None, 0.0, None, problem.deterministic or torch.are_deterministic_algorithms_enabled(),
-            chunk=problem.chunk) if plain else ()
+        tail = hint.below["attention"] = problem_tail(problem) if plain else ()
     if not tail:
         return attention(q, k, v, problem, hint=hint, qkv_layout=qkv_layout)
     return autograd.attention_keyed(hint, qkv_layout, q, k, v, tail)
+
+
+def problem_tail(problem: Problem, varlen: Optional[Varlen] = None) -> tuple:
+    """``attn_fwd``'s arguments after q, k, v for a call of ``problem`` with no tensor but q, k,
+    v and the packed metadata ``varlen`` (no dropout, ALiBi, mask or sink); its first ten are
+    also ``attn_bwd``'s up to its dlse. Deterministic when the problem or torch says so."""
+    return autograd.op_tail(problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
+                            problem.softcap, None, None, 0.0, None,
+                            problem.deterministic or torch.are_deterministic_algorithms_enabled(),
+                            () if varlen is None else tuple(varlen), chunk=problem.chunk)
 
 
 def attention_with_probs(q, k, v, problem: Problem, alibi=None, varlen: Optional[Varlen] = None,

@@ -40,7 +40,7 @@ import contextlib
 import functools
 import torch
 
-from flashtile import autograd, dispatch
+from flashtile import dispatch
 from flashtile.backends import layout, run
 from flashtile.problem import validate
 from flashtile.runtime import replay
@@ -97,17 +97,13 @@ def _meta_strides(op: str, shapes: tuple, args: tuple, kwargs: tuple) -> tuple:
     return tuple(o.stride() if isinstance(o, torch.Tensor) else None for o in outs)
 
 
-def _rng(query):
-    """rng_state and philox offset of a call without dropout: placeholders, uninitialized
-    as PyTorch's own flash kernel leaves them (no fill launches); the backward reads them
-    only with dropout, which goes to PyTorch's kernel."""
-    return (torch.empty((2,), dtype=torch.uint64, device=query.device),
-            torch.empty((), dtype=torch.uint64, device=query.device))
-
-
 def _aux(query):
-    """rng_state, philox offset and debug mask of a call without dropout (placeholders)."""
-    return (*_rng(query), torch.empty(0, dtype=query.dtype, device=query.device))
+    """rng_state, philox offset and debug mask of a call without dropout: placeholders,
+    uninitialized as PyTorch's own flash kernel leaves them (no fill launches); the backward
+    reads them only with dropout, which goes to PyTorch's kernel."""
+    return (torch.empty((2,), dtype=torch.uint64, device=query.device),
+            torch.empty((), dtype=torch.uint64, device=query.device),
+            torch.empty(0, dtype=query.dtype, device=query.device))
 
 
 def _side(value) -> int:
@@ -153,20 +149,49 @@ def _flash_forward(original, keyset, query, key, value, cum_seq_q, cum_seq_k, ma
         out = _restrided(out, _out_stride("_flash_attention_forward", args, (), query, value))
         return (out, lse, *_aux(query))
     inputs = (query, key, value, cum_seq_q, cum_seq_k, _out)
-    entry = _entry(_FLASH_FWD_PLANS, inputs, (max_q, max_k, is_causal, scale, *sides))
-    prepared = None if entry is None else entry.prepared
-    if prepared is None:
-        problem, varlen, call = _problem(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
-                                         *sides)
-        stride = _out_stride("_flash_attention_forward", args, (), query, value)
-        prepared = (problem, None if call is None else validate.varlen_prepared(call), stride)
-        if entry is not None:
-            entry.prepared = prepared
-    else:
-        varlen = _varlen_again(prepared[1], query, key, cum_seq_q, cum_seq_k)
-    if entry is None:
-        return _flash_forward_kernels(prepared, varlen, query, key, value, _out)
-    return replay.run(entry, inputs, lambda: _flash_forward_kernels(prepared, varlen, query, key, value, _out))
+    scalars = (max_q, max_k, is_causal, scale, *sides)
+    entry, prepared = _prepared(_FLASH_FWD_PLANS, inputs, scalars, lambda: _prepare_flash(
+        query, key, value, cum_seq_q, cum_seq_k, *scalars[:4], sides,
+        lambda: _out_stride("_flash_attention_forward", args, (), query, value)))
+    varlen = _varlen_again(prepared[1], query, key, cum_seq_q, cum_seq_k)
+
+    def compute():
+        out, lse = _forward_kernels(prepared, varlen, "bshd" if varlen is None else "thd", query, key, value, _out)
+        return (out, lse if varlen is None else lse.squeeze(0), *_aux(query))
+
+    return _planned(entry, inputs, compute)
+
+
+def _prepared(plans, inputs, scalars, prepare):
+    """(entry, prepared) of a provider call on the kernels: its plan entry in ``plans``
+    (``runtime.replay``; None when the call is not planned) and what it derives from its key
+    alone (``prepare()``: validation included), made once per key."""
+    plain = replay.plain_scalars(scalars)
+    plan_key = None if plain is None else replay.make_key(inputs, plain)
+    if plan_key is None:
+        return None, prepare()
+    entry = plans.entry(plan_key, inputs)
+    if entry.prepared is None:
+        entry.prepared = prepare()
+    return entry, entry.prepared
+
+
+def _planned(entry, inputs, compute):
+    """``compute()`` through ``entry``'s plan (recorded by a first call, replayed by later
+    ones), or directly when the call is not planned."""
+    return compute() if entry is None else replay.run(entry, inputs, compute)
+
+
+def _prepare_flash(query, key, value, cum_q, cum_k, max_q, max_k, is_causal, scale, sides, strides):
+    """A flash op's (problem, packed call without its tensors or None, ``strides()``): the
+    validation of its key."""
+    problem, _, call = _problem(query, key, value, cum_q, cum_k, max_q, max_k, is_causal, scale, *sides)
+    return problem, None if call is None else validate.varlen_prepared(call), strides()
+
+
+def _prepare_sdpa(query, key, value, is_causal, scale, strides):
+    """SDPA's flash op's (problem, None, ``strides()``): the validation of its key."""
+    return validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True).problem, None, strides()
 
 
 def _shapes(args) -> tuple:
@@ -187,16 +212,15 @@ def _varlen_again(prepared, query, key, cum_q, cum_k):
     return validate.varlen_repeat(prepared, query, key, cum_q, cum_k, None, None, None, None).varlen
 
 
-def _flash_forward_kernels(prepared, varlen, query, key, value, given=None):
-    """``_flash_attention_forward`` on the kernels, out written in the op's layout (or into
-    ``given``: the in-place op's out, unit stride along its head dim)."""
+def _forward_kernels(prepared, varlen, where, query, key, value, given=None):
+    """(out, lse) of a flash op's forward on the kernels, q, k, v given in ``where``: out in
+    the op's layout (or written into ``given``: the in-place op's out, unit stride along its
+    head dim)."""
     problem, _, stride = prepared
-    where = "bshd" if varlen is None else "thd"
     q, k, v = (layout.canonical(layout.unit_last_stride(t), where) for t in (query, key, value))
     out = _new_out(query, value, stride) if given is None else given
-    lse = run.forward_into(layout.canonical(out, where), q, k, v, *_tail(problem, varlen))
-    out = out if given is not None else _restrided(out, stride)
-    return (out, lse if varlen is None else lse.squeeze(0), *_aux(query))
+    lse = run.forward_into(layout.canonical(out, where), q, k, v, *dispatch.problem_tail(problem, varlen))
+    return (out if given is not None else _restrided(out, stride)), lse
 
 
 def _out_stride(op: str, args, kwargs: tuple, query, value) -> tuple:
@@ -263,19 +287,12 @@ def _flash_backward(original, keyset, grad_out, query, key, value, out, logsumex
                                          qkv_layout="bshd" if varlen is None else "thd")
         return tuple(map(_restrided, grads, _like_inputs(query, key, value)))
     inputs = (grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k)
-    entry = _entry(_FLASH_BWD_PLANS, inputs, (max_q, max_k, is_causal, scale, *sides))
-    prepared = None if entry is None else entry.prepared
-    if prepared is None:
-        problem, varlen, call = _problem(query, key, value, cum_seq_q, cum_seq_k, max_q, max_k, is_causal, scale,
-                                         *sides)
-        prepared = (problem, None if call is None else validate.varlen_prepared(call), _like_inputs(query, key, value))
-        if entry is not None:
-            entry.prepared = prepared
-    else:
-        varlen = _varlen_again(prepared[1], query, key, cum_seq_q, cum_seq_k)
-    if entry is None:
-        return _backward_kernels(prepared, varlen, *inputs[:6])
-    return replay.run(entry, inputs, lambda: _backward_kernels(prepared, varlen, *inputs[:6]))
+    scalars = (max_q, max_k, is_causal, scale, *sides)
+    entry, prepared = _prepared(_FLASH_BWD_PLANS, inputs, scalars, lambda: _prepare_flash(
+        query, key, value, cum_seq_q, cum_seq_k, *scalars[:4], sides, lambda: _like_inputs(query, key, value)))
+    varlen = _varlen_again(prepared[1], query, key, cum_seq_q, cum_seq_k)
+    where = "bshd" if varlen is None else "thd"
+    return _planned(entry, inputs, lambda: _backward_kernels(prepared, varlen, where, *inputs[:6]))
 
 
 def _sdpa_forward(original, keyset, query, key, value, dropout_p=0.0, is_causal=False, return_debug_mask=False, *,
@@ -292,47 +309,15 @@ def _sdpa_forward(original, keyset, query, key, value, dropout_p=0.0, is_causal=
                                           value))
         return (out, lse, None, None, query.shape[2], key.shape[2], *_aux(query))
     inputs = (query, key, value)
-    entry = _entry(_FWD_PLANS, inputs, (is_causal, scale))
-    if entry is None:
-        return _sdpa_forward_kernels(_prepared_forward(args, scale), query, key, value)
-    if entry.prepared is None:
-        entry.prepared = _prepared_forward(args, scale)
-    return replay.run(entry, inputs, lambda: _sdpa_forward_kernels(entry.prepared, query, key, value))
+    entry, prepared = _prepared(_FWD_PLANS, inputs, (is_causal, scale), lambda: _prepare_sdpa(
+        query, key, value, is_causal, scale,
+        lambda: _out_stride("_scaled_dot_product_flash_attention", args, (("scale", scale),), query, value)))
 
+    def compute():
+        out, lse = _forward_kernels(prepared, None, "bhsd", query, key, value)
+        return (out, lse, None, None, query.shape[2], key.shape[2], *_aux(query))
 
-def _entry(plans, inputs, scalars):
-    """The plan entry of a provider call (``runtime.replay``: the call is validated once per
-    key and a repeated one replays its buffers and launches), or None when not planned."""
-    plain = replay.plain_scalars(scalars)
-    plan_key = None if plain is None else replay.make_key(inputs, plain)
-    return None if plan_key is None else plans.entry(plan_key, inputs)
-
-
-def _prepared_forward(args, scale):
-    """What a forward call derives from its key: its problem and out's strides (the op's
-    meta kernel's: out laid out as query is, so no copy follows the kernel)."""
-    query, key, value, _, is_causal, _ = args
-    problem = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True).problem
-    return problem, _out_stride("_scaled_dot_product_flash_attention", args, (("scale", scale),), query, value)
-
-
-def _sdpa_forward_kernels(prepared, query, key, value):
-    """The forward on the kernels, out written in the op's layout."""
-    problem, stride = prepared
-    q, k, v = (layout.unit_last_stride(t) for t in (query, key, value))
-    out = _new_out(query, value, stride)
-    lse = run.forward_into(out, q, k, v, *_tail(problem))
-    rng, offset = _rng(query)
-    return _restrided(out, stride), lse, None, None, query.shape[2], key.shape[2], rng, offset, query.new_empty(0)
-
-
-def _tail(problem, varlen=None):
-    """The forward op's arguments after q, k, v (no dropout; ``varlen``: a packed call's
-    metadata), the backward op's up to its dlse."""
-    return autograd.op_tail(problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
-                            problem.softcap, None, None, 0.0, None,
-                            problem.deterministic or torch.are_deterministic_algorithms_enabled(),
-                            () if varlen is None else tuple(varlen))
+    return _planned(entry, inputs, compute)
 
 
 def _sdpa_backward(original, keyset, grad_out, query, key, value, out, logsumexp, cum_seq_q, cum_seq_k, max_q,
@@ -346,19 +331,9 @@ def _sdpa_backward(original, keyset, grad_out, query, key, value, out, logsumexp
         grads = dispatch.attention_grads(grad_out, call.query, call.key, call.value, out, logsumexp, call.problem)
         return tuple(map(_restrided, grads, _like_inputs(query, key, value)))
     inputs = (grad_out, query, key, value, out, logsumexp)
-    entry = _entry(_BWD_PLANS, inputs, (is_causal, scale))
-    if entry is None:
-        return _backward_kernels(_prepared_backward(query, key, value, is_causal, scale), None, *inputs, "bhsd")
-    if entry.prepared is None:
-        entry.prepared = _prepared_backward(query, key, value, is_causal, scale)
-    return replay.run(entry, inputs, lambda: _backward_kernels(entry.prepared, None, *inputs, "bhsd"))
-
-
-def _prepared_backward(query, key, value, is_causal, scale):
-    """What a backward call derives from its key: its problem (no packed metadata) and the
-    gradients' strides (``_like_inputs``)."""
-    problem = validate.sdpa_call(query, key, value, None, 0.0, is_causal, scale, True).problem
-    return problem, None, _like_inputs(query, key, value)
+    entry, prepared = _prepared(_BWD_PLANS, inputs, (is_causal, scale), lambda: _prepare_sdpa(
+        query, key, value, is_causal, scale, lambda: _like_inputs(query, key, value)))
+    return _planned(entry, inputs, lambda: _backward_kernels(prepared, None, "bhsd", *inputs))
 
 
 def _like_inputs(*inputs) -> tuple:
@@ -368,11 +343,10 @@ def _like_inputs(*inputs) -> tuple:
     return tuple(torch.empty_like(t, device="meta").stride() for t in inputs)
 
 
-def _backward_kernels(prepared, varlen, grad_out, query, key, value, out, logsumexp, where="bshd"):
-    """A flash op's backward on the kernels (q, k, v, out and dout given in ``where``; "thd"
-    when ``varlen``), each gradient written in the layout of the op's meta kernel."""
+def _backward_kernels(prepared, varlen, where, grad_out, query, key, value, out, logsumexp):
+    """A flash op's backward on the kernels (q, k, v, out and dout given in ``where``), each
+    gradient written in the layout of the op's meta kernel."""
     problem, _, strides = prepared
-    where = "thd" if varlen is not None else where
     q, k, v, dout = (layout.unit_last_stride(t) for t in (query, key, value, grad_out))
     if any(st[-1] != 1 for st in strides):  # an input whose head dim is not its innermost axis: copied after
         grads = tuple(torch.empty_like(t) for t in (q, k, v))
@@ -381,7 +355,7 @@ def _backward_kernels(prepared, varlen, grad_out, query, key, value, out, logsum
                       for t, st in zip((q, k, v), strides))
     lse = logsumexp if varlen is None else logsumexp.unsqueeze(0)
     canon = lambda t: layout.canonical(t, where)  # noqa: E731
-    tail = _tail(problem)
+    tail = dispatch.problem_tail(problem)
     if varlen is not None:
         tail = (*tail, None, *varlen)  # the backward op's dlse, then the packed metadata
     run.backward_into(tuple(map(canon, grads)), layout.to_bshd(dout, where), canon(q), canon(k), canon(v),
