@@ -282,9 +282,9 @@ if [[ $what == session27-bench ]]; then
   # host cost of every row, the SDPA provider's included, twice; the fused combine's A/B
   # (after 5d2be30's mend); the sink rows of features.py, now on the Gluon forward
   for i in 1 2; do
-    timeout 100 python3 benchmarks/host_overhead.py --impl flashtile flashtile-sdpa sdpa-cudnn sdpa-flash \
+    timeout 130 python3 benchmarks/host_overhead.py --impl flashtile flashtile-sdpa sdpa-cudnn sdpa-flash \
       sdpa-flashtile > "$OUT/host-overhead-$i.log" 2>&1
-    echo "host overhead $i rc=$?"; grep -v Warn "$OUT/host-overhead-$i.log" | tail -7
+    echo "host overhead $i rc=$?"; grep -v Warn "$OUT/host-overhead-$i.log" | tail -9
   done
   timeout 60 python3 benchmarks/experiments/decode_combine_ab.py --rep 50 > "$OUT/combine-ab.log" 2>&1
   echo "combine A/B rc=$?"; tail -6 "$OUT/combine-ab.log"

@@ -1,7 +1,8 @@
 """Host cost per call next to GPU time: forward, forward with grad, backward, varlen
-forward, kv-cache decode and a generation step (decode + append), for flashtile and its
-peers in the same process; flashtile's calls through ``flash_attn_func`` and through its
-own ``scaled_dot_product_attention`` (``flashtile-sdpa``, the fixed-length rows).
+forward (with and without grad) and backward, kv-cache decode and a generation step
+(decode + append), for flashtile and its peers in the same process; flashtile's calls
+through ``flash_attn_func`` and through its own ``scaled_dot_product_attention``
+(``flashtile-sdpa``, the fixed-length rows).
 
     PYTHONPATH=src python3 benchmarks/host_overhead.py [--plans-off]
 
@@ -84,6 +85,9 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
     lens = [S // 2, S + S // 2, S // 4, S + S // 4 + S]
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=device, dtype=torch.int32)
     qv, kv, vv = (mk(sum(lens), H, d) for _ in range(3))
+    leaves_v = [mk(sum(lens), H, d, grad=True) for _ in range(3)]
+    out_v = flashtile.flash_attn_varlen_func(*leaves_v, cu, cu, max(lens), max(lens), causal=True)
+    dout_v = torch.randn_like(out_v)
     # decode: batch 8, one new token, 4096 cached tokens (32 query heads over 8 kv heads)
     Bd, Sc, Hq, Hk = 8, 4096, 32, 8
     qd = mk(Bd, 1, Hq, d)
@@ -97,6 +101,11 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
             "flashtile": lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)},
         "varlen fwd, 4 documents": {"flashtile": lambda: flashtile.flash_attn_varlen_func(
             qv, kv, vv, cu, cu, max(lens), max(lens), causal=True)},
+        # a packed training call: its forward with grad and its backward
+        "varlen fwd, inputs require grad": {"flashtile": lambda: flashtile.flash_attn_varlen_func(
+            *leaves_v, cu, cu, max(lens), max(lens), causal=True)},
+        "varlen bwd (autograd.grad)": {
+            "flashtile": lambda: torch.autograd.grad(out_v, leaves_v, dout_v, retain_graph=True)},
         "kvcache decode, B8 4096 cached": {"flashtile": lambda: flashtile.flash_attn_with_kvcache(
             qd, kc, vc, cache_seqlens=seqlens)},
         # a generation step: the new token's key and value appended first (same positions every
@@ -118,6 +127,7 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
     if not peers:
         return rows
     qvt, kvt, vvt = (x.transpose(0, 1).unsqueeze(0).contiguous() for x in (qv, kv, vv))
+    lvt = [x.detach().transpose(0, 1).unsqueeze(0).contiguous().requires_grad_(True) for x in leaves_v]
     qdt = t(qd).contiguous()
     kdt, vdt = (t(x).repeat_interleave(Hq // Hk, dim=1).contiguous() for x in (kc, vc))
     for impl, backend in (("sdpa-cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa-flash", SDPBackend.FLASH_ATTENTION),
@@ -135,6 +145,12 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
         rows["bwd (autograd.grad, retained graph)"][impl] = forced(
             lambda o=o, do=do: torch.autograd.grad(o, lh, do, retain_graph=True))
         rows["varlen fwd, 4 documents"][impl] = forced(lambda: sdpa(qvt, kvt, vvt, is_causal=True))
+        with sdpa_kernel(backend), provider(impl == "sdpa-flashtile"):
+            ov = sdpa(*lvt, is_causal=True)
+        dov = torch.randn_like(ov)
+        rows["varlen fwd, inputs require grad"][impl] = forced(lambda: sdpa(*lvt, is_causal=True))
+        rows["varlen bwd (autograd.grad)"][impl] = forced(
+            lambda ov=ov, dov=dov: torch.autograd.grad(ov, lvt, dov, retain_graph=True))
         rows["kvcache decode, B8 4096 cached"][impl] = forced(lambda: sdpa(qdt, kdt, vdt))
         rows["kvcache decode + append, B8 4096"][impl] = rows["kvcache decode, B8 4096 cached"][impl]
     return rows
@@ -201,6 +217,8 @@ def main(argv=None) -> int:
             continue
         cells = []
         for impl in args.impl:
+            if impl not in impls:  # flashtile's SDPA has no packed or kv-cache rows
+                continue
             try:
                 fn = impls[impl]
                 with provider(impl == "sdpa-flashtile"):

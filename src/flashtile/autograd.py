@@ -145,23 +145,25 @@ class _EagerAttention(torch.autograd.Function):
     time per call, H200 run 50). Only plain eager calls come here (``_plain_eager``: no
     functorch transform, which would need ``setup_context``).
 
-    ``apply(hint, where, q, k, v, sink, tail)``: the op's arguments after v come as one
-    tuple ``tail`` (``apply`` walks every argument in Python and C++: ~1-2 us per call
+    ``apply(hint, where, q, k, v, sink, tail, keyed)``: the op's arguments after v come as
+    one tuple ``tail`` (``apply`` walks every argument in Python and C++: ~1-2 us per call
     saved against 16 loose ones); the sink, the one differentiable tensor among them, comes
-    loose as well, so that its gradient has a slot (it is also in ``tail``)."""
+    loose as well, so that its gradient has a slot (it is also in ``tail``). ``keyed``: a
+    call of ``attention_keyed``, whose plans are recorded at this level."""
 
     @staticmethod
-    def forward(ctx, hint, where, q, k, v, sink, tail):
+    def forward(ctx, hint, where, q, k, v, sink, tail, keyed):
         # q, k, v come in ``where`` (a ``layout.LAYOUTS``) and out goes back in it. The
         # forward's plan entry is kept in ``hint.below`` when the caller has a hint
         # (``attention``), else found here; the backward finds its own entry below it.
         inputs = (q, k, v) + tail
-        keyed = hint is not None and hint.below.get("attention") is tail
         if keyed:
             # a keyed call (``attention_keyed``): the forward, layouts included, is one plan
-            # on the caller's q, k, v, so a repeated call makes no op arguments
-            entry = replay.below(hint, "attn_fwd_keyed", (q, k, v))
-            out, lse = replay.run(entry, (q, k, v), partial(_forward_in_layout, where, q, k, v, tail))
+            # on the caller's q, k, v and a packed call's metadata tensors (tail[10:14]), so
+            # a repeated call makes no op arguments
+            planned = (q, k, v, *tail[10:14])
+            entry = replay.below(hint, "attn_fwd_keyed", planned)
+            out, lse = replay.run(entry, planned, partial(_forward_in_layout, where, q, k, v, tail))
         else:
             a = _fwd_args(where, q, k, v, tail)
             entry = None if hint is None else hint.below.get("attn_fwd")
@@ -190,17 +192,17 @@ class _EagerAttention(torch.autograd.Function):
             # dout and dlse, found below the forward's by what only the backward brings and
             # by the saved tensors' own keys (a saved-tensors hook may hand them back with
             # other strides)
-            saved = ctx.saved_tensors
-            inputs = (*saved, dout, dlse)
-            entry = replay.below(ctx.entry, (replay.env_key(), *map(replay.tensor_key, inputs)), inputs)
+            saved = (*ctx.saved_tensors, dout, dlse)
+            inputs = (*saved, *ctx.varlen[:4])  # and a packed call's metadata tensors (keyed by the forward)
+            entry = replay.below(ctx.entry, (replay.env_key(), *map(replay.tensor_key, saved)), inputs)
             dq, dk, dv = replay.run(entry, inputs, lambda: _grads(ctx, dout, dlse, run.backward)[:3])
-            return None, None, dq, dk, dv, None, None
+            return None, None, dq, dk, dv, None, None, None
         elif ctx.entry is not None:
             bwd = partial(run.backward_planned, ctx.entry)
         else:
             bwd = run.backward
         grads = _grads(ctx, dout, dlse, bwd)
-        return None, None, *grads[:3], grads[19] if ctx.sink is not None else None, None
+        return None, None, *grads[:3], grads[19] if ctx.sink is not None else None, None, None
 
 
 def _fwd_args(where: str, q: Tensor, k: Tensor, v: Tensor, tail: tuple) -> run.FwdArgs:
@@ -270,7 +272,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, w
         return layout.from_bshd(out, qkv_layout), lse
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sink is not None and sink.requires_grad)):
-        return _EagerAttention.apply(hint, qkv_layout, q, k, v, sink, tail)
+        return _EagerAttention.apply(hint, qkv_layout, q, k, v, sink, tail, False)
     out, lse = run.forward(*(layout.canonical(t, qkv_layout) for t in (q, k, v)), *tail)
     return layout.from_bshd(out, qkv_layout), lse
 
@@ -278,9 +280,10 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, w
 def attention_keyed(hint, qkv_layout: str, q: Tensor, k: Tensor, v: Tensor, tail: tuple) -> tuple[Tensor, Tensor]:
     """``attention`` for a call with grad whose plan key was made (``runtime.replay.make_key``:
     nothing traces or transforms it, no forward-AD level, plain tensors, so ``_plain_eager``
-    holds) and whose op arguments after v are ``tail`` (no tensor among them, no sink):
-    the eager autograd node directly (``dispatch.attention_keyed``)."""
-    return _EagerAttention.apply(hint, qkv_layout, q, k, v, None, tail)
+    holds) and whose op arguments after v are ``tail`` (no tensor among them but a packed
+    call's metadata, which the API key covers; no sink): the eager autograd node directly
+    (``dispatch.attention_keyed``)."""
+    return _EagerAttention.apply(hint, qkv_layout, q, k, v, None, tail, True)
 
 
 @torch.library.custom_op("flashtile::kvcache", mutates_args=("k_cache", "v_cache"), device_types=("cuda", "cpu"))

@@ -71,21 +71,28 @@ def attention(q, k, v, problem: Problem, alibi=None, mask=None, varlen: Optional
         () if varlen is None else varlen, hint, qkv_layout, sink, problem.chunk)
 
 
-def attention_keyed(q, k, v, problem: Problem, hint, qkv_layout: str = "bhsd") -> tuple[torch.Tensor, torch.Tensor]:
-    """``attention(q, k, v, problem, hint=hint, qkv_layout=qkv_layout)`` for a call whose plan
-    key was made (``runtime.replay.make_key`` gave one, so nothing traces or transforms it
-    and no forward-AD level is open) and that has no tensor but q, k, v (no ALiBi, mask,
-    dropout, varlen or sink): the same result. What ``attention`` derives from the key alone
-    (the family, the layout copies, the op's arguments) is derived once per key and kept
-    in ``hint.below``; a key that needs ``attention``'s full path keeps going there."""
+def attention_keyed(q, k, v, problem: Problem, hint, qkv_layout: str = "bhsd",
+                    varlen: Optional[Varlen] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention(q, k, v, problem, varlen=varlen, hint=hint, qkv_layout=qkv_layout)`` for a
+    call whose plan key was made (``runtime.replay.make_key`` gave one, so nothing traces or
+    transforms it and no forward-AD level is open) and that has no tensor but q, k, v and
+    the packed metadata (no ALiBi, mask, dropout, sink or paged keys): the same result.
+    What ``attention`` derives from the key alone (the family, the layout copies, the op's
+    arguments) is derived once per key and kept in ``hint.below``, the metadata's tensors
+    left out (each call brings its own); a key that needs ``attention``'s full path keeps
+    going there."""
     tail = hint.below.get("attention")
     if tail is None:
         plain = (problem.dropout_p == 0.0 and q.device.type != "meta" and registry.backend(q.device) == "kernels"
                  and all(t.stride(-1) == 1 for t in (q, k, v)))
         # the deterministic flag: the key holds torch.are_deterministic_algorithms_enabled()
-        tail = hint.below["attention"] = problem_tail(problem) if plain else ()
+        bare = None if varlen is None else varlen._replace(cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
+                                                           seqused_k=None)
+        tail = hint.below["attention"] = problem_tail(problem, bare) if plain else ()
     if not tail:
-        return attention(q, k, v, problem, hint=hint, qkv_layout=qkv_layout)
+        return attention(q, k, v, problem, varlen=varlen, hint=hint, qkv_layout=qkv_layout)
+    if varlen is not None:  # this call's metadata tensors in their four slots
+        tail = (*tail[:10], *varlen[:4], *tail[14:])
     return autograd.attention_keyed(hint, qkv_layout, q, k, v, tail)
 
 

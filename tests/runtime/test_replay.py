@@ -256,6 +256,47 @@ def test_varlen_call_replays_whole_and_checks_new_metadata(replays, plans_off):
     with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\]"):
         run(torch.tensor([0, 12, 20, 20, 29], dtype=torch.int32))
 
+@pytest.mark.parametrize("case", ["plain", "seqused", "chunk", "padding"])
+def test_packed_training_step_replays_with_each_calls_metadata(case, replays, plans_off):
+    """A packed training call (``flash_attn_varlen_func`` with grad, no ALiBi, sink, dropout or
+    paged keys) takes the keyed autograd path: its forward and backward replay one plan each,
+    recorded on q, k, v and the metadata tensors, so another split of the same tokens under
+    the warm key gets its own attention and gradients, bitwise the full path; bad metadata
+    still raises."""
+    g = torch.Generator().manual_seed(1)
+    base = [torch.randn(30, 2, 16, generator=g), torch.randn(30, 1, 16, generator=g),
+            torch.randn(30, 1, 16, generator=g)]
+    kwargs = dict(causal=True, attention_chunk=4 if case == "chunk" else 0)
+    if case == "padding":
+        kwargs["padding_sequences"] = True
+
+    def step(cu):
+        leaves = [t.clone().requires_grad_() for t in base]
+        extra = {}
+        if case == "seqused":
+            extra["seqused_k"] = (cu[1:] - cu[:-1]).clamp(max=6).to(torch.int32)
+        end = 26 if case == "padding" else 30  # padded: rows and keys past cu[-1] attend to nothing
+        cu = torch.cat([cu[:-1], cu.new_tensor([end])])
+        out = flashtile.flash_attn_varlen_func(*leaves, cu, cu, 16, 16, **kwargs, **extra)
+        return (out.detach(), *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+
+    first = torch.tensor([0, 5, 5, 19, 30], dtype=torch.int32)
+    for _ in range(3):
+        step(first)
+    from flashtile.api import varlen as api
+
+    (entry,) = api._PLANS.entries.values()
+    assert "attn_fwd_keyed" in entry.below
+    other = torch.tensor([0, 12, 20, 20, 30], dtype=torch.int32)
+    n = replays["n"]
+    got = step(other)
+    assert replays["n"] == n + 2  # the forward's plan and the backward's
+    assert _same(got, plans_off(lambda: step(other)))
+    assert not _same(got[1], step(first)[1])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        step(torch.tensor([0, 12, 8, 20, 30], dtype=torch.int32))
+
+
 def test_a_changed_argument_misses(replays):
     q, k, v = _qkv(1, 24, 24, 2, 2, 16)
     variants = [
