@@ -12,6 +12,7 @@ TRITON_INTERPRET (under the interpreter ``@triton.jit`` builds no compilable fun
     python -m flashtile.tools.sm90_check --decode   # the KV-cache kernels (backends/triton/decode.py)
     python -m flashtile.tools.sm90_check --wide     # head dims to 512, v's own head dim, MLA decode
     python -m flashtile.tools.sm90_check --flex     # the flex kernels with translated mods
+    python -m flashtile.tools.sm90_check --flex --ptx-only   # shared memory and PTX only, no ptxas
 
 Registers per thread and spill bytes come from running Triton's bundled ptxas with
 ``-v`` on the generated PTX: a kernel at the 255-register cap that spills to local
@@ -21,6 +22,7 @@ docs/perf-notes.md).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -130,7 +132,6 @@ def _divisibility(fn, sig: dict) -> dict:
 
 def _build(name: str, src, **options) -> Compiled:
     """Compile a kernel source (Triton's ASTSource or Gluon's) for sm_90a."""
-    import contextlib
     import io
 
     import triton
@@ -149,6 +150,30 @@ def _build(name: str, src, **options) -> Compiled:
     ptx = kernel.asm["ptx"]
     return Compiled(name, kernel.metadata.shared, "wgmma.mma_async" in ptx, "cp.async.bulk.tensor" in ptx, ptx,
                     log.getvalue(), kernel.asm.get("cubin", b""))
+
+
+@contextlib.contextmanager
+def ptx_only():
+    """Inside, compiles stop at the PTX: no ptxas (~30% of a compile), for checks that read
+    only the shared memory and the PTX (whether ptxas takes the kernel then shows on a GPU).
+    Their ``cubin`` is empty and their ``ptxas_log`` too (``registers()`` runs ptxas). Triton's
+    CUDA backend writes the empty cubin into a cache of its own, deleted after: a cached
+    empty binary must never reach a GPU."""
+    from triton import knobs
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    add_stages, cache_dir = CUDABackend.add_stages, knobs.cache.dir
+
+    def without_ptxas(self, stages, options, language):
+        add_stages(self, stages, options, language)
+        stages["cubin"] = lambda src, metadata: b""
+
+    with tempfile.TemporaryDirectory() as tmp:
+        CUDABackend.add_stages, knobs.cache.dir = without_ptxas, tmp
+        try:
+            yield
+        finally:
+            CUDABackend.add_stages, knobs.cache.dir = add_stages, cache_dir
 
 
 def _compile(name, fn, pointers, constexprs, num_warps, num_stages) -> Compiled:
@@ -581,23 +606,24 @@ def main(argv=None) -> int:
     p.add_argument("--decode", action="store_true", help="the KV-cache decode kernels instead of the table")
     p.add_argument("--wide", action="store_true", help="head dims past 256 and a v head dim of its own instead")
     p.add_argument("--flex", action="store_true", help="the flex kernels with translated mods instead")
+    p.add_argument("--ptx-only", action="store_true", help="stop at the PTX: no ptxas (``ptx_only``)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
-    regs = args.regs
     failures = 0
     checks = (decode_checks if args.decode else wide_checks if args.wide else flex_checks if args.flex
               else table_checks)(head_dims=tuple(args.headdim) if not args.flex else (64, 128))
-    for check in checks:
-        for result in check():
-            # the decode kernels' products are small (16-64 rows), and so are the d512
-            # backward's 16-key tiles: Triton may pick mma.sync there
-            ok = result.shared <= SM90_SHARED_LIMIT and (result.wgmma or args.decode or args.wide)
-            failures += not ok
-            extra = ""
-            if regs:
-                n_regs, spill = result.registers()
-                extra = f" regs={n_regs:3d} spill={spill:5d}B"
-            print(f"{'ok  ' if ok else 'FAIL'} smem={result.shared:6d} wgmma={result.wgmma} tma={result.tma}{extra}  "
-                  f"{result.name}", flush=True)
+    with ptx_only() if args.ptx_only else contextlib.nullcontext():
+        for check in checks:
+            for result in check():
+                # the decode kernels' products are small (16-64 rows), and so are the d512
+                # backward's 16-key tiles: Triton may pick mma.sync there
+                ok = result.shared <= SM90_SHARED_LIMIT and (result.wgmma or args.decode or args.wide)
+                failures += not ok
+                extra = ""
+                if args.regs:
+                    n_regs, spill = result.registers()
+                    extra = f" regs={n_regs:3d} spill={spill:5d}B"
+                print(f"{'ok  ' if ok else 'FAIL'} smem={result.shared:6d} wgmma={result.wgmma} tma={result.tma}"
+                      f"{extra}  {result.name}", flush=True)
     return 1 if failures else 0
 
 

@@ -151,23 +151,26 @@ def test_varlen_kernels_compile(tmp_path):
     """The packed-sequence variants: the Gluon forward on a work list (d64/128/256) and the
     Gluon dK/dV and dQ kernels (d64/128), and the Triton forward and backward kernels with
     VARLEN, all compile for sm_90a within shared memory; the Gluon forward still claims
-    items with one atomic per claim (and resets its counter with one exchange)."""
+    items with one atomic per claim (and resets its counter with one exchange). To the PTX
+    only (``sm90_check.ptx_only``: no ptxas; the GPU tests run it)."""
     script = (
         "from flashtile.backends import configs\n"
         "from flashtile.tools.sm90_check import compile_backward, compile_backward_ws, compile_forward, compile_forward_ws\n"
-        "for d in (64, 128, 256):\n"
-        "    for causal in (False, True):\n"
-        "        c = compile_forward_ws('bf16', d, causal=causal, varlen=True)\n"
-        "        print('varlen', f'kind=fwd-ws d={d} smem={c.shared} atom={c.ptx.count(\"atom.global\")}', flush=True)\n"
-        "        ks = compile_backward_ws('bf16', d, causal=causal, varlen=True) if d < 256 else []\n"
-        "        for c in ks:\n"
-        "            print('varlen', f'kind=bwd-ws d={d} smem={c.shared} atom=0', flush=True)\n"
-        "    fwd = configs.default_fwd_config((9, 0), d, 'bfloat16', True, 4096)\n"
-        "    c = compile_forward(fwd, 'bf16', d, causal=True, extras=True, varlen=True)\n"
-        "    print('varlen', f'kind=fwd d={d} smem={c.shared} atom=0', flush=True)\n"
-        "    bwd = configs.default_bwd_config((9, 0), d, 'bfloat16')\n"
-        "    for c in compile_backward(bwd, 'bf16', d, extras=True, varlen=True):\n"
-        "        print('varlen', f'kind=bwd d={d} smem={c.shared} atom=0', flush=True)\n"
+        "from flashtile.tools.sm90_check import ptx_only\n"
+        "with ptx_only():\n"
+        "    for d in (64, 128, 256):\n"
+        "        for causal in (False, True):\n"
+        "            c = compile_forward_ws('bf16', d, causal=causal, varlen=True)\n"
+        "            print('varlen', f'kind=fwd-ws d={d} smem={c.shared} atom={c.ptx.count(\"atom.global\")}', flush=True)\n"
+        "            ks = compile_backward_ws('bf16', d, causal=causal, varlen=True) if d < 256 else []\n"
+        "            for c in ks:\n"
+        "                print('varlen', f'kind=bwd-ws d={d} smem={c.shared} atom=0', flush=True)\n"
+        "        fwd = configs.default_fwd_config((9, 0), d, 'bfloat16', True, 4096)\n"
+        "        c = compile_forward(fwd, 'bf16', d, causal=True, extras=True, varlen=True)\n"
+        "        print('varlen', f'kind=fwd d={d} smem={c.shared} atom=0', flush=True)\n"
+        "        bwd = configs.default_bwd_config((9, 0), d, 'bfloat16')\n"
+        "        for c in compile_backward(bwd, 'bf16', d, extras=True, varlen=True):\n"
+        "            print('varlen', f'kind=bwd d={d} smem={c.shared} atom=0', flush=True)\n"
     )
     out = _compile_run(tmp_path, "-c", script)
     lines = _report(out, ("varlen",))
@@ -227,8 +230,9 @@ def test_decode_kernel_orders_its_append_and_its_combine(tmp_path):
     combine's acq_rel ticket, then a CTA barrier, then the winner's L2 (.cg) loads of the
     other programs' partials."""
     code = ("import re\n"
-            "from flashtile.tools.sm90_check import compile_decode\n"
-            "c = next(k for k in compile_decode('bf16', 64, rows=4, fused_combine=True)"
+            "from flashtile.tools.sm90_check import compile_decode, ptx_only\n"
+            "with ptx_only():\n"
+            "    c = next(k for k in compile_decode('bf16', 64, rows=4, fused_combine=True)"
             " if k.name.startswith('decode bf16'))\n"
             "lines = c.ptx.splitlines()\n"
             "def first(pat, after=0):\n"
@@ -263,7 +267,8 @@ def test_gluon_tma_reduce_compiles_to_a_bulk_reduction(tmp_path):
     memory for Gluon (``backends.sm90.tma_reduce``, the builder the public ``tma`` module does not
     export), and it lowers to FA3's instruction for sm_90a, issued once per tile, waited on
     as a bulk group."""
-    code = ("from flashtile.tools.sm90_check import compile_tma_reduce_probe as f; c = f(); "
+    code = ("from flashtile.tools.sm90_check import compile_tma_reduce_probe as f, ptx_only\n"
+            "with ptx_only():\n    c = f()\n"
             "print('\\n'.join(l.strip() for l in c.ptx.splitlines() if 'bulk' in l and not l.strip().startswith('//')))")
     out = _compile_run(tmp_path, "-c", code)
     reduces = [line for line in out.splitlines() if "cp.reduce" in line]
@@ -272,12 +277,27 @@ def test_gluon_tma_reduce_compiles_to_a_bulk_reduction(tmp_path):
     assert "cp.async.bulk.commit_group" in out and "cp.async.bulk.wait_group" in out, out
 
 
+def test_ptx_only_stops_before_ptxas_and_leaves_nothing_behind(tmp_path):
+    """``sm90_check.ptx_only``: inside, the same PTX without a binary; after it, Triton's
+    backend and cache directory are restored, so the same kernel compiles to a real binary
+    (the empty one stayed in the context's own cache)."""
+    code = ("from triton import knobs\n"
+            "from flashtile.tools.sm90_check import compile_tma_reduce_probe as f, ptx_only\n"
+            "before = knobs.cache.dir\n"
+            "with ptx_only():\n    a = f()\n"
+            "b = f()\n"
+            "print(len(a.cubin), len(b.cubin), a.ptx == b.ptx, knobs.cache.dir == before, 'Used' in b.ptxas_log)")
+    got = _compile_run(tmp_path, "-c", code).split()
+    assert got[0] == "0" and int(got[1]) > 0 and got[2:] == ["True", "True", "True"], got
+
+
 def test_tma_reduce_rate_kernels_compile(tmp_path):
     """benchmarks/tma_reduce_rate.py's kernel: the TMA variant issues one bulk reduction per
     tile from its NUM_BUF slots (2 x 32 KB of shared memory at 2 slots), the other atomics."""
-    code = ("from flashtile.tools.sm90_check import compile_tma_reduce_rate as f\n"
+    code = ("from flashtile.tools.sm90_check import compile_tma_reduce_rate as f, ptx_only\n"
             "for t, n in ((True, 1), (True, 2), (True, 3), (False, 1)):\n"
-            "    c = f(t, n); print(t, n, c.shared, c.ptx.count('cp.reduce.async.bulk.tensor'), c.ptx.count('atom.global'))")
+            "    with ptx_only():\n        c = f(t, n)\n"
+            "    print(t, n, c.shared, c.ptx.count('cp.reduce.async.bulk.tensor'), c.ptx.count('atom.global'))")
     rows = [line.split() for line in _compile_run(tmp_path, "-c", code).splitlines()]
     got = {(t, int(n)): (int(smem), int(bulk), int(atom)) for t, n, smem, bulk, atom in rows}
     for n in (1, 2, 3):
@@ -317,8 +337,9 @@ def test_flex_kernels_compile_and_fit(tmp_path):
     fit where the plain ones did not: 362 KB of shared memory at d128); then a learned (L, S)
     bias at d64 and q/k, v head dims (192, 128), (32, 96), (256, 256) with ALiBi + causal,
     compiled with the run-time specialization of lengths and head dims (the H100 refused
-    the d192/128 forward at 256 KB and the learned bias's dQ at 240 KB, session 24)."""
-    out = _compile_run(tmp_path, "-m", "flashtile.tools.sm90_check", "--flex")
+    the d192/128 forward at 256 KB and the learned bias's dQ at 240 KB, session 24). To the
+    PTX only (``sm90_check.ptx_only``: no ptxas, a third of the time; the GPU tests run it)."""
+    out = _compile_run(tmp_path, "-m", "flashtile.tools.sm90_check", "--flex", "--ptx-only")
     lines = [line for line in out.splitlines() if line.startswith(("ok  ", "FAIL"))]
     assert len(lines) == 2 * 3 * 2 + 3 * 4 and all(line.startswith("ok  ") for line in lines), out
     assert all("wgmma=True" in line for line in lines), out
