@@ -20,15 +20,22 @@ if [[ $what == tests || $what == all || $what == tests-1 || $what == tests-2 || 
   part3="tests/api/test_sinks_gpu.py tests/api/test_chunks_gpu.py tests/api/test_head_dims_gpu.py
          tests/api/test_flex_gpu.py tests/integrations/test_torch_sdpa_gpu.py
          tests/integrations/test_continuous_batching_gpu.py"
+  # tests that need tens of GB each run alone after the parallel run (at -n 6 they ran out of
+  # memory beside five other workers: run 137)
+  big="tests/backends/test_forward_gpu.py::test_long_sequence tests/backends/test_forward_gpu.py::test_offsets_beyond_int32"
   case $what in
-    tests-1) sel="$part1"; dsl="" ;;
-    tests-2) sel="tests"; dsl=$(for f in $part1 $part3; do printf -- "--deselect %s " "$f"; done) ;;
-    tests-3) sel="$part3"; dsl="" ;;
-    *) sel="tests"; dsl="" ;;
+    tests-1) sel="$part1"; dsl=""; alone="" ;;
+    tests-2) sel="tests"; dsl=$(for f in $part1 $part3 $big; do printf -- "--deselect %s " "$f"; done); alone="$big" ;;
+    tests-3) sel="$part3"; dsl=""; alone="" ;;
+    *) sel="tests"; dsl=$(for f in $big; do printf -- "--deselect %s " "$f"; done); alone="$big" ;;
   esac
   timeout ${TESTS_TIMEOUT:-480} python3 -m pytest -m gpu $sel $dsl -v -rf -n ${TESTS_WORKERS:-6} \
     --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests.log" | cut -c1-200 | tail -15
+  if [[ -n $alone ]]; then
+    timeout 120 python3 -m pytest -m gpu $alone -v -rf -p no:warnings -p no:cacheprovider >> "$OUT/gpu-tests.log" 2>&1
+    echo "gpu tests alone rc=$?"; tail -2 "$OUT/gpu-tests.log" | cut -c1-200
+  fi
 fi
 if [[ $what == bench || $what == all ]]; then
   timeout 60 python3 benchmarks/host_overhead.py > "$OUT/host-overhead.log" 2>&1
