@@ -105,11 +105,13 @@ def _setup_context(ctx, inputs, output):
     ctx.num_inputs = len(inputs)
 
 
-def _grads(ctx, dout, dlse, bwd):
+def _grads(ctx, dout, dlse, bwd, saved=None):
     # The op's q, k, v are (B, H, S, D) views and its out (B, S, H, D); the eager Function's
-    # q, k, v and out are all in the caller's layout (ctx.layout).
+    # q, k, v and out are all in the caller's layout (ctx.layout). ``saved``: ctx.saved_tensors
+    # when the caller unpacked them already (each unpack runs the saved-tensor hooks again:
+    # non-reentrant checkpointing refuses a second one, offloading would copy twice).
     where = getattr(ctx, "layout", None)
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse = ctx.saved_tensors if saved is None else saved
     if where is not None:
         q, k, v = (layout.canonical(t, where) for t in (q, k, v))
         out = layout.to_bshd(out, where)
@@ -192,10 +194,11 @@ class _EagerAttention(torch.autograd.Function):
             # dout and dlse, found below the forward's by what only the backward brings and
             # by the saved tensors' own keys (a saved-tensors hook may hand them back with
             # other strides)
-            saved = (*ctx.saved_tensors, dout, dlse)
+            unpacked = ctx.saved_tensors  # once: each read runs the saved-tensor hooks
+            saved = (*unpacked, dout, dlse)
             inputs = (*saved, *ctx.varlen[:4])  # and a packed call's metadata tensors (keyed by the forward)
             entry = replay.below(ctx.entry, (replay.env_key(), *map(replay.tensor_key, saved)), inputs)
-            dq, dk, dv = replay.run(entry, inputs, lambda: _grads(ctx, dout, dlse, run.backward)[:3])
+            dq, dk, dv = replay.run(entry, inputs, lambda: _grads(ctx, dout, dlse, run.backward, unpacked)[:3])
             return None, None, dq, dk, dv, None, None, None
         elif ctx.entry is not None:
             bwd = partial(run.backward_planned, ctx.entry)

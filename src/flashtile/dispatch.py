@@ -76,11 +76,11 @@ def attention_keyed(q, k, v, problem: Problem, hint, qkv_layout: str = "bhsd",
     """``attention(q, k, v, problem, varlen=varlen, hint=hint, qkv_layout=qkv_layout)`` for a
     call whose plan key was made (``runtime.replay.make_key`` gave one, so nothing traces or
     transforms it and no forward-AD level is open) and that has no tensor but q, k, v and
-    the packed metadata (no ALiBi, mask, dropout, sink or paged keys): the same result.
-    What ``attention`` derives from the key alone (the family, the layout copies, the op's
+    the packed metadata (no ALiBi, mask, sink or paged keys): the same result. What
+    ``attention`` derives from the key alone (the family, the layout copies, the op's
     arguments) is derived once per key and kept in ``hint.below``, the metadata's tensors
-    left out (each call brings its own); a key that needs ``attention``'s full path keeps
-    going there."""
+    left out (each call brings its own); a key that needs ``attention``'s full path
+    (dropout, the twin, a head dim with a stride) keeps going there."""
     tail = hint.below.get("attention")
     if tail is None:
         plain = (problem.dropout_p == 0.0 and q.device.type != "meta" and registry.backend(q.device) == "kernels"

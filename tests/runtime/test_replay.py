@@ -164,6 +164,55 @@ def test_backward_plan_follows_the_saved_tensors_strides(api, replays, plans_off
     assert _same(step(4, hook=True), plans_off(lambda: step(4, hook=True)))
 
 
+@pytest.mark.parametrize("api", ["flash", "sdpa", "varlen"])
+def test_training_step_unpacks_its_saved_tensors_once(api, replays, plans_off):
+    """The keyed backward reads its saved tensors once: each read runs the saved-tensor hooks
+    again, which non-reentrant activation checkpointing refuses and which would make an
+    offloading hook copy twice (and, inside the backward's recording, put the hook's own
+    buffers into the plan). Checkpointed steps, and a hook whose unpack makes a new tensor
+    each time, give bitwise the full path's gradients with one unpack per saved tensor."""
+    from torch.utils.checkpoint import checkpoint
+
+    cu = torch.tensor([0, 9, 9, 30], dtype=torch.int32)
+
+    def attend(q, k, v):
+        if api == "flash":
+            return flashtile.flash_attn_func(q, k, v, causal=True)
+        if api == "sdpa":
+            return flashtile.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 21, 21, causal=True)
+
+    def leaves(seed):
+        g = torch.Generator().manual_seed(seed)
+        shape = (30, 2, 16) if api == "varlen" else (1, 30, 2, 16)
+        return [torch.randn(shape, generator=g).requires_grad_() for _ in range(3)]
+
+    def checkpointed(seed):
+        x = leaves(seed)
+        out = checkpoint(attend, *x, use_reentrant=False)
+        return (out.detach(), *torch.autograd.grad(out, x, torch.ones_like(out)))
+
+    unpacks = {"n": 0}
+
+    def unpack(t):
+        unpacks["n"] += 1
+        return t.clone()  # a new tensor each time, as an offloading hook's copy back
+
+    def hooked(seed):
+        x = leaves(seed)
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+            out = attend(*x)
+        unpacks["n"] = 0
+        grads = torch.autograd.grad(out, x, torch.ones_like(out))
+        return (out.detach(), *grads)
+
+    for seed in (1, 2, 3):
+        assert _same(checkpointed(seed), plans_off(lambda: checkpointed(seed)))
+        got = hooked(seed)
+        assert unpacks["n"] == 5, unpacks  # q, k, v, out, lse
+        assert _same(got, plans_off(lambda: hooked(seed)))
+
+
 def test_backward_plan_follows_dout_layout_and_the_lse_gradient(replays, plans_off):
     """A training call finds its backward's entry from the forward's by dout, dlse and the
     switches alone (``autograd._attn_bwd_planned``): each of these must get its own plan."""
@@ -261,8 +310,8 @@ def test_packed_training_step_replays_with_each_calls_metadata(case, replays, pl
     """A packed training call (``flash_attn_varlen_func`` with grad, no ALiBi, sink, dropout or
     paged keys) takes the keyed autograd path: its forward and backward replay one plan each,
     recorded on q, k, v and the metadata tensors, so another split of the same tokens under
-    the warm key gets its own attention and gradients, bitwise the full path; bad metadata
-    still raises."""
+    the warm key gets its own attention and gradients, bitwise the full path, also when two
+    steps' forwards run before their backwards; bad metadata still raises."""
     g = torch.Generator().manual_seed(1)
     base = [torch.randn(30, 2, 16, generator=g), torch.randn(30, 1, 16, generator=g),
             torch.randn(30, 1, 16, generator=g)]
@@ -277,8 +326,18 @@ def test_packed_training_step_replays_with_each_calls_metadata(case, replays, pl
             extra["seqused_k"] = (cu[1:] - cu[:-1]).clamp(max=6).to(torch.int32)
         end = 26 if case == "padding" else 30  # padded: rows and keys past cu[-1] attend to nothing
         cu = torch.cat([cu[:-1], cu.new_tensor([end])])
-        out = flashtile.flash_attn_varlen_func(*leaves, cu, cu, 16, 16, **kwargs, **extra)
+        out = flashtile.flash_attn_varlen_func(*leaves, cu, cu.clone(), 16, 16, **kwargs, **extra)
         return (out.detach(), *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+
+    def two_steps(cu_a, cu_b):
+        """Two forwards, then their backwards in reverse order."""
+        runs = []
+        for cu in (cu_a, cu_b):
+            leaves = [t.clone().requires_grad_() for t in base]
+            cu = torch.cat([cu[:-1], cu.new_tensor([26 if case == "padding" else 30])])
+            extra = {"seqused_k": (cu[1:] - cu[:-1]).clamp(max=6).to(torch.int32)} if case == "seqused" else {}
+            runs.append((leaves, flashtile.flash_attn_varlen_func(*leaves, cu, cu.clone(), 16, 16, **kwargs, **extra)))
+        return [(out.detach(), *torch.autograd.grad(out, leaves, torch.ones_like(out))) for leaves, out in runs[::-1]]
 
     first = torch.tensor([0, 5, 5, 19, 30], dtype=torch.int32)
     for _ in range(3):
@@ -293,6 +352,7 @@ def test_packed_training_step_replays_with_each_calls_metadata(case, replays, pl
     assert replays["n"] == n + 2  # the forward's plan and the backward's
     assert _same(got, plans_off(lambda: step(other)))
     assert not _same(got[1], step(first)[1])
+    assert _same(two_steps(first, other), plans_off(lambda: two_steps(first, other)))
     with pytest.raises(ValueError, match="non-decreasing"):
         step(torch.tensor([0, 12, 8, 20, 30], dtype=torch.int32))
 
