@@ -28,6 +28,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 
 SM90_SHARED_LIMIT = 232448  # bytes a block may opt into on sm90 (cudaDevAttrMaxSharedMemoryPerBlockOptin)
@@ -140,40 +141,54 @@ def _build(name: str, src, **options) -> Compiled:
 
     # Triton runs ptxas -v itself; with this knob it prints that log (to stdout), which
     # spares ``registers()`` a second ptxas run (~15% of a compile check).
-    log, dump = io.StringIO(), knobs.nvidia.dump_ptxas_log
-    knobs.nvidia.dump_ptxas_log = True
-    try:
-        with contextlib.redirect_stdout(log):
-            kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    finally:
-        knobs.nvidia.dump_ptxas_log = dump
+    log = io.StringIO()
+    with knobs.nvidia.scope(), contextlib.redirect_stdout(log):  # the scope restores the knob and its variable
+        knobs.nvidia.dump_ptxas_log = True
+        kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     ptx = kernel.asm["ptx"]
     return Compiled(name, kernel.metadata.shared, "wgmma.mma_async" in ptx, "cp.async.bulk.tensor" in ptx, ptx,
                     log.getvalue(), kernel.asm.get("cubin", b""))
 
 
+_PTX_ONLY = threading.Lock()
+
+
 @contextlib.contextmanager
 def ptx_only():
-    """Inside, compiles stop at the PTX: no ptxas (~30% of a compile), for checks that read
-    only the shared memory and the PTX (whether ptxas takes the kernel then shows on a GPU).
-    Their ``cubin`` is empty and their ``ptxas_log`` too (``registers()`` runs ptxas). Triton's
-    CUDA backend writes the empty cubin into a cache of its own, deleted after: a cached
-    empty binary must never reach a GPU."""
+    """Inside, compiles stop at the PTX: no ptxas (~30-45% of a compile), for checks that
+    read only the shared memory and the PTX (whether ptxas takes the kernel then shows on a
+    GPU). Their ``cubin`` is empty and their ``ptxas_log`` too (``registers()`` runs ptxas).
+
+    The empty binary must never reach a GPU: Triton's stage hook
+    (``knobs.runtime.add_stages_inspection_hook``) swaps the cubin stage, and the compiles
+    go to a plain file cache in a directory of their own, deleted after (whatever cache
+    manager is configured: a remote one would share them), with IR dumps off; Triton's
+    knob scopes restore every knob and environment variable they touch. For
+    ``triton.compile`` only (a ``kernel[grid]`` launch inside would keep the empty kernel
+    in the JIT's memory). One thread at a time, not nested."""
     from triton import knobs
-    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.cache import FileCacheManager
 
-    add_stages, cache_dir = CUDABackend.add_stages, knobs.cache.dir
+    if not _PTX_ONLY.acquire(blocking=False):
+        raise RuntimeError("sm90_check.ptx_only() is already active (it is neither reentrant nor thread-safe)")
+    try:
+        with tempfile.TemporaryDirectory() as tmp, knobs.cache.scope(), knobs.runtime.scope(), \
+                knobs.compilation.scope():
+            previous = knobs.runtime.add_stages_inspection_hook
 
-    def without_ptxas(self, stages, options, language):
-        add_stages(self, stages, options, language)
-        stages["cubin"] = lambda src, metadata: b""
+            def without_ptxas(backend, stages, options, language, capability):
+                if previous is not None:
+                    previous(backend, stages, options, language, capability)
+                stages["cubin"] = lambda src, metadata: b""
 
-    with tempfile.TemporaryDirectory() as tmp:
-        CUDABackend.add_stages, knobs.cache.dir = without_ptxas, tmp
-        try:
+            knobs.runtime.add_stages_inspection_hook = without_ptxas
+            knobs.cache.manager_class = FileCacheManager
+            knobs.cache.dir = tmp
+            knobs.compilation.dump_ir = False
+            knobs.compilation.override = False
             yield
-        finally:
-            CUDABackend.add_stages, knobs.cache.dir = add_stages, cache_dir
+    finally:
+        _PTX_ONLY.release()
 
 
 def _compile(name, fn, pointers, constexprs, num_warps, num_stages) -> Compiled:

@@ -150,9 +150,9 @@ def test_gluon_forward_dynamic_schedule_compiles(tmp_path):
 def test_varlen_kernels_compile(tmp_path):
     """The packed-sequence variants: the Gluon forward on a work list (d64/128/256) and the
     Gluon dK/dV and dQ kernels (d64/128), and the Triton forward and backward kernels with
-    VARLEN, all compile for sm_90a within shared memory; the Gluon forward still claims
-    items with one atomic per claim (and resets its counter with one exchange). To the PTX
-    only (``sm90_check.ptx_only``: no ptxas; the GPU tests run it)."""
+    VARLEN, all build sm_90a PTX within shared memory; the Gluon forward still claims
+    items with one atomic per claim (and resets its counter with one exchange). PTX only
+    (``sm90_check.ptx_only``): whether ptxas takes them shows in the GPU tests."""
     script = (
         "from flashtile.backends import configs\n"
         "from flashtile.tools.sm90_check import compile_backward, compile_backward_ws, compile_forward, compile_forward_ws\n"
@@ -278,22 +278,43 @@ def test_gluon_tma_reduce_compiles_to_a_bulk_reduction(tmp_path):
 
 
 def test_ptx_only_stops_before_ptxas_and_leaves_nothing_behind(tmp_path):
-    """``sm90_check.ptx_only``: inside, the same PTX without a binary; after it, Triton's
-    backend and cache directory are restored, so the same kernel compiles to a real binary
-    (the empty one stayed in the context's own cache)."""
-    code = ("from triton import knobs\n"
+    """``sm90_check.ptx_only``: inside, the same PTX without a binary, even with a cache
+    manager of the user's (a remote one would share the empty binary); after it, every
+    Triton knob and environment variable is as before, so the same kernel compiles to a real
+    binary; it refuses to nest."""
+    code = ("import os\n"
+            "from triton import knobs\n"
+            "from triton.runtime.cache import FileCacheManager\n"
             "from flashtile.tools.sm90_check import compile_tma_reduce_probe as f, ptx_only\n"
-            "before = knobs.cache.dir\n"
-            "with ptx_only():\n    a = f()\n"
+            "class Shared(FileCacheManager):\n"
+            "    puts = 0\n"
+            "    def put(self, *a, **k):\n"
+            "        Shared.puts += 1\n"
+            "        return super().put(*a, **k)\n"
+            "knobs.cache.manager_class = Shared\n"
+            "state = lambda: (dict(os.environ), *(dict(g.__dict__) for g in (knobs.cache, knobs.runtime,\n"
+            "                 knobs.compilation, knobs.nvidia)))\n"
+            "before = state()\n"
+            "with ptx_only():\n"
+            "    a = f()\n"
+            "    try:\n"
+            "        with ptx_only():\n"
+            "            pass\n"
+            "        nested = 'allowed'\n"
+            "    except RuntimeError:\n"
+            "        nested = 'refused'\n"
+            "print(len(a.cubin), Shared.puts, state() == before, nested)\n"
             "b = f()\n"
-            "print(len(a.cubin), len(b.cubin), a.ptx == b.ptx, knobs.cache.dir == before, 'Used' in b.ptxas_log)")
-    got = _compile_run(tmp_path, "-c", code).split()
-    assert got[0] == "0" and int(got[1]) > 0 and got[2:] == ["True", "True", "True"], got
+            "print(len(b.cubin), a.ptx == b.ptx, Shared.puts > 0, 'Used' in b.ptxas_log)")
+    inside, after = (line.split() for line in _compile_run(tmp_path, "-c", code).splitlines()[-2:])
+    assert inside == ["0", "0", "True", "refused"], inside
+    assert int(after[0]) > 0 and after[1:] == ["True", "True", "True"], after
 
 
 def test_tma_reduce_rate_kernels_compile(tmp_path):
     """benchmarks/tma_reduce_rate.py's kernel: the TMA variant issues one bulk reduction per
-    tile from its NUM_BUF slots (2 x 32 KB of shared memory at 2 slots), the other atomics."""
+    tile from its NUM_BUF slots (2 x 32 KB of shared memory at 2 slots), the other atomics
+    (PTX only: ``sm90_check.ptx_only``)."""
     code = ("from flashtile.tools.sm90_check import compile_tma_reduce_rate as f, ptx_only\n"
             "for t, n in ((True, 1), (True, 2), (True, 3), (False, 1)):\n"
             "    with ptx_only():\n        c = f(t, n)\n"
@@ -331,7 +352,7 @@ def test_one_pass_backward_compiles_with_a_reducer_warp(tmp_path):
 
 @pytest.mark.slow(seconds=180)
 def test_flex_kernels_compile_and_fit(tmp_path):
-    """Issue 35's kernels with translated mods build for sm_90a and fit shared memory: the
+    """Issue 35's kernels with translated mods build sm_90a PTX and fit shared memory: the
     forward, dQ and dK/dV at d64 and d128 with ALiBi + causal and with a relative-position
     table + a document mask (a mod that loads a whole tile: ``flex.tiles``' heavy tiles, which
     fit where the plain ones did not: 362 KB of shared memory at d128); then a learned (L, S)
