@@ -15,6 +15,8 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
 import flashtile  # noqa: E402
 from flashtile.runtime import replay as plan  # noqa: E402
 
@@ -500,3 +502,15 @@ def test_a_counter_made_during_a_recording_is_not_one_of_its_steps():
         plan._local.recorder = None
     assert counter.tolist() == [0] and counter.dtype == torch.int32
     assert len(rec.slots) == 1 and rec.slots[0].shape == (2,) and rec.paused == 0
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 60)), max_size=10))
+def test_overlap_signature_is_every_overlapping_pair(spans):
+    """``plan._overlaps`` (part of a plan's key: which inputs share bytes, at what offsets)
+    finds exactly the overlapping pairs, in (i, j) order, its fast no-overlap check
+    included."""
+    bases, extents = [b for b, _ in spans], [e for _, e in spans]
+    want = tuple((i, j, bases[j] - bases[i]) for i in range(len(spans)) for j in range(i + 1, len(spans))
+                 if extents[i] and extents[j] and bases[i] < bases[j] + extents[j] and bases[j] < bases[i] + extents[i])
+    assert plan._overlaps(bases, extents) == want

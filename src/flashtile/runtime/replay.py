@@ -105,8 +105,8 @@ def _overlaps(bases: Sequence[int], extents: Sequence[int]) -> tuple:
         if ei == 0:
             continue
         for j in range(i + 1, n):
-            bj = bases[j]
-            if bi < bj + extents[j] and bj < bi + ei:
+            bj, ej = bases[j], extents[j]
+            if ej and bi < bj + ej and bj < bi + ei:  # an empty tensor overlaps nothing
                 sig += ((i, j, bj - bi),)
     return sig
 
