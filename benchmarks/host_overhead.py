@@ -1,8 +1,8 @@
-"""Host cost per call next to GPU time: forward, forward with grad, backward, varlen
-forward (with and without grad) and backward, kv-cache decode and a generation step
-(decode + append), for flashtile and its peers in the same process; flashtile's calls
-through ``flash_attn_func`` and through its own ``scaled_dot_product_attention``
-(``flashtile-sdpa``, the fixed-length rows).
+"""Host cost per call next to GPU time: forward, forward with grad, backward (also with a
+learnable sink), varlen forward (with and without grad) and backward, kv-cache decode and
+a generation step (decode + append), for flashtile and its peers in the same process;
+flashtile's calls through ``flash_attn_func`` and through its own
+``scaled_dot_product_attention`` (``flashtile-sdpa``, the fixed-length rows).
 
     PYTHONPATH=src python3 benchmarks/host_overhead.py [--plans-off]
 
@@ -81,6 +81,8 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
     leaves = [mk(B, S, H, d, grad=True) for _ in range(3)]
     out = flashtile.flash_attn_func(*leaves, causal=True)
     dout = torch.randn_like(out)
+    sink = torch.randn(H, device=device, requires_grad=True)  # gpt-oss's learnable sink, one logit per head
+    out_s = flashtile.flash_attn_func(*leaves, causal=True, learnable_sink=sink)
     # varlen: four documents packed into one row of 4*S tokens
     lens = [S // 2, S + S // 2, S // 4, S + S // 4 + S]
     cu = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), device=device, dtype=torch.int32)
@@ -99,6 +101,10 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
         "fwd, inputs require grad": {"flashtile": lambda: flashtile.flash_attn_func(*leaves, causal=True)},
         "bwd (autograd.grad, retained graph)": {
             "flashtile": lambda: torch.autograd.grad(out, leaves, dout, retain_graph=True)},
+        "fwd with grad, learnable sink": {
+            "flashtile": lambda: flashtile.flash_attn_func(*leaves, causal=True, learnable_sink=sink)},
+        "bwd, learnable sink": {
+            "flashtile": lambda: torch.autograd.grad(out_s, leaves + [sink], dout, retain_graph=True)},
         "varlen fwd, 4 documents": {"flashtile": lambda: flashtile.flash_attn_varlen_func(
             qv, kv, vv, cu, cu, max(lens), max(lens), causal=True)},
         # a packed training call: its forward with grad and its backward

@@ -161,9 +161,9 @@ class _EagerAttention(torch.autograd.Function):
         inputs = (q, k, v) + tail
         if keyed:
             # a keyed call (``attention_keyed``): the forward, layouts included, is one plan
-            # on the caller's q, k, v and a packed call's metadata tensors (tail[10:14]), so
-            # a repeated call makes no op arguments
-            planned = (q, k, v, *tail[10:14])
+            # on the caller's q, k, v, a packed call's metadata tensors (tail[10:14]) and the
+            # sink (tail[16]), so a repeated call makes no op arguments
+            planned = (q, k, v, *tail[10:14], *tail[16:17])  # and the sink's tensor
             entry = replay.below(hint, "attn_fwd_keyed", planned)
             out, lse = replay.run(entry, planned, partial(_forward_in_layout, where, q, k, v, tail))
         else:
@@ -196,16 +196,23 @@ class _EagerAttention(torch.autograd.Function):
             # other strides)
             unpacked = ctx.saved_tensors  # once: each read runs the saved-tensor hooks
             saved = (*unpacked, dout, dlse)
-            inputs = (*saved, *ctx.varlen[:4])  # and a packed call's metadata tensors (keyed by the forward)
+            # and a packed call's metadata tensors and the sink (keyed by the forward)
+            inputs = (*saved, *ctx.varlen[:4], ctx.sink)
             entry = replay.below(ctx.entry, (replay.env_key(), *map(replay.tensor_key, saved)), inputs)
-            dq, dk, dv = replay.run(entry, inputs, lambda: _grads(ctx, dout, dlse, run.backward, unpacked)[:3])
-            return None, None, dq, dk, dv, None, None, None
+            dq, dk, dv, dsink = replay.run(entry, inputs, lambda: _keyed_grads(ctx, dout, dlse, unpacked))
+            return None, None, dq, dk, dv, dsink, None, None
         elif ctx.entry is not None:
             bwd = partial(run.backward_planned, ctx.entry)
         else:
             bwd = run.backward
         grads = _grads(ctx, dout, dlse, bwd)
         return None, None, *grads[:3], grads[19] if ctx.sink is not None else None, None, None
+
+
+def _keyed_grads(ctx, dout, dlse, saved) -> tuple:
+    """dq, dk, dv and the sink's gradient (None without a sink) of a keyed call's backward."""
+    grads = _grads(ctx, dout, dlse, run.backward, saved)
+    return (*grads[:3], grads[19] if ctx.sink is not None else None)
 
 
 def _fwd_args(where: str, q: Tensor, k: Tensor, v: Tensor, tail: tuple) -> run.FwdArgs:
@@ -280,13 +287,14 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, w
     return layout.from_bshd(out, qkv_layout), lse
 
 
-def attention_keyed(hint, qkv_layout: str, q: Tensor, k: Tensor, v: Tensor, tail: tuple) -> tuple[Tensor, Tensor]:
+def attention_keyed(hint, qkv_layout: str, q: Tensor, k: Tensor, v: Tensor, tail: tuple,
+                    sink: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """``attention`` for a call with grad whose plan key was made (``runtime.replay.make_key``:
     nothing traces or transforms it, no forward-AD level, plain tensors, so ``_plain_eager``
     holds) and whose op arguments after v are ``tail`` (no tensor among them but a packed
-    call's metadata, which the API key covers; no sink): the eager autograd node directly
-    (``dispatch.attention_keyed``)."""
-    return _EagerAttention.apply(hint, qkv_layout, q, k, v, None, tail, True)
+    call's metadata and the sink, which the API key covers; ``sink``: tail[16] or None): the
+    eager autograd node directly (``dispatch.attention_keyed``)."""
+    return _EagerAttention.apply(hint, qkv_layout, q, k, v, sink, tail, True)
 
 
 @torch.library.custom_op("flashtile::kvcache", mutates_args=("k_cache", "v_cache"), device_types=("cuda", "cpu"))

@@ -71,16 +71,17 @@ def attention(q, k, v, problem: Problem, alibi=None, mask=None, varlen: Optional
         () if varlen is None else varlen, hint, qkv_layout, sink, problem.chunk)
 
 
-def attention_keyed(q, k, v, problem: Problem, hint, qkv_layout: str = "bhsd",
-                    varlen: Optional[Varlen] = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """``attention(q, k, v, problem, varlen=varlen, hint=hint, qkv_layout=qkv_layout)`` for a
-    call whose plan key was made (``runtime.replay.make_key`` gave one, so nothing traces or
-    transforms it and no forward-AD level is open) and that has no tensor but q, k, v and
-    the packed metadata (no ALiBi, mask, sink or paged keys): the same result. What
-    ``attention`` derives from the key alone (the family, the layout copies, the op's
-    arguments) is derived once per key and kept in ``hint.below``, the metadata's tensors
-    left out (each call brings its own); a key that needs ``attention``'s full path
-    (dropout, the twin, a head dim with a stride) keeps going there."""
+def attention_keyed(q, k, v, problem: Problem, hint, qkv_layout: str = "bhsd", varlen: Optional[Varlen] = None,
+                    sink=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``attention(q, k, v, problem, varlen=varlen, hint=hint, qkv_layout=qkv_layout, sink=sink)``
+    for a call whose plan key was made (``runtime.replay.make_key`` gave one, so nothing
+    traces or transforms it and no forward-AD level is open) and that has no tensor but q,
+    k, v, the packed metadata and a validated sink (no ALiBi, mask or paged keys): the same
+    result. What ``attention`` derives from the key alone (the family, the layout copies,
+    the op's arguments) is derived once per key and kept in ``hint.below``, the metadata's
+    and the sink's tensors left out (each call brings its own); a key that needs
+    ``attention``'s full path (dropout, the twin, a head dim with a stride) keeps going
+    there."""
     tail = hint.below.get("attention")
     if tail is None:
         plain = (problem.dropout_p == 0.0 and q.device.type != "meta" and registry.backend(q.device) == "kernels"
@@ -88,22 +89,29 @@ def attention_keyed(q, k, v, problem: Problem, hint, qkv_layout: str = "bhsd",
         # the deterministic flag: the key holds torch.are_deterministic_algorithms_enabled()
         bare = None if varlen is None else varlen._replace(cu_seqlens_q=None, cu_seqlens_k=None, seqused_q=None,
                                                            seqused_k=None)
-        tail = hint.below["attention"] = problem_tail(problem, bare) if plain else ()
+        tail = hint.below["attention"] = problem_tail(problem, bare, sink is not None) if plain else ()
     if not tail:
-        return attention(q, k, v, problem, varlen=varlen, hint=hint, qkv_layout=qkv_layout)
+        return attention(q, k, v, problem, varlen=varlen, hint=hint, qkv_layout=qkv_layout, sink=sink)
     if varlen is not None:  # this call's metadata tensors in their four slots
         tail = (*tail[:10], *varlen[:4], *tail[14:])
-    return autograd.attention_keyed(hint, qkv_layout, q, k, v, tail)
+    if sink is not None:  # and its sink, read as float32 (a differentiable cast), in its slot
+        sink = sink.float().contiguous()
+        tail = (*tail[:16], sink, *tail[17:])
+    return autograd.attention_keyed(hint, qkv_layout, q, k, v, tail, sink)
 
 
-def problem_tail(problem: Problem, varlen: Optional[Varlen] = None) -> tuple:
+def problem_tail(problem: Problem, varlen: Optional[Varlen] = None, sink_slot: bool = False) -> tuple:
     """``attn_fwd``'s arguments after q, k, v for a call of ``problem`` with no tensor but q, k,
-    v and the packed metadata ``varlen`` (no dropout, ALiBi, mask or sink); its first ten are
-    also ``attn_bwd``'s up to its dlse. Deterministic when the problem or torch says so."""
-    return autograd.op_tail(problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
+    v and the packed metadata ``varlen`` (no dropout, ALiBi, mask or sink; ``sink_slot``: with
+    the sink's slot, holding None, for a caller to fill); its first ten are also
+    ``attn_bwd``'s up to its dlse. Deterministic when the problem or torch says so."""
+    tail = autograd.op_tail(problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
                             problem.softcap, None, None, 0.0, None,
                             problem.deterministic or torch.are_deterministic_algorithms_enabled(),
                             () if varlen is None else tuple(varlen), chunk=problem.chunk)
+    if sink_slot and len(tail) < 18:  # op_tail adds the sink's and the chunk's slots when either is set
+        tail = (*tail, *((None, None, None, None, 0, 0) if len(tail) == 10 else ()), None, problem.chunk)
+    return tail
 
 
 def attention_with_probs(q, k, v, problem: Problem, alibi=None, varlen: Optional[Varlen] = None,

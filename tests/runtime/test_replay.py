@@ -78,17 +78,24 @@ def test_replayed_forward_is_bitwise_the_full_path(case, replays, plans_off):
     assert _same(got, want)
 
 
-@pytest.mark.parametrize("case", ["plain", "packed", "bhsd", "chunk", "deterministic"])
+@pytest.mark.parametrize("case", ["plain", "packed", "bhsd", "chunk", "deterministic", "sink", "sink-half-chunk"])
 def test_replayed_training_step_is_bitwise_the_full_path(case, replays, plans_off, monkeypatch):
-    """A training call without per-call tensors (``dispatch.attention_keyed``) replays its
-    forward and its backward as one plan each on the caller's tensors, bitwise the full
-    path: packed (overlapping) views, another layout, a chunk in the op's arguments and
-    the deterministic switch each keep their own plans and their gradients."""
+    """A training call without per-call tensors but its sink (``dispatch.attention_keyed``)
+    replays its forward and its backward as one plan each on the caller's tensors, bitwise
+    the full path: packed (overlapping) views, another layout, a chunk in the op's
+    arguments, the deterministic switch and a learnable sink (float32, or float16 read
+    through a cast, its gradient included) each keep their own plans and their gradients."""
     if case == "deterministic":
         monkeypatch.setattr(torch, "are_deterministic_algorithms_enabled", lambda: True)
 
     def step(seed):
-        kwargs = dict(causal=True, attention_chunk=16 if case == "chunk" else 0)
+        kwargs = dict(causal=True, attention_chunk=16 if case.endswith("chunk") else 0)
+        sink = []
+        if case.startswith("sink"):
+            g = torch.Generator().manual_seed(seed + 50)
+            sink = [torch.randn(2, generator=g, dtype=torch.float16 if "half" in case else torch.float32)
+                    .requires_grad_()]
+            kwargs["learnable_sink"] = sink[0]
         if case == "packed":
             qkv = torch.randn(1, 24, 3, 2, 16, generator=torch.Generator().manual_seed(seed)).requires_grad_()
             out = flashtile.flash_attn_qkvpacked_func(qkv, **kwargs)
@@ -98,11 +105,15 @@ def test_replayed_training_step_is_bitwise_the_full_path(case, replays, plans_of
             leaves = [t.detach().requires_grad_() for t in _qkv(*shape, seed=seed,
                                                                   layout="bhsd" if case == "bhsd" else "bshd")]
             out = flashtile.flash_attn_func(*leaves, **kwargs)
-        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+        grads = torch.autograd.grad(out, leaves + sink, torch.ones_like(out))
         return (out.detach(), *grads)
 
     step(1)
     assert replays["n"] == 0
+    from flashtile.api import flash as api
+
+    (entry,) = api._PLANS.entries.values()
+    assert "attn_fwd_keyed" in entry.below  # the keyed path took it
     got = step(2)
     assert replays["n"] == 2  # the forward's plan and the backward's
     assert _same(got, plans_off(lambda: step(2)))
@@ -307,12 +318,13 @@ def test_varlen_call_replays_whole_and_checks_new_metadata(replays, plans_off):
     with pytest.raises(ValueError, match=r"cu_seqlens_q\[-1\]"):
         run(torch.tensor([0, 12, 20, 20, 29], dtype=torch.int32))
 
-@pytest.mark.parametrize("case", ["plain", "seqused", "chunk", "padding"])
+@pytest.mark.parametrize("case", ["plain", "seqused", "chunk", "padding", "sink"])
 def test_packed_training_step_replays_with_each_calls_metadata(case, replays, plans_off):
-    """A packed training call (``flash_attn_varlen_func`` with grad, no ALiBi, sink, dropout or
-    paged keys) takes the keyed autograd path: its forward and backward replay one plan each,
-    recorded on q, k, v and the metadata tensors, so another split of the same tokens under
-    the warm key gets its own attention and gradients, bitwise the full path, also when two
+    """A packed training call (``flash_attn_varlen_func`` with grad, no ALiBi, dropout or paged
+    keys) takes the keyed autograd path: its forward and backward replay one plan each,
+    recorded on q, k, v, the metadata tensors and the sink (its gradient checked too), so
+    another split of the same tokens under the warm key gets its own attention and
+    gradients, bitwise the full path, also when two
     steps' forwards run before their backwards; bad metadata still raises."""
     g = torch.Generator().manual_seed(1)
     base = [torch.randn(30, 2, 16, generator=g), torch.randn(30, 1, 16, generator=g),
@@ -320,6 +332,10 @@ def test_packed_training_step_replays_with_each_calls_metadata(case, replays, pl
     kwargs = dict(causal=True, attention_chunk=4 if case == "chunk" else 0)
     if case == "padding":
         kwargs["padding_sequences"] = True
+    sinks = []
+    if case == "sink":  # one leaf for every step
+        sinks = [torch.randn(2, generator=g).requires_grad_()]
+        kwargs["learnable_sink"] = sinks[0]
 
     def step(cu):
         leaves = [t.clone().requires_grad_() for t in base]
@@ -329,7 +345,7 @@ def test_packed_training_step_replays_with_each_calls_metadata(case, replays, pl
         end = 26 if case == "padding" else 30  # padded: rows and keys past cu[-1] attend to nothing
         cu = torch.cat([cu[:-1], cu.new_tensor([end])])
         out = flashtile.flash_attn_varlen_func(*leaves, cu, cu.clone(), 16, 16, **kwargs, **extra)
-        return (out.detach(), *torch.autograd.grad(out, leaves, torch.ones_like(out)))
+        return (out.detach(), *torch.autograd.grad(out, leaves + sinks, torch.ones_like(out)))
 
     def two_steps(cu_a, cu_b):
         """Two forwards, then their backwards in reverse order."""
@@ -339,7 +355,8 @@ def test_packed_training_step_replays_with_each_calls_metadata(case, replays, pl
             cu = torch.cat([cu[:-1], cu.new_tensor([26 if case == "padding" else 30])])
             extra = {"seqused_k": (cu[1:] - cu[:-1]).clamp(max=6).to(torch.int32)} if case == "seqused" else {}
             runs.append((leaves, flashtile.flash_attn_varlen_func(*leaves, cu, cu.clone(), 16, 16, **kwargs, **extra)))
-        return [(out.detach(), *torch.autograd.grad(out, leaves, torch.ones_like(out))) for leaves, out in runs[::-1]]
+        return [(out.detach(), *torch.autograd.grad(out, leaves + sinks, torch.ones_like(out)))
+                for leaves, out in runs[::-1]]
 
     first = torch.tensor([0, 5, 5, 19, 30], dtype=torch.int32)
     for _ in range(3):

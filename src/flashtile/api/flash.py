@@ -32,8 +32,8 @@ def _flash_attn(q, k, v, dropout_p, softmax_scale, causal, window_size, softcap,
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (learnable_sink is not None and learnable_sink.requires_grad)):
         # autograd's Function replays the kernels' plans
-        if alibi_slopes is None and learnable_sink is None and not call.want_probs:
-            return dispatch.attention_keyed(q, k, v, call.problem, entry, "bshd")[0]
+        if alibi_slopes is None and not call.want_probs:
+            return dispatch.attention_keyed(q, k, v, call.problem, entry, "bshd", sink=learnable_sink)[0]
         return _run(q, k, v, alibi_slopes, learnable_sink, call, entry)
     return replay.run(entry, inputs, lambda: _run(q, k, v, alibi_slopes, learnable_sink, call))
 

@@ -102,8 +102,8 @@ def _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dro
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (learnable_sink is not None and learnable_sink.requires_grad)):
         # autograd's Function replays the kernels' plans
-        if learnable_sink is None and call.alibi is None and call.block_table is None and not call.want_probs:
-            return dispatch.attention_keyed(q, k, v, call.problem, entry, "thd", call.varlen)[0]
+        if call.alibi is None and call.block_table is None and not call.want_probs:
+            return dispatch.attention_keyed(q, k, v, call.problem, entry, "thd", call.varlen, learnable_sink)[0]
         return _run(q, k, v, call, learnable_sink, entry)
     return replay.run(entry, inputs, lambda: _run(q, k, v, call, learnable_sink))
 
