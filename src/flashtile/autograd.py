@@ -93,14 +93,17 @@ def _setup_context(ctx, inputs, output):
     (q, k, v, scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
      deterministic) = inputs[:13]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    sink = inputs[19] if len(inputs) > 19 else None
+    # the sink is saved too: an in-place change to it before the backward then raises, as for
+    # any saved tensor (a float32 sink is the caller's own tensor, not a copy)
+    ctx.save_for_backward(q, k, v, out, lse, *(() if sink is None else (sink,)))
     ctx.problem = (scale, diag_offset, window_left, window_right, softcap)
     # Non-differentiable extras: kept as plain references (no gradient flows to them).
     ctx.alibi_slopes = alibi_slopes
     ctx.attn_mask = attn_mask
     ctx.dropout = (dropout_p, seed, deterministic)
     ctx.varlen = tuple(inputs[13:19])  # cu_seqlens_q/k, seqused_q/k, max_seqlen_q/k (a varlen call)
-    ctx.sink = inputs[19] if len(inputs) > 19 else None
+    ctx.has_sink = sink is not None
     ctx.chunk = inputs[20] if len(inputs) > 20 else 0
     ctx.num_inputs = len(inputs)
 
@@ -111,7 +114,8 @@ def _grads(ctx, dout, dlse, bwd, saved=None):
     # when the caller unpacked them already (each unpack runs the saved-tensor hooks again:
     # non-reentrant checkpointing refuses a second one, offloading would copy twice).
     where = getattr(ctx, "layout", None)
-    q, k, v, out, lse = ctx.saved_tensors if saved is None else saved
+    q, k, v, out, lse, *sink = ctx.saved_tensors if saved is None else saved
+    sink = sink[0] if sink else None
     if where is not None:
         q, k, v = (layout.canonical(t, where) for t in (q, k, v))
         out = layout.to_bshd(out, where)
@@ -119,14 +123,14 @@ def _grads(ctx, dout, dlse, bwd, saved=None):
     if dout is None:  # only the LSE was used downstream
         dout = torch.zeros_like(out)
     tail = ctx.varlen
-    if ctx.sink is not None or ctx.chunk:
-        tail = (*(ctx.varlen or (None, None, None, None, 0, 0)), ctx.sink, ctx.chunk)
+    if sink is not None or ctx.chunk:
+        tail = (*(ctx.varlen or (None, None, None, None, 0, 0)), sink, ctx.chunk)
     dq, dk, dv, dsink = bwd(dout, q, k, v, out, lse, *ctx.problem, ctx.alibi_slopes, ctx.attn_mask, *ctx.dropout,
                             dlse, *tail)
     # The backward returns (B, S, H, D), each gradient goes back in its input's layout.
     where = where or "bhsd"
     grads = [layout.from_bshd(g, where) for g in (dq, dk, dv)] + [None] * (ctx.num_inputs - 3)
-    if ctx.sink is not None:
+    if sink is not None:
         grads[19] = dsink  # the op's sink argument
     return tuple(grads)
 
@@ -196,8 +200,7 @@ class _EagerAttention(torch.autograd.Function):
             # other strides)
             unpacked = ctx.saved_tensors  # once: each read runs the saved-tensor hooks
             saved = (*unpacked, dout, dlse)
-            # and a packed call's metadata tensors and the sink (keyed by the forward)
-            inputs = (*saved, *ctx.varlen[:4], ctx.sink)
+            inputs = (*saved, *ctx.varlen[:4])  # and a packed call's metadata tensors (keyed by the forward)
             entry = replay.below(ctx.entry, (replay.env_key(), *map(replay.tensor_key, saved)), inputs)
             dq, dk, dv, dsink = replay.run(entry, inputs, lambda: _keyed_grads(ctx, dout, dlse, unpacked))
             return None, None, dq, dk, dv, dsink, None, None
@@ -206,13 +209,13 @@ class _EagerAttention(torch.autograd.Function):
         else:
             bwd = run.backward
         grads = _grads(ctx, dout, dlse, bwd)
-        return None, None, *grads[:3], grads[19] if ctx.sink is not None else None, None, None
+        return None, None, *grads[:3], grads[19] if ctx.has_sink else None, None, None
 
 
 def _keyed_grads(ctx, dout, dlse, saved) -> tuple:
     """dq, dk, dv and the sink's gradient (None without a sink) of a keyed call's backward."""
     grads = _grads(ctx, dout, dlse, run.backward, saved)
-    return (*grads[:3], grads[19] if ctx.sink is not None else None)
+    return (*grads[:3], grads[19] if ctx.has_sink else None)
 
 
 def _fwd_args(where: str, q: Tensor, k: Tensor, v: Tensor, tail: tuple) -> run.FwdArgs:

@@ -226,6 +226,28 @@ def test_training_step_unpacks_its_saved_tensors_once(api, replays, plans_off):
         assert _same(got, plans_off(lambda: hooked(seed)))
 
 
+@pytest.mark.parametrize("keyed", [True, False])
+def test_a_sink_changed_in_place_before_the_backward_raises(keyed, triton_backend, monkeypatch):
+    """A float32 sink reaches the kernels as the caller's own tensor (no cast copy): it is a
+    saved tensor, so changing it in place between the forward and the backward raises, as
+    for q, k or v, instead of a gradient computed from the new values (on the keyed path
+    and on the full one)."""
+    if not keyed:
+        monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    g = torch.Generator().manual_seed(0)
+    leaves = [torch.randn(1, 20, 2, 16, generator=g).requires_grad_() for _ in range(3)]
+    sink = torch.randn(2, generator=g).requires_grad_()
+    for step in range(3):
+        out = flashtile.flash_attn_func(*leaves, causal=True, learnable_sink=sink)
+        if step == 2:
+            with torch.no_grad():
+                sink.add_(3.0)
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                torch.autograd.grad(out, leaves + [sink], torch.ones_like(out))
+        else:
+            torch.autograd.grad(out, leaves + [sink], torch.ones_like(out))
+
+
 def test_backward_plan_follows_dout_layout_and_the_lse_gradient(replays, plans_off):
     """A training call finds its backward's entry from the forward's by dout, dlse and the
     switches alone (``autograd._attn_bwd_planned``): each of these must get its own plan."""
