@@ -197,7 +197,7 @@ def test_training_step_unpacks_its_saved_tensors_once(api, replays, plans_off):
 
     def leaves(seed):
         g = torch.Generator().manual_seed(seed)
-        shape = (30, 2, 16) if api == "varlen" else (1, 30, 2, 16)
+        shape = {"varlen": (30, 2, 16), "flash": (1, 30, 2, 16), "sdpa": (1, 2, 30, 16)}[api]
         return [torch.randn(shape, generator=g).requires_grad_() for _ in range(3)]
 
     def checkpointed(seed):
@@ -219,7 +219,7 @@ def test_training_step_unpacks_its_saved_tensors_once(api, replays, plans_off):
         grads = torch.autograd.grad(out, x, torch.ones_like(out))
         return (out.detach(), *grads)
 
-    for seed in (1, 2, 3):
+    for seed in (1, 2):  # the first records the plans, the second replays them
         assert _same(checkpointed(seed), plans_off(lambda: checkpointed(seed)))
         got = hooked(seed)
         assert unpacks["n"] == 5, unpacks  # q, k, v, out, lse
