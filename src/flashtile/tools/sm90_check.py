@@ -13,6 +13,7 @@ TRITON_INTERPRET (under the interpreter ``@triton.jit`` builds no compilable fun
     python -m flashtile.tools.sm90_check --wide     # head dims to 512, v's own head dim, MLA decode
     python -m flashtile.tools.sm90_check --flex     # the flex kernels with translated mods
     python -m flashtile.tools.sm90_check --flex --ptx-only   # shared memory and PTX only, no ptxas
+    python -m flashtile.tools.sm90_check --ptx-only --regs-match '^fwd '   # ptxas for the matching kernels only
 
 Registers per thread and spill bytes come from running Triton's bundled ptxas with
 ``-v`` on the generated PTX: a kernel at the 255-register cap that spills to local
@@ -622,6 +623,8 @@ def main(argv=None) -> int:
     p.add_argument("--wide", action="store_true", help="head dims past 256 and a v head dim of its own instead")
     p.add_argument("--flex", action="store_true", help="the flex kernels with translated mods instead")
     p.add_argument("--ptx-only", action="store_true", help="stop at the PTX: no ptxas (``ptx_only``)")
+    p.add_argument("--regs-match", metavar="REGEX",
+                   help="registers and spills only of the kernels whose name matches (ptxas runs for those)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     failures = 0
     checks = (decode_checks if args.decode else wide_checks if args.wide else flex_checks if args.flex
@@ -634,7 +637,7 @@ def main(argv=None) -> int:
                 ok = result.shared <= SM90_SHARED_LIMIT and (result.wgmma or args.decode or args.wide)
                 failures += not ok
                 extra = ""
-                if args.regs:
+                if args.regs if args.regs_match is None else re.search(args.regs_match, result.name):
                     n_regs, spill = result.registers()
                     extra = f" regs={n_regs:3d} spill={spill:5d}B"
                 print(f"{'ok  ' if ok else 'FAIL'} smem={result.shared:6d} wgmma={result.wgmma} tma={result.tma}"
