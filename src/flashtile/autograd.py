@@ -256,10 +256,12 @@ def _plain_eager(*tensors) -> bool:
 
 def op_tail(scale: float, diag_offset: int, window_left: int, window_right: int, softcap: float,
             alibi_slopes: Optional[Tensor], attn_mask: Optional[Tensor], dropout_p: float, seed: Optional[Tensor],
-            deterministic: bool, varlen: tuple = (), sink: Optional[Tensor] = None, chunk: int = 0) -> tuple:
+            deterministic: bool, varlen: tuple = (), sink: Optional[Tensor] = None, chunk: int = 0,
+            sink_slot: bool = False) -> tuple:
     """``attn_fwd``'s arguments after q, k, v (``varlen``: empty or its six; the sink and the
-    chunk only when either is set, after the varlen six)."""
-    if sink is not None or chunk:
+    chunk only when either is set or ``sink_slot`` asks for the sink's slot, after the
+    varlen six)."""
+    if sink is not None or chunk or sink_slot:
         varlen = (*(varlen or (None, None, None, None, 0, 0)), sink, chunk)
     return (scale, diag_offset, window_left, window_right, softcap, alibi_slopes, attn_mask, dropout_p, seed,
             deterministic, *varlen)

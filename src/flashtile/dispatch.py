@@ -105,13 +105,10 @@ def problem_tail(problem: Problem, varlen: Optional[Varlen] = None, sink_slot: b
     v and the packed metadata ``varlen`` (no dropout, ALiBi, mask or sink; ``sink_slot``: with
     the sink's slot, holding None, for a caller to fill); its first ten are also
     ``attn_bwd``'s up to its dlse. Deterministic when the problem or torch says so."""
-    tail = autograd.op_tail(problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
+    return autograd.op_tail(problem.scale, problem.diag_offset, problem.window_left, problem.window_right,
                             problem.softcap, None, None, 0.0, None,
                             problem.deterministic or torch.are_deterministic_algorithms_enabled(),
-                            () if varlen is None else tuple(varlen), chunk=problem.chunk)
-    if sink_slot and len(tail) < 18:  # op_tail adds the sink's and the chunk's slots when either is set
-        tail = (*tail, *((None, None, None, None, 0, 0) if len(tail) == 10 else ()), None, problem.chunk)
-    return tail
+                            () if varlen is None else tuple(varlen), chunk=problem.chunk, sink_slot=sink_slot)
 
 
 def attention_with_probs(q, k, v, problem: Problem, alibi=None, varlen: Optional[Varlen] = None,

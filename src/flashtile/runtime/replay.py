@@ -38,10 +38,10 @@ under every API (``backends.run.forward`` / ``backward``) plan their kernels.
 A training call cannot replay as a whole (autograd must see it), so the API entry keeps
 the forward op's entry in ``below``, and the forward's entry keeps its backward's there,
 keyed by what only the backward brings (dout, dlse, the switches): neither key is made
-again on a repeated training step. A training call with no per-call tensor but q, k, v and
-a packed call's metadata (``dispatch.attention_keyed``) records its forward, layouts
-included, on those tensors, and its backward on the saved tensors, dout, dlse and the
-metadata.
+again on a repeated training step. A training call with no per-call tensor but q, k, v, a
+packed call's metadata and a sink (``dispatch.attention_keyed``) records its forward,
+layouts included, on those tensors, and its backward on the saved tensors (the sink among
+them), dout, dlse and the metadata.
 """
 
 from __future__ import annotations
