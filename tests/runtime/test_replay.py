@@ -359,26 +359,25 @@ def test_packed_training_step_replays_with_each_calls_metadata(case, replays, pl
         sinks = [torch.randn(2, generator=g).requires_grad_()]
         kwargs["learnable_sink"] = sinks[0]
 
-    def step(cu):
+    def forward(cu):
         leaves = [t.clone().requires_grad_() for t in base]
         extra = {}
         if case == "seqused":
             extra["seqused_k"] = (cu[1:] - cu[:-1]).clamp(max=6).to(torch.int32)
         end = 26 if case == "padding" else 30  # padded: rows and keys past cu[-1] attend to nothing
         cu = torch.cat([cu[:-1], cu.new_tensor([end])])
-        out = flashtile.flash_attn_varlen_func(*leaves, cu, cu.clone(), 16, 16, **kwargs, **extra)
+        return leaves, flashtile.flash_attn_varlen_func(*leaves, cu, cu.clone(), 16, 16, **kwargs, **extra)
+
+    def backward(leaves, out):
         return (out.detach(), *torch.autograd.grad(out, leaves + sinks, torch.ones_like(out)))
+
+    def step(cu):
+        return backward(*forward(cu))
 
     def two_steps(cu_a, cu_b):
         """Two forwards, then their backwards in reverse order."""
-        runs = []
-        for cu in (cu_a, cu_b):
-            leaves = [t.clone().requires_grad_() for t in base]
-            cu = torch.cat([cu[:-1], cu.new_tensor([26 if case == "padding" else 30])])
-            extra = {"seqused_k": (cu[1:] - cu[:-1]).clamp(max=6).to(torch.int32)} if case == "seqused" else {}
-            runs.append((leaves, flashtile.flash_attn_varlen_func(*leaves, cu, cu.clone(), 16, 16, **kwargs, **extra)))
-        return [(out.detach(), *torch.autograd.grad(out, leaves + sinks, torch.ones_like(out)))
-                for leaves, out in runs[::-1]]
+        runs = [forward(cu_a), forward(cu_b)]
+        return [backward(*run) for run in runs[::-1]]
 
     first = torch.tensor([0, 5, 5, 19, 30], dtype=torch.int32)
     for _ in range(3):
