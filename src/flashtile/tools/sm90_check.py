@@ -623,7 +623,13 @@ def main(argv=None) -> int:
     p.add_argument("--wide", action="store_true", help="head dims past 256 and a v head dim of its own instead")
     p.add_argument("--flex", action="store_true", help="the flex kernels with translated mods instead")
     p.add_argument("--ptx-only", action="store_true", help="stop at the PTX: no ptxas (``ptx_only``)")
-    p.add_argument("--regs-match", metavar="REGEX",
+    def regex(text):
+        try:
+            return re.compile(text)
+        except re.error as e:
+            raise argparse.ArgumentTypeError(f"not a regular expression: {text!r} ({e})") from None
+
+    p.add_argument("--regs-match", metavar="REGEX", type=regex,
                    help="registers and spills only of the kernels whose name matches (ptxas runs for those)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     failures = 0
@@ -637,7 +643,7 @@ def main(argv=None) -> int:
                 ok = result.shared <= SM90_SHARED_LIMIT and (result.wgmma or args.decode or args.wide)
                 failures += not ok
                 extra = ""
-                if args.regs if args.regs_match is None else re.search(args.regs_match, result.name):
+                if args.regs if args.regs_match is None else args.regs_match.search(result.name):
                     n_regs, spill = result.registers()
                     extra = f" regs={n_regs:3d} spill={spill:5d}B"
                 print(f"{'ok  ' if ok else 'FAIL'} smem={result.shared:6d} wgmma={result.wgmma} tma={result.tma}"

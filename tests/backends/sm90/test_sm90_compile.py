@@ -372,3 +372,13 @@ def test_flex_kernels_compile_and_fit(tmp_path):
     lines = [line for line in out.splitlines() if line.startswith(("ok  ", "FAIL"))]
     assert len(lines) == 2 * 3 * 2 + 3 * 4 and all(line.startswith("ok  ") for line in lines), out
     assert all("wgmma=True" in line for line in lines), out
+
+
+def test_a_bad_regs_match_is_refused_by_name(capsys):
+    """``--regs-match`` takes a regular expression: a bad one is refused before any compile,
+    naming the argument."""
+    from flashtile.tools import sm90_check
+
+    with pytest.raises(SystemExit):
+        sm90_check.main(["--regs-match", "("])
+    assert "argument --regs-match: not a regular expression" in capsys.readouterr().err
