@@ -96,6 +96,9 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
     kc, vc = mk(Bd, Sc, Hk, d), mk(Bd, Sc, Hk, d)
     seqlens = torch.full((Bd,), Sc - 96, device=device, dtype=torch.int32)
     kd, vd = mk(Bd, 1, Hk, d), mk(Bd, 1, Hk, d)
+    # batch 1: a step bound by its launches (an eager step this small is one launch: ``decode.fuse_step``)
+    q1, k1, v1 = qd[:1], kd[:1], vd[:1]
+    kc1, vc1, seqlens1 = kc[:1], vc[:1], seqlens[:1]
     rows = {
         "fwd, no grad": {"flashtile": lambda: flashtile.flash_attn_func(q, k, v, causal=True)},
         "fwd, inputs require grad": {"flashtile": lambda: flashtile.flash_attn_func(*leaves, causal=True)},
@@ -118,6 +121,10 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
         # call: the cache does not grow); the SDPA peers have no cache, they run the row above
         "kvcache decode + append, B8 4096": {"flashtile": lambda: flashtile.flash_attn_with_kvcache(
             qd, kc, vc, kd, vd, cache_seqlens=seqlens)},
+        "kvcache decode, B1 4096 cached": {"flashtile": lambda: flashtile.flash_attn_with_kvcache(
+            q1, kc1, vc1, cache_seqlens=seqlens1)},
+        "kvcache decode + append, B1 4096": {"flashtile": lambda: flashtile.flash_attn_with_kvcache(
+            q1, kc1, vc1, k1, v1, cache_seqlens=seqlens1)},
     }
     # flashtile's own SDPA API on (B, H, S, D) tensors (torch's semantics: top-left causal)
     t = lambda x: x.transpose(1, 2)
@@ -159,6 +166,8 @@ def workloads(device: str, dtype: torch.dtype, d: int, S: int, peers: bool, B: i
             lambda ov=ov, dov=dov: torch.autograd.grad(ov, lvt, dov, retain_graph=True))
         rows["kvcache decode, B8 4096 cached"][impl] = forced(lambda: sdpa(qdt, kdt, vdt))
         rows["kvcache decode + append, B8 4096"][impl] = rows["kvcache decode, B8 4096 cached"][impl]
+        rows["kvcache decode, B1 4096 cached"][impl] = forced(lambda: sdpa(qdt[:1], kdt[:1], vdt[:1]))
+        rows["kvcache decode + append, B1 4096"][impl] = rows["kvcache decode, B1 4096 cached"][impl]
     return rows
 
 

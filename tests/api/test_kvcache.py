@@ -264,8 +264,11 @@ def _spy_launches(monkeypatch):
 def test_split_kv(triton_backend, monkeypatch, num_splits, page, sq, append):
     """The split-KV kernel and its combine: ragged lengths over several key tiles, GQA,
     contiguous rows and pages (64: one page per key tile; 16: a page per key); the new keys
-    appended by the decode kernel (fused, the default) or by the append kernel first."""
+    appended by the decode kernel (fused, the default) or by the append kernel first. The
+    combine kernel: a step this small would fold it into the decode kernel by default
+    (``test_auto_folds_a_small_eager_step``)."""
     monkeypatch.setenv("FLASHTILE_DECODE_APPEND", append)
+    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")
     counts = _spy_launches(monkeypatch)
     q, k, v, kc, vc, table, seqlens = _case(batch=4, sq=sq, new=sq, heads=(8, 2), d=32, capacity=320,
                                              seqlens=(0, 5, 129, 320 - sq), page=page)
@@ -411,6 +414,74 @@ def test_fused_check_matches_the_check_kernel(triton_backend, monkeypatch, name,
     assert torch.equal(counters, torch.zeros_like(counters))
 
 
+@pytest.mark.parametrize("page", [0, 16])
+def test_auto_folds_a_small_eager_step(triton_backend, monkeypatch, page):
+    """FLASHTILE_DECODE_COMBINE and _CHECK ``auto`` (the defaults): an eager step whose cache
+    read (``decode.fuse_step``: every cache row or table page, keys and values) is at most
+    ``decode.FUSE_BYTES_MAX`` bytes is one launch, the combine and the device check inside
+    the decode kernel; a larger read, or a step under CUDA-graph capture (simulated), keeps
+    both kernels. The results are the separate kernels' to float32 reassociation. A plan
+    recorded eagerly is not replayed under capture: the key holds the capture state."""
+    from flashtile.backends.triton import decode
+    from flashtile.runtime import replay
+
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    q, k, v, kc, vc, table, seqlens = _case(batch=3, heads=(8, 2), capacity=300, seqlens=(0, 170, 290), page=page)
+    rows = 300 if page == 0 else table.shape[1] * page
+    read = 3 * rows * 2 * (16 + 16) * 4  # batch x cached rows x kv heads x (d + dv) x 4 bytes
+    assert decode.fuse_step(q, kc, vc, table)
+    monkeypatch.setattr(decode, "FUSE_BYTES_MAX", read - 1)
+    assert not decode.fuse_step(q, kc, vc, table)
+    monkeypatch.setattr(decode, "FUSE_BYTES_MAX", read)
+    counts = _spy_launches(monkeypatch)
+    kw = dict(cache_seqlens=seqlens, block_table=table, num_splits=3, return_softmax_lse=True)
+
+    def step(**env):
+        with monkeypatch.context() as m:
+            for name, value in env.items():
+                m.setenv(name, value)
+            caches = kc.clone(), vc.clone()
+            return (*flashtile.flash_attn_with_kvcache(q, *caches, k, v, **kw), *caches)
+
+    def launches():
+        got = {name: counts.pop(name, 0) for name in ("_launch_check", "_launch_combine")}
+        return got["_launch_check"], got["_launch_combine"]
+
+    want = step(FLASHTILE_DECODE_COMBINE="separate", FLASHTILE_DECODE_CHECK="separate")
+    assert launches() == (1, 1)
+    for fold in (True, False):  # at the bound, and one byte below the read
+        monkeypatch.setattr(decode, "FUSE_BYTES_MAX", read if fold else read - 1)
+        got = step()
+        assert launches() == ((0, 0) if fold else (1, 1))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    monkeypatch.setattr(decode, "FUSE_BYTES_MAX", read)
+    # plans on: two eager steps record and replay the key's plan (no Python launcher runs);
+    # under capture the key differs, so its own recording runs the separate kernels
+    monkeypatch.delenv("FLASHTILE_PLANS")
+    replay.clear()
+    step(), step()
+    counts.clear()
+    step()
+    assert launches() == (0, 0)
+    monkeypatch.setattr(replay, "capturing", lambda t: True)
+    monkeypatch.setattr(decode, "capturing", lambda t: True)
+    got = step()
+    assert launches() == (1, 1)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # metadata checked on the host: no plan of the whole call, the kernels' own plan keys on it
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "host")
+    for captured in (False, True):
+        monkeypatch.setattr(replay, "capturing", lambda t: captured)
+        monkeypatch.setattr(decode, "capturing", lambda t: captured)
+        if not captured:
+            replay.clear()
+            step(), step()
+            counts.clear()
+        step()
+        assert launches() == (0, int(captured))
+
+
 def test_fused_combine_keeps_a_failed_check_nan(triton_backend, monkeypatch):
     """A bad value found by the device check: NaN out and lse through the fused combine too,
     and the cache untouched."""
@@ -427,7 +498,7 @@ def test_fused_combine_keeps_a_failed_check_nan(triton_backend, monkeypatch):
 
 
 @pytest.mark.parametrize("check", ["host", "device"])
-@pytest.mark.parametrize("mode", ["default", "separate-append", "fused-combine", "fused-check"])
+@pytest.mark.parametrize("mode", ["default", "separate-append", "separate-combine", "separate-check"])
 @pytest.mark.parametrize("page", [0, 16])
 def test_padding_sequences(backend, monkeypatch, page, mode, check):
     """padding_sequences=True (transformers' continuous batching under CUDA graphs pads a
@@ -438,10 +509,10 @@ def test_padding_sequences(backend, monkeypatch, page, mode, check):
         pytest.skip("kernel switches")
     if mode == "separate-append":
         monkeypatch.setenv("FLASHTILE_DECODE_APPEND", "separate")
-    if mode == "fused-combine":
-        monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "fused")
-    if mode == "fused-check":
-        monkeypatch.setenv("FLASHTILE_DECODE_CHECK", "fused")
+    if mode == "separate-combine":  # a step this small folds both by default (``decode.fuse_step``)
+        monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")
+    if mode == "separate-check":
+        monkeypatch.setenv("FLASHTILE_DECODE_CHECK", "separate")
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", check)
     q, k, v, kc, vc, table, seqlens = _case(batch=5, sq=1, new=1, heads=(8, 2), capacity=160,
                                              seqlens=(7, 0, 100, 0, 159 - 1), page=page)
@@ -575,6 +646,7 @@ def test_paged_table_slice(triton_backend, monkeypatch, page, num_splits, slice_
 
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_split_kv_windows_softcap_alibi_rotary(triton_backend, monkeypatch, num_splits):
+    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")  # the combine kernel (not folded: ``auto``)
     counts = _spy_launches(monkeypatch)
     q, k, v, kc, vc, _, seqlens = _case(batch=3, sq=5, new=5, heads=(8, 1), d=32, capacity=300,
                                          seqlens=(40, 170, 295))
@@ -591,7 +663,9 @@ def test_split_kv_windows_softcap_alibi_rotary(triton_backend, monkeypatch, num_
 def test_sinks(backend, monkeypatch, num_splits, page):
     """A learnable sink enters once per row: in the decode kernel with one split, in the
     combine with several (a sink added per split would count it num_splits times). Large
-    sinks (around log(len_k) and above); an empty cache before the append, a window."""
+    sinks (around log(len_k) and above); an empty cache before the append, a window. (The
+    fused combine's sink: ``test_fused_combine_matches_the_combine_kernel``.)"""
+    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")
     counts = _spy_launches(monkeypatch) if backend == "triton" else {}
     q, k, v, kc, vc, table, seqlens = _case(batch=3, sq=2, new=2, heads=(8, 2), d=32, capacity=200,
                                              seqlens=(0, 63, 198), page=page)

@@ -17,6 +17,16 @@ def _cuda(*tensors):
     return [None if t is None else t.cuda() for t in tensors]
 
 
+def _as_captured(monkeypatch, fn):
+    """``fn()`` eagerly with the launches a captured step takes: under capture ``auto`` keeps
+    the combine and the check kernels (``decode.fuse_step``), where an eager step with a
+    small cache read folds them into the decode kernel (the same sums in another order)."""
+    with monkeypatch.context() as m:
+        m.setenv("FLASHTILE_DECODE_COMBINE", "separate")
+        m.setenv("FLASHTILE_DECODE_CHECK", "separate")
+        return fn()
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("page", [0, 16, 256])
 @pytest.mark.parametrize("sq", [1, 4])
@@ -107,7 +117,7 @@ def test_decode_loop_matches_prefill():
     assert torch.equal(kc, k) and torch.equal(vc, v)
 
 
-def test_cuda_graph_decode_step():
+def test_cuda_graph_decode_step(monkeypatch):
     B, S, H, Hk, D = 4, 512, 16, 4, 128
     kc = torch.randn(B, S, Hk, D, device="cuda", dtype=torch.bfloat16)
     vc = torch.randn_like(kc)
@@ -132,8 +142,11 @@ def test_cuda_graph_decode_step():
         graph.replay()
         torch.cuda.synchronize()
         kc2, vc2 = kc.clone(), vc.clone()
-        ref = flashtile.flash_attn_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=seqlens, causal=True)
+        ref = _as_captured(monkeypatch, lambda: flashtile.flash_attn_with_kvcache(
+            q, kc2.clone(), vc2.clone(), k, v, cache_seqlens=seqlens, causal=True))
         assert torch.equal(static, ref)
+        eager = flashtile.flash_attn_with_kvcache(q, kc2, vc2, k, v, cache_seqlens=seqlens, causal=True)
+        torch.testing.assert_close(eager, ref)  # fused eagerly: bf16's tolerance
 
 
 @pytest.mark.parametrize("window, sq", [((-1, 2**31 - 1), 1), ((2**31 - 1, -1), 7), ((2**31 - 1, 2**31 - 1), 3)])
@@ -277,10 +290,11 @@ def test_padding_sequences_on_the_device_check(page):
     assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1])
 
 
-def test_padded_decode_step_in_a_cuda_graph():
+def test_padded_decode_step_in_a_cuda_graph(monkeypatch):
     """The padded decode step transformers' continuous batching captures: cache_seqlens -1
     rows and block_table rows of -1, metadata updated in place between replays, the fused
-    append; each replay matches the eager call on the same values."""
+    append; each replay is bitwise the eager call on the same values with the captured
+    launches (``_as_captured``)."""
     q, k, v, kc, vc, table, seqlens = _cuda(*_case(batch=4, sq=1, new=1, heads=(32, 8), d=128, capacity=2048,
                                                   seqlens=(5, 0, 700, 0), dtype=torch.bfloat16, page=16))
     lens = seqlens.clone()
@@ -304,7 +318,7 @@ def test_padded_decode_step_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         ref = before[0].clone(), before[1].clone()
-        want, want_lse = flashtile.flash_attn_with_kvcache(q, *ref, k, v, **kw)
+        want, want_lse = _as_captured(monkeypatch, lambda: flashtile.flash_attn_with_kvcache(q, *ref, k, v, **kw))
         assert torch.equal(out, want) and torch.equal(lse, want_lse), step
         assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1]), step
         assert torch.equal(out[[1, 3]], torch.zeros_like(out[[1, 3]]))

@@ -31,8 +31,8 @@ def test_a_bad_value_names_the_switch(monkeypatch, name, reader, bad):
 
 @pytest.mark.parametrize("name, reader, default, other", [
     ("FLASHTILE_DECODE_APPEND", settings.decode_append, "fused", "separate"),
-    ("FLASHTILE_DECODE_COMBINE", settings.decode_combine, "separate", "fused"),
-    ("FLASHTILE_DECODE_CHECK", settings.decode_check, "separate", "fused"),
+    ("FLASHTILE_DECODE_COMBINE", settings.decode_combine, "auto", "separate"),
+    ("FLASHTILE_DECODE_CHECK", settings.decode_check, "auto", "separate"),
 ])
 def test_the_decode_switches(monkeypatch, name, reader, default, other):
     monkeypatch.setenv(name, "sometimes")

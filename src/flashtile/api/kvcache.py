@@ -9,7 +9,10 @@ which declares its writes to the caches for torch.compile): the split-KV decode 
 (all query heads of a KV head in one program, keys read straight from the cache rows or
 pages), which also appends up to 64 new tokens itself (rotary of k included; a longer
 append, or ``FLASHTILE_DECODE_APPEND=separate``, runs the append kernel first), then the
-combine when it splits (``FLASHTILE_DECODE_COMBINE=fused``: inside the decode kernel). Nothing
+combine when it splits (inside the decode kernel for an eager step with a small cache read:
+``decode.fuse_step``; the device check of the metadata too, so such a step is one launch,
+while a step captured in a CUDA graph keeps the combine and check kernels, which cost it
+less GPU time: the two agree to float32 reassociation, not bit for bit). Nothing
 is gathered or copied per call, and a repeated call replays its launch plan.
 
 The checks of the metadata *values* (cache_seqlens, cache_leftpad, cache_batch_idx,
@@ -132,7 +135,8 @@ def flash_attn_with_kvcache(
         tensors = (q, k_cache, v_cache, k, v, rotary_cos, rotary_sin, cache_seqlens, cache_batch_idx, cache_leftpad,
                    block_table, alibi_slopes, learnable_sink)
         scalars = replay.plain_scalars((softmax_scale, causal, window_size, softcap, rotary_interleaved, num_splits,
-                                        return_softmax_lse, attention_chunk, padding_sequences))
+                                        return_softmax_lse, attention_chunk, padding_sequences,
+                                        replay.capturing(q)))  # other launches under capture
         key = None if scalars is None else replay.make_key(tensors, scalars)
         if key is not None:
             entry = _PLANS.entry(key, tensors)

@@ -458,7 +458,8 @@ def kvcache(*args, hint=None) -> tuple[Tensor, Tensor]:
     entry = None if hint is None else hint.below.get("kvcache")
     if entry is None:
         a = KVCacheArgs(*args)
-        key = replay.make_key(tensors, a.scalars())
+        # under CUDA-graph capture a step takes other launches (``decode.fuse_step``)
+        key = replay.make_key(tensors, (*a.scalars(), replay.capturing(a.q)))
         if key is None:
             return _kvcache_run(a)
         entry = KV_PLANS.entry(key, tensors)
@@ -482,7 +483,10 @@ def _kvcache_run(a: KVCacheArgs) -> tuple[Tensor, Tensor]:
     # the decode kernel appends k, v itself (a short append: decode.FUSED_APPEND_MAX)
     fused = 0 < new <= decode.FUSED_APPEND_MAX and settings.decode_append() == "fused"
     # ... and checks the metadata itself where it is the only writer (no append kernel)
-    fused_check = a.device_check and (new == 0 or fused) and settings.decode_check() == "fused"
+    combine, check = settings.decode_combine(), settings.decode_check()
+    small = "auto" in (combine, check) and decode.fuse_step(q, a.k_cache, a.v_cache, a.table)
+    fused_combine = combine == "fused" or (combine == "auto" and small)
+    fused_check = a.device_check and (new == 0 or fused) and (check == "fused" or (check == "auto" and small))
     if a.device_check and not fused_check:
         paged = a.table is not None
         page = a.k_cache.shape[1] if paged else 0
@@ -498,7 +502,7 @@ def _kvcache_run(a: KVCacheArgs) -> tuple[Tensor, Tensor]:
                   window_right=a.window_right, interleaved=a.interleaved, rotary_local=a.rotary_local,
                   num_splits=a.num_splits, status=status, parts=parts, sink=a.sink, chunk=a.attention_chunk,
                   k_new=a.k if fused else None, v_new=a.v if fused else None,
-                  fused_combine=settings.decode_combine() == "fused", padding=a.padding, fused_check=fused_check,
+                  fused_combine=fused_combine, padding=a.padding, fused_check=fused_check,
                   rotary_len=a.rotary_len)
     return out, lse
 

@@ -79,6 +79,12 @@ def env_key() -> tuple:
             torch.are_deterministic_algorithms_enabled(), device)
 
 
+def capturing(t: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of t's device (False
+    for a CPU tensor): part of the key of a call whose launches differ under capture."""
+    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 def tensor_key(t: Optional[torch.Tensor]) -> Any:
     """What about one tensor argument the host path may depend on (not its address)."""
     if t is None:

@@ -20,13 +20,15 @@ switch with a value outside its choices raises ValueError naming it.
 ``FLASHTILE_DECODE_APPEND``  ``fused`` (the decode kernel writes the new keys and values
                            of a short append: ``decode.FUSED_APPEND_MAX``) or ``separate``
                            (an append kernel first, one launch more)
-``FLASHTILE_DECODE_COMBINE``  ``separate`` (a split decode's combine kernel) or ``fused``
-                           (the decode kernel's last split of each group merges the
-                           partials; correct on an H100, slower under CUDA graphs)
-``FLASHTILE_DECODE_CHECK``  ``separate`` (a device check of kv-cache metadata is a
-                           launch of its own) or ``fused`` (the decode kernel checks
-                           them itself, where it is the call's only writer;
-                           correct on an H100: less host time, 1-2 us more GPU time)
+``FLASHTILE_DECODE_COMBINE``  ``auto`` (``fused`` for an eager step with a small cache
+                           read, else ``separate``: ``decode.fuse_step``), ``separate`` (a
+                           split decode's combine kernel) or ``fused`` (the decode kernel's
+                           last split of each group merges the partials: less host time,
+                           1-5 us more GPU time)
+``FLASHTILE_DECODE_CHECK``  ``auto`` (as above), ``separate`` (a device check of kv-cache
+                           metadata is a launch of its own) or ``fused`` (the decode kernel
+                           checks them itself, where it is the call's only writer: less
+                           host time, 1-2 us more GPU time)
 ``FLASHTILE_AUTOTUNE``     ``1``/``true``/``yes``: time forward configs once per key
 ``FLASHTILE_CACHE_DIR``    where autotuning keeps its winners (``~/.cache/flashtile``)
 ``FLASHTILE_PLANS``        ``0`` turns launch plans (replays) off
@@ -123,13 +125,13 @@ def decode_append() -> str:
 
 
 def decode_combine() -> str:
-    """``FLASHTILE_DECODE_COMBINE``: separate or fused."""
-    return _choice("FLASHTILE_DECODE_COMBINE", ("separate", "fused"))
+    """``FLASHTILE_DECODE_COMBINE``: auto, separate or fused."""
+    return _choice("FLASHTILE_DECODE_COMBINE", ("auto", "separate", "fused"))
 
 
 def decode_check() -> str:
-    """``FLASHTILE_DECODE_CHECK``: separate or fused."""
-    return _choice("FLASHTILE_DECODE_CHECK", ("separate", "fused"))
+    """``FLASHTILE_DECODE_CHECK``: auto, separate or fused."""
+    return _choice("FLASHTILE_DECODE_CHECK", ("auto", "separate", "fused"))
 
 
 def autotune() -> bool:

@@ -13,11 +13,12 @@ read:
   kernel writes the final output itself. ``choose_splits`` fills the GPU when batch x
   nheads_k alone would not. ``FLASHTILE_DECODE_COMBINE=fused`` merges in the decode
   kernel instead: the last split of each group to finish does it (``_last_split_combines``,
-  behind a per-group counter that it leaves at 0), and no ``combine_kernel`` runs. Not the
-  default: on an H100 under CUDA graphs it is 1-5 us slower a step (B1 x 4096: 12.1 us
-  against 9.1; B1 x 8192: 16.8 against 12.0, run 130), as the last split's merge of 16-32
-  splits is serial after every split's work; eager it is faster (one launch less, host
-  bound at small batch). Run 129 measured its parts: the arrival costs ~1 us, the merge
+  behind a per-group counter that it leaves at 0), and no ``combine_kernel`` runs. On an
+  H100 under CUDA graphs it is 1-5 us slower a step (B1 x 4096: 12.1 us against 9.1; B1 x
+  8192: 16.8 against 12.0, run 130), as the last split's merge of 16-32 splits is serial
+  after every split's work; eager it is faster (one launch less, host bound at small
+  batch). So ``auto``, the default, fuses an eager step with a small cache read only
+  (``fuse_step``) and never a captured one. Run 129 measured its parts: the arrival costs ~1 us, the merge
   the rest (it was 35.5 us at B1 x 8192 while its loops summed over splits across warps).
 * **Addressing.** Keys are read where they are: cache row ``cache_batch_idx[b]`` (or b)
   from ``cache_leftpad[b]``, or page ``block_table[b, p // page]`` at ``p % page``. When
@@ -40,9 +41,9 @@ in [0, start], rows and blocks in range), so values no one checked cannot addres
 outside the cache. The values are checked before any write: on the host when they are
 there, else by ``check_kernel`` on the device; when it finds an error (``status[0] != 0``)
 the append writes nothing and the output and LSE are NaN (see ``flashtile.api.kvcache``).
-``FLASHTILE_DECODE_CHECK=fused`` (not the default: on an H100 it saves ~6 us of host time a
-call eager but costs 1-2 us of GPU time at small batch) checks them in the decode kernel
-instead, where it is the call's only writer: the first of its programs to
+``FLASHTILE_DECODE_CHECK=fused`` (on an H100 it saves ~6 us of host time a call eager but
+costs 1-2 us of GPU time at small batch: ``auto`` as for the combine) checks them in the
+decode kernel instead, where it is the call's only writer: the first of its programs to
 take a ticket checks, and every program waits for that verdict before its first write
 (``decode_kernel``'s docstring), so a decode step with the fused combine is one launch.
 """
@@ -56,13 +57,21 @@ from flashtile.backends.triton.scores import C_LN2, C_LOG2E, LOG2E, add_sink, ch
 from flashtile.problem.window import effective_window
 from flashtile.runtime.device import device_context, device_index, sm_count
 from flashtile.runtime.launch import Launcher
-from flashtile.runtime.replay import stream_counter
+from flashtile.runtime.replay import capturing, stream_counter
 
 # The decode kernel appends the new keys itself (one launch less) when a call brings at
 # most this many (a decode step brings 1, speculative decoding a few); a longer chunk (a
 # prefill through the cache) takes the append kernel first: its launch is then small next
 # to the work, and the decode kernel's append loop would run long in one program per split.
 FUSED_APPEND_MAX = 64
+# FLASHTILE_DECODE_COMBINE / _CHECK ``auto``: an eager step that reads at most this many
+# cache bytes is bound by the host's launches, not by its reads, so it folds the combine and
+# the metadata check into the decode kernel (one launch instead of three: H100 eager host
+# 45-46 -> 28-30 us, run 130). A longer read, or any step captured in a CUDA graph, keeps the
+# two kernels: they cost 1-5 us less GPU time (B1 L8192 12.0 vs 16.8 us under graphs), which
+# is what a GPU-bound step pays. 48 MiB is ~20 us of reads on an H100 (B1 x 8k-12k cached
+# tokens at 8 KV heads of 128, bf16), below the ~43 us the separate launches cost its host.
+FUSE_BYTES_MAX = 48 << 20
 # New tokens per step of that loop: the call's count up to 16; 8 above a head dim of 256
 # (MLA's 576: 16 a step spilled 32 B on sm_90a, 8 none; sm90_check, session 21).
 APPEND_T_MAX = 16
@@ -751,6 +760,18 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
     if programs < 2 * sms and not gather:
         return max(1, min(2 * sms // programs, most))
     return max(1, min(triton.cdiv(12 * sms, programs), most))
+
+
+def fuse_step(q, k_cache, v_cache, table) -> bool:
+    """Whether ``auto`` folds this step's combine and metadata check into the decode kernel
+    (``FUSE_BYTES_MAX``): not while a CUDA graph is captured, and only where the cache read
+    (every row of the cache or of the block table, keys and values, the valid lengths
+    being on the device) is at most ``FUSE_BYTES_MAX``."""
+    if capturing(q):
+        return False
+    rows = table.shape[1] * k_cache.shape[1] if table is not None else k_cache.shape[1]
+    width = k_cache.shape[3] + v_cache.shape[3]
+    return q.shape[0] * rows * k_cache.shape[2] * width * k_cache.element_size() <= FUSE_BYTES_MAX
 
 
 def merge_rows(block_m: int, rows: int) -> int:
