@@ -81,8 +81,10 @@ def env_key() -> tuple:
 
 def capturing(t: torch.Tensor) -> bool:
     """Whether a CUDA graph is being captured on the current stream of t's device (False
-    for a CPU tensor): part of the key of a call whose launches differ under capture."""
-    return t.is_cuda and torch.cuda.is_current_stream_capturing()
+    for a CPU tensor, and while torch.compile traces: Dynamo cannot trace the query, and a
+    traced call is never planned): part of the key of a call whose launches differ under
+    capture."""
+    return t.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing()
 
 
 def tensor_key(t: Optional[torch.Tensor]) -> Any:
