@@ -167,7 +167,8 @@ def test_decode_bench_plan_and_summary(capsys):
 
     assert bench_main(["--decode", "--dry-run"]) == 0
     text = capsys.readouterr().out
-    assert "B8 L32768 H32/8 d128 q1 page 16" in text and "1024.1 MiB" in text
+    assert "B8 L32768 H32/8 d128 q1 page 16" in text and "1024.1 MiB to read, 1 graph copies" in text
+    assert "B1 L4096 H32/8 d128 q1: 16.0 MiB to read, 16 graph copies" in text
     for batch in (1, 2, 4):  # issue 38's small batches, 4k-32k cached tokens
         assert all(f"B{batch} L{n} H32/8 d128 q1:" in text for n in (4096, 8192, 16384, 32768))
     assert "B4 L8192 H32/8 d128 q1 page 16" in text
@@ -178,6 +179,39 @@ def test_decode_bench_plan_and_summary(capsys):
             for i, tb in (("flashtile", 3.0), ("sdpa-cudnn", 2.5), ("sdpa-flash", None))]
     table = bd.summary_markdown(rows, 4.0)
     assert "| B8 L4096 H32/8 d128 q1 | eager | 3.00 | 75% | 2.50 | - | 1.20 | - |" in table
+
+
+def test_decode_graph_rows_read_cold_inputs(monkeypatch):
+    """Graph rows cycle through copies of their inputs (a replayed graph flushes no L2, and a
+    cache under 50 MB would be read partly from it): at least COLD_BYTES a cycle, each call
+    the next copy; eager rows (do_bench flushes L2) and --warm-l2 take one."""
+    import torch
+    import triton.testing
+
+    from flashtile.tools.bench import decode as bd
+
+    small, big = bd.DecodeShape(1, 4096), bd.DecodeShape(8, 32768)
+    assert bd.cold_copies(small) == 16 and bd.cold_copies(big) == 1  # 16 MiB, 1 GiB
+    assert all(bd.cold_copies(s) * s.bytes() >= bd.COLD_BYTES for s in bd.shapes())
+    made = []
+
+    def one(impl, shape, num_splits, append):
+        made.append(len(made))
+        return lambda i=made[-1]: i
+
+    monkeypatch.setattr(bd, "_build_one", one)
+    call = bd.build("flashtile", small, copies=3)
+    assert made == [0, 1, 2] and [call() for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
+    assert bd.build("flashtile", small)() == 3
+    seen = []
+    monkeypatch.setattr(bd, "build", lambda impl, shape, num_splits, append, copies: seen.append(copies) or call)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(triton.testing, "do_bench_cudagraph", lambda fn, rep, return_mode: 1.0)
+    monkeypatch.setattr(triton.testing, "do_bench", lambda fn, warmup, rep, return_mode: 2.0)
+    assert bd.measure("flashtile", small, "cuda_graph", 1, 1) == 1.0
+    assert bd.measure("flashtile", small, "eager", 1, 1) == 2.0
+    bd.measure("flashtile", small, "cuda_graph", 1, 1, warm_l2=True)
+    assert seen == [16, 1, 1]
 
 
 # ---------------------------------------------------------------- GQA

@@ -11,8 +11,13 @@ Implementations in the same run:
                  ``page_size`` tokens through a shuffled block_table)
     sdpa-cudnn   torch SDPA (cuDNN) on (batch, nheads_k, seqlen_k, headdim) K/V, enable_gqa
     sdpa-flash   the same on the flash backend
-Each in ``eager`` mode (one call after another: host cost shows) and ``cuda_graph`` mode
-(``triton.testing.do_bench_cudagraph``: the kernels alone).
+Each in ``eager`` mode (``triton.testing.do_bench``: the GPU time of one call, the L2
+flushed before each) and ``cuda_graph`` mode (``triton.testing.do_bench_cudagraph``: the
+kernels alone, back to back). The graph mode flushes nothing, so a cache that fits in L2
+(H100 and H200: 50 MB) would be read partly from L2 on the next replay; a model's next
+decode step reads another layer's cache. Graph rows therefore cycle through copies of the
+inputs until a cycle reads at least ``COLD_BYTES`` (``cold_copies``; ``--warm-l2``: one copy,
+as before session 29). Host cost per eager call: ``benchmarks/host_overhead.py``.
 
 Rows go to ``<out>/<tag>.jsonl`` with ``pass: decode``; a summary markdown next to them.
 """
@@ -53,6 +58,17 @@ class DecodeShape:
         return 2 * (kv + qo)
 
 
+# A graph row's inputs cycle through copies until one cycle reads this much: 5x an H100's or
+# H200's L2 (50 MB), so no replay finds its cache there.
+COLD_BYTES = 256 << 20
+
+
+def cold_copies(shape: "DecodeShape") -> int:
+    """Copies of a graph row's inputs (``COLD_BYTES``): 16 at B1 x 4096 (16 MiB), 1 from
+    256 MiB on."""
+    return max(1, -(-COLD_BYTES // shape.bytes()))
+
+
 SMALL_BATCHES = (1, 2, 4)
 SMALL_BATCH_LENGTHS = (4096, 8192, 16384, 32768)
 
@@ -70,11 +86,27 @@ def shapes() -> list[DecodeShape]:
     return base + extra + small
 
 
-def build(impl: str, shape: DecodeShape, num_splits: int = 0, append: bool = False):
+def build(impl: str, shape: DecodeShape, num_splits: int = 0, append: bool = False, copies: int = 1):
     """A call that runs one decode step of ``impl`` on fresh inputs of ``shape`` (more than
     one query token: causal, bottom-right). ``append``: flashtile's step also appends the
     new tokens' keys and values (a generation step; the same positions every call, so the
-    cache holds ``seqlen_k`` valid tokens after each); the SDPA peers have no cache."""
+    cache holds ``seqlen_k`` valid tokens after each); the SDPA peers have no cache.
+    ``copies``: each call takes the next of that many sets of inputs (captured in a graph,
+    each captured call keeps the set it took)."""
+    calls = [_build_one(impl, shape, num_splits, append) for _ in range(copies)]
+    if copies == 1:
+        return calls[0]
+    turn = [0]
+
+    def call():
+        i = turn[0]
+        turn[0] = (i + 1) % copies
+        return calls[i]()
+
+    return call
+
+
+def _build_one(impl: str, shape: DecodeShape, num_splits: int, append: bool):
     import torch
 
     import flashtile
@@ -139,11 +171,13 @@ def read_ceiling(gib: float = 8.0) -> float:
 
 
 def measure(impl: str, shape: DecodeShape, mode: str, warmup: int, rep: int, num_splits: int = 0,
-            append: bool = False) -> float:
+            append: bool = False, warm_l2: bool = False) -> float:
+    """Median ms of one step; graph rows read cold inputs unless ``warm_l2`` (module docstring)."""
     import torch
     import triton.testing
 
-    call = build(impl, shape, num_splits, append)
+    copies = cold_copies(shape) if mode == "cuda_graph" and not warm_l2 else 1
+    call = build(impl, shape, num_splits, append, copies)
     with torch.no_grad():
         call()
         torch.cuda.synchronize()
@@ -194,12 +228,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dry-run", action="store_true", help="print the shapes and their bytes only")
     p.add_argument("--append", action="store_true",
                    help="flashtile's steps also append the new tokens (a generation step; rows say append: true)")
+    p.add_argument("--warm-l2", action="store_true",
+                   help="graph rows replay one set of inputs (a cache under 50 MB then partly read from L2)")
     args = p.parse_args(argv)
     todo = shapes()
     if args.only:
         todo = [todo[i] for i in args.only]
     for i, s in enumerate(todo):
-        print(f"{i}: {s.label()}: {s.bytes() / 2**20:.1f} MiB to read")
+        print(f"{i}: {s.label()}: {s.bytes() / 2**20:.1f} MiB to read, {cold_copies(s)} graph copies")
     if args.dry_run:
         return 0
     import torch
@@ -220,9 +256,12 @@ def main(argv: list[str] | None = None) -> int:
                        "nheads": shape.nheads, "nheads_k": shape.nheads_k, "headdim": shape.headdim,
                        "page_size": shape.page_size, "bytes": shape.bytes(), "ms": None, "tb_per_s": None,
                        "ceiling_tb_per_s": ceiling, "append": args.append and impl == "flashtile",
+                       # eager rows: do_bench flushes L2 before each call; graph rows: copies
+                       "l2": "warm" if args.warm_l2 and mode == "cuda_graph" else "cold",
+                       "copies": cold_copies(shape) if mode == "cuda_graph" and not args.warm_l2 else 1,
                        **info.row_fields()}
                 try:
-                    ms = measure(impl, shape, mode, args.warmup, args.rep, append=args.append)
+                    ms = measure(impl, shape, mode, args.warmup, args.rep, append=args.append, warm_l2=args.warm_l2)
                     row["ms"] = ms
                     row["tb_per_s"] = shape.bytes() / (ms * 1e-3) / 1e12
                 except Exception as err:
@@ -234,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     summary = summary_markdown(writer.rows, ceiling)
     (out / f"{tag}-summary.md").write_text(
         f"# {tag}: {info.gpu}, torch {info.torch}, triton {info.triton}, flashtile {info.commit}\n\n"
-        f"Decode bandwidth: bytes that must be read (K, V of the valid cache, q, out) / time, bf16.\n\n" + summary)
+        f"Decode bandwidth: bytes that must be read (K, V of the valid cache, q, out) / time, bf16; "
+        f"graph rows {'on one set of inputs (L2 warm)' if args.warm_l2 else 'on cold inputs (cold_copies)'}.\n\n"
+        + summary)
     print(summary, flush=True)
     return 0
 
