@@ -482,6 +482,51 @@ def test_auto_folds_a_small_eager_step(triton_backend, monkeypatch, page):
         assert launches() == (0, int(captured))
 
 
+def test_pdl_only_on_a_hopper_gpu(triton_backend, monkeypatch):
+    """FLASHTILE_PDL=on: the decode and combine kernels are launched with Programmatic
+    Dependent Launch (the ``launch_pdl`` option and the kernels' PDL constexpr: each waits
+    before it touches memory) only for CUDA tensors on sm_90 or later, never under the
+    interpreter, which has no inline PTX: there a call is bitwise the call without it."""
+    from flashtile.backends.triton import decode
+    from flashtile.runtime import stubs
+
+    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")
+    q, k, v, kc, vc, _, seqlens = _case(batch=2, heads=(8, 2), capacity=300, seqlens=(40, 290))
+    kw = dict(cache_seqlens=seqlens, num_splits=3, return_softmax_lse=True)
+    want = flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **kw)
+    monkeypatch.setenv("FLASHTILE_PDL", "on")
+    assert not decode.use_pdl(q)
+    got = flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the decision, as on a GPU: the switch, the capability, not the interpreter
+    with monkeypatch.context() as m:
+        m.setattr(decode, "capability_of", lambda t: (9, 0))
+        assert not decode.use_pdl(q)  # TRITON_INTERPRET=1
+        m.setattr(decode.settings, "interpret", lambda: False)
+        assert decode.use_pdl(q)
+        m.setenv("FLASHTILE_PDL", "off")
+        assert not decode.use_pdl(q)
+        m.setenv("FLASHTILE_PDL", "on")
+        m.setattr(decode, "capability_of", lambda t: (8, 9))
+        assert not decode.use_pdl(q)
+    # the launches (stubbed: the interpreter cannot run them) as use_pdl decides
+    monkeypatch.setattr(decode, "use_pdl", lambda q: decode.settings.pdl())
+    seen = {}
+    for name in ("_launch_decode", "_launch_combine"):
+        launcher = getattr(decode, name)
+        monkeypatch.setattr(launcher, "_launch", lambda grid, args, constexprs, *rest, _n=name, _f=launcher._launch:
+                            (seen.setdefault(_n, []).append(dict(constexprs)), _f(grid, args, constexprs, *rest))[1])
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    for pdl in ("on", "off"):
+        monkeypatch.setenv("FLASHTILE_PDL", pdl)
+        with stubs.stub_launches():
+            flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **kw)
+    for name in ("_launch_decode", "_launch_combine"):
+        on, off = seen[name]
+        assert on["PDL"] is True and on["launch_pdl"] is True, name
+        assert "PDL" not in off and "launch_pdl" not in off, name
+
+
 def test_fused_combine_keeps_a_failed_check_nan(triton_backend, monkeypatch):
     """A bad value found by the device check: NaN out and lse through the fused combine too,
     and the cache untouched."""

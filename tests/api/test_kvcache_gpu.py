@@ -347,3 +347,48 @@ def test_padded_varlen_in_a_cuda_graph():
         want = flashtile.flash_attn_varlen_func(q, k, v, cu.clone(), cu.clone(), 512, 512, **kw)
         assert torch.equal(out, want), ends
         assert torch.equal(out[ends[-1]:], torch.zeros_like(out[ends[-1]:]))
+
+
+@pytest.mark.parametrize("page", [0, 16])
+def test_pdl_matches_plain_launches(monkeypatch, page):
+    """FLASHTILE_PDL=on: the check, decode and combine kernels of a step (the separate
+    kernels, so that both PDL launches happen) give bitwise the plain launches' results,
+    eagerly over steps whose lengths a torch kernel writes just before each step (the
+    decode kernel must wait for it: griddepcontrol.wait before its first read), and in a
+    CUDA graph replayed with new lengths."""
+    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")
+    monkeypatch.setenv("FLASHTILE_DECODE_CHECK", "separate")
+    q, k, v, kc, vc, table, seqlens = _cuda(*_case(batch=4, sq=1, new=1, heads=(32, 8), d=128, capacity=2048,
+                                                  seqlens=(5, 0, 700, 1500), dtype=torch.bfloat16, page=page))
+    kw = dict(block_table=table, causal=True, num_splits=8, return_softmax_lse=True)
+
+    def steps(pdl):
+        monkeypatch.setenv("FLASHTILE_PDL", pdl)
+        caches, lens, outs = (kc.clone(), vc.clone()), seqlens.clone(), []
+        for _ in range(4):
+            lens.add_(7)
+            outs += flashtile.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=lens, **kw)
+        return outs + list(caches)
+
+    want = steps("off")
+    assert all(torch.equal(a, b) for a, b in zip(steps("on"), want))
+    lens, caches = seqlens.clone(), (kc.clone(), vc.clone())
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=lens, **kw)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flashtile.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=lens, **kw)
+    for step in range(3):
+        lens.copy_(seqlens + 11 * (step + 1))
+        before = caches[0].clone(), caches[1].clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        monkeypatch.setenv("FLASHTILE_PDL", "off")
+        ref = before[0].clone(), before[1].clone()
+        want_out, want_lse = flashtile.flash_attn_with_kvcache(q, *ref, k, v, cache_seqlens=lens, **kw)
+        monkeypatch.setenv("FLASHTILE_PDL", "on")
+        assert torch.equal(out, want_out) and torch.equal(lse, want_lse), step
+        assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1]), step

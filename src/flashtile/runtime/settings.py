@@ -29,6 +29,9 @@ switch with a value outside its choices raises ValueError naming it.
                            metadata is a launch of its own) or ``fused`` (the decode kernel
                            checks them itself, where it is the call's only writer: less
                            host time, 1-2 us more GPU time)
+``FLASHTILE_PDL``          ``off`` or ``on``: a decode step's decode and combine kernels are
+                           launched with Programmatic Dependent Launch on Hopper (each
+                           launch overlaps the kernel before it; not yet measured)
 ``FLASHTILE_AUTOTUNE``     ``1``/``true``/``yes``: time forward configs once per key
 ``FLASHTILE_CACHE_DIR``    where autotuning keeps its winners (``~/.cache/flashtile``)
 ``FLASHTILE_PLANS``        ``0`` turns launch plans (replays) off
@@ -46,7 +49,7 @@ import os
 SWITCHES = ("FLASHTILE_PLANS", "FLASHTILE_BACKEND", "FLASHTILE_WS", "FLASHTILE_BWD_DQ", "FLASHTILE_AUTOTUNE",
             "FLASHTILE_FAST_LAUNCH", "FLASHTILE_LAUNCH_CHECK", "FLASHTILE_CACHE_DIR", "TRITON_INTERPRET",
             "FLASHTILE_KVCACHE_CHECK", "FLASHTILE_DECODE_APPEND", "FLASHTILE_DECODE_COMBINE",
-            "FLASHTILE_DECODE_CHECK")
+            "FLASHTILE_DECODE_CHECK", "FLASHTILE_PDL")
 
 # CPython keeps os.environ's encoded mapping in step with every os.environ write; where it
 # is missing (another interpreter), the public way.
@@ -132,6 +135,11 @@ def decode_combine() -> str:
 def decode_check() -> str:
     """``FLASHTILE_DECODE_CHECK``: auto, separate or fused."""
     return _choice("FLASHTILE_DECODE_CHECK", ("auto", "separate", "fused"))
+
+
+def pdl() -> bool:
+    """``FLASHTILE_PDL``: off or on."""
+    return _choice("FLASHTILE_PDL", ("off", "on")) == "on"
 
 
 def autotune() -> bool:

@@ -411,7 +411,7 @@ def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extr
 def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, extras: bool = False,
                    split: bool = True, page_slice: int = 0, head_dim_v: int = 0,
                    append: bool = True, fused_combine: bool = False, append_t: int = 1,
-                   fused_check: bool = False) -> list[Compiled]:
+                   fused_check: bool = False, pdl: bool = False) -> list[Compiled]:
     """The KV-cache kernels of ``backends/triton/decode.py`` as a decode step launches them: the check,
     the append kernel (``FLASHTILE_DECODE_APPEND=separate``'s) and the decode kernel, which
     appends the new keys itself when ``append`` (the default: ``fused``)
@@ -420,13 +420,15 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
     the page size, 0 for a row cache, a multiple of the key tile reads one table entry per
     tile), then the combine kernel when ``split``. ``extras`` turns on every option
     (leftpad, batch index, windows, softcap, ALiBi, rotary); ``page_slice``: the page
-    gather's table slice in registers (``decode.PAGE_SLICE_MAX``)."""
+    gather's table slice in registers (``decode.PAGE_SLICE_MAX``); ``pdl``: the decode and
+    combine kernels as ``FLASHTILE_PDL=on`` launches them."""
     from flashtile.backends.triton import decode
 
     block_m, block_n, block_d, block_dv = decode.block_sizes(head_dim, rows, head_dim_v)
     dims = f"d{head_dim}" + (f"-{head_dim_v}" if head_dim_v and head_dim_v != head_dim else "")
     tag = (f"{dtype} {dims} rows={rows} paged={paged} extras={extras}" + (f" slice={page_slice}" if page_slice else "")
-           + (f" append_t={append_t}" if append_t != 1 else "") + (" check=fused" if fused_check else ""))
+           + (f" append_t={append_t}" if append_t != 1 else "") + (" check=fused" if fused_check else "")
+           + (" pdl" if pdl else ""))
     ints = ("SeqLens", "LeftPad", "BatchIdx", "Table", "Status")
     ptrs = {n: "*i32" for n in ints}
     ptrs.update({n: f"*{dtype}" for n in ("Q", "K", "V", "KCache", "VCache", "Out", "KNew", "VNew")})
@@ -456,11 +458,11 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
                           CHECK_BLOCK_E=decode.FUSED_CHECK_BLOCK_E,
                           MERGE_M=decode.merge_rows(block_m, rows),
                           COMBINE_CHUNK=decode.combine_chunk(decode.merge_rows(block_m, rows), block_dv)
-                          if fused_combine and split else 1), 4,
+                          if fused_combine and split else 1, PDL=pdl), 4,
                      decode.stages(kind, block_d, block_dv))]
     if split and not fused_combine:
         out.append(_compile(f"decode-combine {tag}", decode.combine_kernel, ptrs,
-                            dict(BLOCK_S=16, BLOCK_D=block_dv, HAS_SINK=extras), 4, 1))
+                            dict(BLOCK_S=16, BLOCK_D=block_dv, HAS_SINK=extras, PDL=pdl), 4, 1))
     return out
 
 

@@ -52,11 +52,13 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.backends.triton.scores import C_LN2, C_LOG2E, LOG2E, add_sink, chunk_start, scores
 from flashtile.problem.window import effective_window
-from flashtile.runtime.device import device_context, device_index, sm_count
+from flashtile.runtime.device import capability_of, device_context, device_index, sm_count
 from flashtile.runtime.launch import Launcher
+from flashtile.runtime import settings
 from flashtile.runtime.replay import capturing, stream_counter
 
 # The decode kernel appends the new keys itself (one launch less) when a call brings at
@@ -437,7 +439,7 @@ def decode_kernel(
     CHUNK: tl.constexpr, APPEND: tl.constexpr, APPEND_T: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     PADDING: tl.constexpr, FUSED_CHECK: tl.constexpr = False, CHECK_ROTARY: tl.constexpr = False,
     CHECK_BLOCK: tl.constexpr = 16, CHECK_BLOCK_E: tl.constexpr = 1024, COMBINE_CHUNK: tl.constexpr = 1,
-    MERGE_M: tl.constexpr = 16,
+    MERGE_M: tl.constexpr = 16, PDL: tl.constexpr = False,
 ):
     """Program (b, hk, block of rows, split): rows r = t * group + g of KV head hk against
     keys [split * split_size, (split + 1) * split_size) of sequence b (module docstring).
@@ -457,7 +459,13 @@ def decode_kernel(
     before its results. The checker waits on no one and holds a ticket, so it is running:
     no program can wait forever (the ticket order, not the program id, names it: CUDA does
     not promise that program 0 starts first). The last program to finish (Counters[2])
-    leaves the three counters at 0; the fused combine's counters follow them (Counters + 4)."""
+    leaves the three counters at 0; the fused combine's counters follow them (Counters + 4).
+    PDL (launched with Programmatic Dependent Launch, ``use_pdl``): the program waits for the
+    kernels before it in the stream before it touches memory, then lets the next kernel (the
+    combine) launch; that one waits for this kernel's end the same way."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     sync = Counters
     joins = True  # the program has a work item (the fused check's checker has none)
@@ -679,11 +687,13 @@ def combine_kernel(
     stride_lp, stride_lpb, stride_lph,
     stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
     seqlen, nheads, num_splits, head_dim,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Program (b, t, h): out = sum_s w_s out_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s);
     lse = max + log(sum w). A row no split saw (every lse -inf): 0 and -inf. A sink (HAS_SINK)
-    is one more part with lse sink[h] and out 0."""
+    is one more part with lse sink[h] and out 0. PDL: as the decode kernel's, waits first."""
+    if PDL:
+        gdc_wait()
     pid = tl.program_id(0)
     h = pid % nheads
     bt = pid // nheads
@@ -772,6 +782,16 @@ def fuse_step(q, k_cache, v_cache, table) -> bool:
     rows = table.shape[1] * k_cache.shape[1] if table is not None else k_cache.shape[1]
     width = k_cache.shape[3] + v_cache.shape[3]
     return q.shape[0] * rows * k_cache.shape[2] * width * k_cache.element_size() <= FUSE_BYTES_MAX
+
+
+def use_pdl(q) -> bool:
+    """Whether this step's decode and combine kernels are launched with Programmatic
+    Dependent Launch (``FLASHTILE_PDL=on``): CUDA tensors on Hopper or later (``griddepcontrol``
+    is sm_90's), never under the interpreter (no inline PTX there)."""
+    if not settings.pdl() or settings.interpret():
+        return False
+    capability = capability_of(q)
+    return capability is not None and capability >= (9, 0)
 
 
 def merge_rows(block_m: int, rows: int) -> int:
@@ -938,6 +958,7 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
     groups = batch * nheads_k * num_m_blocks
     merge_m = merge_rows(block_m, seqlen_q * group)
     fused_check = fused_check and status is not None
+    pdl = use_pdl(q)
     sync = 4 if fused_check else 0  # the fused check's counters come first
     counters = stream_counter(q.device, sync + groups * fused_combine) if sync or fused_combine else q
     with device_context(q):
@@ -974,16 +995,22 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
                  FUSED_COMBINE=fused_combine, PADDING=padding, FUSED_CHECK=fused_check,
                  CHECK_ROTARY=fused_check and rotary_len >= 0, CHECK_BLOCK=check_block(batch),
                  CHECK_BLOCK_E=FUSED_CHECK_BLOCK_E, MERGE_M=merge_m,
-                 COMBINE_CHUNK=combine_chunk(merge_m, block_dv) if fused_combine else 1),
+                 COMBINE_CHUNK=combine_chunk(merge_m, block_dv) if fused_combine else 1,
+                 **_pdl_options(pdl)),
             4, stages(kind, block_d, block_dv))
         if splits > 1 and not fused_combine:
-            combine(out_part, lse_part, out, lse, sink)
+            combine(out_part, lse_part, out, lse, sink, pdl=pdl)
 
 
-def combine(out_part, lse_part, out, lse, sink=None) -> None:
+def _pdl_options(pdl: bool) -> dict:
+    """The constexpr and the launch option of a kernel launched with PDL (``use_pdl``)."""
+    return dict(PDL=True, launch_pdl=True) if pdl else {}
+
+
+def combine(out_part, lse_part, out, lse, sink=None, *, pdl: bool = False) -> None:
     """``combine_kernel``: out_part (S, B, Sq, H, D), lse_part (S, B, H, Sq) float32 ->
     out (B, Sq, H, D), lse (B, H, Sq) (unit last strides); ``sink``: None or (H,) float32,
-    joined once per row."""
+    joined once per row; ``pdl``: launched with PDL after the decode kernel (``use_pdl``)."""
     splits, batch, seqlen, nheads, head_dim = out_part.shape
     if batch * seqlen * nheads == 0:
         return
@@ -996,5 +1023,5 @@ def combine(out_part, lse_part, out, lse, sink=None) -> None:
              out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
              seqlen, nheads, splits, head_dim),
             dict(BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-                 HAS_SINK=sink is not None),
+                 HAS_SINK=sink is not None, **_pdl_options(pdl)),
             4, 1)
