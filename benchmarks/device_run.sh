@@ -137,7 +137,9 @@ fi
 if [[ $what == decode-ab ]]; then
   # Issue 38's decode folds, A/B in one call: generation steps (--append) of flashtile alone,
   # eager and CUDA graphs, with the append kernel / the append in the decode kernel (the
-  # default) / the combine fused too / the device check fused too (one launch a step).
+  # default) / the combine fused too / the device check fused too (one launch a step). Each
+  # configuration names all three switches (the combine's and the check's default, ``auto``,
+  # folds an eager step under 48 MiB of cache: ``decode.fuse_step``).
   # Shapes: B8 L4k, B8 L32k, B64 L8k, B8 L32k page 16, B1-B4 at 4k-32k, B4 page 16.
   only="0 1 3 6 10 11 13 14 15 18 19 21 23 25"
   for cfg in "separate separate separate" "fused separate separate" "fused fused separate" "fused fused fused"; do
@@ -147,8 +149,11 @@ if [[ $what == decode-ab ]]; then
       --tag "h200-decode-append-$1-combine-$2-check-$3" > "/tmp/bench/decode-ab-$1-$2-$3.log" 2>&1
     echo "decode append=$1 combine=$2 check=$3 rc=$?"; grep -E "^B" "/tmp/bench/decode-ab-$1-$2-$3.log" | tail -28
   done
-  timeout 40 python3 benchmarks/host_overhead.py --only kvcache > "$OUT/host-decode.log" 2>&1
-  for sw in FLASHTILE_DECODE_APPEND=separate FLASHTILE_DECODE_COMBINE=fused "FLASHTILE_DECODE_COMBINE=fused FLASHTILE_DECODE_CHECK=fused"; do
+  timeout 40 python3 benchmarks/host_overhead.py --only kvcache > "$OUT/host-decode.log" 2>&1  # the defaults (auto)
+  for sw in "FLASHTILE_DECODE_COMBINE=separate FLASHTILE_DECODE_CHECK=separate" \
+            "FLASHTILE_DECODE_APPEND=separate FLASHTILE_DECODE_COMBINE=separate FLASHTILE_DECODE_CHECK=separate" \
+            "FLASHTILE_DECODE_COMBINE=fused FLASHTILE_DECODE_CHECK=separate" \
+            "FLASHTILE_DECODE_COMBINE=fused FLASHTILE_DECODE_CHECK=fused"; do
     echo "# $sw" >> "$OUT/host-decode.log"
     env $sw timeout 40 python3 benchmarks/host_overhead.py --only kvcache --impl flashtile >> "$OUT/host-decode.log" 2>&1
   done

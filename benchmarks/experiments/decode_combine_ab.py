@@ -11,7 +11,8 @@ its samples in the merge. This script times the variants that split the cost apa
 CUDA graphs (kernel time) and eagerly:
 
 - ``decode``: the decode kernel alone (no combine: its output is not the answer);
-- ``decode+combine``: the library's default (two launches);
+- ``decode+combine``: the library's default under CUDA graphs and above 48 MiB of cache
+  (two launches; ``decode.fuse_step``);
 - ``fused``: the fused combine (one launch);
 - ``fused-arrive``: the fused combine's arrival (the CTA barrier, the acq_rel atomic, the
   ticket broadcast) without any merge: the counters start at 2**30, so no ticket is ever a

@@ -430,6 +430,8 @@ def test_auto_folds_a_small_eager_step(triton_backend, monkeypatch, page):
     rows = 300 if page == 0 else table.shape[1] * page
     read = 3 * rows * 2 * (16 + 16) * 4  # batch x cached rows x kv heads x (d + dv) x 4 bytes
     assert decode.fuse_step(q, kc, vc, table)
+    wide = vc.new_empty(*vc.shape[:3], 257)  # past 256 value columns (MLA's 512): never folded
+    assert not decode.fuse_step(q, kc, wide, table) and decode.fuse_step(q, kc, wide[..., :256], table)
     monkeypatch.setattr(decode, "FUSE_BYTES_MAX", read - 1)
     assert not decode.fuse_step(q, kc, vc, table)
     monkeypatch.setattr(decode, "FUSE_BYTES_MAX", read)
@@ -543,7 +545,7 @@ def test_fused_combine_keeps_a_failed_check_nan(triton_backend, monkeypatch):
 
 
 @pytest.mark.parametrize("check", ["host", "device"])
-@pytest.mark.parametrize("mode", ["default", "separate-append", "separate-combine", "separate-check"])
+@pytest.mark.parametrize("mode", ["default", "separate-append", "separate-combine", "separate-check", "separate"])
 @pytest.mark.parametrize("page", [0, 16])
 def test_padding_sequences(backend, monkeypatch, page, mode, check):
     """padding_sequences=True (transformers' continuous batching under CUDA graphs pads a
@@ -554,9 +556,11 @@ def test_padding_sequences(backend, monkeypatch, page, mode, check):
         pytest.skip("kernel switches")
     if mode == "separate-append":
         monkeypatch.setenv("FLASHTILE_DECODE_APPEND", "separate")
-    if mode == "separate-combine":  # a step this small folds both by default (``decode.fuse_step``)
+    # a step this small folds both by default (``decode.fuse_step``); "separate": the check
+    # and combine kernels, as a captured step runs them
+    if mode in ("separate-combine", "separate"):
         monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")
-    if mode == "separate-check":
+    if mode in ("separate-check", "separate"):
         monkeypatch.setenv("FLASHTILE_DECODE_CHECK", "separate")
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", check)
     q, k, v, kc, vc, table, seqlens = _case(batch=5, sq=1, new=1, heads=(8, 2), capacity=160,

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashtile
-from test_kvcache import _case, _run_and_check
+from test_kvcache import _case, _run_and_check, _spy_launches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
 
@@ -392,3 +392,26 @@ def test_pdl_matches_plain_launches(monkeypatch, page):
         monkeypatch.setenv("FLASHTILE_PDL", "on")
         assert torch.equal(out, want_out) and torch.equal(lse, want_lse), step
         assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1]), step
+
+
+def test_auto_keeps_the_kernels_under_capture(monkeypatch):
+    """``decode.fuse_step`` on the GPU, with CUDA's own capture query: an eager step this
+    small is one launch (the combine and the check folded into the decode kernel); the same
+    step captured in a CUDA graph launches the check, decode and combine kernels (plans off:
+    every call runs the Python launchers, which the spy counts)."""
+    counts = _spy_launches(monkeypatch)
+    q, k, v, kc, vc, _, seqlens = _cuda(*_case(batch=2, sq=1, new=1, heads=(32, 8), d=128, capacity=2048,
+                                               seqlens=(5, 1000), dtype=torch.bfloat16))
+    kw = dict(cache_seqlens=seqlens, num_splits=4)
+    flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+    assert counts == {"_launch_decode": 1}, counts
+    with monkeypatch.context() as m:  # compile the separate kernels before the capture
+        m.setenv("FLASHTILE_DECODE_COMBINE", "separate")
+        m.setenv("FLASHTILE_DECODE_CHECK", "separate")
+        flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+    torch.cuda.synchronize()
+    counts.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+    assert counts == {"_launch_check": 1, "_launch_decode": 1, "_launch_combine": 1}, counts

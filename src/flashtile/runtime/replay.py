@@ -80,11 +80,17 @@ def env_key() -> tuple:
 
 
 def capturing(t: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream of t's device (False
-    for a CPU tensor, and while torch.compile traces: Dynamo cannot trace the query, and a
-    traced call is never planned): part of the key of a call whose launches differ under
-    capture."""
-    return t.is_cuda and not torch.compiler.is_compiling() and torch.cuda.is_current_stream_capturing()
+    """Whether a CUDA graph is being captured on the current stream of t's device, where a
+    call's launches for t go (False for a CPU tensor, and while torch.compile traces:
+    Dynamo cannot trace the query, and a traced call is never planned): part of the key of
+    a call whose launches differ under capture."""
+    if not t.is_cuda or torch.compiler.is_compiling():
+        return False
+    index = t.device.index
+    if index is not None and index != torch.cuda.current_device():
+        with torch.cuda.device(index):  # the query reads the current device's stream
+            return torch.cuda.is_current_stream_capturing()
+    return torch.cuda.is_current_stream_capturing()
 
 
 def tensor_key(t: Optional[torch.Tensor]) -> Any:

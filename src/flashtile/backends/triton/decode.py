@@ -774,10 +774,11 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
 
 def fuse_step(q, k_cache, v_cache, table) -> bool:
     """Whether ``auto`` folds this step's combine and metadata check into the decode kernel
-    (``FUSE_BYTES_MAX``): not while a CUDA graph is captured, and only where the cache read
-    (every row of the cache or of the block table, keys and values, the valid lengths
-    being on the device) is at most ``FUSE_BYTES_MAX``."""
-    if capturing(q):
+    (``FUSE_BYTES_MAX``): not while a CUDA graph is captured, not past 256 value columns
+    (MLA's 512: the fused merge's tile there was never compiled or timed), and only where
+    the cache read (every row of the cache or of the block table, keys and values, the
+    valid lengths being on the device) is at most ``FUSE_BYTES_MAX``."""
+    if v_cache.shape[3] > 256 or capturing(q):
         return False
     rows = table.shape[1] * k_cache.shape[1] if table is not None else k_cache.shape[1]
     width = k_cache.shape[3] + v_cache.shape[3]
