@@ -43,6 +43,18 @@ def test_script_imports_and_shows_help(name, capsys, monkeypatch):
 
 
 
+def test_host_overhead_cpu_stub_times_every_row(capsys, monkeypatch, triton_backend):
+    """``host_overhead.py --cpu-stub`` (the host path with stubbed launches, the way this box
+    measures host cost): every row is timed, none reports a failure (a launch plan that
+    cannot record a kernel's parameters did, for the kv-cache rows, before 83f57c3's fix)."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")  # the script sets it only where unset
+    _script("host_overhead").cpu_stub(n=20)
+    out = capsys.readouterr().out
+    assert "failed" not in out, out
+    assert sum(" host " in line for line in out.splitlines()) == 18, out
+
+
 def test_decode_tma_experiment_matches_the_library_kernel(capsys, triton_backend):
     """benchmarks/experiments/decode_tma.py --cpu: its TMA-read decode kernel (interpreter)
     against the library's decode kernel, caches NaN past each sequence, splits with partial

@@ -1004,8 +1004,10 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
 
 
 def _pdl_options(pdl: bool) -> dict:
-    """The constexpr and the launch option of a kernel launched with PDL (``use_pdl``)."""
-    return dict(PDL=True, launch_pdl=True) if pdl else {}
+    """The constexpr and the launch option of a kernel launched with PDL (``use_pdl``); the
+    constexpr is passed either way (a launch plan records every parameter's value, and the
+    interpreter's kernels do not say their defaults)."""
+    return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
 
 
 def combine(out_part, lse_part, out, lse, sink=None, *, pdl: bool = False) -> None:
