@@ -546,9 +546,10 @@ def test_a_counter_made_during_a_recording_is_not_one_of_its_steps():
 @given(st.lists(st.tuples(st.integers(0, 200), st.integers(0, 60)), max_size=10))
 def test_overlap_signature_is_every_overlapping_pair(spans):
     """``plan._overlaps`` (part of a plan's key: which inputs share bytes, at what offsets)
-    finds exactly the overlapping pairs, in (i, j) order, its fast no-overlap check
-    included."""
+    finds exactly the overlapping pairs, in (i, j) order (one sweep over the inputs by
+    address: identical tensors, nested spans and empty tensors among them)."""
     bases, extents = [b for b, _ in spans], [e for _, e in spans]
     want = tuple((i, j, bases[j] - bases[i]) for i in range(len(spans)) for j in range(i + 1, len(spans))
                  if extents[i] and extents[j] and bases[i] < bases[j] + extents[j] and bases[j] < bases[i] + extents[i])
     assert plan._overlaps(bases, extents) == want
+    assert plan._overlaps(bases, extents, [i for i, e in enumerate(extents) if e]) == want  # a plan entry's way

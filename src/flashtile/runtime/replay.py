@@ -107,22 +107,31 @@ def _extent(t: torch.Tensor) -> int:
     return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
-def _overlaps(bases: Sequence[int], extents: Sequence[int]) -> tuple:
-    """(i, j, base_j - base_i) for every pair of inputs whose bytes overlap."""
-    spans = sorted((b, b + e) for b, e in zip(bases, extents) if e)
-    if all(spans[i][1] <= spans[i + 1][0] for i in range(len(spans) - 1)):
-        return ()  # sorted by start, no span reaches the next one's start: no overlaps (the common case)
-    sig = ()
-    n = len(bases)
-    for i in range(n):
-        bi, ei = bases[i], extents[i]
-        if ei == 0:
-            continue
-        for j in range(i + 1, n):
-            bj, ej = bases[j], extents[j]
-            if ej and bi < bj + ej and bj < bi + ei:  # an empty tensor overlaps nothing
-                sig += ((i, j, bj - bi),)
-    return sig
+def _overlaps(bases: Sequence[int], extents: Sequence[int], live: Optional[Sequence[int]] = None) -> tuple:
+    """(i, j, base_j - base_i) for every pair of inputs whose bytes overlap, in (i, j)
+    order; ``live``: the indices of the inputs with bytes (an empty tensor overlaps
+    nothing), when the caller knows them. One sweep over those inputs sorted by address: an
+    input overlaps a later one iff that one starts before it ends, so a call whose inputs
+    share bytes (a packed call with cu_seqlens_q is cu_seqlens_k) pays per overlap, not per
+    pair of inputs (10 inputs: 6.4 -> 2.4 us on this box; none overlapping: 2.2 -> 1.7)."""
+    if live is None:
+        live = [i for i, e in enumerate(extents) if e]
+    spans = sorted([(bases[i], bases[i] + extents[i], i) for i in live])
+    n = len(spans)
+    pairs = None
+    for k in range(n - 1):
+        _, end, i = spans[k]
+        m = k + 1
+        while m < n and spans[m][0] < end:
+            j = spans[m][2]
+            if pairs is None:
+                pairs = []
+            pairs.append((i, j) if i < j else (j, i))
+            m += 1
+    if pairs is None:
+        return ()  # the common case
+    pairs.sort()
+    return tuple((i, j, bases[j] - bases[i]) for i, j in pairs)
 
 
 # ---------------------------------------------------------------------------------------
@@ -444,11 +453,12 @@ class _Entry:
     determines (so a training call finds its kernels' entry without making their key:
     ``flashtile.autograd``)."""
 
-    __slots__ = ("extents", "overlapping", "plans", "prepared", "below")
+    __slots__ = ("extents", "live", "overlapping", "plans", "prepared", "below")
 
     def __init__(self, inputs):
         self.extents = [0 if t is None else _extent(t) for t in inputs]
-        self.overlapping = any(self.extents)
+        self.live = [i for i, e in enumerate(self.extents) if e]  # inputs with bytes
+        self.overlapping = len(self.live) > 1  # only these can share bytes
         self.plans: dict = {}
         self.prepared = None
         self.below: dict = {}
@@ -558,7 +568,7 @@ def call(c: Cache, key, inputs: Sequence[Optional[torch.Tensor]], fn: Callable[[
 def run(entry: _Entry, inputs: Sequence[Optional[torch.Tensor]], fn: Callable[[], Any]):
     """``call`` with the key's entry already found (``Cache.entry``)."""
     bases = [0 if t is None else t.data_ptr() for t in inputs]
-    sig = _overlaps(bases, entry.extents) if entry.overlapping else ()
+    sig = _overlaps(bases, entry.extents, entry.live) if entry.overlapping else ()
     plan = entry.plans.get(sig)
     if type(plan) is Plan:
         if plan.raw_only and hooks_installed():
