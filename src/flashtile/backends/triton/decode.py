@@ -18,8 +18,9 @@ read:
   8192: 16.8 against 12.0, run 130), as the last split's merge of 16-32 splits is serial
   after every split's work; eager it is faster (one launch less, host bound at small
   batch). So ``auto``, the default, fuses an eager step with a small cache read only
-  (``fuse_step``) and never a captured one. Run 129 measured its parts: the arrival costs ~1 us, the merge
-  the rest (it was 35.5 us at B1 x 8192 while its loops summed over splits across warps).
+  (``fuse_step``) and never a captured one. Run 129 measured its parts: the arrival costs
+  ~1 us, the merge the rest (it was 35.5 us at B1 x 8192 while its loops summed over
+  splits across warps).
 * **Addressing.** Keys are read where they are: cache row ``cache_batch_idx[b]`` (or b)
   from ``cache_leftpad[b]``, or page ``block_table[b, p // page]`` at ``p % page``. When
   the page size is a multiple of the key tile a tile lies in one page (one table read per

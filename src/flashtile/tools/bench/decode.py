@@ -69,6 +69,12 @@ def cold_copies(shape: "DecodeShape") -> int:
     return max(1, -(-COLD_BYTES // shape.bytes()))
 
 
+def copies_for(shape: "DecodeShape", mode: str, warm_l2: bool) -> int:
+    """The sets of inputs a row of ``mode`` cycles through: ``cold_copies`` for a graph row,
+    one for an eager row (do_bench flushes L2 before each call) or with ``warm_l2``."""
+    return cold_copies(shape) if mode == "cuda_graph" and not warm_l2 else 1
+
+
 SMALL_BATCHES = (1, 2, 4)
 SMALL_BATCH_LENGTHS = (4096, 8192, 16384, 32768)
 
@@ -176,8 +182,7 @@ def measure(impl: str, shape: DecodeShape, mode: str, warmup: int, rep: int, num
     import torch
     import triton.testing
 
-    copies = cold_copies(shape) if mode == "cuda_graph" and not warm_l2 else 1
-    call = build(impl, shape, num_splits, append, copies)
+    call = build(impl, shape, num_splits, append, copies_for(shape, mode, warm_l2))
     with torch.no_grad():
         call()
         torch.cuda.synchronize()
@@ -256,9 +261,8 @@ def main(argv: list[str] | None = None) -> int:
                        "nheads": shape.nheads, "nheads_k": shape.nheads_k, "headdim": shape.headdim,
                        "page_size": shape.page_size, "bytes": shape.bytes(), "ms": None, "tb_per_s": None,
                        "ceiling_tb_per_s": ceiling, "append": args.append and impl == "flashtile",
-                       # eager rows: do_bench flushes L2 before each call; graph rows: copies
                        "l2": "warm" if args.warm_l2 and mode == "cuda_graph" else "cold",
-                       "copies": cold_copies(shape) if mode == "cuda_graph" and not args.warm_l2 else 1,
+                       "copies": copies_for(shape, mode, args.warm_l2),
                        **info.row_fields()}
                 try:
                     ms = measure(impl, shape, mode, args.warmup, args.rep, append=args.append, warm_l2=args.warm_l2)
