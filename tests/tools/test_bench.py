@@ -173,6 +173,7 @@ def test_decode_bench_plan_and_summary(capsys):
         assert all(f"B{batch} L{n} H32/8 d128 q1:" in text for n in (4096, 8192, 16384, 32768))
     assert "B4 L8192 H32/8 d128 q1 page 16" in text
     assert bench_main(["--decode", "--dry-run", "--append", "--only", "0"]) == 0  # generation steps: parsed
+    assert bench_main(["--decode", "--dry-run", "--warm-l2", "--only", "0"]) == 0  # graph rows on one copy: parsed
     s = bd.DecodeShape(8, 4096)
     assert s.bytes() == 2 * (2 * 8 * 4096 * 8 * 128 + 2 * 8 * 32 * 128)
     rows = [{"label": s.label(), "mode": "eager", "impl": i, "tb_per_s": tb}
