@@ -29,9 +29,9 @@ switch with a value outside its choices raises ValueError naming it.
                            metadata is a launch of its own) or ``fused`` (the decode kernel
                            checks them itself, where it is the call's only writer: less
                            host time, 1-2 us more GPU time)
-``FLASHTILE_PDL``          ``off`` or ``on``: a decode step's decode and combine kernels are
-                           launched with Programmatic Dependent Launch on Hopper (each
-                           launch overlaps the kernel before it; not yet measured)
+``FLASHTILE_PDL``          ``on`` (a decode step's decode and combine kernels are launched
+                           with Programmatic Dependent Launch on Hopper: each launch
+                           overlaps the kernel before it) or ``off``
 ``FLASHTILE_AUTOTUNE``     ``1``/``true``/``yes``: time forward configs once per key
 ``FLASHTILE_CACHE_DIR``    where autotuning keeps its winners (``~/.cache/flashtile``)
 ``FLASHTILE_PLANS``        ``0`` turns launch plans (replays) off
@@ -138,8 +138,8 @@ def decode_check() -> str:
 
 
 def pdl() -> bool:
-    """``FLASHTILE_PDL``: off or on."""
-    return _choice("FLASHTILE_PDL", ("off", "on")) == "on"
+    """``FLASHTILE_PDL``: on or off."""
+    return _choice("FLASHTILE_PDL", ("on", "off")) == "on"
 
 
 def autotune() -> bool:
