@@ -487,9 +487,8 @@ def test_auto_folds_a_small_eager_step(triton_backend, monkeypatch, page):
 def test_pdl_only_on_a_hopper_gpu(triton_backend, monkeypatch):
     """FLASHTILE_PDL=on: the decode and combine kernels are launched with Programmatic
     Dependent Launch (the ``launch_pdl`` option and the kernels' PDL constexpr: each waits
-    before it touches memory), and the check kernel before them lets the decode kernel
-    launch at once, only for CUDA tensors on sm_90 or later, never under the interpreter,
-    which has no inline PTX: there a call is bitwise the call without it."""
+    before it touches memory) only for CUDA tensors on sm_90 or later, never under the
+    interpreter, which has no inline PTX: there a call is bitwise the call without it."""
     from flashtile.backends.triton import decode
     from flashtile.runtime import stubs
 
@@ -515,13 +514,11 @@ def test_pdl_only_on_a_hopper_gpu(triton_backend, monkeypatch):
     # the launches (stubbed: the interpreter cannot run them) as use_pdl decides
     monkeypatch.setattr(decode, "use_pdl", lambda q: decode.settings.pdl())
     seen = {}
-    for name in ("_launch_check", "_launch_decode", "_launch_combine"):
+    for name in ("_launch_decode", "_launch_combine"):
         launcher = getattr(decode, name)
         monkeypatch.setattr(launcher, "_launch", lambda grid, args, constexprs, *rest, _n=name, _f=launcher._launch:
                             (seen.setdefault(_n, []).append(dict(constexprs)), _f(grid, args, constexprs, *rest))[1])
     monkeypatch.setenv("FLASHTILE_PLANS", "0")
-    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")  # the check kernel too, as on a GPU
-    monkeypatch.setenv("FLASHTILE_DECODE_CHECK", "separate")  # (a captured step's)
     for pdl in ("on", "off"):
         monkeypatch.setenv("FLASHTILE_PDL", pdl)
         with stubs.stub_launches():
@@ -530,10 +527,6 @@ def test_pdl_only_on_a_hopper_gpu(triton_backend, monkeypatch):
         on, off = seen[name]
         assert on["PDL"] is True and on["launch_pdl"] is True, name
         assert off["PDL"] is False and "launch_pdl" not in off, name
-    # the check lets the decode kernel launch early; it waits on no one, so no PDL launch
-    on, off = seen["_launch_check"]
-    assert on["PDL"] is True and "launch_pdl" not in on
-    assert off["PDL"] is False and "launch_pdl" not in off
 
 
 def test_fused_combine_keeps_a_failed_check_nan(triton_backend, monkeypatch):

@@ -420,7 +420,7 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
     the page size, 0 for a row cache, a multiple of the key tile reads one table entry per
     tile), then the combine kernel when ``split``. ``extras`` turns on every option
     (leftpad, batch index, windows, softcap, ALiBi, rotary); ``page_slice``: the page
-    gather's table slice in registers (``decode.PAGE_SLICE_MAX``); ``pdl``: the check, decode and
+    gather's table slice in registers (``decode.PAGE_SLICE_MAX``); ``pdl``: the decode and
     combine kernels as ``FLASHTILE_PDL=on`` launches them."""
     from flashtile.backends.triton import decode
 
@@ -438,7 +438,7 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
     out = [] if fused_check else [  # the fused check: no check kernel
         _compile(f"decode-check {tag}", decode.check_kernel, ptrs,
                  dict(HAS_LEFTPAD=extras, HAS_BATCH_IDX=extras and not paged, PAGED=paged > 0, ROTARY=extras,
-                      ROTARY_LOCAL=False, BLOCK=16, BLOCK_E=decode.CHECK_BLOCK_E, PADDING=extras, PDL=pdl), 8, 1)]
+                      ROTARY_LOCAL=False, BLOCK=16, BLOCK_E=decode.CHECK_BLOCK_E, PADDING=extras), 8, 1)]
     out += [_compile(f"decode-append {tag}", decode.append_kernel, ptrs,
                      dict(BLOCK_T=16, BLOCK_D=block_d, BLOCK_DV=block_dv, SAME_DV=not head_dim_v or head_dim_v == head_dim,
                           PAGED=paged > 0,

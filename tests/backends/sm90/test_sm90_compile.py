@@ -259,9 +259,8 @@ def test_decode_kernel_orders_its_append_and_its_combine(tmp_path):
 def test_decode_pdl_waits_before_it_touches_memory(tmp_path):
     """FLASHTILE_PDL=on (sm_90a PTX): the decode kernel waits for the kernels before it
     (griddepcontrol.wait) and then lets the combine launch, before its first global load,
-    store, cp.async or atomic; the combine waits before its first load; the check kernel
-    before them lets the decode kernel launch before its first load and waits on no one.
-    Without PDL no kernel has a griddepcontrol instruction."""
+    store, cp.async or atomic; the combine waits before its first load. Without PDL neither
+    kernel has a griddepcontrol instruction."""
     code = ("import re\n"
             "from flashtile.tools.sm90_check import compile_decode, ptx_only\n"
             "mem = re.compile(r'(ld|st)\\.global|cp\\.async\\.c|atom\\.|red\\.')\n"
@@ -272,7 +271,7 @@ def test_decode_pdl_waits_before_it_touches_memory(tmp_path):
             "with ptx_only():\n"
             "    for pdl in (True, False):\n"
             "        for k in compile_decode('bf16', 128, rows=4, pdl=pdl):\n"
-            "            if k.name.startswith(('decode bf16', 'decode-combine', 'decode-check')):\n"
+            "            if k.name.startswith(('decode bf16', 'decode-combine')):\n"
             "                print(k.name.split()[0], pdl, *order(k.ptx))\n")
     got = {}
     for line in _compile_run(tmp_path, "-c", code).splitlines():
@@ -282,9 +281,7 @@ def test_decode_pdl_waits_before_it_touches_memory(tmp_path):
     assert 0 <= wait < launch < mem, got
     wait, launch, mem = got[("decode-combine", True)]
     assert 0 <= wait < mem and launch == -1, got
-    wait, launch, mem = got[("decode-check", True)]  # lets the decode kernel launch, waits on no one
-    assert wait == -1 and 0 <= launch < mem, got
-    assert all(got[(name, False)][:2] == (-1, -1) for name in ("decode", "decode-combine", "decode-check")), got
+    assert all(got[(name, False)][:2] == (-1, -1) for name in ("decode", "decode-combine")), got
 
 
 @pytest.mark.slow(seconds=30)

@@ -181,18 +181,14 @@ def check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries,
                  num_blocks, page_size, max_blocks, stride_table, rotary_len,
                  HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
                  ROTARY: tl.constexpr, ROTARY_LOCAL: tl.constexpr, BLOCK: tl.constexpr, BLOCK_E: tl.constexpr,
-                 PADDING: tl.constexpr, PDL: tl.constexpr = False):
+                 PADDING: tl.constexpr):
     """The metadata checks of ``problem.validate.cache_values`` in one program (launched
     alone, or called by the decode kernel's checker program: FUSED_CHECK): Status =
     (code, sequence, index, value) of the first sequence with an error, each sequence checked in
     the order seqlen, leftpad, batch_idx, rotary, block_table (code 0: none). PADDING: a
     negative cache_seqlens marks a padding sequence, which has nothing to check. First the
     per-sequence values, BLOCK sequences a step; then the table entries of the sequences
-    before the first one with a bad value (``_first_bad_page``). PDL (the launch before a
-    decode kernel launched with Programmatic Dependent Launch, ``use_pdl``): it lets that
-    kernel launch at once, which waits for this one's end before it touches memory."""
-    if PDL:
-        gdc_launch_dependents()
+    before the first one with a bad value (``_first_bad_page``)."""
     NONE: tl.constexpr = 1 << 30
     code = 0
     where_b = NONE
@@ -821,9 +817,7 @@ def check_block(batch: int) -> int:
 def check_metadata(status, seqlens, leftpad, batch_idx, table, *, new: int, queries: int, capacity: int,
                    batch_cache: int, num_blocks: int, page: int, rotary_len: int, rotary_local: bool,
                    padding: bool = False) -> None:
-    """Launch ``check_kernel``: status (int32 (4,)) = (code, sequence, index, value). Where the
-    decode kernel is launched with PDL (``use_pdl``), the check lets it launch at once (the
-    check itself waits on no one: it is launched plainly)."""
+    """Launch ``check_kernel``: status (int32 (4,)) = (code, sequence, index, value)."""
     batch = seqlens.numel()
     with device_context(status):
         _launch_check(
@@ -834,7 +828,7 @@ def check_metadata(status, seqlens, leftpad, batch_idx, table, *, new: int, quer
              rotary_len),
             dict(HAS_LEFTPAD=leftpad is not None, HAS_BATCH_IDX=batch_idx is not None, PAGED=table is not None,
                  ROTARY=rotary_len >= 0, ROTARY_LOCAL=rotary_local,
-                 BLOCK=check_block(batch), BLOCK_E=CHECK_BLOCK_E, PADDING=padding, PDL=use_pdl(status)),
+                 BLOCK=check_block(batch), BLOCK_E=CHECK_BLOCK_E, PADDING=padding),
             8, 1)
 
 
