@@ -1,0 +1,81 @@
+"""Experiment (issue 38): where a small decode step's time goes, flashtile against cuDNN.
+
+    PYTHONPATH=src python3 benchmarks/experiments/decode_breakdown.py [--only 10 11 14]   # GPU only
+
+For each shape of ``flashtile bench --decode`` (default: batch 1-4 at 4k and 8k cached
+tokens), one generation step as the bench's graph rows run it (flashtile appends the new
+token; the cache cycles through cold copies, ``tools.bench.decode.cold_copies``):
+
+- ``step``: the step's time under CUDA graphs (``do_bench_cudagraph`` median, as the bench);
+- each kernel's device time, from ``torch.profiler`` over a captured graph of the same
+  steps replayed once (CUPTI records the kernels a graph launches), averaged per step;
+- ``gaps``: the step minus the sum of its kernels' times: launch latency between the
+  kernels of a step and between steps, which Programmatic Dependent Launch overlaps.
+
+What it tells: whether flashtile's extra microseconds against cuDNN are in a kernel (which
+one) or between kernels.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections import defaultdict
+
+
+def kernel_times(call, steps: int) -> dict[str, float]:
+    """{kernel name: device us per step} of ``steps`` calls captured in one graph."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(steps):
+            call()
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        graph.replay()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total[event.name] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time
+    return {name: us / steps for name, us in total.items()}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--only", nargs="+", type=int, default=[10, 11, 14, 15, 18, 19],
+                   help="indices into tools.bench.decode.shapes() (default: B1, B2, B4 at 4k and 8k)")
+    p.add_argument("--impl", nargs="+", default=["flashtile", "sdpa-cudnn"])
+    p.add_argument("--rep", type=int, default=50)
+    args = p.parse_args(argv)
+    import torch
+
+    from flashtile.tools.bench.decode import build, cold_copies, measure, shapes
+
+    print(f"{torch.cuda.get_device_name()} torch {torch.__version__}", flush=True)
+    todo = shapes()
+    for i in args.only:
+        shape = todo[i]
+        copies = cold_copies(shape)
+        for impl in args.impl:
+            step_us = 1e3 * measure(impl, shape, "cuda_graph", 10, args.rep, append=impl == "flashtile")
+            call = build(impl, shape, 0, impl == "flashtile", copies)
+            with torch.no_grad():
+                per = kernel_times(call, max(copies, 8))
+            busy = sum(per.values())
+            parts = ", ".join(f"{name[:48]} {us:.2f}" for name, us in sorted(per.items(), key=lambda kv: -kv[1]))
+            print(f"{shape.label():28s} {impl:10s} step {step_us:6.2f} us  kernels {busy:6.2f}  "
+                  f"gaps {step_us - busy:5.2f}  [{parts}]", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
