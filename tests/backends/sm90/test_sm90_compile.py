@@ -259,8 +259,8 @@ def test_decode_kernel_orders_its_append_and_its_combine(tmp_path):
 def test_decode_pdl_waits_before_it_touches_memory(tmp_path):
     """FLASHTILE_PDL=on (sm_90a PTX): the decode kernel waits for the kernels before it
     (griddepcontrol.wait) and then lets the combine launch, before its first global load,
-    store, cp.async or atomic; the combine waits before its first load. Without PDL neither
-    kernel has a griddepcontrol instruction."""
+    store, cp.async or atomic; the combine waits before its first load (at d128 and at MLA's
+    576 / 512). Without PDL neither kernel has a griddepcontrol instruction."""
     code = ("import re\n"
             "from flashtile.tools.sm90_check import compile_decode, ptx_only\n"
             "mem = re.compile(r'(ld|st)\\.global|cp\\.async\\.c|atom\\.|red\\.')\n"
@@ -270,18 +270,21 @@ def test_decode_pdl_waits_before_it_touches_memory(tmp_path):
             "    return first('griddepcontrol\\.wait'), first('griddepcontrol\\.launch_dependents'), first(mem)\n"
             "with ptx_only():\n"
             "    for pdl in (True, False):\n"
-            "        for k in compile_decode('bf16', 128, rows=4, pdl=pdl):\n"
-            "            if k.name.startswith(('decode bf16', 'decode-combine')):\n"
-            "                print(k.name.split()[0], pdl, *order(k.ptx))\n")
+            "        for hd, hv, rows in ((128, 0, 4), (576, 512, 16)):  # MLA's absorbed decode too\n"
+            "            for k in compile_decode('bf16', hd, rows=rows, head_dim_v=hv, pdl=pdl):\n"
+            "                if k.name.startswith(('decode bf16', 'decode-combine')):\n"
+            "                    print(k.name.split()[0], hd, pdl, *order(k.ptx))\n")
     got = {}
     for line in _compile_run(tmp_path, "-c", code).splitlines():
-        name, pdl, wait, launch, mem = line.split()
-        got[(name, pdl == "True")] = (int(wait), int(launch), int(mem))
-    wait, launch, mem = got[("decode", True)]
-    assert 0 <= wait < launch < mem, got
-    wait, launch, mem = got[("decode-combine", True)]
-    assert 0 <= wait < mem and launch == -1, got
-    assert all(got[(name, False)][:2] == (-1, -1) for name in ("decode", "decode-combine")), got
+        name, hd, pdl, wait, launch, mem = line.split()
+        got[(name, int(hd), pdl == "True")] = (int(wait), int(launch), int(mem))
+    assert len(got) == 8, got
+    for hd in (128, 576):
+        wait, launch, mem = got[("decode", hd, True)]
+        assert 0 <= wait < launch < mem, got
+        wait, launch, mem = got[("decode-combine", hd, True)]
+        assert 0 <= wait < mem and launch == -1, got
+        assert all(got[(name, hd, False)][:2] == (-1, -1) for name in ("decode", "decode-combine")), got
 
 
 @pytest.mark.slow(seconds=30)
