@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|combine-ncu|session27-tests|session27-bench|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|combine-ncu|session27-tests|session27-bench|decode-users|host-ab|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -302,4 +302,30 @@ if [[ $what == session27-bench ]]; then
   echo "combine A/B rc=$?"; tail -6 "$OUT/combine-ab.log"
   timeout 150 python3 benchmarks/features.py --skip wide --pass fwd --out "$OUT/features.jsonl" > "$OUT/features.log" 2>&1
   echo "features rc=$?"; tail -24 "$OUT/features.log" | cut -c1-220
+fi
+if [[ $what == decode-users ]]; then
+  # Every GPU file with a decode call besides the kv-cache file's own (run 144 ran them with
+  # FLASHTILE_PDL off; PDL is the default since session 30): transformers, continuous
+  # batching, sinks, chunks, head dims (MLA's 576 / 512 decode), check.
+  timeout ${DU_TESTS_TIMEOUT:-480} python3 -m pytest -m gpu tests/integrations/test_transformers_gpu.py \
+    tests/integrations/test_continuous_batching_gpu.py tests/api/test_sinks_gpu.py tests/api/test_chunks_gpu.py \
+    tests/api/test_head_dims_gpu.py tests/tools/test_check_gpu.py \
+    -v -rf -n ${TESTS_WORKERS:-6} --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-decode-users.log" 2>&1
+  echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-decode-users.log" | cut -c1-200 | tail -15
+fi
+if [[ $what == host-ab ]]; then
+  # Host cost before and after a change, alternating in one call: HOST_AB_OLD names a src
+  # tree (e.g. `git archive <rev> src | tar -x -C headsrc`, carried: HOST_AB_OLD=headsrc/src).
+  # First a probe: the lent machines' hosts have run every row 10-100% slow (session 30);
+  # a quiet host gives cuDNN's eager forward near 36 us (H100 run 146).
+  timeout 40 python3 benchmarks/host_overhead.py --impl sdpa-cudnn --only "fwd, no grad" > "$OUT/host-ab.log" 2>&1
+  grep -v Warn "$OUT/host-ab.log"
+  for i in 1 2 3; do
+    echo "## old ${HOST_AB_OLD:?set HOST_AB_OLD} round $i" >> "$OUT/host-ab.log"
+    PYTHONPATH=$HOST_AB_OLD timeout 60 python3 benchmarks/host_overhead.py --impl flashtile ${HOST_AB_ARGS:-} \
+      >> "$OUT/host-ab.log" 2>&1
+    echo "## new round $i" >> "$OUT/host-ab.log"
+    timeout 60 python3 benchmarks/host_overhead.py --impl flashtile sdpa-cudnn ${HOST_AB_ARGS:-} >> "$OUT/host-ab.log" 2>&1
+  done
+  grep -v Warn "$OUT/host-ab.log" | grep -v "^# "
 fi
