@@ -45,7 +45,7 @@ def kernel_times(call, steps: int) -> dict[str, float]:
     total: dict[str, float] = defaultdict(float)
     for event in prof.events():
         if event.device_type == torch.autograd.DeviceType.CUDA:
-            total[event.name] += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time
+            total[event.name] += event.device_time_total
     return {name: us / steps for name, us in total.items()}
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import itertools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,14 +103,8 @@ def build(impl: str, shape: DecodeShape, num_splits: int = 0, append: bool = Fal
     calls = [_build_one(impl, shape, num_splits, append) for _ in range(copies)]
     if copies == 1:
         return calls[0]
-    turn = [0]
-
-    def call():
-        i = turn[0]
-        turn[0] = (i + 1) % copies
-        return calls[i]()
-
-    return call
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
 
 
 def _build_one(impl: str, shape: DecodeShape, num_splits: int, append: bool):
