@@ -296,7 +296,10 @@ def test_wide_head_dims_compile_and_fit(tmp_path):
     head dim 512 and at (192, 128), the fused-dQ backward at 512, MLA's absorbed decode (576
     / 512) over row and paged caches. The plain forward at (192, 128) keeps its tiles in
     registers; the rest spill (unmeasured on a device: docs/perf-notes.md)."""
-    out = _compile_run(tmp_path, "-m", "flashtile.tools.sm90_check", "--wide", "--regs")
+    # ptxas only for the kernels whose registers are checked below (the rest to the PTX,
+    # where shared memory is known: whether ptxas takes them shows in the GPU tests)
+    out = _compile_run(tmp_path, "-m", "flashtile.tools.sm90_check", "--wide", "--ptx-only",
+                       "--regs-match", "^fwd bf16 d192-128 ")
     lines = [line for line in out.splitlines() if line.startswith(("ok  ", "FAIL"))]
     assert len(lines) == 4 + 2 * 2 + 1 + 3 * 4 and all(line.startswith("ok  ") for line in lines), out
     for dims in (" d512 ", " d192-128 ", " d576-512 "):
