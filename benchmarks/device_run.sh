@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|combine-ncu|session27-tests|session27-bench|decode-users|host-ab|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|combine-ncu|session27-tests|session27-bench|decode-users|host-ab|spread-tests|spread-bench|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
@@ -312,6 +312,48 @@ if [[ $what == decode-users ]]; then
     tests/api/test_head_dims_gpu.py tests/tools/test_check_gpu.py \
     -v -rf -n ${TESTS_WORKERS:-6} --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-decode-users.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-decode-users.log" | cut -c1-200 | tail -15
+fi
+if [[ $what == spread-tests ]]; then
+  # Session 31's spread check (FLASHTILE_DECODE_CHECK=spread, ``auto``'s choice under capture):
+  # the kv-cache GPU file and the files whose graphs take it (continuous batching, transformers).
+  timeout ${SPREAD_TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests/api/test_kvcache_gpu.py \
+    tests/integrations/test_continuous_batching_gpu.py tests/integrations/test_transformers_gpu.py \
+    -v -rf -n ${TESTS_WORKERS:-6} --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-spread.log" 2>&1
+  echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-spread.log" | cut -c1-200 | tail -15
+fi
+if [[ $what == spread-bench ]]; then
+  # Generation steps (--append) under CUDA graphs on cold inputs, the check kernel (separate)
+  # against the spread check (auto), alternating twice, then cuDNN; then eager steps whose
+  # cache read is past decode.FUSE_BYTES_MAX (auto: spread there too).
+  only="10 11 12 13 14 15 18 19 22 23"
+  for r in 1 2; do
+    for check in separate auto; do
+      FLASHTILE_DECODE_CHECK=$check timeout 100 python3 -m flashtile.tools.bench --decode --append --impl flashtile \
+        --mode cuda_graph --only $only --out /tmp/bench --tag "spread-graph-$check-r$r" > /tmp/bench/spread-graph-$check-r$r.log 2>&1
+      echo "graph $check round $r rc=$?"
+    done
+  done
+  timeout 100 python3 -m flashtile.tools.bench --decode --impl sdpa-cudnn --mode cuda_graph --only $only --out /tmp/bench \
+    --tag spread-graph-cudnn > /tmp/bench/spread-graph-cudnn.log 2>&1
+  echo "graph cudnn rc=$?"
+  for check in separate auto; do
+    FLASHTILE_DECODE_CHECK=$check timeout 120 python3 -m flashtile.tools.bench --decode --append --impl flashtile \
+      --mode eager --only 0 1 3 6 20 21 25 --out /tmp/bench --tag "spread-eager-$check" > /tmp/bench/spread-eager-$check.log 2>&1
+    echo "eager $check rc=$?"
+  done
+  python3 - <<'PY'
+import glob, json, collections
+us = collections.defaultdict(dict)
+for f in sorted(glob.glob("/tmp/bench/spread-*.jsonl")):
+    tag = f.split("/")[-1][len("spread-"):-len(".jsonl")]
+    for line in open(f):
+        r = json.loads(line)
+        if r.get("ms"):
+            us[(r["mode"], r["label"])][tag] = r["ms"] * 1e3
+for key, row in us.items():
+    print(key[0], key[1], " ".join(f"{t}={v:.2f}" for t, v in sorted(row.items())))
+PY
+  tar -czf "$OUT/spread-bench.tgz" -C /tmp/bench $(cd /tmp/bench && ls spread-*) 2>/dev/null
 fi
 if [[ $what == host-ab ]]; then
   # Host cost before and after a change, alternating in one call: HOST_AB_OLD names a src

@@ -246,7 +246,7 @@ def _spy_launches(monkeypatch):
     monkeypatch.setenv("FLASHTILE_PLANS", "0")
     plan.clear()
     counts = {}
-    for name in ("_launch_check", "_launch_append", "_launch_decode", "_launch_combine"):
+    for name in ("_launch_check", "_launch_append", "_launch_decode", "_launch_combine", "_launch_finish"):
         launcher = getattr(decode, name)
 
         def spy(*args, _name=name, _orig=launcher._launch, **kw):
@@ -419,9 +419,10 @@ def test_auto_folds_a_small_eager_step(triton_backend, monkeypatch, page):
     """FLASHTILE_DECODE_COMBINE and _CHECK ``auto`` (the defaults): an eager step whose cache
     read (``decode.fuse_step``: every cache row or table page, keys and values) is at most
     ``decode.FUSE_BYTES_MAX`` bytes is one launch, the combine and the device check inside
-    the decode kernel; a larger read, or a step under CUDA-graph capture (simulated), keeps
-    both kernels. The results are the separate kernels' to float32 reassociation. A plan
-    recorded eagerly is not replayed under capture: the key holds the capture state."""
+    the decode kernel; a larger read, or a step under CUDA-graph capture (simulated), takes
+    the spread check: no check kernel, and the combine's work in ``finish_kernel``. The
+    results are the separate kernels' to float32 reassociation. A plan recorded eagerly is
+    not replayed under capture: the key holds the capture state."""
     from flashtile.backends.triton import decode
     from flashtile.runtime import replay
 
@@ -446,15 +447,15 @@ def test_auto_folds_a_small_eager_step(triton_backend, monkeypatch, page):
             return (*flashtile.flash_attn_with_kvcache(q, *caches, k, v, **kw), *caches)
 
     def launches():
-        got = {name: counts.pop(name, 0) for name in ("_launch_check", "_launch_combine")}
-        return got["_launch_check"], got["_launch_combine"]
+        got = {name: counts.pop(name, 0) for name in ("_launch_check", "_launch_combine", "_launch_finish")}
+        return got["_launch_check"], got["_launch_combine"], got["_launch_finish"]
 
     want = step(FLASHTILE_DECODE_COMBINE="separate", FLASHTILE_DECODE_CHECK="separate")
-    assert launches() == (1, 1)
+    assert launches() == (1, 1, 0)
     for fold in (True, False):  # at the bound, and one byte below the read
         monkeypatch.setattr(decode, "FUSE_BYTES_MAX", read if fold else read - 1)
         got = step()
-        assert launches() == ((0, 0) if fold else (1, 1))
+        assert launches() == ((0, 0, 0) if fold else (0, 0, 1))
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
     monkeypatch.setattr(decode, "FUSE_BYTES_MAX", read)
@@ -465,12 +466,18 @@ def test_auto_folds_a_small_eager_step(triton_backend, monkeypatch, page):
     step(), step()
     counts.clear()
     step()
-    assert launches() == (0, 0)
+    assert launches() == (0, 0, 0)
     monkeypatch.setattr(replay, "capturing", lambda t: True)
     monkeypatch.setattr(decode, "capturing", lambda t: True)
     got = step()
-    assert launches() == (1, 1)
-    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert launches() == (0, 0, 1)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    with monkeypatch.context() as m:  # the separate check under capture: the same kernels' results
+        m.setenv("FLASHTILE_DECODE_CHECK", "separate")
+        got = step()
+        assert launches() == (1, 1, 0)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
     # metadata checked on the host: no plan of the whole call, the kernels' own plan keys on it
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "host")
     for captured in (False, True):
@@ -481,7 +488,7 @@ def test_auto_folds_a_small_eager_step(triton_backend, monkeypatch, page):
             step(), step()
             counts.clear()
         step()
-        assert launches() == (0, int(captured))
+        assert launches() == (0, int(captured), 0)
 
 
 def test_pdl_only_on_a_hopper_gpu(triton_backend, monkeypatch):
@@ -693,9 +700,15 @@ def test_paged_table_slice(triton_backend, monkeypatch, page, num_splits, slice_
     assert len(slices) == 1 and (slices[0] >= 16 if slice_max else slices[0] == 0)
 
 
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_split_kv_windows_softcap_alibi_rotary(triton_backend, monkeypatch, num_splits):
+@pytest.mark.parametrize("num_splits, check", [(1, "host"), (4, "host"), (4, "spread")])
+def test_split_kv_windows_softcap_alibi_rotary(triton_backend, monkeypatch, num_splits, check):
+    """Every option with split-KV; with the spread check too (metadata checked on the device:
+    the new keys read from k, v in a tile of their own, rotated, then appended by
+    ``finish_kernel``)."""
     monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")  # the combine kernel (not folded: ``auto``)
+    if check == "spread":
+        monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+        monkeypatch.setenv("FLASHTILE_DECODE_CHECK", "spread")
     counts = _spy_launches(monkeypatch)
     q, k, v, kc, vc, _, seqlens = _case(batch=3, sq=5, new=5, heads=(8, 1), d=32, capacity=300,
                                          seqlens=(40, 170, 295))
@@ -704,17 +717,24 @@ def test_split_kv_windows_softcap_alibi_rotary(triton_backend, monkeypatch, num_
                    rotary=(torch.cos(pos).float(), torch.sin(pos).float()), interleaved=False,
                    alibi=torch.rand(3, 8, generator=torch.Generator().manual_seed(3)) * 0.2,
                    leftpad=torch.tensor([0, 9, 100], dtype=torch.int32))
-    assert counts.get("_launch_combine", 0) == (num_splits > 1)
+    assert counts.get("_launch_combine", 0) == (num_splits > 1 and check == "host")
+    assert counts.get("_launch_finish", 0) == (check == "spread")
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("page", [0, 16], ids=["rows", "page16"])
-def test_sinks(backend, monkeypatch, num_splits, page):
+@pytest.mark.parametrize("num_splits, page, check", [(1, 0, "host"), (3, 0, "host"), (1, 16, "host"), (3, 16, "host"),
+                                                     (3, 16, "spread")])
+def test_sinks(backend, monkeypatch, num_splits, page, check):
     """A learnable sink enters once per row: in the decode kernel with one split, in the
-    combine with several (a sink added per split would count it num_splits times). Large
-    sinks (around log(len_k) and above); an empty cache before the append, a window. (The
-    fused combine's sink: ``test_fused_combine_matches_the_combine_kernel``.)"""
+    combine with several (a sink added per split would count it num_splits times); in the
+    spread check's last kernel too. Large sinks (around log(len_k) and above); an empty cache
+    before the append, a window. (The fused combine's sink:
+    ``test_fused_combine_matches_the_combine_kernel``.)"""
+    if check == "spread" and backend != "triton":
+        pytest.skip("the spread check is the Triton kernels'")
     monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")
+    if check == "spread":
+        monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+        monkeypatch.setenv("FLASHTILE_DECODE_CHECK", "spread")
     counts = _spy_launches(monkeypatch) if backend == "triton" else {}
     q, k, v, kc, vc, table, seqlens = _case(batch=3, sq=2, new=2, heads=(8, 2), d=32, capacity=200,
                                              seqlens=(0, 63, 198), page=page)
@@ -722,7 +742,8 @@ def test_sinks(backend, monkeypatch, num_splits, page):
     _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True, num_splits=num_splits, sink=sink,
                    window=(40, 0))
     if backend == "triton":
-        assert counts.get("_launch_combine", 0) == (num_splits > 1)
+        assert counts.get("_launch_combine", 0) == (num_splits > 1 and check == "host")
+        assert counts.get("_launch_finish", 0) == (check == "spread")
 
 
 def test_sink_on_rows_that_see_no_key(backend):
@@ -736,17 +757,23 @@ def test_sink_on_rows_that_see_no_key(backend):
     _run_and_check(q, None, None, kc, vc, seqlens, causal=True, sink=sink)
 
 
+class _Found(list):
+    spread = 0  # decode launches that took the spread check
+
+
 def _keep_status(monkeypatch) -> list:
     """The status tensors of the decode launches that follow (the device check's verdict,
-    read after the launch: the check kernel's or the decode kernel's own)."""
+    read after the launch: the check kernel's, the decode kernel's own or the spread check's
+    last kernel's); ``.spread`` counts the launches with the spread check."""
     from flashtile.backends.triton import decode
 
-    found = []
+    found = _Found()
     orig = decode.decode
 
     def keep(*a, **kw):
         orig(*a, **kw)
         found.append(kw["status"])
+        found.spread += kw["slots"] is not None
 
     monkeypatch.setattr(decode, "decode", keep)
     return found
@@ -764,7 +791,7 @@ def test_device_check(triton_backend, monkeypatch, bad, status, where):
     """FLASHTILE_KVCACHE_CHECK=device (what CUDA metadata gets): a bad value found by the
     check kernel (or the decode kernel's own check: FLASHTILE_DECODE_CHECK=fused) leaves the
     cache bitwise unchanged and makes out and lse NaN; a good call is the same as with the
-    host's check."""
+    host's check. (The spread check, which needs a split step: ``test_spread_check``.)"""
     found = _keep_status(monkeypatch)
     monkeypatch.setenv("FLASHTILE_DECODE_CHECK", where)
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
@@ -772,7 +799,7 @@ def test_device_check(triton_backend, monkeypatch, bad, status, where):
     q, k, v, kc, vc, _, seqlens = _case()
     args = dict(k=k, v=v, cache_seqlens=seqlens)
     good = flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **args)
-    assert tuple(found[-1].tolist()) == (0, 0, 0, 0)
+    assert tuple(found[-1].tolist()) == (0, 0, 0, 0) and not found.spread
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "host")
     assert torch.equal(good, flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), **args))
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
@@ -798,32 +825,97 @@ def test_device_check(triton_backend, monkeypatch, bad, status, where):
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1]) and out.isnan().all()
 
 
-@pytest.mark.parametrize("check, combine", [("separate", "separate"), ("fused", "separate"), ("fused", "fused")])
+@pytest.mark.parametrize("check, combine", [("separate", "separate"), ("fused", "separate"), ("fused", "fused"),
+                                            ("spread", "separate")])
 def test_device_check_with_splits(triton_backend, monkeypatch, check, combine):
     """The device check with split-KV: status and the partial results share one scratch
     allocation (``decode.scratch``); recorded on good calls and replayed on a bad one, the
     cache stays unchanged and out and lse are NaN through the combine. The same with the
-    check in the decode kernel, and with the combine there too (one launch a step)."""
+    check in the decode kernel, and with the combine there too (one launch a step); and with
+    the spread check (each split checks what it reads, the kernel after it appends), equal
+    to float32 rounding (it reads the new key in a key tile of its own)."""
     from flashtile.backends.triton import decode
 
+    found = _keep_status(monkeypatch)
     monkeypatch.setenv("FLASHTILE_DECODE_CHECK", check)
     monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", combine)
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
     q, k, v, kc, vc, _, seqlens = _case(capacity=300, seqlens=(0, 170, 290))
     assert decode.split_plan(q, kc, None, 3)[0] == 3
     args = dict(cache_seqlens=seqlens, num_splits=3, return_softmax_lse=True)
-    got = [flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **args) for _ in range(3)]
+    caches = [(kc.clone(), vc.clone()) for _ in range(4)]
+    got = [flashtile.flash_attn_with_kvcache(q, *c, k, v, **args) for c in caches[:3]]
+    assert found.spread == (check == "spread")  # the first call; the others replay its plan
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "host")
-    want = flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **args)
+    want = flashtile.flash_attn_with_kvcache(q, *caches[3], k, v, **args)
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
-    for out, lse in got:
-        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+    for (out, lse), c in zip(got, caches):
+        assert torch.equal(c[0], caches[3][0]) and torch.equal(c[1], caches[3][1])
+        if check == "spread":
+            torch.testing.assert_close(out, want[0], rtol=0, atol=1e-6)
+            torch.testing.assert_close(lse, want[1], rtol=0, atol=1e-6)
+        else:
+            assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
     bad = seqlens.clone()
     bad[2] = 300  # no room for the new key
     before = kc.clone(), vc.clone()
     out, lse = flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, **{**args, "cache_seqlens": bad})
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])
     assert out.isnan().all() and lse.isnan().all()
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_spread_check(triton_backend, monkeypatch, paged):
+    """The spread check (FLASHTILE_DECODE_CHECK=spread) reports what the check kernel reports
+    (status), for errors in any sequence and split, in every check's order (values before
+    pages, earlier sequences first, the lowest page); a bad call leaves the caches untouched
+    and out and lse NaN; a good one (padding sequences too) appends what the check kernel's
+    step appends."""
+    found = _keep_status(monkeypatch)
+    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
+    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    q, k, v, kc, vc, table, seqlens = _case(capacity=300, seqlens=(0, 170, 250), page=16 if paged else 0)
+    base = dict(cache_seqlens=seqlens, block_table=table, num_splits=3, return_softmax_lse=True)
+    capacity = 304 if paged else 300
+
+    def lens(*n):
+        return torch.tensor(n, dtype=torch.int32)
+
+    # (arguments, the status code the check kernel gives: module decode's OK, BAD_SEQLEN, ...)
+    cases = [({}, 0), (dict(cache_seqlens=lens(0, 170, capacity)), 1),
+             (dict(cache_seqlens=lens(-1, 170, 250), padding_sequences=True), 0),
+             (dict(rotary_cos=torch.ones(200, 4), rotary_sin=torch.zeros(200, 4)), 5)]
+    if paged:
+        def bad_table(*where):
+            t = table.clone()
+            for b, j, value in where:
+                t[b, j] = value
+            return t
+
+        cases += [(dict(block_table=bad_table((2, 15, -1), (2, 3, kc.shape[0]))), 4),  # two splits: the lower page
+                  (dict(block_table=bad_table((1, 3, -2)), cache_seqlens=lens(0, 170, capacity)), 4),  # earlier first
+                  (dict(block_table=bad_table((2, 8, -1)), cache_seqlens=lens(0, capacity, 250)), 1),
+                  (dict(block_table=bad_table((1, 11, -1), (0, 1, -1))), 0)]  # past the sequences' pages
+    else:
+        cases += [(dict(cache_leftpad=lens(0, 171, 0)), 2), (dict(cache_batch_idx=lens(0, 3, -1)), 3)]
+    for case, code in cases:
+        runs = []
+        for check in ("separate", "spread"):
+            monkeypatch.setenv("FLASHTILE_DECODE_CHECK", check)
+            c = kc.clone(), vc.clone()
+            out, lse = flashtile.flash_attn_with_kvcache(q, *c, k, v, **{**base, **case})
+            runs.append((tuple(found[-1].tolist()), out, lse, *c))
+        (status, out, lse, k1, v1), (status2, out2, lse2, k2, v2) = runs
+        assert status2 == status and status[0] == code, (case, status, status2)
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+        if code:
+            assert torch.equal(k2, kc) and torch.equal(v2, vc) and out2.isnan().all() and lse2.isnan().all()
+        else:
+            assert not torch.equal(k2, kc)
+            torch.testing.assert_close(out2, out, rtol=0, atol=1e-6)
+            torch.testing.assert_close(lse2, lse, rtol=0, atol=1e-6)
+    assert found.spread == len(cases)
 
 
 @pytest.mark.parametrize("where", ["separate", "fused"])

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import flashtile
-from test_kvcache import _case, _run_and_check, _spy_launches
+from test_kvcache import _case, _keep_status, _run_and_check, _spy_launches
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("poison_outputs")]
 
@@ -19,19 +19,26 @@ def _cuda(*tensors):
 
 def _as_captured(monkeypatch, fn):
     """``fn()`` eagerly with the launches a captured step takes: under capture ``auto`` keeps
-    the combine and the check kernels (``decode.fuse_step``), where an eager step with a
-    small cache read folds them into the decode kernel (the same sums in another order)."""
+    the combine kernel and takes the spread check where the step allows it, else the check
+    kernel (``decode.fuse_step``, ``decode.spread_step``), where an eager step with a small
+    cache read folds both into the decode kernel (the same sums in another order)."""
     with monkeypatch.context() as m:
         m.setenv("FLASHTILE_DECODE_COMBINE", "separate")
-        m.setenv("FLASHTILE_DECODE_CHECK", "separate")
+        m.setenv("FLASHTILE_DECODE_CHECK", "spread")
         return fn()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("page", [0, 16, 256])
 @pytest.mark.parametrize("sq", [1, 4])
-@pytest.mark.parametrize("num_splits", [0, 1])
-def test_matrix(dtype, page, sq, num_splits):
+@pytest.mark.parametrize("num_splits, check", [(0, "auto"), (1, "auto"), (0, "spread")])
+def test_matrix(monkeypatch, dtype, page, sq, num_splits, check):
+    """The CPU matrix's cases against the float64 reference (the accuracy rule), with the
+    kernels ``auto`` takes for these eager steps (the check and the combine folded into the
+    decode kernel where it splits), and with the spread check (a captured step's)."""
+    if check == "spread":
+        monkeypatch.setenv("FLASHTILE_DECODE_CHECK", "spread")
+        monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")
     q, k, v, kc, vc, table, seqlens = _case(batch=4, sq=sq, new=sq, heads=(32, 8), d=128, capacity=600,
                                              seqlens=(0, 1, 333, 590), dtype=dtype, page=page)
     q, k, v, kc, vc, table, seqlens = _cuda(q, k, v, kc, vc, table, seqlens)
@@ -263,7 +270,7 @@ def test_fused_check_matches_the_check_kernel(monkeypatch, page, batch, combine)
 
 
 @pytest.mark.parametrize("page", [0, 16])
-def test_padding_sequences_on_the_device_check(page):
+def test_padding_sequences_on_the_device_check(monkeypatch, page):
     """padding_sequences=True with CUDA metadata (checked on the device, as under CUDA
     graphs in transformers' continuous batching): rows of cache_seqlens -1 and block_table
     rows of -1 write and read nothing and give 0 / -inf; the real rows are the call without
@@ -279,11 +286,14 @@ def test_padding_sequences_on_the_device_check(page):
         table[fake] = -1
     caches, ref = (kc.clone(), vc.clone()), (kc.clone(), vc.clone())
     kw = dict(causal=True, num_splits=3, return_softmax_lse=True)
-    out, lse = flashtile.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=padded, block_table=table,
-                                                 padding_sequences=True, **kw)
-    sub = dict(block_table=table[real]) if table is not None else dict(cache_batch_idx=real.to(torch.int32))
-    want, want_lse = flashtile.flash_attn_with_kvcache(q[real], *ref, k[real], v[real], cache_seqlens=seqlens[real],
-                                                       **sub, **kw)
+    with monkeypatch.context() as m:  # both calls on one path: the one a captured step takes
+        m.setenv("FLASHTILE_DECODE_CHECK", "spread")
+        m.setenv("FLASHTILE_DECODE_COMBINE", "separate")
+        out, lse = flashtile.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=padded, block_table=table,
+                                                     padding_sequences=True, **kw)
+        sub = dict(block_table=table[real]) if table is not None else dict(cache_batch_idx=real.to(torch.int32))
+        want, want_lse = flashtile.flash_attn_with_kvcache(q[real], *ref, k[real], v[real],
+                                                           cache_seqlens=seqlens[real], **sub, **kw)
     torch.testing.assert_close(out[real], want)  # bf16's tolerance: the same sums, maybe another addressing
     torch.testing.assert_close(lse[real], want_lse, atol=1e-5, rtol=1e-5)
     assert torch.equal(out[fake], torch.zeros_like(out[fake])) and torch.isneginf(lse[fake]).all()
@@ -349,15 +359,18 @@ def test_padded_varlen_in_a_cuda_graph():
         assert torch.equal(out[ends[-1]:], torch.zeros_like(out[ends[-1]:]))
 
 
+@pytest.mark.parametrize("check", ["separate", "spread"])
 @pytest.mark.parametrize("page", [0, 16])
-def test_pdl_matches_plain_launches(monkeypatch, page):
+def test_pdl_matches_plain_launches(monkeypatch, page, check):
     """FLASHTILE_PDL=on: the check, decode and combine kernels of a step (the separate
-    kernels, so that both PDL launches happen) give bitwise the plain launches' results,
-    eagerly over steps whose lengths a torch kernel writes just before each step (the
-    decode kernel must wait for it: griddepcontrol.wait before its first read), and in a
-    CUDA graph replayed with new lengths."""
+    kernels, so that both PDL launches happen; or the spread check's decode and finish
+    kernels, where the next step's decode kernel reads what this step's finish kernel
+    appended) give bitwise the plain launches' results, eagerly over steps whose lengths a
+    torch kernel writes just before each step (the decode kernel must wait for it:
+    griddepcontrol.wait before its first read), and in a CUDA graph replayed with new
+    lengths."""
     monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")
-    monkeypatch.setenv("FLASHTILE_DECODE_CHECK", "separate")
+    monkeypatch.setenv("FLASHTILE_DECODE_CHECK", check)
     q, k, v, kc, vc, table, seqlens = _cuda(*_case(batch=4, sq=1, new=1, heads=(32, 8), d=128, capacity=2048,
                                                   seqlens=(5, 0, 700, 1500), dtype=torch.bfloat16, page=page))
     kw = dict(block_table=table, causal=True, num_splits=8, return_softmax_lse=True)
@@ -394,24 +407,89 @@ def test_pdl_matches_plain_launches(monkeypatch, page):
         assert torch.equal(caches[0], ref[0]) and torch.equal(caches[1], ref[1]), step
 
 
+@pytest.mark.parametrize("page", [0, 16])
+@pytest.mark.parametrize("batch", [1, 4, 16])
+def test_spread_check_matches_the_check_kernel(monkeypatch, page, batch):
+    """FLASHTILE_DECODE_CHECK=spread on the GPU, where the decode kernel's programs run at
+    once: 20 generation steps (each appends one token) give the check kernel's caches
+    bitwise and its outputs to bf16 rounding (the new key is read in a key tile of its own,
+    so the probabilities round to bf16 against other running maxima: ``test_matrix`` holds
+    the spread check to the float64 reference), in a CUDA graph too; a bad length and a bad page give the check kernel's status; on the
+    graph a bad length makes every out and lse NaN and leaves the caches untouched."""
+    seqlens = [int(x) for x in torch.randint(1, 8000, (batch,), generator=torch.Generator().manual_seed(batch))]
+    q, k, v, kc, vc, table, sl = _cuda(*_case(batch=batch, sq=1, new=1, heads=(32, 8), d=128, capacity=8192,
+                                              seqlens=seqlens, dtype=torch.bfloat16, page=page))
+    monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")
+    kw = dict(block_table=table, causal=True, return_softmax_lse=True)
+    caches = {mode: (kc.clone(), vc.clone()) for mode in ("separate", "spread")}
+    for step in range(20):
+        q, k, v = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
+        got = {}
+        for mode in ("separate", "spread"):
+            monkeypatch.setenv("FLASHTILE_DECODE_CHECK", mode)
+            got[mode] = flashtile.flash_attn_with_kvcache(q, *caches[mode], k, v, cache_seqlens=sl, **kw)
+        torch.testing.assert_close(got["spread"][0], got["separate"][0], atol=2e-3, rtol=0.016)
+        torch.testing.assert_close(got["spread"][1], got["separate"][1], rtol=1e-5, atol=1e-5)
+        assert all(torch.equal(a, b) for a, b in zip(caches["separate"], caches["spread"])), step
+    with monkeypatch.context() as m:  # the status, eagerly (plans off: every call runs decode.decode)
+        m.setenv("FLASHTILE_PLANS", "0")
+        found = _keep_status(m)
+        capacity = table.shape[1] * kc.shape[1] if page else kc.shape[1]
+        bad = [dict(cache_seqlens=torch.where(torch.arange(batch, device="cuda") == batch - 1, capacity, sl))]
+        if page:
+            t = table.clone()
+            t[batch // 2, int(sl[batch // 2]) // page] = -3
+            bad.append(dict(cache_seqlens=sl, block_table=t))
+        for args in bad:
+            statuses = []
+            for mode in ("separate", "spread"):
+                m.setenv("FLASHTILE_DECODE_CHECK", mode)
+                flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **{**kw, **args})
+                statuses.append(tuple(found[-1].tolist()))
+            assert statuses[0] == statuses[1] and statuses[0][0] != 0, statuses
+        assert found.spread == len(bad)
+    monkeypatch.setenv("FLASHTILE_DECODE_CHECK", "spread")
+    lens = sl.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        flashtile.flash_attn_with_kvcache(q, *caches["spread"], k, v, cache_seqlens=lens, **kw)  # warm up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, lse = flashtile.flash_attn_with_kvcache(q, *caches["spread"], k, v, cache_seqlens=lens, **kw)
+    for _ in range(3):
+        lens += 1
+        ref = [c.clone() for c in caches["spread"]]
+        want = flashtile.flash_attn_with_kvcache(q, *ref, k, v, cache_seqlens=lens, **kw)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
+        assert all(torch.equal(a, b) for a, b in zip(caches["spread"], ref))
+    lens[-1] = (table.shape[1] * kc.shape[1] if table is not None else kc.shape[1])  # no room for the new token
+    before = [c.clone() for c in caches["spread"]]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.isnan().all() and lse.isnan().all()
+    assert all(torch.equal(a, b) for a, b in zip(caches["spread"], before))
+
+
 def test_auto_keeps_the_kernels_under_capture(monkeypatch):
     """``decode.fuse_step`` on the GPU, with CUDA's own capture query: an eager step this
     small is one launch (the combine and the check folded into the decode kernel); the same
-    step captured in a CUDA graph launches the check, decode and combine kernels (plans off:
-    every call runs the Python launchers, which the spy counts)."""
+    step captured in a CUDA graph launches the decode kernel with the spread check and the
+    kernel that merges and appends after it (plans off: every call runs the Python
+    launchers, which the spy counts)."""
     counts = _spy_launches(monkeypatch)
     q, k, v, kc, vc, _, seqlens = _cuda(*_case(batch=2, sq=1, new=1, heads=(32, 8), d=128, capacity=2048,
                                                seqlens=(5, 1000), dtype=torch.bfloat16))
     kw = dict(cache_seqlens=seqlens, num_splits=4)
     flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
     assert counts == {"_launch_decode": 1}, counts
-    with monkeypatch.context() as m:  # compile the separate kernels before the capture
-        m.setenv("FLASHTILE_DECODE_COMBINE", "separate")
-        m.setenv("FLASHTILE_DECODE_CHECK", "separate")
-        flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
+    _as_captured(monkeypatch, lambda: flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, **kw))  # compile first
     torch.cuda.synchronize()
     counts.clear()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
-    assert counts == {"_launch_check": 1, "_launch_decode": 1, "_launch_combine": 1}, counts
+    assert counts == {"_launch_decode": 1, "_launch_finish": 1}, counts

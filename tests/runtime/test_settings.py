@@ -32,7 +32,7 @@ def test_a_bad_value_names_the_switch(monkeypatch, name, reader, bad):
 @pytest.mark.parametrize("name, reader, default, other", [
     ("FLASHTILE_DECODE_APPEND", settings.decode_append, "fused", "separate"),
     ("FLASHTILE_DECODE_COMBINE", settings.decode_combine, "auto", "separate"),
-    ("FLASHTILE_DECODE_CHECK", settings.decode_check, "auto", "separate"),
+    ("FLASHTILE_DECODE_CHECK", settings.decode_check, "auto", "spread"),
     ("FLASHTILE_PDL", lambda: "on" if settings.pdl() else "off", "on", "off"),
 ])
 def test_the_decode_switches(monkeypatch, name, reader, default, other):

@@ -479,15 +479,21 @@ def _kvcache_run(a: KVCacheArgs) -> tuple[Tensor, Tensor]:
     lse = q.new_empty((batch, nheads, seqlen_q), dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
-    status, parts = decode.scratch(q, a.k_cache, a.table, a.num_splits, a.device_check, a.v_cache.shape[-1])
     # the decode kernel appends k, v itself (a short append: decode.FUSED_APPEND_MAX)
     fused = 0 < new <= decode.FUSED_APPEND_MAX and settings.decode_append() == "fused"
     # ... and checks the metadata itself where it is the only writer (no append kernel)
     combine, check = settings.decode_combine(), settings.decode_check()
     small = "auto" in (combine, check) and decode.fuse_step(q, a.k_cache, a.v_cache, a.table)
-    fused_combine = combine == "fused" or (combine == "auto" and small)
+    # (an explicit spread check keeps the separate combine: its last kernel is that combine)
+    fused_combine = combine == "fused" or (combine == "auto" and small and check != "spread")
     fused_check = a.device_check and (new == 0 or fused) and (check == "fused" or (check == "auto" and small))
-    if a.device_check and not fused_check:
+    # ... or each decode program checks what it reads, and the kernel after it appends
+    spread = (a.device_check and not fused_check and not fused_combine and (new == 0 or fused)
+              and check in ("auto", "spread")
+              and decode.spread_step(q, a.k_cache, a.v_cache, a.table, a.num_splits, new))
+    status, parts, slots = decode.scratch(q, a.k_cache, a.table, a.num_splits, a.device_check,
+                                          a.v_cache.shape[-1], spread)
+    if a.device_check and not fused_check and not spread:
         paged = a.table is not None
         page = a.k_cache.shape[1] if paged else 0
         capacity = a.table.shape[1] * page if paged else a.k_cache.shape[1]
@@ -503,7 +509,7 @@ def _kvcache_run(a: KVCacheArgs) -> tuple[Tensor, Tensor]:
                   num_splits=a.num_splits, status=status, parts=parts, sink=a.sink, chunk=a.attention_chunk,
                   k_new=a.k if fused else None, v_new=a.v if fused else None,
                   fused_combine=fused_combine, padding=a.padding, fused_check=fused_check,
-                  rotary_len=a.rotary_len)
+                  rotary_len=a.rotary_len, slots=slots)
     return out, lse
 
 

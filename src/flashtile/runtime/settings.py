@@ -25,10 +25,14 @@ switch with a value outside its choices raises ValueError naming it.
                            split decode's combine kernel) or ``fused`` (the decode kernel's
                            last split of each group merges the partials: less host time,
                            1-5 us more GPU time)
-``FLASHTILE_DECODE_CHECK``  ``auto`` (as above), ``separate`` (a device check of kv-cache
-                           metadata is a launch of its own) or ``fused`` (the decode kernel
-                           checks them itself, where it is the call's only writer: less
-                           host time, 1-2 us more GPU time)
+``FLASHTILE_DECODE_CHECK``  ``auto`` (``fused`` as above, else ``spread`` where
+                           ``decode.spread_step`` allows it, else ``separate``), ``separate``
+                           (a device check of kv-cache metadata is a launch of its own),
+                           ``fused`` (the decode kernel checks them itself, where it is the
+                           call's only writer: less host time, 1-2 us more GPU time) or
+                           ``spread`` (each decode program checks what its split reads, and
+                           the kernel after it merges, appends and reports: no check launch
+                           and no wait; ``separate`` where the step does not allow it)
 ``FLASHTILE_PDL``          ``on`` (a decode step's decode and combine kernels are launched
                            with Programmatic Dependent Launch on Hopper: each launch
                            overlaps the kernel before it) or ``off``
@@ -133,8 +137,8 @@ def decode_combine() -> str:
 
 
 def decode_check() -> str:
-    """``FLASHTILE_DECODE_CHECK``: auto, separate or fused."""
-    return _choice("FLASHTILE_DECODE_CHECK", ("auto", "separate", "fused"))
+    """``FLASHTILE_DECODE_CHECK``: auto, separate, fused or spread."""
+    return _choice("FLASHTILE_DECODE_CHECK", ("auto", "separate", "fused", "spread"))
 
 
 def pdl() -> bool:

@@ -411,7 +411,7 @@ def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extr
 def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, extras: bool = False,
                    split: bool = True, page_slice: int = 0, head_dim_v: int = 0,
                    append: bool = True, fused_combine: bool = False, append_t: int = 1,
-                   fused_check: bool = False, pdl: bool = False) -> list[Compiled]:
+                   fused_check: bool = False, pdl: bool = False, spread: bool = False) -> list[Compiled]:
     """The KV-cache kernels of ``backends/triton/decode.py`` as a decode step launches them: the check,
     the append kernel (``FLASHTILE_DECODE_APPEND=separate``'s) and the decode kernel, which
     appends the new keys itself when ``append`` (the default: ``fused``)
@@ -421,30 +421,33 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
     tile), then the combine kernel when ``split``. ``extras`` turns on every option
     (leftpad, batch index, windows, softcap, ALiBi, rotary); ``page_slice``: the page
     gather's table slice in registers (``decode.PAGE_SLICE_MAX``); ``pdl``: the decode and
-    combine kernels as ``FLASHTILE_PDL=on`` launches them."""
+    combine kernels as ``FLASHTILE_PDL=on`` launches them; ``spread`` (with ``split``): the
+    spread check's decode kernel and its last kernel (``finish_kernel``) instead of the
+    check, append and combine kernels."""
     from flashtile.backends.triton import decode
 
     block_m, block_n, block_d, block_dv = decode.block_sizes(head_dim, rows, head_dim_v)
     dims = f"d{head_dim}" + (f"-{head_dim_v}" if head_dim_v and head_dim_v != head_dim else "")
     tag = (f"{dtype} {dims} rows={rows} paged={paged} extras={extras}" + (f" slice={page_slice}" if page_slice else "")
            + (f" append_t={append_t}" if append_t != 1 else "") + (" check=fused" if fused_check else "")
+           + (" check=spread" if spread else "")
            + (" pdl" if pdl else ""))
-    ints = ("SeqLens", "LeftPad", "BatchIdx", "Table", "Status")
+    ints = ("SeqLens", "LeftPad", "BatchIdx", "Table", "Status", "Slots")
     ptrs = {n: "*i32" for n in ints}
     ptrs.update({n: f"*{dtype}" for n in ("Q", "K", "V", "KCache", "VCache", "Out", "KNew", "VNew")})
     ptrs.update(Lse="*fp32", OutPart="*fp32", LsePart="*fp32", Alibi="*fp32", Cos="*fp32", Sin="*fp32",
                 Sink="*fp32", Counters="*i32")
     kind = decode.layout(paged > 0, paged, block_n)
-    out = [] if fused_check else [  # the fused check: no check kernel
+    out = [] if fused_check or spread else [  # the fused and spread checks: no check kernel
         _compile(f"decode-check {tag}", decode.check_kernel, ptrs,
                  dict(HAS_LEFTPAD=extras, HAS_BATCH_IDX=extras and not paged, PAGED=paged > 0, ROTARY=extras,
                       ROTARY_LOCAL=False, BLOCK=16, BLOCK_E=decode.CHECK_BLOCK_E, PADDING=extras), 8, 1)]
-    out += [_compile(f"decode-append {tag}", decode.append_kernel, ptrs,
+    out += [] if spread else [_compile(f"decode-append {tag}", decode.append_kernel, ptrs,
                      dict(BLOCK_T=16, BLOCK_D=block_d, BLOCK_DV=block_dv, SAME_DV=not head_dim_v or head_dim_v == head_dim,
                           PAGED=paged > 0,
                           HAS_BATCH_IDX=extras and not paged,
-                          ROTARY=extras, INTERLEAVED=False, CHECKED=True, PADDING=extras), 4, 1),
-            _compile(f"decode {tag} split={split}" + ("" if append else " append=separate")
+                          ROTARY=extras, INTERLEAVED=False, CHECKED=True, PADDING=extras), 4, 1)]
+    out += [_compile(f"decode {tag} split={split}" + ("" if append else " append=separate")
                      + (" combine=fused" if fused_combine else ""), decode.decode_kernel, ptrs,
                      dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, BLOCK_DV=block_dv,
                           SAME_DV=not head_dim_v or head_dim_v == head_dim, PAGED=paged > 0,
@@ -452,15 +455,21 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
                           HAS_BATCH_IDX=extras and not paged,
                           HAS_LEFTPAD=extras, WINDOW_LEFT=extras, WINDOW_RIGHT=extras, SOFTCAP=extras,
                           HAS_ALIBI=extras, ROTARY=extras, INTERLEAVED=False, ROTARY_LOCAL=extras, SPLIT=split,
-                          CHECKED=True, IEEE_DOT=dtype == "fp32", HAS_SINK=extras, CHUNK=extras,
-                          APPEND=append, APPEND_T=append_t, FUSED_COMBINE=fused_combine and split, PADDING=extras,
-                          FUSED_CHECK=fused_check, CHECK_ROTARY=fused_check and extras, CHECK_BLOCK=16,
-                          CHECK_BLOCK_E=decode.FUSED_CHECK_BLOCK_E,
+                          CHECKED=not spread, IEEE_DOT=dtype == "fp32", HAS_SINK=extras, CHUNK=extras,
+                          APPEND=append and not spread, APPEND_T=append_t, FUSED_COMBINE=fused_combine and split,
+                          PADDING=extras, FUSED_CHECK=fused_check, CHECK_ROTARY=(fused_check or spread) and extras,
+                          CHECK_BLOCK=16, CHECK_BLOCK_E=decode.SPREAD_BLOCK_E if spread else decode.FUSED_CHECK_BLOCK_E,
                           MERGE_M=decode.merge_rows(block_m, rows),
                           COMBINE_CHUNK=decode.combine_chunk(decode.merge_rows(block_m, rows), block_dv)
-                          if fused_combine and split else 1, PDL=pdl), 4,
+                          if fused_combine and split else 1, PDL=pdl, SPREAD=spread, BLOCK_NEW=16), 4,
                      decode.stages(kind, block_d, block_dv))]
-    if split and not fused_combine:
+    if spread:
+        out.append(_compile(f"decode-finish {tag}", decode.finish_kernel, ptrs,
+                            dict(BLOCK_S=16, BLOCK_D=block_d, BLOCK_DV=block_dv, BLOCK_SLOTS=64, APPEND_T=1,
+                                 HAS_SINK=extras, SAME_DV=not head_dim_v or head_dim_v == head_dim, PAGED=paged > 0,
+                                 HAS_BATCH_IDX=extras and not paged, ROTARY=extras, INTERLEAVED=False,
+                                 PADDING=extras, APPEND=True, PDL=pdl), 4, 1))
+    elif split and not fused_combine:
         out.append(_compile(f"decode-combine {tag}", decode.combine_kernel, ptrs,
                             dict(BLOCK_S=16, BLOCK_D=block_dv, HAS_SINK=extras, PDL=pdl), 4, 1))
     return out
@@ -477,6 +486,8 @@ def decode_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, fused_combine=True)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, fused_combine=True, fused_check=True)  # one launch
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=16, page_slice=128, fused_check=True)
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=4, spread=True)  # a captured step's default
+        yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=16, page_slice=128, spread=True)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=16, append_t=16)  # speculative: 16 new a step
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, split=False)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=16)

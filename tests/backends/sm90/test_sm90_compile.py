@@ -199,12 +199,12 @@ def test_decode_kernels_compile_for_sm90(tmp_path):
     out = _compile_run(tmp_path, "-m", "flashtile.tools.sm90_check", "--decode", "--ptx-only",
                        "--regs-match", "^decode bf16 .* extras=False")
     lines = [line for line in out.splitlines() if line.startswith(("ok  ", "FAIL"))]
-    assert len(lines) == 3 * 39 and all(line.startswith("ok  ") for line in lines), out
-    for kind, n in (("decode-check", 9), ("decode-append", 11), ("decode-combine", 8)):
+    assert len(lines) == 3 * 43 and all(line.startswith("ok  ") for line in lines), out
+    for kind, n in (("decode-check", 9), ("decode-append", 11), ("decode-combine", 8), ("decode-finish", 2)):
         assert sum(f" {kind} " in line for line in lines) == 3 * n, out
     # the plain decode kernels (the bandwidth-bound loop) keep their tiles in registers
     plain = [line for line in lines if " decode bf16 " in line and "extras=False" in line]
-    assert len(plain) == 30 and all(" spill=    0B" in line for line in plain), "\n".join(plain)
+    assert len(plain) == 36 and all(" spill=    0B" in line for line in plain), "\n".join(plain)
     # appending the new keys in the decode kernel (the default) costs the loop no registers:
     # its append loop takes one token a step (APPEND_T=1, a decode step's)
     regs = {" append=separate" in line: int(re.search(r"regs=\s*(\d+)", line).group(1))
@@ -231,6 +231,13 @@ def test_decode_kernels_compile_for_sm90(tmp_path):
         twin = line.replace(" check=fused", "").split("B  ", 1)[1]
         base = next(x for x in plain if x.split("B  ", 1)[1] == twin)
         assert re.search(r"smem=\s*(\d+)", line).group(1) == re.search(r"smem=\s*(\d+)", base).group(1), (line, base)
+    # the spread check (a captured step's default) costs the row cache's loop no shared memory
+    # and at most 8 registers: its check runs before the loop, its new key in a tile of 16 after
+    for d in ("d64", "d128", "d256"):
+        base, spread = (next(x for x in plain if f" decode bf16 {d} rows=4 paged=0 extras=False {c}split=True" in x)
+                        for c in ("", "check=spread "))
+        (s0, r0), (s1, r1) = (map(int, re.search(r"smem=\s*(\d+) .* regs=\s*(\d+)", x).groups()) for x in (base, spread))
+        assert s1 == s0 and r1 <= r0 + 8, (base, spread)
 
 
 @pytest.mark.slow(seconds=25)

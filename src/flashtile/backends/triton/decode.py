@@ -88,6 +88,11 @@ MAX_SPLITS = 128
 # inside the decode kernel (4 warps) when it checks the metadata itself.
 CHECK_BLOCK_E = 2048
 FUSED_CHECK_BLOCK_E = 1024
+# The spread check (FLASHTILE_DECODE_CHECK=spread): table entries a decode program checks a
+# step (its split's pages: 16 at 256 keys of pages of 16), and the most verdict slots (batch x
+# splits) that ``finish_kernel``'s programs each read as one tile (2 KiB of codes).
+SPREAD_BLOCK_E = 128
+SPREAD_SLOTS_MAX = 512
 # num_stages of the decode kernel. 3 double-buffers the K and V tiles of a row cache. When a
 # tile lies in one page ("tile") its block-table read is one more pipeline stage in front
 # of the tile, and Triton 3.6 gives K and V two buffers only from 5 stages on (one buffer
@@ -177,6 +182,124 @@ def _first_bad_page(SeqLens, Table, before, new, num_blocks, page_size, max_bloc
 
 
 @triton.jit
+def _value_errors(SeqLens, LeftPad, BatchIdx, b, ok, new, queries, capacity, batch_cache, rotary_len,
+                  HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, ROTARY: tl.constexpr,
+                  ROTARY_LOCAL: tl.constexpr, PADDING: tl.constexpr):
+    """(code, value) of sequences ``b`` (where ``ok``; a scalar or a vector): the first of the
+    checks seqlen, leftpad, batch_idx, rotary length that fails (0: none; a padding sequence,
+    PADDING and a negative cache_seqlens, has nothing to check) and the value it found."""
+    n = tl.load(SeqLens + b, mask=ok, other=0)
+    if PADDING:
+        ok = ok & (n >= 0)
+    err = tl.where(ok & ((n < 0) | (n + new > capacity)), _C_SEQLEN, 0)
+    val = n
+    if HAS_LEFTPAD:
+        pad = tl.load(LeftPad + b, mask=ok, other=0)
+        bad = ok & (err == 0) & ((pad < 0) | (pad > n))
+        err = tl.where(bad, _C_LEFTPAD, err)
+        val = tl.where(bad, pad, val)
+    if HAS_BATCH_IDX:
+        row = tl.load(BatchIdx + b, mask=ok, other=0)
+        bad = ok & (err == 0) & ((row < 0) | (row >= batch_cache))
+        err = tl.where(bad, _C_BATCH_IDX, err)
+        val = tl.where(bad, row, val)
+    if ROTARY:
+        if ROTARY_LOCAL:
+            need = n + tl.maximum(new, queries)
+        else:
+            need = n + tl.maximum(new, 1)
+        bad = ok & (err == 0) & (need > rotary_len)
+        err = tl.where(bad, _C_ROTARY, err)
+        val = tl.where(bad, need, val)
+    return err, val
+
+
+@triton.jit
+def _check_split(Slots, slots, SeqLens, LeftPad, BatchIdx, Table, b, split, split_size, num_splits, new, queries,
+                 capacity, batch_cache, num_blocks, page_size, max_blocks, stride_table, rotary_len,
+                 HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
+                 ROTARY: tl.constexpr, ROTARY_LOCAL: tl.constexpr, PADDING: tl.constexpr, BLOCK_E: tl.constexpr):
+    """The spread check's part of one decode program (``decode_kernel``, SPREAD): slot
+    b * num_splits + split of Slots (int32 (3, slots): codes, block indices, values;
+    ``scratch``) = (code, block index, value) of sequence b's first error where this split
+    can see it: its values (``_value_errors``; every split checks them), else the first bad
+    block_table entry among the pages that start inside the split's keys and that the
+    sequence holds after the append (0, 0, 0: none). Taken in the order (sequence, split),
+    the first slot with an error is ``check_kernel``'s status."""
+    NONE: tl.constexpr = 1 << 30
+    err, val = _value_errors(SeqLens, LeftPad, BatchIdx, b, b >= 0, new, queries, capacity, batch_cache,
+                             rotary_len, HAS_LEFTPAD, HAS_BATCH_IDX, ROTARY, ROTARY_LOCAL, PADDING)
+    where_j = 0
+    if PAGED:
+        raw = tl.load(SeqLens + b)
+        # the sequence's pages after the append (none where a value is bad: that error is reported)
+        held = tl.where((err == 0) & (raw >= 0), tl.minimum((raw + new + page_size - 1) // page_size, max_blocks), 0)
+        j_hi = tl.minimum(((split + 1) * split_size + page_size - 1) // page_size, held)
+        first = tl.full([BLOCK_E], NONE, tl.int32)
+        for e0 in range((split * split_size + page_size - 1) // page_size, j_hi, BLOCK_E):
+            e = e0 + tl.arange(0, BLOCK_E)
+            live = e < j_hi
+            blk = tl.load(Table + b.to(tl.int64) * stride_table + e, mask=live, other=0)
+            first = tl.minimum(first, tl.where(live & ((blk < 0) | (blk >= num_blocks)), e, NONE))
+        first = tl.min(first, 0)
+        hit = first < NONE
+        where_j = tl.where(hit, first, 0)
+        blk = tl.load(Table + b.to(tl.int64) * stride_table + where_j, mask=hit, other=0)
+        err = tl.where(hit, _C_BLOCK, err)
+        val = tl.where(hit, blk, val)
+    slot = Slots + b * num_splits + split
+    tl.store(slot, err)
+    tl.store(slot + slots, where_j)
+    tl.store(slot + 2 * slots, tl.where(err != 0, val, 0))
+
+
+@triton.jit
+def _softmax_step(s, l_i, m_i):
+    """One key tile of the online softmax (base 2): s (rows, keys) -> (p, alpha, l_i, m_new):
+    the tile's weights, the rescale of the running sums and the new running sum and max."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    return p, alpha, l_i * alpha + tl.sum(p, 1), m_new
+
+
+@triton.jit
+def _load_new(KNew, VNew, Cos, Sin, b64, hk64, j, j_ok, base, n, offs_d, d_ok, offs_dv, dv_ok,
+              stride_nkb, stride_nks, stride_nkh, stride_nvb, stride_nvs, stride_nvh, stride_cos, rotary_dim,
+              rotary_max, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr):
+    """The spread check's new keys and values at key indices ``j`` (new token j - base, cache
+    position n + j - base): k (keys, D) rotated there in KNew's dtype, v (keys, Dv)."""
+    tn64 = (j - base).to(tl.int64)
+    k = _rotary_tile(KNew + b64 * stride_nkb + hk64 * stride_nkh, tn64 * stride_nks, j_ok, offs_d, d_ok,
+                     tl.minimum(n + j - base, rotary_max), Cos, Sin, stride_cos, rotary_dim, ROTARY, INTERLEAVED)
+    v = tl.load(VNew + b64 * stride_nvb + hk64 * stride_nvh + tn64[:, None] * stride_nvs + offs_dv[None, :],
+                mask=j_ok[:, None] & dv_ok[None, :], other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_new(q, k, v, t, j, j_ok, row_ok, acc, l_i, m_i, Mask, qk_scale, softcap_in, softcap_out, slope, diag,
+                window_left, window_right, chunk, WINDOW_LEFT: tl.constexpr, WINDOW_RIGHT: tl.constexpr,
+                SOFTCAP: tl.constexpr, HAS_ALIBI: tl.constexpr, CHUNK: tl.constexpr, IEEE_DOT: tl.constexpr):
+    """One tile of new keys (``_load_new``'s k (keys, D), v) into the running (acc, l_i, m_i)
+    of ``decode_kernel``'s loop."""
+    if IEEE_DOT:
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(k))
+    s, _ = scores(s, t[:, None], j[None, :], j_ok[None, :] & row_ok[:, None], Mask, None, 0, 0, 0,
+                  qk_scale, qk_scale, softcap_in, softcap_out, slope[:, None], diag, window_left, window_right,
+                  chunk, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, 0, CHUNK)
+    p, alpha, l_i, m_new = _softmax_step(s, l_i, m_i)
+    if IEEE_DOT:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+    return acc, l_i, m_new
+
+
+@triton.jit
 def check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries, capacity, batch_cache,
                  num_blocks, page_size, max_blocks, stride_table, rotary_len,
                  HAS_LEFTPAD: tl.constexpr, HAS_BATCH_IDX: tl.constexpr, PAGED: tl.constexpr,
@@ -195,30 +318,8 @@ def check_kernel(Status, SeqLens, LeftPad, BatchIdx, Table, batch, new, queries,
     value = 0
     for c0 in range(0, batch, BLOCK):
         b = c0 + tl.arange(0, BLOCK)
-        ok = b < batch
-        n = tl.load(SeqLens + b, mask=ok, other=0)
-        if PADDING:
-            ok = ok & (n >= 0)
-        err = tl.where(ok & ((n < 0) | (n + new > capacity)), _C_SEQLEN, 0)
-        val = n
-        if HAS_LEFTPAD:
-            pad = tl.load(LeftPad + b, mask=ok, other=0)
-            bad = ok & (err == 0) & ((pad < 0) | (pad > n))
-            err = tl.where(bad, _C_LEFTPAD, err)
-            val = tl.where(bad, pad, val)
-        if HAS_BATCH_IDX:
-            row = tl.load(BatchIdx + b, mask=ok, other=0)
-            bad = ok & (err == 0) & ((row < 0) | (row >= batch_cache))
-            err = tl.where(bad, _C_BATCH_IDX, err)
-            val = tl.where(bad, row, val)
-        if ROTARY:
-            if ROTARY_LOCAL:
-                need = n + tl.maximum(new, queries)
-            else:
-                need = n + tl.maximum(new, 1)
-            bad = ok & (err == 0) & (need > rotary_len)
-            err = tl.where(bad, _C_ROTARY, err)
-            val = tl.where(bad, need, val)
+        err, val = _value_errors(SeqLens, LeftPad, BatchIdx, b, b < batch, new, queries, capacity, batch_cache,
+                                 rotary_len, HAS_LEFTPAD, HAS_BATCH_IDX, ROTARY, ROTARY_LOCAL, PADDING)
         bb = tl.min(tl.where(err != 0, b, NONE), 0)
         pick = b == bb
         take = (code == 0) & (bb < NONE)
@@ -440,7 +541,8 @@ def decode_kernel(
     CHUNK: tl.constexpr, APPEND: tl.constexpr, APPEND_T: tl.constexpr, FUSED_COMBINE: tl.constexpr,
     PADDING: tl.constexpr, FUSED_CHECK: tl.constexpr = False, CHECK_ROTARY: tl.constexpr = False,
     CHECK_BLOCK: tl.constexpr = 16, CHECK_BLOCK_E: tl.constexpr = 1024, COMBINE_CHUNK: tl.constexpr = 1,
-    MERGE_M: tl.constexpr = 16, PDL: tl.constexpr = False,
+    MERGE_M: tl.constexpr = 16, PDL: tl.constexpr = False, SPREAD: tl.constexpr = False,
+    BLOCK_NEW: tl.constexpr = 16,
 ):
     """Program (b, hk, block of rows, split): rows r = t * group + g of KV head hk against
     keys [split * split_size, (split + 1) * split_size) of sequence b (module docstring).
@@ -461,6 +563,12 @@ def decode_kernel(
     no program can wait forever (the ticket order, not the program id, names it: CUDA does
     not promise that program 0 starts first). The last program to finish (Counters[2])
     leaves the three counters at 0; the fused combine's counters follow them (Counters + 4).
+    SPREAD (with SPLIT, without APPEND and CHECKED): the spread check (module docstring). The
+    programs of KV head 0 and the first row block check what their split reads
+    (``_check_split``: a verdict slot each, in Status), no program waits on another or writes
+    the cache, the new tokens are read from KNew and VNew (rotated as the append would;
+    BLOCK_NEW of them a key tile: a decode step's one token in a tile of 16), and
+    ``finish_kernel`` merges, appends and reports after the verdict.
     PDL (launched with Programmatic Dependent Launch, ``use_pdl``): the program waits for the
     kernels before it in the stream before it touches memory, then lets the next kernel (the
     combine) launch; that one waits for this kernel's end the same way."""
@@ -516,6 +624,12 @@ def decode_kernel(
             tl.atomic_xchg(sync + 1, 1, sem="release", scope="gpu")
     elif CHECKED:
         bad = tl.load(Status) != 0
+    if SPREAD:
+        if (hk == 0) & (m_block == 0):
+            _check_split(Status, batch * num_splits, SeqLens, LeftPad, BatchIdx, Table, b, split, split_size,
+                         num_splits, new, seqlen_q,
+                         capacity, batch_cache, num_blocks, page_size, max_blocks, stride_table, rotary_len,
+                         HAS_LEFTPAD, HAS_BATCH_IDX, PAGED, CHECK_ROTARY, ROTARY_LOCAL, PADDING, CHECK_BLOCK_E)
 
     # query rows, rotated at their positions (cache indices) while loading
     q_pos = n + t * 0
@@ -547,6 +661,9 @@ def decode_kernel(
         padding_seq = raw_n < 0  # a padding sequence: no key read, nothing appended
         hi = tl.where(padding_seq, lo, hi)
     start = (lo // BLOCK_N) * BLOCK_N
+    hi_cache = hi  # the keys read from the cache
+    if SPREAD:
+        hi_cache = tl.minimum(hi, n - pad)  # the new tokens come from KNew, VNew (after the loop)
 
     if APPEND:
         # the new tokens at key indices (n - pad) + t inside this split, whatever the rows see
@@ -579,7 +696,7 @@ def decode_kernel(
             # page comes from registers (tl.gather), so no K/V address waits on a load there
             first_page = start // page_size
             pg = first_page + tl.arange(0, PAGE_SLICE)
-            slice_ = tl.load(table_row + pg, mask=pg * page_size < hi, other=0)
+            slice_ = tl.load(table_row + pg, mask=pg * page_size < hi_cache, other=0)
             slice_ = tl.minimum(tl.maximum(slice_, 0), num_blocks - 1)
     else:
         row = b64
@@ -595,9 +712,9 @@ def decode_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    for n0 in range(start, hi, BLOCK_N):
+    for n0 in range(start, hi_cache, BLOCK_N):
         j = n0 + offs_n0
-        j_ok = (j >= lo) & (j < hi)
+        j_ok = (j >= lo) & (j < hi_cache)
         if PAGED:
             if PAGE_TILE:
                 blk = tl.load(table_row + n0 // page_size)
@@ -626,17 +743,26 @@ def decode_kernel(
         s, _ = scores(s, t[:, None], j[None, :], j_ok[None, :] & row_ok[:, None], K, None, 0, 0, 0,
                       qk_scale, qk_scale, softcap_in, softcap_out, slope[:, None], diag, window_left, window_right,
                       chunk, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, 0, CHUNK)  # no explicit mask
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp2(s - m_use[:, None])
-        alpha = tl.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, l_i, m_new = _softmax_step(s, l_i, m_i)
         v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :], mask=j_ok[:, None] & dv_ok[None, :], other=0.0)
         if IEEE_DOT:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
+    if SPREAD:
+        # the new tokens, at key indices n - pad + tn: k rotated at cache position n + tn and
+        # rounded to the cache's dtype, as the append will store it (``finish_kernel``).
+        # (Loading the first tile before the loop gained nothing: H100 run 168.)
+        base = n - pad
+        for n0 in range(tl.maximum(lo, base), hi, BLOCK_NEW):
+            j = n0 + tl.arange(0, BLOCK_NEW)
+            k, v = _load_new(KNew, VNew, Cos, Sin, b64, hk64, j, j < hi, base, n, offs_d, d_ok, offs_dv, dv_ok,
+                             stride_nkb, stride_nks, stride_nkh, stride_nvb, stride_nvs, stride_nvh, stride_cos,
+                             rotary_dim, rotary_max, ROTARY, INTERLEAVED)
+            acc, l_i, m_i = _attend_new(q, k, v, t, j, j < hi, row_ok, acc, l_i, m_i, K, qk_scale, softcap_in,
+                                        softcap_out, slope, diag, window_left, window_right, chunk,
+                                        WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, CHUNK, IEEE_DOT)
 
     if HAS_SINK and not SPLIT:
         sink2 = tl.load(Sink + h, mask=row_ok, other=0.0) * C_LOG2E
@@ -682,29 +808,14 @@ def decode_kernel(
 
 
 @triton.jit
-def combine_kernel(
-    OutPart, LsePart, Out, Lse, Sink,
-    stride_pp, stride_pb, stride_ps, stride_ph,
-    stride_lp, stride_lpb, stride_lph,
-    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
-    seqlen, nheads, num_splits, head_dim,
-    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """Program (b, t, h): out = sum_s w_s out_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s);
-    lse = max + log(sum w). A row no split saw (every lse -inf): 0 and -inf. A sink (HAS_SINK)
-    is one more part with lse sink[h] and out 0. PDL: as the decode kernel's, waits first."""
-    if PDL:
-        gdc_wait()
-    pid = tl.program_id(0)
-    h = pid % nheads
-    bt = pid // nheads
-    t = (bt % seqlen).to(tl.int64)
-    h = h.to(tl.int64)
-    b = (bt // seqlen).to(tl.int64)
+def _merge_row(OutPart, LsePart, Sink, b, t, h, stride_pp, stride_pb, stride_ps, stride_ph, stride_lp, stride_lpb,
+               stride_lph, num_splits, offs_d, d_ok, BLOCK_S: tl.constexpr, HAS_SINK: tl.constexpr):
+    """(out (BLOCK_D,) float32, lse) of row (b, t, h) from its splits' partials: out = sum_s
+    w_s out_s / sum_s w_s, w_s = exp(lse_s - max_s lse_s); lse = max + log(sum w). A row no
+    split saw (every lse -inf): 0 and -inf. A sink (HAS_SINK) is one more part with lse
+    sink[h] and out 0. A NaN partial LSE (a failed check) makes both NaN."""
     s = tl.arange(0, BLOCK_S)
     s_ok = s < num_splits
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < head_dim
     lse_s = tl.load(LsePart + s.to(tl.int64) * stride_lp + b * stride_lpb + h * stride_lph + t, mask=s_ok,
                     other=float("-inf"))
     top = tl.max(lse_s, 0)
@@ -722,16 +833,116 @@ def combine_kernel(
     out = tl.sum(w[:, None] * parts.to(tl.float32), 0) / tl.where(total == 0.0, 1.0, total)
     lse = tl.where(total == 0.0, float("-inf"), top + tl.log(tl.where(total == 0.0, 1.0, total)))
     nan = tl.sum((s_ok & (lse_s != lse_s)).to(tl.int32), 0) > 0  # a NaN LSE (a failed check) stays NaN
-    out = tl.where(nan, float("nan"), out)
-    lse = tl.where(nan, float("nan"), lse)
+    return tl.where(nan, float("nan"), out), tl.where(nan, float("nan"), lse)
+
+
+@triton.jit
+def combine_kernel(
+    OutPart, LsePart, Out, Lse, Sink,
+    stride_pp, stride_pb, stride_ps, stride_ph,
+    stride_lp, stride_lpb, stride_lph,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    seqlen, nheads, num_splits, head_dim,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, HAS_SINK: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Program (b, t, h): row (b, t, h) merged from its splits' partials (``_merge_row``).
+    PDL: as the decode kernel's, waits first."""
+    if PDL:
+        gdc_wait()
+    pid = tl.program_id(0)
+    h = pid % nheads
+    bt = pid // nheads
+    t = (bt % seqlen).to(tl.int64)
+    h = h.to(tl.int64)
+    b = (bt // seqlen).to(tl.int64)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < head_dim
+    out, lse = _merge_row(OutPart, LsePart, Sink, b, t, h, stride_pp, stride_pb, stride_ps, stride_ph, stride_lp,
+                          stride_lpb, stride_lph, num_splits, offs_d, d_ok, BLOCK_S, HAS_SINK)
     tl.store(Out + b * stride_ob + t * stride_os + h * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=d_ok)
     tl.store(Lse + b * stride_lb + h * stride_lh + t, lse)
+
+
+@triton.jit
+def finish_kernel(
+    OutPart, LsePart, Out, Lse, Sink, Slots, Status, KNew, VNew, KCache, VCache, SeqLens, BatchIdx, Table, Cos, Sin,
+    stride_pp, stride_pb, stride_ps, stride_ph,
+    stride_lp, stride_lpb, stride_lph,
+    stride_ob, stride_os, stride_oh, stride_lb, stride_lh,
+    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+    stride_cb, stride_cs, stride_ch, stride_db, stride_ds, stride_dh,
+    stride_table, stride_cos,
+    seqlen, nheads, group, num_splits, head_dim, head_dim_v, new, capacity, page_size, num_blocks, batch_cache,
+    rotary_dim, rotary_max, slots,
+    BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_SLOTS: tl.constexpr,
+    APPEND_T: tl.constexpr, HAS_SINK: tl.constexpr, SAME_DV: tl.constexpr, PAGED: tl.constexpr,
+    HAS_BATCH_IDX: tl.constexpr, ROTARY: tl.constexpr, INTERLEAVED: tl.constexpr, PADDING: tl.constexpr,
+    APPEND: tl.constexpr, PDL: tl.constexpr,
+):
+    """The spread check's last kernel, program (b, t, h): the verdict of every slot the
+    decode kernel's programs wrote (``_check_split``; int32 (3, slots)); row (b, t, h) merged
+    as ``combine_kernel`` does, NaN (and its LSE) where any slot holds an error; then, where
+    every slot is clean and h is its KV head's first query head (APPEND), new tokens t, t +
+    seqlen, ... of sequence b into the caches (``_append_tile``: k rotated there). Program 0
+    writes Status (``check_kernel``'s (code, sequence, index, value)): the first slot with an
+    error in the order (sequence, split). The decode kernel before it wrote nothing, so a
+    failed check leaves the caches untouched."""
+    if PDL:
+        gdc_wait()
+    NONE: tl.constexpr = 1 << 30
+    pid = tl.program_id(0)
+    h = pid % nheads
+    bt = pid // nheads
+    t = bt % seqlen
+    b = bt // seqlen
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    e = tl.arange(0, BLOCK_SLOTS)
+    codes = tl.load(Slots + e, mask=e < slots, other=0)
+    first = tl.min(tl.where(codes != 0, e, NONE), 0)
+    bad = first < NONE
+    if pid == 0:
+        at = tl.where(bad, first, 0)
+        tl.store(Status, tl.load(Slots + at, mask=bad, other=0))
+        tl.store(Status + 1, tl.where(bad, at // num_splits, 0))
+        tl.store(Status + 2, tl.load(Slots + slots + at, mask=bad, other=0))
+        tl.store(Status + 3, tl.load(Slots + 2 * slots + at, mask=bad, other=0))
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < head_dim_v
+    out, lse = _merge_row(OutPart, LsePart, Sink, b64, t.to(tl.int64), h64, stride_pp, stride_pb, stride_ps,
+                          stride_ph, stride_lp, stride_lpb, stride_lph, num_splits, offs_dv, dv_ok, BLOCK_S,
+                          HAS_SINK)
+    out = tl.where(bad, float("nan"), out)
+    lse = tl.where(bad, float("nan"), lse)
+    tl.store(Out + b64 * stride_ob + t.to(tl.int64) * stride_os + h64 * stride_oh + offs_dv,
+             out.to(Out.dtype.element_ty), mask=dv_ok)
+    tl.store(Lse + b64 * stride_lb + h64 * stride_lh + t, lse)
+    if APPEND:
+        # (loading the new tokens before the merge, for every program, measured slower:
+        # H100 run 168, up to +4 us a step at batch 4 with pages of 16)
+        raw = tl.load(SeqLens + b)
+        go = (h % group == 0) & (first == NONE)
+        if PADDING:
+            go = go & (raw >= 0)  # a padding sequence: nothing
+        if go:
+            n = tl.minimum(tl.maximum(raw, 0), capacity - new)
+            offs_d = tl.arange(0, BLOCK_D)
+            d_ok = offs_d < head_dim
+            for t0 in range(0, new, seqlen * APPEND_T):
+                tn = t + t0 + seqlen * tl.arange(0, APPEND_T)
+                _append_tile(KNew, VNew, KCache, VCache, BatchIdx, Table, Cos, Sin, b64, (h // group).to(tl.int64),
+                             tn, tn < new, n, offs_d, d_ok, offs_dv, dv_ok,
+                             stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                             stride_cb, stride_cs, stride_ch, stride_db, stride_ds, stride_dh,
+                             stride_table, stride_cos, page_size, num_blocks, batch_cache, rotary_dim, rotary_max,
+                             SAME_DV, PAGED, HAS_BATCH_IDX, ROTARY, INTERLEAVED)
 
 
 _launch_check = Launcher(check_kernel)
 _launch_append = Launcher(append_kernel)
 _launch_decode = Launcher(decode_kernel)
 _launch_combine = Launcher(combine_kernel)
+_launch_finish = Launcher(finish_kernel)
 
 
 def block_sizes(head_dim: int, rows: int, head_dim_v: int = 0) -> tuple[int, int, int, int]:
@@ -784,6 +995,19 @@ def fuse_step(q, k_cache, v_cache, table) -> bool:
     rows = table.shape[1] * k_cache.shape[1] if table is not None else k_cache.shape[1]
     width = k_cache.shape[3] + v_cache.shape[3]
     return q.shape[0] * rows * k_cache.shape[2] * width * k_cache.element_size() <= FUSE_BYTES_MAX
+
+
+def spread_step(q, k_cache, v_cache, table, num_splits: int, new: int) -> bool:
+    """Whether the spread check (``FLASHTILE_DECODE_CHECK=spread``, and ``auto`` where the
+    check is not fused) can take this step: it splits (``finish_kernel`` merges and appends
+    after the decode kernel), its append is short (``FUSED_APPEND_MAX``: the decode kernel
+    reads the new tokens in one more key tile or two), its verdict slots (batch x splits)
+    fit one tile of ``finish_kernel`` (``SPREAD_SLOTS_MAX``), and its tiles are not past 256
+    columns (MLA's 576 / 512 were never compiled this way)."""
+    if max(k_cache.shape[3], v_cache.shape[3]) > 256 or new > FUSED_APPEND_MAX:
+        return False
+    splits, _ = split_plan(q, k_cache, table, num_splits, v_cache.shape[3])
+    return 1 < splits and q.shape[0] * splits <= SPREAD_SLOTS_MAX
 
 
 def use_pdl(q) -> bool:
@@ -884,11 +1108,12 @@ def split_plan(q, k_cache, table, num_splits: int, head_dim_v: int = 0) -> tuple
     return triton.cdiv(capacity, split_size), split_size
 
 
-def scratch(q, k_cache, table, num_splits: int, checked: bool, head_dim_v: int = 0):
-    """(status, parts) of a decode call in one float32 allocation (a call's host time is a
-    few allocations and launches): status int32 (4,) when ``checked`` else None; parts
-    (out_part (S, B, Sq, H, Dv), lse_part (S, B, H, Sq)) when it splits, else None.
-    ``head_dim_v``: v's head dim (0: q's)."""
+def scratch(q, k_cache, table, num_splits: int, checked: bool, head_dim_v: int = 0, spread: bool = False):
+    """(status, parts, slots) of a decode call in one float32 allocation (a call's host time
+    is a few allocations and launches): status int32 (4,) when ``checked`` else None; parts
+    (out_part (S, B, Sq, H, Dv), lse_part (S, B, H, Sq)) when it splits, else None; slots
+    int32 (3, B * S), the spread check's verdicts (codes, block indices, values), when ``spread`` (with ``checked``, and a
+    step that splits: ``spread_step``) else None. ``head_dim_v``: v's head dim (0: q's)."""
     import torch
 
     splits, _ = split_plan(q, k_cache, table, num_splits, head_dim_v)
@@ -897,22 +1122,25 @@ def scratch(q, k_cache, table, num_splits: int, checked: bool, head_dim_v: int =
     n_out = splits * batch * seqlen_q * nheads * head_dim if splits > 1 else 0
     n_lse = splits * batch * nheads * seqlen_q if splits > 1 else 0
     head = 4 if checked else 0  # 16 bytes: the partials stay 16-byte aligned
+    n_slots = 4 * triton.cdiv(3 * batch * splits, 4) if spread and checked and splits > 1 else 0  # 16-byte steps
     if head + n_out + n_lse == 0:
-        return None, None
-    buf = torch.empty(head + n_out + n_lse, dtype=torch.float32, device=q.device)
+        return None, None, None
+    buf = torch.empty(head + n_slots + n_out + n_lse, dtype=torch.float32, device=q.device)
     status = buf[:4].view(torch.int32) if checked else None
+    slots = buf[head:head + 3 * batch * splits].view(torch.int32).view(3, -1) if n_slots else None
+    head += n_slots
     parts = None
     if splits > 1:
         parts = (buf[head:head + n_out].view(splits, batch, seqlen_q, nheads, head_dim),
                  buf[head + n_out:].view(splits, batch, nheads, seqlen_q))
-    return status, parts
+    return status, parts, slots
 
 
 def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, alibi, cos, sin, *,
            new: int, scale: float, softcap: float, window_left: int, window_right: int, interleaved: bool,
            rotary_local: bool, num_splits: int, status=None, parts=None, sink=None, chunk: int = 0,
            k_new=None, v_new=None, fused_combine: bool = False, padding: bool = False, fused_check: bool = False,
-           rotary_len: int = -1) -> None:
+           rotary_len: int = -1, slots=None) -> None:
     """Attention of q (batch, seqlen_q, H, D) against the caches (after the append; k_cache
     of head dim D, v_cache of Dv, which may be a view of k_cache's first Dv columns):
     out (batch, seqlen_q, H, Dv), lse (batch, H, seqlen_q) float32 (unit last stride).
@@ -927,7 +1155,11 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
     group merges the partials (counters from ``runtime.replay.stream_counter``), no
     ``combine_kernel`` launch. ``fused_check`` (with ``status``): the decode kernel checks the
     metadata values itself (``check_metadata``'s status, one launch less; ``rotary_len``: the
-    rotary tables' positions, -1 without)."""
+    rotary tables' positions, -1 without). ``slots`` (with ``status``, more than one split, no
+    fused combine, ``k_new`` not longer than ``FUSED_APPEND_MAX``): the spread check
+    (``spread_step``; ``scratch``'s slots): the decode kernel checks what each split reads
+    and reads the new tokens from k_new, v_new; ``finish_kernel`` merges, appends and writes
+    ``status``."""
     import torch
 
     batch, seqlen_q, nheads, head_dim = q.shape
@@ -960,13 +1192,19 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
     groups = batch * nheads_k * num_m_blocks
     merge_m = merge_rows(block_m, seqlen_q * group)
     fused_check = fused_check and status is not None
+    spread = slots is not None
+    if spread and (splits < 2 or fused_combine or fused_check or status is None
+                   or (k_new is not None and k_new.shape[1] > FUSED_APPEND_MAX)):
+        raise ValueError("the spread check needs a split step with a status, the separate combine and a short "
+                         "append (decode.spread_step)")
     pdl = use_pdl(q)
     sync = 4 if fused_check else 0  # the fused check's counters come first
     counters = stream_counter(q.device, sync + groups * fused_combine) if sync or fused_combine else q
     with device_context(q):
         _launch_decode(
             (batch * nheads_k * num_m_blocks * splits + fused_check,),  # the fused check: its checker too
-            (q, k_cache, v_cache, out, lse, out_part, lse_part, seqlens if status is None else status, seqlens,
+            (q, k_cache, v_cache, out, lse, out_part, lse_part,
+             slots if spread else seqlens if status is None else status, seqlens,
              seqlens if leftpad is None else leftpad, seqlens if batch_idx is None else batch_idx,
              table if paged else seqlens, q if alibi is None else alibi, cos if rotary else q, sin if rotary else q,
              lse if sink is None else sink, q if k_new is None else k_new, q if v_new is None else v_new, counters,
@@ -990,17 +1228,22 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
                  PAGE_TILE=kind == "tile", PAGE_SLICE=page_slice, HAS_BATCH_IDX=batch_idx is not None,
                  HAS_LEFTPAD=leftpad is not None, WINDOW_LEFT=window_left >= 0, WINDOW_RIGHT=window_right >= 0,
                  SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, ROTARY=rotary, INTERLEAVED=interleaved,
-                 ROTARY_LOCAL=rotary_local, SPLIT=splits > 1, CHECKED=status is not None,
+                 ROTARY_LOCAL=rotary_local, SPLIT=splits > 1, CHECKED=status is not None and not spread,
                  IEEE_DOT=q.dtype == torch.float32, HAS_SINK=sink is not None, CHUNK=chunk > 0,
-                 APPEND=k_new is not None, APPEND_T=min(APPEND_T_MAX if max(block_d, block_dv) <= 256 else 8,
+                 APPEND=k_new is not None and not spread, APPEND_T=min(APPEND_T_MAX if max(block_d, block_dv) <= 256 else 8,
                                                         triton.next_power_of_2(max(new, 1))),
                  FUSED_COMBINE=fused_combine, PADDING=padding, FUSED_CHECK=fused_check,
-                 CHECK_ROTARY=fused_check and rotary_len >= 0, CHECK_BLOCK=check_block(batch),
-                 CHECK_BLOCK_E=FUSED_CHECK_BLOCK_E, MERGE_M=merge_m,
+                 CHECK_ROTARY=(fused_check or spread) and rotary_len >= 0, CHECK_BLOCK=check_block(batch),
+                 CHECK_BLOCK_E=SPREAD_BLOCK_E if spread else FUSED_CHECK_BLOCK_E, MERGE_M=merge_m,
                  COMBINE_CHUNK=combine_chunk(merge_m, block_dv) if fused_combine else 1,
+                 SPREAD=spread, BLOCK_NEW=min(block_n, max(16, triton.next_power_of_2(new))),
                  **_pdl_options(pdl)),
             4, stages(kind, block_d, block_dv))
-        if splits > 1 and not fused_combine:
+        if spread:
+            _finish(out_part, lse_part, out, lse, sink, slots, status, k_new, v_new, k_cache, v_cache, seqlens,
+                    batch_idx, table, cos, sin, group=group, capacity=capacity, interleaved=interleaved,
+                    padding=padding, pdl=pdl)
+        elif splits > 1 and not fused_combine:
             combine(out_part, lse_part, out, lse, sink, pdl=pdl)
 
 
@@ -1009,6 +1252,42 @@ def _pdl_options(pdl: bool) -> dict:
     constexpr is passed either way (a launch plan records every parameter's value, and the
     interpreter's kernels do not say their defaults)."""
     return dict(PDL=True, launch_pdl=True) if pdl else dict(PDL=False)
+
+
+def _finish(out_part, lse_part, out, lse, sink, slots, status, k_new, v_new, k_cache, v_cache, seqlens, batch_idx,
+            table, cos, sin, *, group: int, capacity: int, interleaved: bool, padding: bool, pdl: bool) -> None:
+    """``finish_kernel`` (the spread check's last kernel, inside ``decode``'s device context):
+    the merge of ``combine``, the verdict of ``slots``, the append of k_new, v_new (None:
+    nothing to append) and ``status``."""
+    splits, batch, seqlen, nheads, head_dim_v = out_part.shape
+    head_dim = k_cache.shape[3]
+    paged = table is not None
+    rotary = cos is not None
+    new = 0 if k_new is None else k_new.shape[1]
+    knew = k_new if new else out_part
+    vnew = v_new if new else out_part
+    _launch_finish(
+        (batch * seqlen * nheads,),
+        (out_part, lse_part, out, lse, lse if sink is None else sink, slots, status, knew, vnew, k_cache, v_cache,
+         seqlens, seqlens if batch_idx is None else batch_idx, table if paged else seqlens,
+         cos if rotary else out_part, sin if rotary else out_part,
+         out_part.stride(0), out_part.stride(1), out_part.stride(2), out_part.stride(3),
+         lse_part.stride(0), lse_part.stride(1), lse_part.stride(2),
+         out.stride(0), out.stride(1), out.stride(2), lse.stride(0), lse.stride(1),
+         *(k_new.stride()[:3] if new else (0, 0, 0)), *(v_new.stride()[:3] if new else (0, 0, 0)),
+         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+         v_cache.stride(2), table.stride(0) if paged else 0, cos.stride(0) if rotary else 0,
+         seqlen, nheads, group, splits, head_dim, head_dim_v, new, capacity, k_cache.shape[1] if paged else 1,
+         k_cache.shape[0], k_cache.shape[0], 2 * cos.shape[1] if rotary else 0, cos.shape[0] - 1 if rotary else 0,
+         slots.shape[1]),
+        dict(BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+             BLOCK_DV=max(16, triton.next_power_of_2(head_dim_v)),
+             BLOCK_SLOTS=max(16, triton.next_power_of_2(slots.shape[1])),
+             APPEND_T=min(APPEND_T_MAX, triton.next_power_of_2(max(triton.cdiv(new, seqlen), 1))),
+             HAS_SINK=sink is not None, SAME_DV=head_dim_v == head_dim, PAGED=paged,
+             HAS_BATCH_IDX=batch_idx is not None, ROTARY=rotary, INTERLEAVED=interleaved, PADDING=padding,
+             APPEND=new > 0, **_pdl_options(pdl)),
+        4, 1)
 
 
 def combine(out_part, lse_part, out, lse, sink=None, *, pdl: bool = False) -> None:
