@@ -870,7 +870,15 @@ def test_spread_check(triton_backend, monkeypatch, paged):
     (status), for errors in any sequence and split, in every check's order (values before
     pages, earlier sequences first, the lowest page); a bad call leaves the caches untouched
     and out and lse NaN; a good one (padding sequences too) appends what the check kernel's
-    step appends."""
+    step appends. The paged cases append in ``finish_kernel``'s programs of their own (forced:
+    ``decode.finish_appenders``), the row caches in its merge programs."""
+    from flashtile.backends.triton import decode
+
+    assert decode.finish_appenders(3, 1, 4, 2, 1, torch.device("cpu")) == 0  # 12 + 6 programs past 16 "SMs"
+    assert decode.finish_appenders(2, 1, 4, 2, 1, torch.device("cpu")) == 4
+    assert decode.finish_appenders(2, 1, 4, 2, 0, torch.device("cpu")) == 0  # nothing to append
+    if paged:
+        monkeypatch.setattr(decode, "finish_appenders", lambda batch, seqlen, heads, heads_k, new, dev: batch * heads_k)
     found = _keep_status(monkeypatch)
     monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
     monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")

@@ -414,8 +414,10 @@ def test_spread_check_matches_the_check_kernel(monkeypatch, page, batch):
     once: 20 generation steps (each appends one token) give the check kernel's caches
     bitwise and its outputs to bf16 rounding (the new key is read in a key tile of its own,
     so the probabilities round to bf16 against other running maxima: ``test_matrix`` holds
-    the spread check to the float64 reference), in a CUDA graph too; a bad length and a bad page give the check kernel's status; on the
-    graph a bad length makes every out and lse NaN and leaves the caches untouched."""
+    the spread check to the float64 reference), in a CUDA graph too; a bad length and a bad
+    page give the check kernel's status; on the graph a bad length makes every out and lse
+    NaN and leaves the caches untouched. Batch 1 appends in programs of its own
+    (``decode.finish_appenders``: 40 programs), batch 4 and 16 in the merge programs."""
     seqlens = [int(x) for x in torch.randint(1, 8000, (batch,), generator=torch.Generator().manual_seed(batch))]
     q, k, v, kc, vc, table, sl = _cuda(*_case(batch=batch, sq=1, new=1, heads=(32, 8), d=128, capacity=8192,
                                               seqlens=seqlens, dtype=torch.bfloat16, page=page))

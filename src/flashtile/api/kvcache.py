@@ -11,8 +11,11 @@ pages), which also appends up to 64 new tokens itself (rotary of k included; a l
 append, or ``FLASHTILE_DECODE_APPEND=separate``, runs the append kernel first), then the
 combine when it splits (inside the decode kernel for an eager step with a small cache read:
 ``decode.fuse_step``; the device check of the metadata too, so such a step is one launch,
-while a step captured in a CUDA graph keeps the combine and check kernels, which cost it
-less GPU time: the two agree to float32 reassociation, not bit for bit). Nothing
+while a step captured in a CUDA graph keeps the combine, which costs it less GPU time, and
+checks the metadata in the decode kernel's programs, each what its split reads, with the
+append moved after the verdict into the combine's kernel, where ``decode.spread_step``
+allows it, else in the check kernel; the paths agree to float32 reassociation, not bit
+for bit). Nothing
 is gathered or copied per call, and a repeated call replays its launch plan.
 
 The checks of the metadata *values* (cache_seqlens, cache_leftpad, cache_batch_idx,

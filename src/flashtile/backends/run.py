@@ -484,13 +484,13 @@ def _kvcache_run(a: KVCacheArgs) -> tuple[Tensor, Tensor]:
     # ... and checks the metadata itself where it is the only writer (no append kernel)
     combine, check = settings.decode_combine(), settings.decode_check()
     small = "auto" in (combine, check) and decode.fuse_step(q, a.k_cache, a.v_cache, a.table)
-    # (an explicit spread check keeps the separate combine: its last kernel is that combine)
-    fused_combine = combine == "fused" or (combine == "auto" and small and check != "spread")
-    fused_check = a.device_check and (new == 0 or fused) and (check == "fused" or (check == "auto" and small))
     # ... or each decode program checks what it reads, and the kernel after it appends
-    spread = (a.device_check and not fused_check and not fused_combine and (new == 0 or fused)
-              and check in ("auto", "spread")
-              and decode.spread_step(q, a.k_cache, a.v_cache, a.table, a.num_splits, new))
+    spread_ok = (a.device_check and (new == 0 or fused) and check in ("auto", "spread")
+                 and decode.spread_step(q, a.k_cache, a.v_cache, a.table, a.num_splits, new))
+    # (an explicit spread check that applies keeps the separate combine: its last kernel is that combine)
+    fused_combine = combine == "fused" or (combine == "auto" and small and not (check == "spread" and spread_ok))
+    fused_check = a.device_check and (new == 0 or fused) and (check == "fused" or (check == "auto" and small))
+    spread = spread_ok and not fused_check and not fused_combine
     status, parts, slots = decode.scratch(q, a.k_cache, a.table, a.num_splits, a.device_check,
                                           a.v_cache.shape[-1], spread)
     if a.device_check and not fused_check and not spread:
