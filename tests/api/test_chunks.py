@@ -21,12 +21,19 @@ pytestmark = pytest.mark.usefixtures("poison_outputs")
 SHAPES = [(37, 53), (53, 37), (64, 64), (1, 40), (40, 1)]
 
 
+# The Triton kernels (the interpreter: 2-5 s a case) take each shape once and each chunk
+# size at least once per causal flag; the torch twin takes every pair.
+TRITON_PAIRS = {((37, 53), 5), ((53, 37), 16), ((64, 64), 24), ((1, 40), 5), ((40, 1), 16)}
+
+
 @pytest.mark.parametrize("seqs", SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
 @pytest.mark.parametrize("chunk", [5, 16, 24])
 @pytest.mark.parametrize("causal", [False, True])
 def test_against_the_oracle(backend, seqs, chunk, causal):
     """out, lse and the gradients against tests/oracle.py, which builds the chunk test from
     Python's floor division element by element (no code shared with the kernels)."""
+    if backend == "triton" and (seqs, chunk) not in TRITON_PAIRS:
+        pytest.skip("the Triton kernels take TRITON_PAIRS (each shape and chunk size); the twin every pair")
     sq, sk = seqs
     g = torch.Generator().manual_seed(sq * 7 + chunk)
     q = torch.randn(2, sq, 4, 16, generator=g)

@@ -46,11 +46,11 @@ def _report(out: str, names) -> list[tuple[str, dict[str, str]]]:
 @pytest.mark.parametrize("head_dim", [64, 128, 256])  # one head dim per case: xdist spreads the compiles
 def test_sm90_table_compiles_and_fits(tmp_path, head_dim):
     """Every table configuration at ``head_dim`` builds sm_90a PTX within shared memory with
-    wgmma; the forward kernels go through ptxas (registers, spills), the Triton backward
-    kernels stop at the PTX (``sm90_check.ptx_only``: a third of the time; the GPU tests
-    run them)."""
-    out = _compile_run(tmp_path, "-m", "flashtile.tools.sm90_check", "--ptx-only", "--regs-match", "^fwd",
-                       "--headdim", str(head_dim))
+    wgmma; the plain forward kernels go through ptxas (registers, spills), the Triton backward
+    kernels and the masked forwards stop at the PTX (``sm90_check.ptx_only``: a third of
+    the time; the GPU tests run them)."""
+    out = _compile_run(tmp_path, "-m", "flashtile.tools.sm90_check", "--ptx-only", "--regs-match",
+                       "^fwd(-ws)? .*(mask=0|num_buf)", "--headdim", str(head_dim))
     assert out.count("ok  ") >= 12, out  # the checks really ran (13-15 per head dim)
     assert f" d{head_dim} " in out and not any(f" d{d} " in out for d in (64, 128, 256) if d != head_dim), out
     # The plain forward (no explicit mask) holds its tiles in registers without spilling;
@@ -199,12 +199,13 @@ def test_decode_kernels_compile_for_sm90(tmp_path):
     out = _compile_run(tmp_path, "-m", "flashtile.tools.sm90_check", "--decode", "--ptx-only",
                        "--regs-match", "^decode bf16 .* extras=False")
     lines = [line for line in out.splitlines() if line.startswith(("ok  ", "FAIL"))]
-    assert len(lines) == 3 * 43 and all(line.startswith("ok  ") for line in lines), out
-    for kind, n in (("decode-check", 9), ("decode-append", 11), ("decode-combine", 8), ("decode-finish", 2)):
+    assert len(lines) == 3 * 41 + 2 and all(line.startswith("ok  ") for line in lines), out
+    for kind, n in (("decode-check", 9), ("decode-append", 11), ("decode-combine", 8)):
         assert sum(f" {kind} " in line for line in lines) == 3 * n, out
+    assert sum(" decode-finish " in line for line in lines) == 3 + 1, out  # the paged spread at d128 only
     # the plain decode kernels (the bandwidth-bound loop) keep their tiles in registers
     plain = [line for line in lines if " decode bf16 " in line and "extras=False" in line]
-    assert len(plain) == 36 and all(" spill=    0B" in line for line in plain), "\n".join(plain)
+    assert len(plain) == 34 and all(" spill=    0B" in line for line in plain), "\n".join(plain)
     # appending the new keys in the decode kernel (the default) costs the loop no registers:
     # its append loop takes one token a step (APPEND_T=1, a decode step's)
     regs = {" append=separate" in line: int(re.search(r"regs=\s*(\d+)", line).group(1))
@@ -409,13 +410,13 @@ def test_flex_kernels_compile_and_fit(tmp_path):
     forward, dQ and dK/dV at d64 and d128 with ALiBi + causal and with a relative-position
     table + a document mask (a mod that loads a whole tile: ``flex.tiles``' heavy tiles, which
     fit where the plain ones did not: 362 KB of shared memory at d128); then a learned (L, S)
-    bias at d64 and q/k, v head dims (192, 128), (32, 96), (256, 256) with ALiBi + causal,
+    bias at d64 and q/k, v head dims (192, 128), (256, 256) with ALiBi + causal,
     compiled with the run-time specialization of lengths and head dims (the H100 refused
     the d192/128 forward at 256 KB and the learned bias's dQ at 240 KB, session 24). To the
     PTX only (``sm90_check.ptx_only``: no ptxas, a third of the time; the GPU tests run it)."""
     out = _compile_run(tmp_path, "-m", "flashtile.tools.sm90_check", "--flex", "--ptx-only")
     lines = [line for line in out.splitlines() if line.startswith(("ok  ", "FAIL"))]
-    assert len(lines) == 2 * 3 * 2 + 3 * 4 and all(line.startswith("ok  ") for line in lines), out
+    assert len(lines) == 2 * 3 * 2 + 3 * 3 and all(line.startswith("ok  ") for line in lines), out
     assert all("wgmma=True" in line for line in lines), out
 
 

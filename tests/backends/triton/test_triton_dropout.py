@@ -27,7 +27,7 @@ def _keep_mask(seed: int, p: float, B=2, Sq=40, H=4, causal=False) -> torch.Tens
     return out[..., :SK] > 0  # (B, Sq, H, SK)
 
 
-@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("p", [0.1, 0.9])  # both tails of the rate (0.5 took 7 s more of the interpreter)
 def test_drop_rate(p):
     keep = _keep_mask(0, p, B=4, Sq=64)
     rate = 1.0 - keep.float().mean().item()
