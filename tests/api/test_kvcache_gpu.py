@@ -17,6 +17,22 @@ def _cuda(*tensors):
     return [None if t is None else t.cuda() for t in tensors]
 
 
+def _capture(step, warm_up=None, times=1):
+    """A CUDA graph of ``step()`` and what the capture returned, after ``times`` calls of
+    ``warm_up`` (default: ``step``) on a side stream (PyTorch's capture idiom: the first
+    calls compile and allocate outside the capture)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(times):
+            (warm_up or step)()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = step()
+    return graph, got
+
+
 def _as_captured(monkeypatch, fn):
     """``fn()`` eagerly with the launches a captured step takes: under capture ``auto`` keeps
     the combine kernel and takes the spread check where the step allows it, else the check
@@ -135,15 +151,7 @@ def test_cuda_graph_decode_step(monkeypatch):
     def step():
         return flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, causal=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        static = step()
+    graph, static = _capture(step, times=3)
     for _ in range(3):
         seqlens += 1
         graph.replay()
@@ -246,14 +254,8 @@ def test_fused_check_matches_the_check_kernel(monkeypatch, page, batch, combine)
     assert all(int(c.abs().sum()) == 0 for c in plan._COUNTERS.values())
     monkeypatch.setenv("FLASHTILE_DECODE_CHECK", "fused")
     lens = sl.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        flashtile.flash_attn_with_kvcache(q, *caches["fused"], k, v, cache_seqlens=lens, **kw)  # warm up
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = flashtile.flash_attn_with_kvcache(q, *caches["fused"], k, v, cache_seqlens=lens, **kw)
+    graph, (out, lse) = _capture(lambda: flashtile.flash_attn_with_kvcache(q, *caches["fused"], k, v,
+                                                                         cache_seqlens=lens, **kw))
     for _ in range(3):
         want = flashtile.flash_attn_with_kvcache(q, *(c.clone() for c in caches["fused"]), k, v, cache_seqlens=lens,
                                                  **kw)
@@ -313,15 +315,9 @@ def test_padded_decode_step_in_a_cuda_graph(monkeypatch):
     tab[[1, 3]] = -1
     kw = dict(cache_seqlens=lens, block_table=tab, causal=True, padding_sequences=True, return_softmax_lse=True)
     caches = kc.clone(), vc.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **kw)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = flashtile.flash_attn_with_kvcache(q, *caches, k, v, **kw)
+    graph, (out, lse) = _capture(lambda: flashtile.flash_attn_with_kvcache(q, *caches, k, v, **kw),
+                                 lambda: flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, **kw),
+                                 times=2)
     for step in range(3):
         lens.copy_(torch.tensor([6 + step, -1, 701 + step, -1], dtype=torch.int32))
         before = caches[0].clone(), caches[1].clone()
@@ -341,15 +337,7 @@ def test_padded_varlen_in_a_cuda_graph():
     q, k, v = (torch.randn(512, 8, 64, generator=g).to("cuda", torch.bfloat16) for _ in range(3))
     cu = torch.tensor([0, 100, 400], dtype=torch.int32, device="cuda")
     kw = dict(causal=True, padding_sequences=True)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(2):
-            flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 400, 400, **kw)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 400, 400, **kw)
+    graph, out = _capture(lambda: flashtile.flash_attn_varlen_func(q, k, v, cu, cu, 400, 400, **kw), times=2)
     for ends in ((0, 100, 400), (0, 250, 300), (0, 0, 512)):
         cu.copy_(torch.tensor(ends, dtype=torch.int32))
         graph.replay()
@@ -386,14 +374,9 @@ def test_pdl_matches_plain_launches(monkeypatch, page, check):
     want = steps("off")
     assert all(torch.equal(a, b) for a, b in zip(steps("on"), want))
     lens, caches = seqlens.clone(), (kc.clone(), vc.clone())
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=lens, **kw)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = flashtile.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=lens, **kw)
+    graph, (out, lse) = _capture(
+        lambda: flashtile.flash_attn_with_kvcache(q, *caches, k, v, cache_seqlens=lens, **kw),
+        lambda: flashtile.flash_attn_with_kvcache(q, kc.clone(), vc.clone(), k, v, cache_seqlens=lens, **kw))
     for step in range(3):
         lens.copy_(seqlens + 11 * (step + 1))
         before = caches[0].clone(), caches[1].clone()
@@ -452,14 +435,8 @@ def test_spread_check_matches_the_check_kernel(monkeypatch, page, batch):
         assert found.spread == len(bad)
     monkeypatch.setenv("FLASHTILE_DECODE_CHECK", "spread")
     lens = sl.clone()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        flashtile.flash_attn_with_kvcache(q, *caches["spread"], k, v, cache_seqlens=lens, **kw)  # warm up
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out, lse = flashtile.flash_attn_with_kvcache(q, *caches["spread"], k, v, cache_seqlens=lens, **kw)
+    graph, (out, lse) = _capture(lambda: flashtile.flash_attn_with_kvcache(q, *caches["spread"], k, v,
+                                                                         cache_seqlens=lens, **kw))
     for _ in range(3):
         lens += 1
         ref = [c.clone() for c in caches["spread"]]

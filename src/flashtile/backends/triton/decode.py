@@ -1006,6 +1006,11 @@ def stages(kind: str, block_d: int, block_dv: int) -> int:
     return STAGES[kind] if max(block_d, block_dv) <= 256 else min(STAGES[kind], 2)
 
 
+def _sms(device) -> int:
+    """The SM count the launch heuristics plan for: the GPU's, 16 under the interpreter."""
+    return sm_count(device_index(device)) if device.type == "cuda" else 16
+
+
 def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, device, *,
                   gather: bool = False) -> int:
     """Splits of the cache length: ``num_splits`` when given (at most one per key tile),
@@ -1019,7 +1024,7 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
     tiles = max(1, triton.cdiv(capacity, block_n))
     if num_splits > 0:
         return max(1, min(num_splits, tiles, MAX_SPLITS))
-    sms = sm_count(device_index(device)) if device.type == "cuda" else 16
+    sms = _sms(device)
     most = max(1, min(triton.cdiv(tiles, 4), MAX_SPLITS))
     if programs < 2 * sms and not gather:
         return max(1, min(2 * sms // programs, most))
@@ -1154,8 +1159,9 @@ def scratch(q, k_cache, table, num_splits: int, checked: bool, head_dim_v: int =
     """(status, parts, slots) of a decode call in one float32 allocation (a call's host time
     is a few allocations and launches): status int32 (4,) when ``checked`` else None; parts
     (out_part (S, B, Sq, H, Dv), lse_part (S, B, H, Sq)) when it splits, else None; slots
-    int32 (3, B * S), the spread check's verdicts (codes, block indices, values), when ``spread`` (with ``checked``, and a
-    step that splits: ``spread_step``) else None. ``head_dim_v``: v's head dim (0: q's)."""
+    int32 (3, B * S), the spread check's verdicts (codes, block indices, values), when
+    ``spread`` (with ``checked``, and a step that splits: ``spread_step``) else None.
+    ``head_dim_v``: v's head dim (0: q's)."""
     import torch
 
     splits, _ = split_plan(q, k_cache, table, num_splits, head_dim_v)
@@ -1272,8 +1278,9 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
                  SOFTCAP=softcap_on, HAS_ALIBI=alibi is not None, ROTARY=rotary, INTERLEAVED=interleaved,
                  ROTARY_LOCAL=rotary_local, SPLIT=splits > 1, CHECKED=status is not None and not spread,
                  IEEE_DOT=q.dtype == torch.float32, HAS_SINK=sink is not None, CHUNK=chunk > 0,
-                 APPEND=k_new is not None and not spread, APPEND_T=min(APPEND_T_MAX if max(block_d, block_dv) <= 256 else 8,
-                                                        triton.next_power_of_2(max(new, 1))),
+                 APPEND=k_new is not None and not spread,
+                 APPEND_T=min(APPEND_T_MAX if max(block_d, block_dv) <= 256 else 8,
+                              triton.next_power_of_2(max(new, 1))),
                  FUSED_COMBINE=fused_combine, PADDING=padding, FUSED_CHECK=fused_check,
                  CHECK_ROTARY=(fused_check or spread) and rotary_len >= 0, CHECK_BLOCK=check_block(batch),
                  CHECK_BLOCK_E=SPREAD_BLOCK_E if spread else FUSED_CHECK_BLOCK_E, MERGE_M=merge_m,
@@ -1283,7 +1290,7 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
             4, stages(kind, block_d, block_dv))
         if spread:
             _finish(out_part, lse_part, out, lse, sink, slots, status, k_new, v_new, k_cache, v_cache, seqlens,
-                    batch_idx, table, cos, sin, group=group, capacity=capacity, interleaved=interleaved,
+                    batch_idx, table, cos, sin, nheads_k=nheads_k, capacity=capacity, interleaved=interleaved,
                     padding=padding, pdl=pdl)
         elif splits > 1 and not fused_combine:
             combine(out_part, lse_part, out, lse, sink, pdl=pdl)
@@ -1297,13 +1304,12 @@ def _pdl_options(pdl: bool) -> dict:
 
 
 def _finish(out_part, lse_part, out, lse, sink, slots, status, k_new, v_new, k_cache, v_cache, seqlens, batch_idx,
-            table, cos, sin, *, group: int, capacity: int, interleaved: bool, padding: bool, pdl: bool) -> None:
+            table, cos, sin, *, nheads_k: int, capacity: int, interleaved: bool, padding: bool, pdl: bool) -> None:
     """``finish_kernel`` (the spread check's last kernel, inside ``decode``'s device context):
     the merge of ``combine``, the verdict of ``slots``, the append of k_new, v_new (None:
     nothing to append) and ``status``."""
     splits, batch, seqlen, nheads, head_dim_v = out_part.shape
     head_dim = k_cache.shape[3]
-    nheads_k = nheads // group
     paged = table is not None
     rotary = cos is not None
     new = 0 if k_new is None else k_new.shape[1]
@@ -1343,9 +1349,8 @@ def finish_appenders(batch: int, seqlen: int, nheads: int, nheads_k: int, new: i
     16)."""
     if not new:
         return 0
-    sms = sm_count(device_index(device)) if device.type == "cuda" else 16
     extra = batch * nheads_k
-    return extra if batch * seqlen * nheads + extra <= sms else 0
+    return extra if batch * seqlen * nheads + extra <= _sms(device) else 0
 
 
 def combine(out_part, lse_part, out, lse, sink=None, *, pdl: bool = False) -> None:
