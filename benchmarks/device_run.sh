@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|levers|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|combine-ncu|session27-tests|session27-bench|decode-users|host-ab|spread-tests|spread-bench|all]   (from the repo root)
-# Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back).
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
+# Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
+# of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
 export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/flashtile-out}
@@ -160,17 +161,6 @@ if [[ $what == decode-ab ]]; then
   echo "host overhead rc=$?"; grep -v Warn "$OUT/host-decode.log"
   tar -czf "$OUT/decode-ab.tgz" -C /tmp/bench $(cd /tmp/bench && ls h200-decode-append-* decode-ab-*.log 2>/dev/null)
 fi
-if [[ $what == levers ]]; then
-  # Issue 38's two load-path A/Bs found on the CPU (session 22): the one-pass backward's dQ
-  # slots with a 32-byte swizzle (no bank conflicts) against the default 128, each checked
-  # against fp32 autograd first; the decode kernel's tiles through TMA against the library's
-  # kernel under CUDA graphs (benchmarks/experiments/decode_tma.py).
-  timeout ${SWIZZLE_TIMEOUT:-240} python3 benchmarks/experiments/gluon_bwd_onepass.py --variants "2,2;2,2,32" \
-    --shapes "128,4096,0;128,8192,1;128,16384,1;64,4096,0;64,8192,1" > "$OUT/onepass-swizzle.log" 2>&1
-  echo "dq swizzle rc=$?"; grep -v Warn "$OUT/onepass-swizzle.log" | tail -30
-  timeout ${TMA_TIMEOUT:-150} python3 benchmarks/experiments/decode_tma.py > "$OUT/decode-tma.log" 2>&1
-  echo "decode tma rc=$?"; grep -v Warn "$OUT/decode-tma.log" | tail -16
-fi
 if [[ $what == varlen-onepass ]]; then
   # Issue 38: packed calls on the one-pass backward (FLASHTILE_BWD_DQ=onepass; session 23, compiled
   # only): its GPU test, then the varlen backward rows under the split kernels (today's default)
@@ -258,51 +248,6 @@ if by.get("flashtile") and by.get("sdpa-cudnn"):
     print(f"attention flashtile / cuDNN: median of five {statistics.median([a / b for a, b in zip(f, c)]):.3f} (target <= 0.87)")
 PY
 fi
-if [[ $what == combine-ncu ]]; then
-  # Why the fused combine is slower at small batch (runs 106, 115): the decode kernel with
-  # and without it at B1 x 8192 cached (GQA 32/8, d128), under Nsight Compute.
-  ncu=$(ls /usr/local/cuda/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
-  for mode in separate fused; do
-    FLASHTILE_DECODE_COMBINE=$mode timeout 150 $ncu -k regex:decode_kernel --launch-skip 5 --launch-count 1 \
-      --section SpeedOfLight --section WarpStateStats --section LaunchStats --section Occupancy \
-      --section SchedulerStats --section MemoryWorkloadAnalysis \
-      python3 -c "
-import torch, flashtile
-q = torch.randn(1, 1, 32, 128, device='cuda', dtype=torch.bfloat16)
-kc, vc = (torch.randn(1, 8192, 8, 128, device='cuda', dtype=torch.bfloat16) for _ in range(2))
-lens = torch.full((1,), 8000, device='cuda', dtype=torch.int32)
-for _ in range(8):
-    flashtile.flash_attn_with_kvcache(q, kc, vc, cache_seqlens=lens)
-torch.cuda.synchronize()
-" > "$OUT/combine-ncu-$mode.log" 2>&1
-    echo "combine $mode ncu rc=$?"
-    grep -E "Duration|Grid Size|Registers|Achieved Occupancy|Stall|Warp Cycles|Throughput|ERR" "$OUT/combine-ncu-$mode.log" | head -30
-  done
-fi
-if [[ $what == session27-tests ]]; then
-  # The GPU tests of what sessions 26-27 changed (the Gluon forward's sink epilogue, the keyed
-  # training path, causal packed d64 on the one-pass backward, the fused combine's mend, the
-  # SDPA provider writing PyTorch's layouts with planned calls), in one call. -n 6: run 132
-  # ran them at -n 8 on an H100 and 18 of them ran out of GPU memory.
-  timeout ${S27_TESTS_TIMEOUT:-540} python3 -m pytest -m gpu tests/backends/sm90/test_sm90_forward_gpu.py \
-    tests/runtime/test_replay_gpu.py tests/backends/test_backward_gpu.py tests/api/test_varlen_gpu.py \
-    tests/api/test_kvcache_gpu.py tests/integrations/test_torch_sdpa_gpu.py tests/api/test_sinks_gpu.py \
-    -v -rf -n ${TESTS_WORKERS:-6} --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-session27.log" 2>&1
-  echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-session27.log" | cut -c1-200 | tail -15
-fi
-if [[ $what == session27-bench ]]; then
-  # host cost of every row, the SDPA provider's included, twice; the fused combine's A/B
-  # (after 5d2be30's mend); the sink rows of features.py, now on the Gluon forward
-  for i in 1 2; do
-    timeout 130 python3 benchmarks/host_overhead.py --impl flashtile flashtile-sdpa sdpa-cudnn sdpa-flash \
-      sdpa-flashtile > "$OUT/host-overhead-$i.log" 2>&1
-    echo "host overhead $i rc=$?"; grep -v Warn "$OUT/host-overhead-$i.log" | tail -9
-  done
-  timeout 60 python3 benchmarks/experiments/decode_combine_ab.py --rep 50 > "$OUT/combine-ab.log" 2>&1
-  echo "combine A/B rc=$?"; tail -6 "$OUT/combine-ab.log"
-  timeout 150 python3 benchmarks/features.py --skip wide --pass fwd --out "$OUT/features.jsonl" > "$OUT/features.log" 2>&1
-  echo "features rc=$?"; tail -24 "$OUT/features.log" | cut -c1-220
-fi
 if [[ $what == decode-users ]]; then
   # Every GPU file with a decode call besides the kv-cache file's own (run 144 ran them with
   # FLASHTILE_PDL off; PDL is the default since session 30): transformers, continuous
@@ -312,14 +257,6 @@ if [[ $what == decode-users ]]; then
     tests/api/test_head_dims_gpu.py tests/tools/test_check_gpu.py \
     -v -rf -n ${TESTS_WORKERS:-6} --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-decode-users.log" 2>&1
   echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-decode-users.log" | cut -c1-200 | tail -15
-fi
-if [[ $what == spread-tests ]]; then
-  # Session 31's spread check (FLASHTILE_DECODE_CHECK=spread, ``auto``'s choice under capture):
-  # the kv-cache GPU file and the files whose graphs take it (continuous batching, transformers).
-  timeout ${SPREAD_TESTS_TIMEOUT:-420} python3 -m pytest -m gpu tests/api/test_kvcache_gpu.py \
-    tests/integrations/test_continuous_batching_gpu.py tests/integrations/test_transformers_gpu.py \
-    -v -rf -n ${TESTS_WORKERS:-6} --maxfail=30 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-spread.log" 2>&1
-  echo "gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-spread.log" | cut -c1-200 | tail -15
 fi
 if [[ $what == spread-bench ]]; then
   # Generation steps (--append) under CUDA graphs on cold inputs, the check kernel (separate)
@@ -354,6 +291,38 @@ for key, row in us.items():
     print(key[0], key[1], " ".join(f"{t}={v:.2f}" for t, v in sorted(row.items())))
 PY
   tar -czf "$OUT/spread-bench.tgz" -C /tmp/bench $(cd /tmp/bench && ls spread-*) 2>/dev/null
+fi
+if [[ $what == graph-ab ]]; then
+  # Generation steps under CUDA graphs (cold inputs), an old src tree (AB_OLD, e.g. `git archive
+  # <rev> src | tar -x -C headsrc`, carried: AB_OLD=headsrc/src) against this one, alternating,
+  # cuDNN after the first round; rows AB_ROWS (bench --decode indices), rounds AB_ROUNDS.
+  rows=${AB_ROWS:-"0 1 2 7 10 11 13 15 17 19 20"}
+  for r in $(seq 1 ${AB_ROUNDS:-2}); do
+    for side in old new; do
+      pp=src; [[ $side == old ]] && pp=$AB_OLD
+      PYTHONPATH=$pp timeout 100 python3 -m flashtile.tools.bench --decode --append --impl flashtile \
+        --mode cuda_graph --only $rows --out /tmp/bench --tag "ab-$side-r$r" > /tmp/bench/ab-$side-r$r.log 2>&1
+      echo "graph $side round $r rc=$?"
+    done
+    if [[ $r == 1 ]]; then
+      timeout 100 python3 -m flashtile.tools.bench --decode --impl sdpa-cudnn --mode cuda_graph --only $rows \
+        --out /tmp/bench --tag ab-cudnn > /tmp/bench/ab-cudnn.log 2>&1
+      echo "graph cudnn rc=$?"
+    fi
+    tar -czf "$OUT/graph-ab.tgz" -C /tmp/bench $(cd /tmp/bench && ls ab-*) 2>/dev/null
+  done
+  python3 - <<'PY'
+import glob, json, collections
+us = collections.defaultdict(dict)
+for f in sorted(glob.glob("/tmp/bench/ab-*.jsonl")):
+    tag = f.split("/")[-1][len("ab-"):-len(".jsonl")]
+    for line in open(f):
+        r = json.loads(line)
+        if r.get("ms"):
+            us[r["label"]][tag] = r["ms"] * 1e3
+for label, row in us.items():
+    print(label, " ".join(f"{t}={v:.2f}" for t, v in sorted(row.items())))
+PY
 fi
 if [[ $what == host-ab ]]; then
   # Host cost before and after a change, alternating in one call: HOST_AB_OLD names a src

@@ -2,7 +2,13 @@
 decode shape of ``flashtile.tools.bench.decode``: which split count each shape wants, next to
 the one ``backends.triton.decode.choose_splits`` picks (num_splits=0).
 
-    PYTHONPATH=src python3 benchmarks/sweep_decode.py [--only 0 1 2]
+    PYTHONPATH=src python3 benchmarks/sweep_decode.py [--only 0 1 2] [--shapes 16x4096 32x8192]
+        [--append] [--rounds 2]
+
+``--append``: generation steps (the new token appended: under CUDA graphs ``auto`` takes the
+spread check there, as ``flashtile bench --decode --append`` does); ``--shapes``: more GQA
+32/8 d128 rows as batch x cached tokens; ``--rounds``: every count again, in turn, so that
+the differences can be read against the rounds' spread.
 """
 from __future__ import annotations
 
@@ -14,15 +20,18 @@ import os
 # the first one's kernel (H200 run 68 did). CUDA-graph timing has no host cost to save.
 os.environ["FLASHTILE_PLANS"] = "0"
 
-from flashtile.tools.bench.decode import measure, read_ceiling, shapes
+from flashtile.tools.bench.decode import DecodeShape, measure, read_ceiling, shapes
 
 SPLITS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--only", nargs="+", type=int)
+    p.add_argument("--only", nargs="*", type=int, help="rows of bench --decode (none: only --shapes)")
     p.add_argument("--splits", nargs="+", type=int, default=list(SPLITS))
+    p.add_argument("--shapes", nargs="+", default=[], help="more rows, batch x cached tokens: 16x4096")
+    p.add_argument("--append", action="store_true", help="generation steps (decode + append)")
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--rep", type=int, default=50)
     p.add_argument("--stages-paged", type=int, nargs="+", help="num_stages of the paged kernel (each in turn)")
     p.add_argument("--page-slice", type=int, nargs="+",
@@ -43,20 +52,27 @@ def main() -> None:
 
 def sweep(args) -> None:
     todo = shapes()
-    if args.only:
+    if args.only is not None:
         todo = [todo[i] for i in args.only]
+    todo += [DecodeShape(*map(int, s.split("x"))) for s in args.shapes]
     ceiling = read_ceiling()
-    print(f"read ceiling {ceiling:.2f} TB/s", flush=True)
+    print(f"read ceiling {ceiling:.2f} TB/s{' (generation steps)' if args.append else ''}", flush=True)
     for shape in todo:
-        best = None
-        for n in args.splits:
-            ms = measure("flashtile", shape, "cuda_graph", 10, args.rep, num_splits=n)
-            tb = shape.bytes() / (ms * 1e-3) / 1e12
-            print(f"{shape.label():40s} splits {n:3d}: {ms * 1e3:8.1f} us {tb:5.2f} TB/s ({100 * tb / ceiling:.0f}%)",
-                  flush=True)
-            if n and (best is None or ms < best[1]):
-                best = (n, ms)
-        print(f"{shape.label():40s} best: {best[0]} splits", flush=True)
+        times = {n: [] for n in args.splits}
+        for r in range(args.rounds):
+            for n in args.splits:
+                ms = measure("flashtile", shape, "cuda_graph", 10, args.rep, num_splits=n, append=args.append)
+                times[n].append(ms)
+                tb = shape.bytes() / (ms * 1e-3) / 1e12
+                print(f"{shape.label():40s} splits {n:3d}: {ms * 1e3:8.2f} us {tb:5.2f} TB/s "
+                      f"({100 * tb / ceiling:.0f}%) round {r + 1}", flush=True)
+        mean = {n: sum(t) / len(t) for n, t in times.items()}
+        best = min((n for n in mean if n), key=mean.get, default=None)
+        spread = max(max(t) - min(t) for t in times.values()) * 1e3
+        line = f"{shape.label():40s} best: {best} splits, {mean[best] * 1e3:.2f} us" if best else shape.label()
+        if 0 in mean:
+            line += f"; the heuristic's {mean[0] * 1e3:.2f} us"
+        print(f"{line}; rounds within {spread:.2f} us", flush=True)
 
 
 if __name__ == "__main__":
