@@ -1017,8 +1017,8 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
     else from ``programs`` (batch x nheads_k x row blocks) and the SM count. At most one
     program per two SMs: split until there is about one per SM, one wave of programs that
     each stream a long stretch (H100, GQA 32/8 generation steps under CUDA graphs, run 178:
-    0-4% less a step than two per SM at batch 1-8, 4k-131k keys, with half the partials to
-    merge; +0.2% at batch 8 with pages of 256). Fewer than two per SM: about
+    up to 4% less a step than two per SM at batch 1-8, 4k-131k keys, with half the partials
+    to merge; +0.2% at batch 8 with pages of 256). Fewer than two per SM: about
     two per SM, one wave (on the H200, 2-4x the unsplit speed at batch 1-8). More: enough
     splits for about 12 programs per SM, so that the last, partial wave is short (batch 64
     x 8192: 4.38 vs 3.85 TB/s unsplit).
