@@ -133,7 +133,7 @@ def _spawn(tmp_path, world, backend="torch", configs=CONFIGS):
 
 
 @pytest.mark.slow(seconds=30)
-@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("world", [2, 3])  # even and odd; 3 passes blocks over more than one hop
 def test_ring_matches_one_process(tmp_path, world):
     for rank, results in enumerate(_spawn(tmp_path, world)):
         assert "ranks pass different shapes" in results[-1]["mismatch"], results[-1]
