@@ -224,7 +224,7 @@ MASK_NAMES = [
 MASK_SEQLENS = [(1, 239), (239, 1), (3, 799), (113, 203), (217, 128)]
 
 
-@pytest.mark.parametrize("num_kv_heads", KV_HEADS, ids=lambda h: f"Hk{h}")
+@pytest.mark.parametrize("num_kv_heads", [6, 2], ids=lambda h: f"Hk{h}")  # MHA, GQA (MQA: the other tests)
 @pytest.mark.parametrize("seqlens", MASK_SEQLENS, ids=lambda s: f"Sq{s[0]}-Sk{s[1]}")
 @pytest.mark.parametrize("mask_name", MASK_NAMES)
 def test_masks_match_oracle(mask_name: str, seqlens: tuple[int, int], num_kv_heads: int) -> None:
