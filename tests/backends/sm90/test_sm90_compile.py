@@ -43,7 +43,8 @@ def _report(out: str, names) -> list[tuple[str, dict[str, str]]]:
 
 
 @pytest.mark.slow(seconds=200)
-@pytest.mark.parametrize("head_dim", [64, 128, 256])  # one head dim per case: xdist spreads the compiles
+@pytest.mark.parametrize("head_dim", [pytest.param(64, marks=pytest.mark.exhaustive), 128,
+                                      pytest.param(256, marks=pytest.mark.exhaustive)])  # one per case (xdist)
 def test_sm90_table_compiles_and_fits(tmp_path, head_dim):
     """Every table configuration at ``head_dim`` builds sm_90a PTX within shared memory with
     wgmma; the plain forward kernels go through ptxas (registers, spills), the Triton backward
@@ -62,6 +63,7 @@ def test_sm90_table_compiles_and_fits(tmp_path, head_dim):
     assert not spilling, "\n".join(spilling)
 
 
+@pytest.mark.exhaustive
 @pytest.mark.slow(seconds=40)
 def test_gluon_forward_experiment_compiles_with_the_overlap(tmp_path):
     """benchmarks/experiments/gluon_fwd.py (H200 runs 16-18): both kernels compile for sm_90a
@@ -83,6 +85,7 @@ def test_gluon_forward_experiment_compiles_with_the_overlap(tmp_path):
         assert "WAIT1" in sched and sched.index("WAIT1") < sched.index("EX2x", sched.index("WAIT1")), sched
 
 
+@pytest.mark.exhaustive
 @pytest.mark.slow(seconds=120)
 def test_gluon_backward_compiles_with_the_overlap(tmp_path):
     """backends/sm90/backward_split.py: every kernel compiles for sm_90a within shared memory,
@@ -154,6 +157,7 @@ def test_gluon_forward_dynamic_schedule_compiles(tmp_path):
         assert int(fields["atom"]) == 3 and int(fields["exch"]) == 1 and int(fields["spill"]) <= 128, line
 
 
+@pytest.mark.exhaustive
 @pytest.mark.slow(seconds=190)
 def test_varlen_kernels_compile(tmp_path):
     """The packed-sequence variants: the Gluon forward on a work list (d64/128/256) and the
@@ -298,6 +302,7 @@ def test_decode_pdl_waits_before_it_touches_memory(tmp_path):
         assert all(got[(name, hd, False)][:2] == (-1, -1) for name in ("decode", "decode-combine")), got
 
 
+@pytest.mark.exhaustive
 @pytest.mark.slow(seconds=30)
 def test_wide_head_dims_compile_and_fit(tmp_path):
     """Issue 36's shapes build for sm_90a and fit shared memory: the forward and backward at
@@ -404,6 +409,7 @@ def test_one_pass_backward_compiles_with_a_reducer_warp(tmp_path):
         assert (int(stores) > 0) == (varlen == "1"), rows
 
 
+@pytest.mark.exhaustive
 @pytest.mark.slow(seconds=180)
 def test_flex_kernels_compile_and_fit(tmp_path):
     """Issue 35's kernels with translated mods build sm_90a PTX and fit shared memory: the
