@@ -8,6 +8,24 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/flashtile-out}
 mkdir -p "$OUT" /tmp/bench
 what=${1:-all}
+
+# The bench rows of /tmp/bench/$1*.jsonl side by side: mode and shape, then us per step for
+# each tag (the file name after $1).
+rows_by_tag() {
+  python3 - "$1" <<'PY'
+import collections, glob, json, sys
+prefix = sys.argv[1]
+us = collections.defaultdict(dict)
+for f in sorted(glob.glob(f"/tmp/bench/{prefix}*.jsonl")):
+    tag = f.split("/")[-1][len(prefix):-len(".jsonl")]
+    for line in open(f):
+        r = json.loads(line)
+        if r.get("ms"):
+            us[(r["mode"], r["label"])][tag] = r["ms"] * 1e3
+for (mode, label), row in us.items():
+    print(mode, label, " ".join(f"{t}={v:.2f}" for t, v in sorted(row.items())))
+PY
+}
 (nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
  python3 -c "import torch, triton; print(torch.__version__, triton.__version__)") > "$OUT/env.txt" 2>&1
 
@@ -278,18 +296,7 @@ if [[ $what == spread-bench ]]; then
       --mode eager --only 0 1 3 6 20 21 25 --out /tmp/bench --tag "spread-eager-$check" > /tmp/bench/spread-eager-$check.log 2>&1
     echo "eager $check rc=$?"
   done
-  python3 - <<'PY'
-import glob, json, collections
-us = collections.defaultdict(dict)
-for f in sorted(glob.glob("/tmp/bench/spread-*.jsonl")):
-    tag = f.split("/")[-1][len("spread-"):-len(".jsonl")]
-    for line in open(f):
-        r = json.loads(line)
-        if r.get("ms"):
-            us[(r["mode"], r["label"])][tag] = r["ms"] * 1e3
-for key, row in us.items():
-    print(key[0], key[1], " ".join(f"{t}={v:.2f}" for t, v in sorted(row.items())))
-PY
+  rows_by_tag spread-
   tar -czf "$OUT/spread-bench.tgz" -C /tmp/bench $(cd /tmp/bench && ls spread-*) 2>/dev/null
 fi
 if [[ $what == graph-ab ]]; then
@@ -311,18 +318,7 @@ if [[ $what == graph-ab ]]; then
     fi
     tar -czf "$OUT/graph-ab.tgz" -C /tmp/bench $(cd /tmp/bench && ls ab-*) 2>/dev/null
   done
-  python3 - <<'PY'
-import glob, json, collections
-us = collections.defaultdict(dict)
-for f in sorted(glob.glob("/tmp/bench/ab-*.jsonl")):
-    tag = f.split("/")[-1][len("ab-"):-len(".jsonl")]
-    for line in open(f):
-        r = json.loads(line)
-        if r.get("ms"):
-            us[r["label"]][tag] = r["ms"] * 1e3
-for label, row in us.items():
-    print(label, " ".join(f"{t}={v:.2f}" for t, v in sorted(row.items())))
-PY
+  rows_by_tag ab-
 fi
 if [[ $what == host-ab ]]; then
   # Host cost before and after a change, alternating in one call: HOST_AB_OLD names a src

@@ -33,6 +33,44 @@ def _capture(step, warm_up=None, times=1):
     return graph, got
 
 
+def _generation_case(batch, page):
+    """A generation step on the GPU (GQA 32/8, d128, bf16, one new token; lengths random below
+    8000 in caches of 8192, pages of ``page`` or rows): (q, k, v, k_cache, v_cache, table,
+    cache_seqlens)."""
+    seqlens = [int(x) for x in torch.randint(1, 8000, (batch,), generator=torch.Generator().manual_seed(batch))]
+    return _cuda(*_case(batch=batch, sq=1, new=1, heads=(32, 8), d=128, capacity=8192, seqlens=seqlens,
+                        dtype=torch.bfloat16, page=page))
+
+
+def _capacity(k_cache, table):
+    """Tokens a sequence's cache holds (its block table's pages, or the cache's rows)."""
+    return table.shape[1] * k_cache.shape[1] if table is not None else k_cache.shape[1]
+
+
+def _steps_by_check(monkeypatch, qkv, caches, lens, kw, count):
+    """``count`` generation steps, each on fresh q, k, v (shaped as ``qkv``) under every
+    FLASHTILE_DECODE_CHECK mode of ``caches`` (mode -> the (k_cache, v_cache) it appends to):
+    yields (step, (q, k, v), {mode: (out, lse)})."""
+    for step in range(count):
+        qkv = tuple(torch.randn_like(t) for t in qkv)
+        got = {}
+        for mode, c in caches.items():
+            monkeypatch.setenv("FLASHTILE_DECODE_CHECK", mode)
+            got[mode] = flashtile.flash_attn_with_kvcache(qkv[0], *c, *qkv[1:], cache_seqlens=lens, **kw)
+        yield step, qkv, got
+
+
+def _replay_a_bad_length(graph, out, lse, lens, caches, capacity):
+    """Replays a captured step with the last sequence's length at its capacity (no room for
+    the new token): every out and lse NaN, the caches untouched."""
+    lens[-1] = capacity
+    before = [c.clone() for c in caches]
+    graph.replay()
+    torch.cuda.synchronize()
+    assert out.isnan().all() and lse.isnan().all()
+    assert all(torch.equal(a, b) for a, b in zip(caches, before))
+
+
 def _as_captured(monkeypatch, fn):
     """``fn()`` eagerly with the launches a captured step takes: under capture ``auto`` keeps
     the combine kernel and takes the spread check where the step allows it, else the check
@@ -95,7 +133,7 @@ def test_bad_device_metadata_writes_nothing():
     q, k, v, kc, vc, table, seqlens = _cuda(*_case(page=16, capacity=40, dtype=torch.float16))
     before = kc.clone(), vc.clone()
     bad = seqlens.clone()
-    bad[1] = table.shape[1] * kc.shape[1]  # 3 pages of 16: 48 keys, no room for the new one
+    bad[1] = _capacity(kc, table)  # 3 pages of 16: 48 keys, no room for the new one
     out = flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=bad, block_table=table)
     assert out.isnan().all() and torch.equal(kc, before[0]) and torch.equal(vc, before[1])
     out = flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, cache_seqlens=seqlens, block_table=table)
@@ -207,9 +245,7 @@ def test_fused_combine_matches_the_combine_kernel(monkeypatch, page, batch):
     step's, which differ; the stream's counters are left at 0."""
     from flashtile.runtime import replay as plan
 
-    seqlens = [int(x) for x in torch.randint(1, 8000, (batch,), generator=torch.Generator().manual_seed(batch))]
-    q, k, v, kc, vc, table, sl = _cuda(*_case(batch=batch, sq=1, new=1, heads=(32, 8), d=128, capacity=8192,
-                                              seqlens=seqlens, dtype=torch.bfloat16, page=page))
+    q, k, v, kc, vc, table, sl = _generation_case(batch, page)
     kw = dict(cache_seqlens=sl, block_table=table, causal=True, return_softmax_lse=True)
     for step in range(30):
         q = torch.randn_like(q)
@@ -236,18 +272,11 @@ def test_fused_check_matches_the_check_kernel(monkeypatch, page, batch, combine)
     the run's timeout names it)."""
     from flashtile.runtime import replay as plan
 
-    seqlens = [int(x) for x in torch.randint(1, 8000, (batch,), generator=torch.Generator().manual_seed(batch))]
-    q, k, v, kc, vc, table, sl = _cuda(*_case(batch=batch, sq=1, new=1, heads=(32, 8), d=128, capacity=8192,
-                                              seqlens=seqlens, dtype=torch.bfloat16, page=page))
+    q, k, v, kc, vc, table, sl = _generation_case(batch, page)
     monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", combine)
     kw = dict(block_table=table, causal=True, return_softmax_lse=True)
     caches = {mode: (kc.clone(), vc.clone()) for mode in ("separate", "fused")}
-    for step in range(30):
-        q, k, v = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
-        got = {}
-        for mode in ("separate", "fused"):
-            monkeypatch.setenv("FLASHTILE_DECODE_CHECK", mode)
-            got[mode] = flashtile.flash_attn_with_kvcache(q, *caches[mode], k, v, cache_seqlens=sl, **kw)
+    for step, (q, k, v), got in _steps_by_check(monkeypatch, (q, k, v), caches, sl, kw, 30):
         assert torch.equal(got["separate"][0], got["fused"][0]) and torch.equal(got["separate"][1], got["fused"][1])
         assert all(torch.equal(a, b) for a, b in zip(caches["separate"], caches["fused"])), step
     torch.cuda.synchronize()
@@ -262,12 +291,7 @@ def test_fused_check_matches_the_check_kernel(monkeypatch, page, batch, combine)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
-    lens[-1] = (table.shape[1] * kc.shape[1] if table is not None else kc.shape[1])  # no room for the new token
-    before = [c.clone() for c in caches["fused"]]
-    graph.replay()
-    torch.cuda.synchronize()
-    assert out.isnan().all() and lse.isnan().all()
-    assert all(torch.equal(a, b) for a, b in zip(caches["fused"], before))
+    _replay_a_bad_length(graph, out, lse, lens, caches["fused"], _capacity(kc, table))
     assert all(int(c.abs().sum()) == 0 for c in plan._COUNTERS.values())
 
 
@@ -401,25 +425,18 @@ def test_spread_check_matches_the_check_kernel(monkeypatch, page, batch):
     page give the check kernel's status; on the graph a bad length makes every out and lse
     NaN and leaves the caches untouched. Batch 1 appends in programs of its own
     (``decode.finish_appenders``: 40 programs), batch 4 and 16 in the merge programs."""
-    seqlens = [int(x) for x in torch.randint(1, 8000, (batch,), generator=torch.Generator().manual_seed(batch))]
-    q, k, v, kc, vc, table, sl = _cuda(*_case(batch=batch, sq=1, new=1, heads=(32, 8), d=128, capacity=8192,
-                                              seqlens=seqlens, dtype=torch.bfloat16, page=page))
+    q, k, v, kc, vc, table, sl = _generation_case(batch, page)
     monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")
     kw = dict(block_table=table, causal=True, return_softmax_lse=True)
     caches = {mode: (kc.clone(), vc.clone()) for mode in ("separate", "spread")}
-    for step in range(20):
-        q, k, v = torch.randn_like(q), torch.randn_like(k), torch.randn_like(v)
-        got = {}
-        for mode in ("separate", "spread"):
-            monkeypatch.setenv("FLASHTILE_DECODE_CHECK", mode)
-            got[mode] = flashtile.flash_attn_with_kvcache(q, *caches[mode], k, v, cache_seqlens=sl, **kw)
+    for step, (q, k, v), got in _steps_by_check(monkeypatch, (q, k, v), caches, sl, kw, 20):
         torch.testing.assert_close(got["spread"][0], got["separate"][0], atol=2e-3, rtol=0.016)
         torch.testing.assert_close(got["spread"][1], got["separate"][1], rtol=1e-5, atol=1e-5)
         assert all(torch.equal(a, b) for a, b in zip(caches["separate"], caches["spread"])), step
     with monkeypatch.context() as m:  # the status, eagerly (plans off: every call runs decode.decode)
         m.setenv("FLASHTILE_PLANS", "0")
         found = _keep_status(m)
-        capacity = table.shape[1] * kc.shape[1] if page else kc.shape[1]
+        capacity = _capacity(kc, table)
         bad = [dict(cache_seqlens=torch.where(torch.arange(batch, device="cuda") == batch - 1, capacity, sl))]
         if page:
             t = table.clone()
@@ -445,12 +462,7 @@ def test_spread_check_matches_the_check_kernel(monkeypatch, page, batch):
         torch.cuda.synchronize()
         assert torch.equal(out, want[0]) and torch.equal(lse, want[1])
         assert all(torch.equal(a, b) for a, b in zip(caches["spread"], ref))
-    lens[-1] = (table.shape[1] * kc.shape[1] if table is not None else kc.shape[1])  # no room for the new token
-    before = [c.clone() for c in caches["spread"]]
-    graph.replay()
-    torch.cuda.synchronize()
-    assert out.isnan().all() and lse.isnan().all()
-    assert all(torch.equal(a, b) for a, b in zip(caches["spread"], before))
+    _replay_a_bad_length(graph, out, lse, lens, caches["spread"], _capacity(kc, table))
 
 
 def test_auto_keeps_the_kernels_under_capture(monkeypatch):

@@ -1030,10 +1030,9 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
         return max(1, min(num_splits, tiles, MAX_SPLITS))
     sms = _sms(device)
     most = max(1, min(triton.cdiv(tiles, 4), MAX_SPLITS))
-    if 2 * programs <= sms and not gather:
-        return max(1, min(sms // programs, most))
     if programs < 2 * sms and not gather:
-        return max(1, min(2 * sms // programs, most))
+        per_sm = 1 if 2 * programs <= sms else 2
+        return max(1, min(per_sm * sms // programs, most))
     return max(1, min(triton.cdiv(12 * sms, programs), most))
 
 
