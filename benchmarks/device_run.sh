@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|swap-ab|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -335,4 +335,17 @@ if [[ $what == host-ab ]]; then
     timeout 60 python3 benchmarks/host_overhead.py --impl flashtile sdpa-cudnn ${HOST_AB_ARGS:-} >> "$OUT/host-ab.log" 2>&1
   done
   grep -v Warn "$OUT/host-ab.log" | grep -v "^# "
+fi
+if [[ $what == swap-ab ]]; then
+  # The one-pass backward's swapped consumer (SWAP_AB: P^T and dS^T in registers; session 33,
+  # compiled only): its GPU tests (the matrix, the race hunt and packed calls, both consumers),
+  # then the experiment's checks on odd shapes and TF/s of both consumers, the library's
+  # backward, the Triton backward and cuDNN.
+  timeout ${SWAP_TESTS_TIMEOUT:-240} python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py \
+    -k "swapped or race_hunt or packed" -q -n ${TESTS_WORKERS:-6} --maxfail=20 -p no:warnings -p no:cacheprovider \
+    > "$OUT/gpu-tests-swap.log" 2>&1
+  echo "swap gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-swap.log" | cut -c1-300 | tail -20
+  timeout ${SWAP_BENCH_TIMEOUT:-240} python3 benchmarks/experiments/gluon_bwd_onepass.py \
+    --variants "${SWAP_VARIANTS:-0,2;0,2,-1,1}" ${SWAP_SHAPES:+--shapes "$SWAP_SHAPES"} > "$OUT/swap-ab.log" 2>&1
+  echo "swap experiment rc=$?"; grep -v Warn "$OUT/swap-ab.log" | tail -40
 fi

@@ -359,7 +359,8 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
 
 def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf: int | None = None,
                              dq_buf: int | None = None, keys_outer: bool = False,
-                             dq_swizzle: int | None = None, varlen: bool = False) -> Compiled:
+                             dq_swizzle: int | None = None, varlen: bool = False,
+                             swap_ab: bool | None = None) -> Compiled:
     """The one-pass Gluon backward (``backends.sm90.backward_onepass``; its default rings and
     dQ swizzle unless given; ``varlen``: its work-list variant for packed sequences): its PTX
     should hold the bulk tensor reductions of dQ."""
@@ -367,15 +368,17 @@ def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf
 
     num_buf = num_buf or op.NUM_BUF[head_dim]
     dq_buf = dq_buf or op.DQ_BUF
+    swap_ab = op.SWAP_AB[head_dim] if swap_ab is None else swap_ab
     layout = op.dq_accumulator_layout(head_dim, dq_swizzle)
     dq_desc = f"tensordesc<fp32[{op.BLOCK}, {head_dim // 2}],{layout}>"
     return _compile_ws(f"bwd-onepass {dtype} d{head_dim} causal={causal} num_buf={num_buf} dq_buf={dq_buf} "
-                       f"dq_swizzle={layout.swizzle_byte_width}" + (" varlen" if varlen else ""),
+                       f"dq_swizzle={layout.swizzle_byte_width}" + (" varlen" if varlen else "")
+                       + (" swap_ab" if swap_ab else ""),
                        op.onepass_kernel, dtype, head_dim,
                        dict.fromkeys(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc"), op.BLOCK),
                        dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=op.CONSUMER_REGS,
                             LOADER_REGS=op.LOADER_REGS, REDUCER_REGS=op.REDUCER_REGS,
-                            KEYS_OUTER=keys_outer and not varlen),
+                            KEYS_OUTER=keys_outer and not varlen, SWAP_AB=swap_ab),
                        dict(dq_desc=dq_desc, **(dict(Items="*i32") if varlen else {})))
 
 
