@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|swap-ab|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|swap-ab|new-in-loop|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -302,11 +302,12 @@ fi
 if [[ $what == graph-ab ]]; then
   # Generation steps under CUDA graphs (cold inputs), an old src tree (AB_OLD, e.g. `git archive
   # <rev> src | tar -x -C headsrc`, carried: AB_OLD=headsrc/src) against this one, alternating,
-  # cuDNN after the first round; rows AB_ROWS (bench --decode indices), rounds AB_ROUNDS.
+  # cuDNN after the first round; rows AB_ROWS (bench --decode indices), rounds AB_ROUNDS; the new
+  # side AB_NEW (default src).
   rows=${AB_ROWS:-"0 1 2 7 10 11 13 15 17 19 20"}
   for r in $(seq 1 ${AB_ROUNDS:-2}); do
     for side in old new; do
-      pp=src; [[ $side == old ]] && pp=$AB_OLD
+      pp=${AB_NEW:-src}; [[ $side == old ]] && pp=$AB_OLD
       PYTHONPATH=$pp timeout 100 python3 -m flashtile.tools.bench --decode --append --impl flashtile \
         --mode cuda_graph --only $rows --out /tmp/bench --tag "ab-$side-r$r" > /tmp/bench/ab-$side-r$r.log 2>&1
       echo "graph $side round $r rc=$?"
@@ -348,4 +349,17 @@ if [[ $what == swap-ab ]]; then
   timeout ${SWAP_BENCH_TIMEOUT:-240} python3 benchmarks/experiments/gluon_bwd_onepass.py \
     --variants "${SWAP_VARIANTS:-0,2;0,2,-1,1}" ${SWAP_SHAPES:+--shapes "$SWAP_SHAPES"} > "$OUT/swap-ab.log" 2>&1
   echo "swap experiment rc=$?"; grep -v Warn "$OUT/swap-ab.log" | tail -40
+fi
+if [[ $what == new-in-loop ]]; then
+  # decode.NEW_KEYS_IN_LOOP (session 33, interpreter-tested only): the kv-cache GPU tests with it
+  # on (a copy of src with the switch flipped), then generation steps under graphs, off (src)
+  # against on, alternating twice, and cuDNN (graph-ab's rows: B8 4k, B1 131k, B8 page 256,
+  # B1-B4 at 4k-32k).
+  rm -rf /tmp/flip && mkdir -p /tmp/flip && cp -r src /tmp/flip/
+  sed -i 's/^NEW_KEYS_IN_LOOP = False/NEW_KEYS_IN_LOOP = True/' /tmp/flip/src/flashtile/backends/triton/decode.py
+  grep -c "^NEW_KEYS_IN_LOOP = True" /tmp/flip/src/flashtile/backends/triton/decode.py
+  PYTHONPATH=/tmp/flip/src timeout ${NIL_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu tests/api/test_kvcache_gpu.py -q \
+    -n 8 --maxfail=20 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-new-in-loop.log" 2>&1
+  echo "kvcache gpu tests (new keys in the loop) rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-new-in-loop.log" | tail -8
+  AB_OLD=src AB_NEW=/tmp/flip/src AB_ROWS=${AB_ROWS:-"0 2 7 10 11 13 14 15 18 19"} bash "$0" graph-ab
 fi
