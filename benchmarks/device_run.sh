@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|swap-ab|new-in-loop|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -336,30 +336,4 @@ if [[ $what == host-ab ]]; then
     timeout 60 python3 benchmarks/host_overhead.py --impl flashtile sdpa-cudnn ${HOST_AB_ARGS:-} >> "$OUT/host-ab.log" 2>&1
   done
   grep -v Warn "$OUT/host-ab.log" | grep -v "^# "
-fi
-if [[ $what == swap-ab ]]; then
-  # The one-pass backward's swapped consumer (SWAP_AB: P^T and dS^T in registers; session 33,
-  # compiled only): its GPU tests (the matrix, the race hunt and packed calls, both consumers),
-  # then the experiment's checks on odd shapes and TF/s of both consumers, the library's
-  # backward, the Triton backward and cuDNN.
-  timeout ${SWAP_TESTS_TIMEOUT:-240} python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py \
-    -k "swapped or race_hunt or packed" -q -n ${TESTS_WORKERS:-6} --maxfail=20 -p no:warnings -p no:cacheprovider \
-    > "$OUT/gpu-tests-swap.log" 2>&1
-  echo "swap gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-swap.log" | cut -c1-300 | tail -20
-  timeout ${SWAP_BENCH_TIMEOUT:-240} python3 benchmarks/experiments/gluon_bwd_onepass.py \
-    --variants "${SWAP_VARIANTS:-0,2;0,2,-1,1}" ${SWAP_SHAPES:+--shapes "$SWAP_SHAPES"} > "$OUT/swap-ab.log" 2>&1
-  echo "swap experiment rc=$?"; grep -v Warn "$OUT/swap-ab.log" | tail -40
-fi
-if [[ $what == new-in-loop ]]; then
-  # decode.NEW_KEYS_IN_LOOP (session 33, interpreter-tested only): the kv-cache GPU tests with it
-  # on (a copy of src with the switch flipped), then generation steps under graphs, off (src)
-  # against on, alternating twice, and cuDNN (graph-ab's rows: B8 4k, B1 131k, B8 page 256,
-  # B1-B4 at 4k-32k).
-  rm -rf /tmp/flip && mkdir -p /tmp/flip && cp -r src /tmp/flip/
-  sed -i 's/^NEW_KEYS_IN_LOOP = False/NEW_KEYS_IN_LOOP = True/' /tmp/flip/src/flashtile/backends/triton/decode.py
-  grep -c "^NEW_KEYS_IN_LOOP = True" /tmp/flip/src/flashtile/backends/triton/decode.py
-  PYTHONPATH=/tmp/flip/src timeout ${NIL_TESTS_TIMEOUT:-200} python3 -m pytest -m gpu tests/api/test_kvcache_gpu.py -q \
-    -n 8 --maxfail=20 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-new-in-loop.log" 2>&1
-  echo "kvcache gpu tests (new keys in the loop) rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-new-in-loop.log" | tail -8
-  AB_OLD=src AB_NEW=/tmp/flip/src AB_ROWS=${AB_ROWS:-"0 2 7 10 11 13 14 15 18 19"} bash "$0" graph-ab
 fi

@@ -8,10 +8,8 @@ report for sm_90a on the CPU; one shape for Nsight Compute.
     ncu -k regex:onepass_kernel --launch-skip 1 --launch-count 1 \\
         python3 benchmarks/experiments/gluon_bwd_onepass.py --profile 128,4096,0     # one shape
 
-Variants are (num_buf, dq_buf[, dq_swizzle[, swap_ab]]): (Q, dO) ring slots (0: the library's
-``NUM_BUF``), float32 dQ slots, the dQ slots' swizzle in bytes (-1: the library's
-``DQ_SWIZZLE``; 32 has no bank conflicts) and 1 for FA3's swapped products with P in
-registers (``_consumer_rs``; session 33). History (docs/
+Variants are (num_buf, dq_buf[, dq_swizzle]): (Q, dO) ring slots, float32 dQ slots and the
+dQ slots' swizzle in bytes (default the library's ``DQ_SWIZZLE``; 32 has no bank conflicts). History (docs/
 perf-notes.md, "One-pass backward"): runs 30-34 reduced dQ from the consumers' registers
 (290-375 TF/s at d128); run 80 measured the L2's reduction rate alone (3.6 TB/s); runs
 83-85 (session 16) the reducer warp: d64 1.03-1.09x the split kernels, d128 0.90-0.99x
@@ -31,27 +29,17 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_bwd import run  # noqa: E402  (the library experiment's checks and timing)
 
 
-def options(variant) -> dict:
-    """(num_buf, dq_buf[, dq_swizzle[, swap_ab]]) -> attention_backward_onepass's keywords;
-    0 ring slots or a swizzle of -1: the library's default for the head dim."""
-    num_buf, dq_buf, *rest = variant
-    swizzle = rest[0] if rest and rest[0] >= 0 else None
-    swap = bool(rest[1]) if len(rest) > 1 else None
-    return dict(num_buf=num_buf or None, dq_buf=dq_buf, dq_swizzle=swizzle, swap_ab=swap)
-
-
 def onepass_launch(q, k, v, dout, lse, delta, dq, dk, dv, *, causal, diag, variant):
     from flashtile.backends.sm90.backward_onepass import attention_backward_onepass
 
+    num_buf, dq_buf, *swizzle = variant
     attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5, diag_offset=diag,
-                               causal=causal, **options(variant))
+                               causal=causal, num_buf=num_buf, dq_buf=dq_buf, dq_swizzle=(swizzle or [None])[0])
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--variants", default="0,2;0,2,-1,1",
-                   help="num_buf,dq_buf[,dq_swizzle[,swap_ab]];... (0 slots, swizzle -1: the default; d128 fits 2,2 "
-                        "or 3,1, d64 4,2)")
+    p.add_argument("--variants", default="4,2;2,2", help="num_buf,dq_buf[,dq_swizzle];... (d128 fits 2,2 or 3,1; d64 4,2)")
     p.add_argument("--shapes", default="128,4096,0;128,4096,1;128,16384,1;64,4096,0;64,16384,1;64,1024,0;128,1024,1",
                    help="headdim,seqlen,causal;...")
     p.add_argument("--compile", action="store_true",
@@ -64,16 +52,17 @@ def main(argv=None) -> int:
     if args.compile:
         from flashtile.tools.sm90_check import compile_backward_onepass
 
-        for variant in variants:
+        for num_buf, dq_buf, *swizzle in variants:
             for d in sorted({sh[0] for sh in shapes}):
                 for causal in (False, True):
                     try:
-                        c = compile_backward_onepass("bf16", d, causal=causal, **options(variant))
+                        c = compile_backward_onepass("bf16", d, causal=causal, num_buf=num_buf, dq_buf=dq_buf,
+                                                     dq_swizzle=(swizzle or [None])[0])
                         regs, spills = c.registers()
                         print(f"{c.name}: shared {c.shared} B, regs {regs}, spills {spills} B, bulk reduces "
                               f"{c.ptx.count('cp.reduce.async.bulk.tensor')}", flush=True)
                     except Exception as exc:  # noqa: BLE001  (an experiment: report and go on)
-                        print(f"d{d} causal={causal} {variant}: {type(exc).__name__}: {str(exc)[:300]}",
+                        print(f"d{d} causal={causal} {num_buf},{dq_buf}: {type(exc).__name__}: {str(exc)[:300]}",
                               flush=True)
         return 0
     if args.profile:

@@ -700,41 +700,6 @@ def test_paged_table_slice(triton_backend, monkeypatch, page, num_splits, slice_
     assert len(slices) == 1 and (slices[0] >= 16 if slice_max else slices[0] == 0)
 
 
-@pytest.mark.parametrize("page", [0, 16, 64], ids=["rows", "page16", "page64"])
-def test_spread_new_keys_in_the_loop(triton_backend, monkeypatch, page):
-    """decode.NEW_KEYS_IN_LOOP: the spread check's new keys read by the decode loop's tiles
-    (each key's row from the cache below the first new key, from k and v from it on; 64-key
-    tiles at d32): one new token in the middle of a tile, right after a tile's end, at a
-    tile's last key, at a split's first key (2 splits of 192 over 320); 3 new tokens across a
-    tile's end (key 63) and across the splits' boundary; an empty cache; MQA (8 query heads),
-    a causal multi-query step and a window. Only one wave of programs (at most one per SM: 16
-    under the interpreter) and no rotary (``decode.new_in_loop``)."""
-    from flashtile.backends.triton import decode
-
-    cpu = torch.device("cpu")
-    assert decode.new_in_loop(True, False, 16, cpu) is False  # the switch is off by default
-    monkeypatch.setattr(decode, "NEW_KEYS_IN_LOOP", True)
-    assert decode.new_in_loop(True, False, 16, cpu) and not decode.new_in_loop(True, False, 17, cpu)
-    assert not decode.new_in_loop(True, True, 16, cpu) and not decode.new_in_loop(False, False, 16, cpu)
-    monkeypatch.setenv("FLASHTILE_KVCACHE_CHECK", "device")
-    monkeypatch.setenv("FLASHTILE_DECODE_CHECK", "spread")
-    in_loop = []
-    orig = decode._launch_decode._launch
-
-    def spy(grid, args, constexprs, *rest):
-        in_loop.append(constexprs["NEW_IN_LOOP"])
-        return orig(grid, args, constexprs, *rest)
-
-    monkeypatch.setenv("FLASHTILE_PLANS", "0")
-    monkeypatch.setattr(decode._launch_decode, "_launch", spy)
-    for new, seqlens in ((1, (0, 30, 64, 127, 192, 318)), (3, (0, 61, 63, 125, 190, 200))):
-        q, k, v, kc, vc, table, lens = _case(batch=6, sq=new, new=new, heads=(8, 1), d=32, capacity=320,
-                                             seqlens=seqlens, page=page, seed=new)
-        _run_and_check(q, k, v, kc, vc, lens, table=table, causal=True, num_splits=2)
-        _run_and_check(q, k, v, kc.clone(), vc.clone(), lens, table=table, causal=True, num_splits=2, window=(50, 0))
-    assert in_loop == [True] * 4
-
-
 @pytest.mark.parametrize("num_splits, check", [(1, "host"), (4, "host"), (4, "spread")])
 def test_split_kv_windows_softcap_alibi_rotary(triton_backend, monkeypatch, num_splits, check):
     """Every option with split-KV; with the spread check too (metadata checked on the device:

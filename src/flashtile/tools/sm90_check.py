@@ -359,8 +359,7 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
 
 def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf: int | None = None,
                              dq_buf: int | None = None, keys_outer: bool = False,
-                             dq_swizzle: int | None = None, varlen: bool = False,
-                             swap_ab: bool | None = None) -> Compiled:
+                             dq_swizzle: int | None = None, varlen: bool = False) -> Compiled:
     """The one-pass Gluon backward (``backends.sm90.backward_onepass``; its default rings and
     dQ swizzle unless given; ``varlen``: its work-list variant for packed sequences): its PTX
     should hold the bulk tensor reductions of dQ."""
@@ -368,17 +367,15 @@ def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf
 
     num_buf = num_buf or op.NUM_BUF[head_dim]
     dq_buf = dq_buf or op.DQ_BUF
-    swap_ab = op.SWAP_AB[head_dim] if swap_ab is None else swap_ab
     layout = op.dq_accumulator_layout(head_dim, dq_swizzle)
     dq_desc = f"tensordesc<fp32[{op.BLOCK}, {head_dim // 2}],{layout}>"
     return _compile_ws(f"bwd-onepass {dtype} d{head_dim} causal={causal} num_buf={num_buf} dq_buf={dq_buf} "
-                       f"dq_swizzle={layout.swizzle_byte_width}" + (" varlen" if varlen else "")
-                       + (" swap_ab" if swap_ab else ""),
+                       f"dq_swizzle={layout.swizzle_byte_width}" + (" varlen" if varlen else ""),
                        op.onepass_kernel, dtype, head_dim,
                        dict.fromkeys(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc"), op.BLOCK),
                        dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=op.CONSUMER_REGS,
                             LOADER_REGS=op.LOADER_REGS, REDUCER_REGS=op.REDUCER_REGS,
-                            KEYS_OUTER=keys_outer and not varlen, SWAP_AB=swap_ab),
+                            KEYS_OUTER=keys_outer and not varlen),
                        dict(dq_desc=dq_desc, **(dict(Items="*i32") if varlen else {})))
 
 
@@ -414,8 +411,7 @@ def compile_backward(cfg, dtype: str, head_dim: int, *, mask_mode: int = 0, extr
 def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, extras: bool = False,
                    split: bool = True, page_slice: int = 0, head_dim_v: int = 0,
                    append: bool = True, fused_combine: bool = False, append_t: int = 1,
-                   fused_check: bool = False, pdl: bool = False, spread: bool = False,
-                   new_in_loop: bool | None = None) -> list[Compiled]:
+                   fused_check: bool = False, pdl: bool = False, spread: bool = False) -> list[Compiled]:
     """The KV-cache kernels of ``backends/triton/decode.py`` as a decode step launches them: the check,
     the append kernel (``FLASHTILE_DECODE_APPEND=separate``'s) and the decode kernel, which
     appends the new keys itself when ``append`` (the default: ``fused``)
@@ -427,16 +423,14 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
     gather's table slice in registers (``decode.PAGE_SLICE_MAX``); ``pdl``: the decode and
     combine kernels as ``FLASHTILE_PDL=on`` launches them; ``spread`` (with ``split``): the
     spread check's decode kernel and its last kernel (``finish_kernel``) instead of the
-    check, append and combine kernels; ``new_in_loop`` (with ``spread``; None: the library's
-    ``decode.NEW_KEYS_IN_LOOP``): the new keys read by the loop's tiles."""
+    check, append and combine kernels."""
     from flashtile.backends.triton import decode
 
-    new_in_loop = spread and (decode.NEW_KEYS_IN_LOOP if new_in_loop is None else new_in_loop)
     block_m, block_n, block_d, block_dv = decode.block_sizes(head_dim, rows, head_dim_v)
     dims = f"d{head_dim}" + (f"-{head_dim_v}" if head_dim_v and head_dim_v != head_dim else "")
     tag = (f"{dtype} {dims} rows={rows} paged={paged} extras={extras}" + (f" slice={page_slice}" if page_slice else "")
            + (f" append_t={append_t}" if append_t != 1 else "") + (" check=fused" if fused_check else "")
-           + (" check=spread" if spread else "") + (" new_in_loop" if new_in_loop else "")
+           + (" check=spread" if spread else "")
            + (" pdl" if pdl else ""))
     ints = ("SeqLens", "LeftPad", "BatchIdx", "Table", "Status", "Slots")
     ptrs = {n: "*i32" for n in ints}
@@ -467,8 +461,7 @@ def compile_decode(dtype: str, head_dim: int, *, rows: int = 4, paged: int = 0, 
                           CHECK_BLOCK=16, CHECK_BLOCK_E=decode.SPREAD_BLOCK_E if spread else decode.FUSED_CHECK_BLOCK_E,
                           MERGE_M=decode.merge_rows(block_m, rows),
                           COMBINE_CHUNK=decode.combine_chunk(decode.merge_rows(block_m, rows), block_dv)
-                          if fused_combine and split else 1, PDL=pdl, SPREAD=spread, BLOCK_NEW=16,
-                          NEW_IN_LOOP=new_in_loop), 4,
+                          if fused_combine and split else 1, PDL=pdl, SPREAD=spread, BLOCK_NEW=16), 4,
                      decode.stages(kind, block_d, block_dv))]
     if spread:
         out.append(_compile(f"decode-finish {tag}", decode.finish_kernel, ptrs,
@@ -496,10 +489,6 @@ def decode_checks(head_dims=(64, 128, 256), dtype: str = "bf16"):
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, spread=True)  # a captured step's default
         if head_dim == 128:  # the spread check's page loop (the row cache's kernel: every head dim)
             yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=16, page_slice=128, spread=True)
-            for paged, page_slice in ((0, 0), (16, 128), (256, 0)):  # the new keys read by the loop
-                yield lambda d=head_dim, p=paged, s=page_slice: compile_decode(dtype, d, rows=4, paged=p,
-                                                                             page_slice=s, spread=True,
-                                                                             new_in_loop=True)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=16, append_t=16)  # speculative: 16 new a step
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, split=False)
         yield lambda d=head_dim: compile_decode(dtype, d, rows=4, paged=16)

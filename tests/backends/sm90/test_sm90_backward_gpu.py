@@ -37,23 +37,6 @@ def bwd_ws_calls(monkeypatch):
     return spy_calls(monkeypatch, backward_sm90_onepass, "attention_backward_onepass", calls)
 
 
-def _swap_ab(monkeypatch, on: bool) -> list:
-    """``backward_onepass.SWAP_AB`` at ``on`` for both head dims (FA3's swapped products, P
-    in registers: ``_consumer_rs``); returns the live list of each one-pass launch's SWAP_AB
-    (launch plans must be off: ``bwd_ws_calls`` turns them off)."""
-    from flashtile.backends.sm90 import backward_onepass as op
-
-    monkeypatch.setattr(op, "SWAP_AB", dict.fromkeys(op.HEAD_DIMS, on))
-    seen, launch = [], op._launch
-
-    def spy(grid, args, constexprs, *rest):
-        seen.append(constexprs["SWAP_AB"])
-        return launch(grid, args, constexprs, *rest)
-
-    monkeypatch.setattr(op, "_launch", spy)
-    return seen
-
-
 SEQ_PAIRS = [(1, 1), (17, 17), (64, 64), (127, 129), (129, 127), (200, 1000), (1000, 200), (1000, 1000)]
 
 
@@ -64,16 +47,6 @@ def test_ws_grad_matrix(case, bwd_ws_calls):
     assert len(bwd_ws_calls) == 1 and bwd_ws_calls[0]["causal"] == (case.causal and case.seqlen_q > 1), bwd_ws_calls
     one_pass = case.head_dim in ONEPASS_HEAD_DIMS  # the default there (not deterministic)
     assert bwd_ws_calls[0]["fn"] == ("attention_backward_onepass" if one_pass else "attention_backward_ws")
-
-
-@pytest.mark.parametrize("case", rotating_cases((64, 128), SEQ_PAIRS, ((6, 6), (6, 2), (6, 1))),
-                         ids=lambda c: c.id)
-def test_swapped_products_matrix(case, bwd_ws_calls, monkeypatch):
-    """The one-pass kernel's swapped variant (S^T = K Q^T, dV and dK from P^T and dS^T in
-    registers, dS^T in shared memory read transposed by dQ) on the matrix's edge cases."""
-    swapped = _swap_ab(monkeypatch, True)
-    check_flash_grads(case, device="cuda")
-    assert [c["fn"] for c in bwd_ws_calls] == ["attention_backward_onepass"] and swapped == [True]
 
 
 @pytest.mark.parametrize("head_dim", [128, 256])
@@ -115,15 +88,12 @@ def test_bitwise_reproducible(head_dim, bwd_ws_calls):
     assert len(bwd_ws_calls) == 11 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_ws"}
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["pipelined", "swapped"])
 @pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_one_pass_race_hunt(causal, head_dim, swap, bwd_ws_calls, monkeypatch):
+def test_one_pass_race_hunt(causal, head_dim, bwd_ws_calls):
     """The one-pass kernel at batch 60 (many programs add into each dQ tile at once, GQA):
     dK and dV bitwise equal over reruns (each program owns its keys), dQ within the
-    accuracy rule every time (its float32 sums arrive in a varying order). Both consumers
-    (``swap``: ``SWAP_AB``)."""
-    swapped = _swap_ab(monkeypatch, swap)
+    accuracy rule every time (its float32 sums arrive in a varying order)."""
     case = Case(333, 333, head_dim, dtype=torch.bfloat16, causal=causal, batch=60, nheads=4, nheads_k=2)
     q, k, v, _ = make_inputs(case, "cuda", 0)
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -140,7 +110,6 @@ def test_one_pass_race_hunt(causal, head_dim, swap, bwd_ws_calls, monkeypatch):
         assert torch.equal(dk, first[1]) and torch.equal(dv, first[2])
         assert_close("one-pass dq again", dq, ref[0], base[0], factor=GRAD_FACTOR)
     assert len(bwd_ws_calls) == 6 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
-    assert swapped == [swap] * 6
 
 
 def test_one_pass_switch(bwd_ws_calls, monkeypatch):
@@ -199,10 +168,9 @@ def test_lse_gradient(bwd_ws_calls):
     assert len(bwd_ws_calls) == 1
 
 
-@pytest.mark.parametrize("swap", [False, True], ids=["pipelined", "swapped"])
 @pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
-def test_one_pass_packed_sequences(causal, head_dim, swap, bwd_ws_calls, monkeypatch):
+def test_one_pass_packed_sequences(causal, head_dim, bwd_ws_calls, monkeypatch):
     """FLASHTILE_BWD_DQ=onepass: packed calls on the one-pass kernel (the default for
     non-causal ones since H100 run 118; causal ones only with the switch). Documents end inside key blocks and query tiles, so the kernel reads the next
     document's rows, which must add exactly nothing: its keys masked out of P (non-causal;
@@ -213,8 +181,7 @@ def test_one_pass_packed_sequences(causal, head_dim, swap, bwd_ws_calls, monkeyp
     multiple of 64), so the last document's last tile runs past the accumulator's rows of its
     head into the next head's. QUALITY's rule against float64 with NaN-poisoned gradients,
     then dK and dV bitwise equal on a rerun (each program owns its keys) and dQ within the
-    rule again. Both consumers (``swap``: ``SWAP_AB``)."""
-    swapped = _swap_ab(monkeypatch, swap)
+    rule again."""
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")
     case = VarlenCase((0, 1, 17, 113, 9, 1000, 332), (5, 1, 130, 113, 0, 700, 300), head_dim=head_dim,
                       dtype=torch.bfloat16, nheads=6, nheads_k=2, causal=causal)
@@ -222,4 +189,4 @@ def test_one_pass_packed_sequences(causal, head_dim, swap, bwd_ws_calls, monkeyp
     again = check_varlen(case, device="cuda")
     assert torch.equal(first[3], again[3]) and torch.equal(first[4], again[4])
     assert len(bwd_ws_calls) == 2 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
-    assert all(c["varlen"] is not None for c in bwd_ws_calls) and swapped == [swap] * 2
+    assert all(c["varlen"] is not None for c in bwd_ws_calls)

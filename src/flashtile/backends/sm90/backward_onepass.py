@@ -82,10 +82,6 @@ DQ_BUF = 2  # float32 dQ slots (64 x D each: with 2 ring slots at d128, 224 of t
 # at d128, so it is chosen per head dim.
 DQ_SWIZZLE = {64: 32, 128: 128}
 REDUCER_REGS = 24
-# FA3's swapped products (S^T = K Q^T; dV and dK from P^T and dS^T in registers; P never in
-# shared memory): ``_consumer_rs``. Compiled only (session 33: d128 without spills where the
-# pipelined consumer spills 192-312 B); off until a GPU has timed it.
-SWAP_AB = {64: False, 128: False}
 
 
 def keys_outer(causal: bool, group_size: int) -> bool:
@@ -150,23 +146,18 @@ def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, q
 
 
 @gluon.jit
-def _dq_issue(WG: gl.constexpr, t, k_smem, ds_smem, ds_full, z, TRANSPOSED: gl.constexpr = False):
+def _dq_issue(WG: gl.constexpr, t, k_smem, ds_smem, ds_full, z):
     """Issue dQ of step t for this warpgroup's half of the head dim, from both warpgroups'
-    dS (async; the caller waits). ``z`` is 0 (see ``_consumer``'s loop). ``TRANSPOSED``:
-    the slots hold dS^T (keys x queries: ``_consumer_rs``), read as dS."""
+    dS (async; the caller waits). ``z`` is 0 (see ``_consumer``'s loop)."""
     HEAD_D: gl.constexpr = k_smem.type.shape[4]
     HALF_D: gl.constexpr = HEAD_D // 2
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HALF_D, 16])
     mbarrier.wait(ds_full.index(0), t & 1)
-    ds0 = ds_smem.index(z)
-    ds1 = ds_smem.index(1 + z)
-    if TRANSPOSED:
-        ds0 = ds0.permute((1, 0))
-        ds1 = ds1.permute((1, 0))
-    dq = warpgroup_mma(ds0, k_smem.index(z).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D, dim=1),
+    dq = warpgroup_mma(ds_smem.index(z), k_smem.index(z).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D, dim=1),
                        gl.zeros([ROWS, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
-    return warpgroup_mma(ds1, k_smem.index(1 + z).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D, dim=1),
+    return warpgroup_mma(ds_smem.index(1 + z), k_smem.index(1 + z).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D,
+                                                                                             dim=1),
                          dq, is_async=True)
 
 
@@ -271,21 +262,12 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         # about to stage dK.
         mbarrier.wait(ds_empty.index(0), (n_steps - 1) & 1)
 
-    _store_dk_dv(WG, dk, dv, scale, k_smem, v_smem, dk_desc, dv_desc, b, kvh, k_row, nk, seqlen_k, Dk, dk_sh, dk_sm,
-                 Dv, dv_sh, dv_sm, VARLEN, dtype)
-
-
-@gluon.jit
-def _store_dk_dv(WG: gl.constexpr, dk, dv, scale, k_smem, v_smem, dk_desc, dv_desc, b, kvh, k_row, nk, seqlen_k,
-                 Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, VARLEN: gl.constexpr, dtype: gl.constexpr):
-    """A warpgroup's dK (scaled) and dV. K and V are no longer read: their tiles stage dK
-    and dV for the TMA stores, which clip rows past seqlen_k; a packed sequence's last tile
-    goes from registers instead, its rows masked (``common.store_grad_tile``: TMA would
-    write the next document's)."""
-    HEAD_D: gl.constexpr = k_smem.type.shape[4]
+    # K and V are no longer read: their tiles stage dK and dV for the TMA stores, which
+    # clip rows past seqlen_k; a packed sequence's last tile goes from registers instead,
+    # its rows masked (``common.store_grad_tile``: TMA would write the next document's).
     if VARLEN:
         store_grad_tile((dk * scale).to(dtype), k_smem.index(WG), dk_desc, Dk, dk_sh, dk_sm, b, kvh, k_row, nk,
-                        seqlen_k, True)
+                    seqlen_k, True)
         store_grad_tile(dv.to(dtype), v_smem.index(WG), dv_desc, Dv, dv_sh, dv_sm, b, kvh, k_row, nk, seqlen_k, True)
     else:
         k_smem.index(WG).reshape([ROWS, HEAD_D]).store((dk * scale).to(dtype))
@@ -294,92 +276,6 @@ def _store_dk_dv(WG: gl.constexpr, dk, dv, scale, k_smem, v_smem, dk_desc, dv_de
         tma.async_copy_shared_to_global(dk_desc, [b, kvh, nk, 0], k_smem.index(WG))
         tma.async_copy_shared_to_global(dv_desc, [b, kvh, nk, 0], v_smem.index(WG))
     tma.store_wait(pendings=0)
-
-
-@gluon.jit
-def _pt_and_dst(sT, dpT, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale, q_row, seqlen_k,
-                lse_stride, CAUSAL: gl.constexpr, VARLEN: gl.constexpr, s_layout: gl.constexpr):
-    """``_p_and_ds`` on a transposed (keys x queries) tile: P^T and dS^T in float32, the
-    queries' LSE and Delta along the columns. The same masks: 0 right of the diagonal when
-    causal (key > query + diag_offset; on every tile: the test for a diagonal tile cost
-    ptxas 64 more bytes of spills at d128), keys past seqlen_k in a packed call."""
-    cols = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))  # queries
-    row_off = (b * nheads + hq).to(gl.int64) * lse_stride + q_row
-    lse2 = gl.load(Lse + row_off + cols, mask=cols < seqlen_q, other=float("inf")) * C_LOG2E
-    pt = gl.exp2(sT * qk_scale - lse2[None, :])
-    if CAUSAL:
-        keys = nk + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-        pt = gl.where(keys[:, None] <= cols[None, :] + diag_offset, pt, 0.0)
-    elif VARLEN:
-        if nk + ROWS > seqlen_k:  # the sequence's last key tile
-            keys = nk + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-            pt = gl.where(keys[:, None] < seqlen_k, pt, 0.0)
-    delta = gl.load(Delta + row_off + cols, mask=cols < seqlen_q, other=0.0)
-    return pt, pt * (dpT - delta[None, :])
-
-
-@gluon.jit
-def _consumer_rs(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem,
-                 k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot,
-                 group_size, nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty,
-                 dq_rows, q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
-    """``_consumer`` with FA3's swapped products (``SWAP_AB``): S^T = K_w Q^T and dP^T =
-    V_w dO^T (keys x queries), so P^T and dS^T come out of the softmax in the layout of an
-    A operand: dV_w += P^T dO and dK_w += dS^T Q read them from registers (P never goes
-    to shared memory), and only dS^T is stored, for both warpgroups' dQ (dS = its
-    transpose, read as an M-major A operand). One step at a time per warpgroup (the two
-    warpgroups interleave): S^T, dP^T; wait; P^T, dS^T; issue dV, dK; store dS^T; issue
-    dQ; wait; hand dQ's half to the reducer. ``p_smem`` is not read."""
-    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
-    CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
-    VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
-    dtype: gl.constexpr = q_desc.dtype
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, ROWS, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HEAD_D, 16])
-    a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
-    nk = n0 + WG * ROWS  # first key of this warpgroup
-    q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
-    n_steps = nq * group_size
-    dk = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
-    dv = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
-    mbarrier.wait(kv_bar.index(0), 0)  # dQ reads both warpgroups' K
-    mbarrier.wait(kv_bar.index(1), 0)
-    for s in range(n_steps):
-        # as in ``_consumer``: z = 0, but not to the compiler (the fixed tiles' views anew each step)
-        if HEAD_D > 64:
-            z = s >> 30
-        else:
-            z = 0
-        k_tile = k_smem.index(WG + z).reshape([ROWS, HEAD_D])
-        v_tile = v_smem.index(WG + z).reshape([ROWS, HEAD_D])
-        hq, m0, q_t, do_t = _step_tiles(s, q_lo, nq, q_rot, kvh, group_size, q_smem, do_smem, q_ready)
-        st = warpgroup_mma(k_tile, q_t.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
-                           use_acc=False, is_async=True)
-        dpt = warpgroup_mma(v_tile, do_t.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
-                            use_acc=False, is_async=True)
-        st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
-        pt, dst = _pt_and_dst(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale, q_row,
-                              seqlen_k, lse_stride, CAUSAL, VARLEN, s_layout)
-        dst = dst.to(dtype)
-        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), a_layout), do_t, dv, is_async=True)
-        dk = warpgroup_mma(gl.convert_layout(dst, a_layout), q_t, dk, is_async=True)
-        if s > 0:
-            mbarrier.wait(ds_empty.index(0), (s - 1) & 1)  # both warpgroups' dQ_{s-1} have read dS_{s-1}
-        ds_smem.index(WG + z).store(dst)
-        fence_async_shared()
-        mbarrier.arrive(ds_full.index(0), count=1)
-        dq = _dq_issue(WG, s, k_smem, ds_smem, ds_full, z, True)
-        dk, dv, dq = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv, dq))
-        mbarrier.arrive(q_empty.index(s % q_smem.type.shape[0]), count=1)  # Q_s and dO_s are read
-        _dq_finish(WG, dq, s, ds_empty, scale, dq_smem, dq_full, dq_empty)
-    if n_steps > 0:
-        # The other warpgroup's last dQ product reads this warpgroup's K tile, which is
-        # about to stage dK.
-        mbarrier.wait(ds_empty.index(0), (n_steps - 1) & 1)
-    _store_dk_dv(WG, dk, dv, scale, k_smem, v_smem, dk_desc, dv_desc, b, kvh, k_row, nk, seqlen_k, Dk, dk_sh, dk_sm,
-                 Dv, dv_sh, dv_sm, VARLEN, dtype)
 
 
 @gluon.jit
@@ -399,28 +295,6 @@ def _consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_
                seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
                q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
     _consumer(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-              p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
-              seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
-              q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
-
-
-@gluon.jit
-def _consumer_rs0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-               p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
-               seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
-               q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
-    _consumer_rs(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-              p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
-              seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
-              q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
-
-
-@gluon.jit
-def _consumer_rs1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
-               p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
-               seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
-               q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
-    _consumer_rs(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
               p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
               seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
               q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
@@ -485,7 +359,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
                     seqlen_q, num_n_blocks, diag_offset, qk_scale, scale, dq_desc, dq_rows, seqlen_k, Items,
                     item_cap, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr,
                     DQ_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                    REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr, SWAP_AB: gl.constexpr):
+                    REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     pid = gl.program_id(0)  # flat grid over (batch, kv head) pairs and blocks of 2 * ROWS keys
@@ -523,11 +397,8 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], v_desc.layout)
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], pds_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], pds_layout)
-    if SWAP_AB:  # P stays in registers (``_consumer_rs``): 16 KB less
-        p_smem = ds_smem
-    else:
-        p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], pds_layout)
     # DQ_BUF slots of both warpgroups' float32 dQ halves (64 x D/2 each; slot s's half h at 2 s + h)
     HALF_D: gl.constexpr = HEAD_D // 2
     dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUF * 2, ROWS, HALF_D], dq_desc.layout)
@@ -553,12 +424,8 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
             p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
             seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
             q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
-    if SWAP_AB:
-        gl.warp_specialize([(_consumer_rs0, args), (_consumer_rs1, args), (_loader, args), (_reducer, args)],
-                           [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, REDUCER_REGS])
-    else:
-        gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args), (_reducer, args)],
-                           [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, REDUCER_REGS])
+    gl.warp_specialize([(_consumer0, args), (_consumer1, args), (_loader, args), (_reducer, args)],
+                       [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, REDUCER_REGS])
 
 
 @triton.jit
@@ -603,8 +470,7 @@ def accumulator(q):
 
 def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int,
                                causal: bool, num_buf: int | None = None, dq_buf: int = DQ_BUF,
-                               dq_swizzle: int | None = None, varlen=None, dq_accum=None,
-                               swap_ab: bool | None = None) -> None:
+                               dq_swizzle: int | None = None, varlen=None, dq_accum=None) -> None:
     """Launch the one-pass kernel and the dQ postprocess; the caller checked
     ``scope.backward_scope`` and TMA alignment (``backends.registry.backward``).
 
@@ -625,8 +491,6 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
             written; dQ's are written as zeros (the postprocess casts every row).
         dq_accum: None, or ``accumulator(q)`` already zeroed (the library's path: the
             preprocess zeroed it), else the call allocates and zeroes one.
-        swap_ab: the swapped products with P in registers (``_consumer_rs``); None:
-            ``SWAP_AB[D]``.
 
     Memory: a float32 dQ of B x H x Sq (rounded up to 64) x D.
     """
@@ -668,7 +532,6 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
              dq_desc, rows, seqlen_k, *items),
             dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=CONSUMER_REGS,
                  LOADER_REGS=LOADER_REGS, REDUCER_REGS=REDUCER_REGS,
-                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k),
-                 SWAP_AB=SWAP_AB[head_dim] if swap_ab is None else swap_ab), 4, 1)
+                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k)), 4, 1)
     _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
                     (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]), dict(BLOCK_M=BLOCK, HEAD_D=head_dim), 4, 1)

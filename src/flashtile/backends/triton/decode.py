@@ -115,13 +115,6 @@ STAGES = {"rows": 3, "tile": 5, "gather": 3}
 # cache. H200 (page 16, best split count): 3.01 -> 3.22 TB/s at batch 8 x 32768, 3.73 ->
 # 3.97 at batch 64 x 8192 (0 turns it off; benchmarks/sweep_decode.py --page-slice).
 PAGE_SLICE_MAX = 512
-# The spread check's new keys read by the decode loop's own tiles (``decode_kernel``'s
-# NEW_IN_LOOP: each key's row from the cache below the first new key, from k and v from it
-# on), not by tiles of their own after the loop: one dot-softmax-dot chain less in the split
-# that holds them, which ends a small step (session 32: flashtile 0.3-0.9 us behind cuDNN
-# there). Where: ``new_in_loop``. Interpreter-tested only (session 33); off until a GPU has
-# timed it.
-NEW_KEYS_IN_LOOP = False
 
 
 @triton.jit
@@ -531,36 +524,6 @@ def _last_split_combines(Counters, group, num_splits, OutPart, LsePart, Out, Lse
 
 
 @triton.jit
-def _cache_rows(j, j_ok, n0, offs_n0, table_row, slice_, first_page, page_size, num_blocks,
-                stride_kb, stride_ks, stride_vb, stride_vs, PAGED: tl.constexpr, PAGE_TILE: tl.constexpr,
-                PAGE_SLICE: tl.constexpr):
-    """Row offsets (keys) into K and V of the key tile n0 + offs_n0 = j of ``decode_kernel``'s
-    loop: a row cache's (from the sequence's base), or a page's through the block table (one
-    entry per tile, the split's slice in registers, or one per key)."""
-    if PAGED:
-        if PAGE_TILE:
-            blk = tl.load(table_row + n0 // page_size)
-            blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
-            off = (n0 % page_size).to(tl.int64)
-            k_rows = blk * stride_kb + (off + offs_n0) * stride_ks
-            v_rows = blk * stride_vb + (off + offs_n0) * stride_vs
-        elif PAGE_SLICE > 0:
-            at = tl.minimum(tl.maximum(j // page_size - first_page, 0), PAGE_SLICE - 1)
-            blk = tl.gather(slice_, at, 0).to(tl.int64)
-            k_rows = blk * stride_kb + (j % page_size).to(tl.int64) * stride_ks
-            v_rows = blk * stride_vb + (j % page_size).to(tl.int64) * stride_vs
-        else:
-            blk = tl.load(table_row + j // page_size, mask=j_ok, other=0)
-            blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
-            k_rows = blk * stride_kb + (j % page_size).to(tl.int64) * stride_ks
-            v_rows = blk * stride_vb + (j % page_size).to(tl.int64) * stride_vs
-    else:
-        k_rows = j.to(tl.int64) * stride_ks
-        v_rows = j.to(tl.int64) * stride_vs
-    return k_rows, v_rows
-
-
-@triton.jit
 def decode_kernel(
     Q, K, V, Out, Lse, OutPart, LsePart, Status, SeqLens, LeftPad, BatchIdx, Table, Alibi, Cos, Sin, Sink,
     KNew, VNew, Counters,
@@ -587,7 +550,7 @@ def decode_kernel(
     PADDING: tl.constexpr, FUSED_CHECK: tl.constexpr = False, CHECK_ROTARY: tl.constexpr = False,
     CHECK_BLOCK: tl.constexpr = 16, CHECK_BLOCK_E: tl.constexpr = 1024, COMBINE_CHUNK: tl.constexpr = 1,
     MERGE_M: tl.constexpr = 16, PDL: tl.constexpr = False, SPREAD: tl.constexpr = False,
-    BLOCK_NEW: tl.constexpr = 16, NEW_IN_LOOP: tl.constexpr = False,
+    BLOCK_NEW: tl.constexpr = 16,
 ):
     """Program (b, hk, block of rows, split): rows r = t * group + g of KV head hk against
     keys [split * split_size, (split + 1) * split_size) of sequence b (module docstring).
@@ -732,9 +695,6 @@ def decode_kernel(
                          SAME_DV, PAGED, HAS_BATCH_IDX, ROTARY, INTERLEAVED)
         tl.debug_barrier()  # every thread's stores before any thread's loads of those keys
 
-    table_row = Table  # (with slice_ and first_page: unread unless paged)
-    slice_ = 0
-    first_page = 0
     if PAGED:
         k_base = K + hk64 * stride_kh
         v_base = V + hk64 * stride_vh
@@ -760,31 +720,30 @@ def decode_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-    loop_hi = hi_cache
-    if SPREAD:
-        base = n - pad  # the first new token's key index
-        new_lo = tl.maximum(lo, base)
-        if NEW_IN_LOOP:
-            # the loop reads the new keys too, each key from one place (the cache's row below
-            # base, k's and v's token from base on, not rotated): no tile of new keys after
-            # the loop, at the end of the chain of the split that holds them
-            loop_hi = hi
-            k_new_row = KNew + b64 * stride_nkb + hk64 * stride_nkh
-            v_new_row = VNew + b64 * stride_nvb + hk64 * stride_nvh
-    for n0 in range(start, loop_hi, BLOCK_N):
+    for n0 in range(start, hi_cache, BLOCK_N):
         j = n0 + offs_n0
         j_ok = (j >= lo) & (j < hi_cache)
-        k_rows, v_rows = _cache_rows(j, j_ok, n0, offs_n0, table_row, slice_, first_page, page_size, num_blocks,
-                                     stride_kb, stride_ks, stride_vb, stride_vs, PAGED, PAGE_TILE, PAGE_SLICE)
-        if NEW_IN_LOOP:
-            n_ok = (j >= new_lo) & (j < hi)
-            tn64 = (j - base).to(tl.int64)
-            k_at = tl.where(n_ok, k_new_row + tn64 * stride_nks, k_base + k_rows)
-            v_at = tl.where(n_ok, v_new_row + tn64 * stride_nvs, v_base + v_rows)
-            j_ok = j_ok | n_ok
-            kt = tl.load(k_at[None, :] + offs_d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)
+        if PAGED:
+            if PAGE_TILE:
+                blk = tl.load(table_row + n0 // page_size)
+                blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+                off = (n0 % page_size).to(tl.int64)
+                k_rows = blk * stride_kb + (off + offs_n0) * stride_ks
+                v_rows = blk * stride_vb + (off + offs_n0) * stride_vs
+            elif PAGE_SLICE > 0:
+                at = tl.minimum(tl.maximum(j // page_size - first_page, 0), PAGE_SLICE - 1)
+                blk = tl.gather(slice_, at, 0).to(tl.int64)
+                k_rows = blk * stride_kb + (j % page_size).to(tl.int64) * stride_ks
+                v_rows = blk * stride_vb + (j % page_size).to(tl.int64) * stride_vs
+            else:
+                blk = tl.load(table_row + j // page_size, mask=j_ok, other=0)
+                blk = tl.minimum(tl.maximum(blk, 0), num_blocks - 1).to(tl.int64)
+                k_rows = blk * stride_kb + (j % page_size).to(tl.int64) * stride_ks
+                v_rows = blk * stride_vb + (j % page_size).to(tl.int64) * stride_vs
         else:
-            kt = tl.load(k_base + k_rows[None, :] + offs_d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)
+            k_rows = j.to(tl.int64) * stride_ks
+            v_rows = j.to(tl.int64) * stride_vs
+        kt = tl.load(k_base + k_rows[None, :] + offs_d[:, None], mask=j_ok[None, :] & d_ok[:, None], other=0.0)
         if IEEE_DOT:
             s = tl.dot(q, kt, input_precision="ieee")
         else:
@@ -793,20 +752,18 @@ def decode_kernel(
                       qk_scale, qk_scale, softcap_in, softcap_out, slope[:, None], diag, window_left, window_right,
                       chunk, True, WINDOW_LEFT, WINDOW_RIGHT, SOFTCAP, HAS_ALIBI, 0, CHUNK)  # no explicit mask
         p, alpha, l_i, m_new = _softmax_step(s, l_i, m_i)
-        if NEW_IN_LOOP:
-            v = tl.load(v_at[:, None] + offs_dv[None, :], mask=j_ok[:, None] & dv_ok[None, :], other=0.0)
-        else:
-            v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :], mask=j_ok[:, None] & dv_ok[None, :], other=0.0)
+        v = tl.load(v_base + v_rows[:, None] + offs_dv[None, :], mask=j_ok[:, None] & dv_ok[None, :], other=0.0)
         if IEEE_DOT:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None], input_precision="ieee")
         else:
             acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
-    if SPREAD and not NEW_IN_LOOP:
+    if SPREAD:
         # the new tokens, at key indices n - pad + tn: k rotated at cache position n + tn and
         # rounded to the cache's dtype, as the append will store it (``finish_kernel``).
         # (Loading the first tile before the loop gained nothing: H100 run 168.)
-        for n0 in range(new_lo, hi, BLOCK_NEW):
+        base = n - pad
+        for n0 in range(tl.maximum(lo, base), hi, BLOCK_NEW):
             j = n0 + tl.arange(0, BLOCK_NEW)
             k, v = _load_new(KNew, VNew, Cos, Sin, b64, hk64, j, j < hi, base, n, offs_d, d_ok, offs_dv, dv_ok,
                              stride_nkb, stride_nks, stride_nkh, stride_nvb, stride_nvs, stride_nvh, stride_cos,
@@ -1105,15 +1062,6 @@ def spread_step(q, k_cache, v_cache, table, num_splits: int, new: int) -> bool:
     return 1 < splits and q.shape[0] * splits <= SPREAD_SLOTS_MAX
 
 
-def new_in_loop(spread: bool, rotary: bool, programs: int, device) -> bool:
-    """Whether a spread step's decode loop reads the new keys (``NEW_KEYS_IN_LOOP``): not with
-    rotary (its new keys are rotated in tiles of their own), and only for one wave of
-    programs (at most one per SM), where the split that holds the new keys ends the step;
-    the pointer choice costs the loop registers (sm_90a, d128: 107 -> 126 on a row cache,
-    128 -> 183 with pages of 256), which more waves would pay in occupancy."""
-    return spread and NEW_KEYS_IN_LOOP and not rotary and programs <= _sms(device)
-
-
 def use_pdl(q) -> bool:
     """Whether this step's decode and combine kernels are launched with Programmatic
     Dependent Launch (``FLASHTILE_PDL=on``): CUDA tensors on Hopper or later (``griddepcontrol``
@@ -1343,7 +1291,6 @@ def decode(q, k_cache, v_cache, out, lse, seqlens, leftpad, batch_idx, table, al
                  CHECK_BLOCK_E=SPREAD_BLOCK_E if spread else FUSED_CHECK_BLOCK_E, MERGE_M=merge_m,
                  COMBINE_CHUNK=combine_chunk(merge_m, block_dv) if fused_combine else 1,
                  SPREAD=spread, BLOCK_NEW=min(block_n, max(16, triton.next_power_of_2(new))),
-                 NEW_IN_LOOP=new_in_loop(spread, rotary, groups * splits, q.device),
                  **_pdl_options(pdl)),
             4, stages(kind, block_d, block_dv))
         if spread:
