@@ -17,34 +17,29 @@ seqlen, 2048 // headdim heads, bf16, as ``gluon_bwd.run`` times them), this time
 - ``cudnn``: SDPA's cuDNN backward.
 
 For each: ``do_bench``'s median, and each kernel's device time per call from
-``torch.profiler`` over ``--calls`` eager calls. Their sum against the median shows the time
-between kernels (launches, the host); the library's kernels against the kernel rows show
-which kernel, or which input, holds the gap.
+``torch.profiler`` over ``--calls`` eager calls (``decode_breakdown``'s helpers). Their sum
+against the median ("gaps") is the time between kernels (launches, the host); the library's
+kernels against the kernel rows show which kernel, or which input, holds the gap.
 """
 
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from decode_breakdown import breakdown, device_us  # noqa: E402  (the profiler's per-kernel times)
 
 
 def kernel_times(call, calls: int) -> dict[str, float]:
     """{kernel name: device us per call} over ``calls`` eager calls after a warm-up."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     for _ in range(3):
         call()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            call()
-        torch.cuda.synchronize()
-    total: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            total[event.name] += event.device_time_total
-    return {name: us / calls for name, us in total.items()}
+    return device_us(lambda: [call() for _ in range(calls)], calls)
 
 
 def rows(head_dim: int, seqlen: int, causal: bool) -> dict:
@@ -103,11 +98,8 @@ def main(argv=None) -> int:
         flops = 2.5 * 4 * batch * heads * seqlen * seqlen * head_dim / (2 if causal else 1)
         for name, call in rows(head_dim, seqlen, bool(causal)).items():
             ms = do_bench(call, warmup=25, rep=100)
-            per = kernel_times(call, args.calls)
-            busy = sum(per.values())
-            parts = ", ".join(f"{k[:40]} {us:.1f}" for k, us in sorted(per.items(), key=lambda kv: -kv[1]))
             print(f"d{head_dim} S{seqlen} causal={causal} {name:18s} {ms * 1e3:8.1f} us {flops / ms * 1e-9:6.1f} TF/s"
-                  f"  kernels {busy:8.1f} us  between {ms * 1e3 - busy:6.1f}  [{parts}]", flush=True)
+                  f"  {breakdown(ms * 1e3, kernel_times(call, args.calls), 40)}", flush=True)
     return 0
 
 

@@ -22,10 +22,32 @@ import argparse
 from collections import defaultdict
 
 
+def device_us(run, calls: int) -> dict[str, float]:
+    """{kernel name: device us per call} of ``run()``, which makes ``calls`` calls, under
+    ``torch.profiler`` (CUPTI records a replayed graph's kernels too)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total[event.name] += event.device_time_total
+    return {name: us / calls for name, us in total.items()}
+
+
+def breakdown(total_us: float, per: dict[str, float], width: int = 48) -> str:
+    """``kernels`` (their sum), ``gaps`` (``total_us`` minus it) and each kernel, longest first."""
+    busy = sum(per.values())
+    parts = ", ".join(f"{name[:width]} {us:.2f}" for name, us in sorted(per.items(), key=lambda kv: -kv[1]))
+    return f"kernels {busy:8.2f}  gaps {total_us - busy:6.2f}  [{parts}]"
+
+
 def kernel_times(call, steps: int) -> dict[str, float]:
     """{kernel name: device us per step} of ``steps`` calls captured in one graph."""
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -39,14 +61,7 @@ def kernel_times(call, steps: int) -> dict[str, float]:
             call()
     graph.replay()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        graph.replay()
-        torch.cuda.synchronize()
-    total: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            total[event.name] += event.device_time_total
-    return {name: us / steps for name, us in total.items()}
+    return device_us(graph.replay, steps)
 
 
 def main(argv=None) -> int:
@@ -70,10 +85,7 @@ def main(argv=None) -> int:
             call = build(impl, shape, 0, impl == "flashtile", copies)
             with torch.no_grad():
                 per = kernel_times(call, max(copies, 8))
-            busy = sum(per.values())
-            parts = ", ".join(f"{name[:48]} {us:.2f}" for name, us in sorted(per.items(), key=lambda kv: -kv[1]))
-            print(f"{shape.label():28s} {impl:10s} step {step_us:6.2f} us  kernels {busy:6.2f}  "
-                  f"gaps {step_us - busy:5.2f}  [{parts}]", flush=True)
+            print(f"{shape.label():28s} {impl:10s} step {step_us:6.2f} us  {breakdown(step_us, per)}", flush=True)
     return 0
 
 
