@@ -2,13 +2,13 @@
 decode shape of ``flashtile.tools.bench.decode``: which split count each shape wants, next to
 the one ``backends.triton.decode.choose_splits`` picks (num_splits=0).
 
-    PYTHONPATH=src python3 benchmarks/sweep_decode.py [--only 0 1 2] [--shapes 16x4096 32x8192]
+    PYTHONPATH=src python3 benchmarks/sweep_decode.py [--only 0 1 2] [--shapes 16x4096 4x8192p16]
         [--append] [--rounds 2]
 
 ``--append``: generation steps (the new token appended: under CUDA graphs ``auto`` takes the
 spread check there, as ``flashtile bench --decode --append`` does); ``--shapes``: more GQA
-32/8 d128 rows as batch x cached tokens; ``--rounds``: every count again, in turn, so that
-the differences can be read against the rounds' spread.
+32/8 d128 rows as batch x cached tokens (``4x4096p16``: in pages of 16); ``--rounds``: every
+count again, in turn, so that the differences can be read against the rounds' spread.
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--only", nargs="*", type=int, help="rows of bench --decode (none: only --shapes)")
     p.add_argument("--splits", nargs="+", type=int, default=list(SPLITS))
-    p.add_argument("--shapes", nargs="+", default=[], help="more rows, batch x cached tokens: 16x4096")
+    p.add_argument("--shapes", nargs="+", default=[],
+                   help="more rows, batch x cached tokens: 16x4096, or 4x4096p16 with pages of 16")
     p.add_argument("--append", action="store_true", help="generation steps (decode + append)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--rep", type=int, default=50)
@@ -50,11 +51,18 @@ def main() -> None:
             sweep(args)
 
 
+def parse_shape(text: str) -> DecodeShape:
+    """``16x4096`` (batch x cached tokens, contiguous rows) or ``4x4096p16`` (pages of 16)."""
+    rows, _, page = text.partition("p")
+    batch, seqlen_k = map(int, rows.split("x"))
+    return DecodeShape(batch, seqlen_k, page_size=int(page or 0))
+
+
 def sweep(args) -> None:
     todo = shapes()
     if args.only is not None:
         todo = [todo[i] for i in args.only]
-    todo += [DecodeShape(*map(int, s.split("x"))) for s in args.shapes]
+    todo += [parse_shape(s) for s in args.shapes]
     ceiling = read_ceiling()
     print(f"read ceiling {ceiling:.2f} TB/s{' (generation steps)' if args.append else ''}", flush=True)
     for shape in todo:

@@ -45,6 +45,14 @@ def test_script_imports_and_shows_help(name, capsys, monkeypatch):
 
 
 
+def test_sweep_decode_reads_paged_shapes(monkeypatch):
+    """``sweep_decode.py --shapes``: batch x cached tokens, with ``p<page size>`` for a paged cache."""
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")  # the script sets it on import: restored after the test
+    parse = _script("sweep_decode").parse_shape
+    assert parse("16x4096").label() == "B16 L4096 H32/8 d128 q1"
+    assert parse("4x8192p16").label() == "B4 L8192 H32/8 d128 q1 page 16"
+
+
 def test_host_overhead_cpu_stub_times_every_row(capsys, monkeypatch, triton_backend):
     """``host_overhead.py --cpu-stub`` (the host path with stubbed launches, the way this box
     measures host cost): every row is timed, none reports a failure (a launch plan that
