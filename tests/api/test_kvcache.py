@@ -1008,16 +1008,18 @@ def test_repeated_calls_skip_validation(triton_backend, monkeypatch):
 
 def test_choose_splits():
     """The split heuristic (backends.triton.decode.choose_splits; a CPU device counts 16 SMs): about one
-    program per SM in one wave when at most one per two SMs, about two per SM when fewer than two
-    per SM, about 12 per SM when more, at most one split per 4 key tiles, a page gather always the
-    many-wave count, an explicit count capped by tiles."""
+    program per SM in one wave when fewer than two per SM (rounded down up to one per two SMs, to
+    the nearest above), about 12 per SM when more, at most one split per 4 key tiles, a page
+    gather always the many-wave count, an explicit count capped by tiles."""
     from flashtile.backends.triton.decode import choose_splits
 
     cpu = torch.device("cpu")
     assert choose_splits(0, 8, 131072, 64, cpu) == 2  # 16 // 8: one per SM
     assert choose_splits(0, 3, 131072, 64, cpu) == 5  # 16 // 3, rounded down: one wave
-    assert choose_splits(0, 9, 131072, 64, cpu) == 3  # 9 > 16 / 2: 32 // 9, about two per SM
-    assert choose_splits(0, 16, 131072, 64, cpu) == 2  # 32 // 16
+    assert choose_splits(0, 9, 131072, 64, cpu) == 2  # 9 > 16 / 2: 16 / 9 to the nearest
+    assert choose_splits(0, 11, 131072, 64, cpu) == 1  # 16 / 11 = 1.45: one wave unsplit
+    assert choose_splits(0, 16, 131072, 64, cpu) == 1
+    assert choose_splits(0, 31, 131072, 64, cpu) == 1
     assert choose_splits(0, 64, 4096, 64, cpu) == 3  # >= 32 programs: cdiv(192, 64)
     assert choose_splits(0, 400, 4096, 64, cpu) == 1
     assert choose_splits(0, 8, 131072, 64, cpu, gather=True) == 24  # cdiv(192, 8)

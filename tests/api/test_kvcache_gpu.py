@@ -415,7 +415,7 @@ def test_pdl_matches_plain_launches(monkeypatch, page, check):
 
 
 @pytest.mark.parametrize("page", [0, 16])
-@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("batch", [1, 4, 8])
 def test_spread_check_matches_the_check_kernel(monkeypatch, page, batch):
     """FLASHTILE_DECODE_CHECK=spread on the GPU, where the decode kernel's programs run at
     once: 20 generation steps (each appends one token) give the check kernel's caches
@@ -424,7 +424,8 @@ def test_spread_check_matches_the_check_kernel(monkeypatch, page, batch):
     the spread check to the float64 reference), in a CUDA graph too; a bad length and a bad
     page give the check kernel's status; on the graph a bad length makes every out and lse
     NaN and leaves the caches untouched. Batch 1 appends in programs of its own
-    (``decode.finish_appenders``: 40 programs), batch 4 and 16 in the merge programs."""
+    (``decode.finish_appenders``: 40 programs), batch 4 and 8 in the merge programs (batch 16's
+    128 programs run unsplit on a row cache, so without the spread check)."""
     q, k, v, kc, vc, table, sl = _generation_case(batch, page)
     monkeypatch.setenv("FLASHTILE_DECODE_COMBINE", "separate")
     kw = dict(block_table=table, causal=True, return_softmax_lse=True)

@@ -1014,14 +1014,16 @@ def _sms(device) -> int:
 def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, device, *,
                   gather: bool = False) -> int:
     """Splits of the cache length: ``num_splits`` when given (at most one per key tile),
-    else from ``programs`` (batch x nheads_k x row blocks) and the SM count. At most one
-    program per two SMs: split until there is about one per SM, one wave of programs that
-    each stream a long stretch (H100, GQA 32/8 generation steps under CUDA graphs, run 178:
-    up to 4% less a step than two per SM at batch 1-8, 4k-131k keys, with half the partials
-    to merge; +0.2% at batch 8 with pages of 256). Fewer than two per SM: about
-    two per SM, one wave (on the H200, 2-4x the unsplit speed at batch 1-8). More: enough
-    splits for about 12 programs per SM, so that the last, partial wave is short (batch 64
-    x 8192: 4.38 vs 3.85 TB/s unsplit).
+    else from ``programs`` (batch x nheads_k x row blocks) and the SM count. Fewer than two
+    programs per SM: about one per SM, one wave of programs that each stream a long stretch.
+    At most one per two SMs that is ``sms // programs`` (H100, GQA 32/8 generation steps
+    under CUDA graphs, run 178: up to 4% less a step than two per SM at batch 1-8, 4k-131k
+    keys, with half the partials to merge; +0.2% at batch 8 with pages of 256); above, the
+    nearest count, so 1 from two thirds of the SMs on (run 186: batch 16, 128 programs,
+    92.4 us unsplit against 96.1 at 2 splits, 4% less at 8k keys too; batch 8, 64
+    programs, wants its 2: 50.6 against 69.6 unsplit). More: enough splits for about 12
+    programs per SM, so that the last, partial wave is short (batch 64 x 8192: 4.38 vs
+    3.85 TB/s unsplit).
     ``gather`` (a page size that is not a multiple of the key tile, whose table reads
     sit in front of every key load): always the many-wave count, more programs to hide
     the latency. At most one split per 4 key tiles."""
@@ -1031,8 +1033,7 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
     sms = _sms(device)
     most = max(1, min(triton.cdiv(tiles, 4), MAX_SPLITS))
     if programs < 2 * sms and not gather:
-        per_sm = 1 if 2 * programs <= sms else 2
-        return max(1, min(per_sm * sms // programs, most))
+        return max(1, min(sms // programs if 2 * programs <= sms else round(sms / programs), most))
     return max(1, min(triton.cdiv(12 * sms, programs), most))
 
 
