@@ -27,7 +27,8 @@ SPLITS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("--only", nargs="*", type=int, help="rows of bench --decode (none: only --shapes)")
+    p.add_argument("--only", nargs="*", type=int,
+                   help="rows of bench --decode (default: every row, or none when --shapes is given)")
     p.add_argument("--splits", nargs="+", type=int, default=list(SPLITS))
     p.add_argument("--shapes", nargs="+", default=[],
                    help="more rows, batch x cached tokens: 16x4096, or 4x4096p16 with pages of 16")
@@ -60,8 +61,8 @@ def parse_shape(text: str) -> DecodeShape:
 
 def sweep(args) -> None:
     todo = shapes()
-    if args.only is not None:
-        todo = [todo[i] for i in args.only]
+    if args.only is not None or args.shapes:  # run 187 meant only its --shapes and timed out in the rows
+        todo = [todo[i] for i in args.only or []]
     todo += [parse_shape(s) for s in args.shapes]
     ceiling = read_ceiling()
     print(f"read ceiling {ceiling:.2f} TB/s{' (generation steps)' if args.append else ''}", flush=True)

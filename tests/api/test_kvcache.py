@@ -1010,7 +1010,8 @@ def test_choose_splits():
     """The split heuristic (backends.triton.decode.choose_splits; a CPU device counts 16 SMs): about one
     program per SM in one wave when fewer than two per SM (rounded down up to one per two SMs, to
     the nearest above), about 12 per SM when more, at most one split per 4 key tiles, a page
-    gather always the many-wave count, an explicit count capped by tiles."""
+    gather the many-wave count but at most one program per four SMs (1.5 per SM while a split
+    holds at most 2048 keys), an explicit count capped by tiles."""
     from flashtile.backends.triton.decode import choose_splits
 
     cpu = torch.device("cpu")
@@ -1023,6 +1024,9 @@ def test_choose_splits():
     assert choose_splits(0, 64, 4096, 64, cpu) == 3  # >= 32 programs: cdiv(192, 64)
     assert choose_splits(0, 400, 4096, 64, cpu) == 1
     assert choose_splits(0, 8, 131072, 64, cpu, gather=True) == 24  # cdiv(192, 8)
+    assert choose_splits(0, 4, 8192, 64, cpu, gather=True) == 6  # 16 / 4 SMs a program: 24 // 4, 1366 keys
+    assert choose_splits(0, 4, 12289, 64, cpu, gather=True) == 48  # 2049 keys a split: cdiv(192, 4)
+    assert choose_splits(0, 5, 8192, 64, cpu, gather=True) == 32  # 5 > 16 / 4: cdiv(192, 5), capped
     assert choose_splits(0, 1, 64 * 12, 64, cpu) == 3  # 12 tiles: splits of at least 4
     assert choose_splits(0, 1, 100, 64, cpu) == 1
     assert choose_splits(500, 1, 640, 64, cpu) == 10  # one per key tile at most

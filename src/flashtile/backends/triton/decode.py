@@ -92,6 +92,11 @@ OK, BAD_SEQLEN, BAD_LEFTPAD, BAD_BATCH_IDX, BAD_BLOCK, BAD_ROTARY = 0, 1, 2, 3, 
 _C_SEQLEN, _C_LEFTPAD, _C_BATCH_IDX, _C_BLOCK, _C_ROTARY = map(
     tl.constexpr, (BAD_SEQLEN, BAD_LEFTPAD, BAD_BATCH_IDX, BAD_BLOCK, BAD_ROTARY))
 MAX_SPLITS = 128
+# A page gather at small batch (``choose_splits``): about 1.5 programs per SM where each split
+# then holds at most this many keys (H100 runs 186 and 189 found the best counts there, with
+# 341-1365 keys a split; batch 8 x 32k keys at 1.5 per SM, 10923 keys a split, ran 499 us
+# against 373 at 3 per SM).
+GATHER_FEW_KEYS_MAX = 2048
 # Table entries the device check reads a step (``_first_bad_page``; 8 warps: 8 a thread), and
 # inside the decode kernel (4 warps) when it checks the metadata itself.
 CHECK_BLOCK_E = 2048
@@ -1025,8 +1030,14 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
     programs per SM, so that the last, partial wave is short (batch 64 x 8192: 4.38 vs
     3.85 TB/s unsplit).
     ``gather`` (a page size that is not a multiple of the key tile, whose table reads
-    sit in front of every key load): always the many-wave count, more programs to hide
-    the latency. At most one split per 4 key tiles."""
+    sit in front of every key load): the many-wave count, more programs to hide the
+    latency, except at most one program per four SMs, where about 1.5 per SM (rounded
+    down) do better as long as each split holds at most ``GATHER_FEW_KEYS_MAX`` keys
+    (H100, GQA 32/8 generation steps with pages of 16 under CUDA graphs, runs 186 and 189,
+    the best count of each: batch 4 x 4k and 8k keys 6 splits, 33.3 and 55.9 us against
+    38.7 and 61.9 at the many-wave 16 and 32; batch 2 x 4k and 8k 12, 21.3 and 32.8
+    against 22.5 and 37.8; batch 1 x 8k and 32k 24, 21.6 and 55.7 against 22.3 and 60.9).
+    At most one split per 4 key tiles."""
     tiles = max(1, triton.cdiv(capacity, block_n))
     if num_splits > 0:
         return max(1, min(num_splits, tiles, MAX_SPLITS))
@@ -1034,6 +1045,9 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
     most = max(1, min(triton.cdiv(tiles, 4), MAX_SPLITS))
     if programs < 2 * sms and not gather:
         return max(1, min(sms // programs if 2 * programs <= sms else round(sms / programs), most))
+    few = 3 * sms // (2 * programs)
+    if gather and 4 * programs <= sms and triton.cdiv(capacity, few) <= GATHER_FEW_KEYS_MAX:
+        return max(1, min(few, most))
     return max(1, min(triton.cdiv(12 * sms, programs), most))
 
 
