@@ -1007,16 +1007,21 @@ def test_repeated_calls_skip_validation(triton_backend, monkeypatch):
 
 
 def test_choose_splits():
-    """The split heuristic (backends.triton.decode.choose_splits; a CPU device counts 16 SMs): about one
-    program per SM in one wave when fewer than two per SM (rounded down up to one per two SMs, to
-    the nearest above), about 12 per SM when more, at most one split per 4 key tiles, a page
-    gather the many-wave count but at most one program per four SMs (1.5 per SM while a split
-    holds at most 2048 keys), an explicit count capped by tiles."""
+    """The split heuristic (backends.triton.decode.choose_splits; a CPU device counts 16 SMs): at
+    most one program per four SMs with short splits, about 1.5 per SM (a split at most 1024 keys
+    and 2 key tiles on rows, 2048 keys and 4 tiles with a page gather); else about one program per
+    SM in one wave when fewer than two per SM (rounded down up to one per two SMs, to the nearest
+    above), about 12 per SM when more or with a page gather, at most one split per 4 key tiles; an
+    explicit count capped by tiles."""
     from flashtile.backends.triton.decode import choose_splits
 
     cpu = torch.device("cpu")
+    assert choose_splits(0, 2, 4096, 64, cpu) == 12  # 24 // 2, 342 keys a split
+    assert choose_splits(0, 1, 64 * 12, 64, cpu) == 6  # 12 tiles: splits of at least 2
+    assert choose_splits(0, 2, 16384, 64, cpu) == 8  # 1366 keys a split: one per SM, 16 // 2
     assert choose_splits(0, 8, 131072, 64, cpu) == 2  # 16 // 8: one per SM
     assert choose_splits(0, 3, 131072, 64, cpu) == 5  # 16 // 3, rounded down: one wave
+    assert choose_splits(0, 5, 64 * 8, 64, cpu) == 2  # 16 // 5 = 3, 8 tiles: splits of at least 4
     assert choose_splits(0, 9, 131072, 64, cpu) == 2  # 9 > 16 / 2: 16 / 9 to the nearest
     assert choose_splits(0, 11, 131072, 64, cpu) == 1  # 16 / 11 = 1.45: one wave unsplit
     assert choose_splits(0, 16, 131072, 64, cpu) == 1
@@ -1024,10 +1029,9 @@ def test_choose_splits():
     assert choose_splits(0, 64, 4096, 64, cpu) == 3  # >= 32 programs: cdiv(192, 64)
     assert choose_splits(0, 400, 4096, 64, cpu) == 1
     assert choose_splits(0, 8, 131072, 64, cpu, gather=True) == 24  # cdiv(192, 8)
-    assert choose_splits(0, 4, 8192, 64, cpu, gather=True) == 6  # 16 / 4 SMs a program: 24 // 4, 1366 keys
+    assert choose_splits(0, 4, 8192, 64, cpu, gather=True) == 6  # 24 // 4, 1366 keys a split
     assert choose_splits(0, 4, 12289, 64, cpu, gather=True) == 48  # 2049 keys a split: cdiv(192, 4)
-    assert choose_splits(0, 5, 8192, 64, cpu, gather=True) == 32  # 5 > 16 / 4: cdiv(192, 5), capped
-    assert choose_splits(0, 1, 64 * 12, 64, cpu) == 3  # 12 tiles: splits of at least 4
+    assert choose_splits(0, 5, 8192, 64, cpu, gather=True) == 32  # 5 > 16 / 4: cdiv(192, 5), 4 tiles a split
     assert choose_splits(0, 1, 100, 64, cpu) == 1
     assert choose_splits(500, 1, 640, 64, cpu) == 10  # one per key tile at most
     assert choose_splits(3, 1000, 640, 64, cpu) == 3

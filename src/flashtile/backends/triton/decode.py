@@ -92,11 +92,14 @@ OK, BAD_SEQLEN, BAD_LEFTPAD, BAD_BATCH_IDX, BAD_BLOCK, BAD_ROTARY = 0, 1, 2, 3, 
 _C_SEQLEN, _C_LEFTPAD, _C_BATCH_IDX, _C_BLOCK, _C_ROTARY = map(
     tl.constexpr, (BAD_SEQLEN, BAD_LEFTPAD, BAD_BATCH_IDX, BAD_BLOCK, BAD_ROTARY))
 MAX_SPLITS = 128
-# A page gather at small batch (``choose_splits``): about 1.5 programs per SM where each split
-# then holds at most this many keys (H100 runs 186 and 189 found the best counts there, with
-# 341-1365 keys a split; batch 8 x 32k keys at 1.5 per SM, 10923 keys a split, ran 499 us
-# against 373 at 3 per SM).
-GATHER_FEW_KEYS_MAX = 2048
+# Small batches (``choose_splits``): about 1.5 programs per SM where each split then holds at
+# most this many keys, per layout. H100 runs 186-189, GQA 32/8 generation steps under graphs:
+# a page gather's best counts held 341-1365 keys a split (batch 8 x 32k keys at 1.5 per SM,
+# 10923 keys a split, ran 499 us against 373 at 3 per SM); a row cache's best counts gave
+# 1.5 per SM up to 683 keys a split (batch 1 x 4k-16k, batch 2 x 4k-8k, batch 4 x 4k) and
+# one per SM from 1365 (batch 1 x 32k, batch 2 x 16k, batch 4 x 8k: 2-4% less there).
+FEW_KEYS_MAX_GATHER = 2048
+FEW_KEYS_MAX_ROWS = 1024
 # Table entries the device check reads a step (``_first_bad_page``; 8 warps: 8 a thread), and
 # inside the decode kernel (4 warps) when it checks the metadata itself.
 CHECK_BLOCK_E = 2048
@@ -1019,35 +1022,38 @@ def _sms(device) -> int:
 def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, device, *,
                   gather: bool = False) -> int:
     """Splits of the cache length: ``num_splits`` when given (at most one per key tile),
-    else from ``programs`` (batch x nheads_k x row blocks) and the SM count. Fewer than two
-    programs per SM: about one per SM, one wave of programs that each stream a long stretch.
-    At most one per two SMs that is ``sms // programs`` (H100, GQA 32/8 generation steps
-    under CUDA graphs, run 178: up to 4% less a step than two per SM at batch 1-8, 4k-131k
-    keys, with half the partials to merge; +0.2% at batch 8 with pages of 256); above, the
-    nearest count, so 1 from two thirds of the SMs on (run 186: batch 16, 128 programs,
-    92.4 us unsplit against 96.1 at 2 splits, 4% less at 8k keys too; batch 8, 64
-    programs, wants its 2: 50.6 against 69.6 unsplit). More: enough splits for about 12
-    programs per SM, so that the last, partial wave is short (batch 64 x 8192: 4.38 vs
-    3.85 TB/s unsplit).
-    ``gather`` (a page size that is not a multiple of the key tile, whose table reads
-    sit in front of every key load): the many-wave count, more programs to hide the
-    latency, except at most one program per four SMs, where about 1.5 per SM (rounded
-    down) do better as long as each split holds at most ``GATHER_FEW_KEYS_MAX`` keys
-    (H100, GQA 32/8 generation steps with pages of 16 under CUDA graphs, runs 186 and 189,
-    the best count of each: batch 4 x 4k and 8k keys 6 splits, 33.3 and 55.9 us against
-    38.7 and 61.9 at the many-wave 16 and 32; batch 2 x 4k and 8k 12, 21.3 and 32.8
-    against 22.5 and 37.8; batch 1 x 8k and 32k 24, 21.6 and 55.7 against 22.3 and 60.9).
-    At most one split per 4 key tiles."""
+    else from ``programs`` (batch x nheads_k x row blocks) and the SM count.
+    - At most one program per four SMs, with short splits: about 1.5 programs per SM
+      (rounded down) while each split then holds at most ``FEW_KEYS_MAX_ROWS`` keys
+      (``FEW_KEYS_MAX_GATHER`` for ``gather``), at most one split per 2 key tiles (4 for
+      ``gather``). Such programs are latency bound; more of them in flight read faster than
+      one per SM. H100, GQA 32/8 generation steps under CUDA graphs, the best count of each
+      shape (runs 186-189): a row cache at batch 1 x 4k and 8k keys 24 splits, 12.9 and 18.6
+      us against 13.8 and 19.5 at one per SM; batch 2 x 4k 12, 18.3 against 19.1; pages of
+      16 at batch 4 x 4k and 8k 6, 33.3 and 55.9 against 38.7 and 61.9 at the many-wave 16
+      and 32; batch 2 x 4k and 8k 12, 21.3 and 32.8 against 22.5 and 37.8; batch 1 x 8k and
+      32k 24, 21.6 and 55.7 against 22.3 and 60.9.
+    - Else fewer than two programs per SM on rows or whole-tile pages: about one per SM, one
+      wave of programs that each stream a long stretch. At most one per two SMs that is
+      ``sms // programs`` (run 178: up to 4% less a step than two per SM at batch 1-8,
+      4k-131k keys, with half the partials to merge; +0.2% at batch 8 with pages of 256);
+      above, the nearest count, so 1 from two thirds of the SMs on (run 186: batch 16, 128
+      programs, 92.4 us unsplit against 96.1 at 2 splits, 4% less at 8k keys too; batch 8,
+      64 programs, wants its 2: 50.6 against 69.6 unsplit).
+    - Else (more programs, or a page gather: a page size that is not a multiple of the key
+      tile, whose table reads sit in front of every key load): enough splits for about 12
+      programs per SM, so that the last, partial wave is short (batch 64 x 8192: 4.38 vs
+      3.85 TB/s unsplit), at most one split per 4 key tiles."""
     tiles = max(1, triton.cdiv(capacity, block_n))
     if num_splits > 0:
         return max(1, min(num_splits, tiles, MAX_SPLITS))
     sms = _sms(device)
     most = max(1, min(triton.cdiv(tiles, 4), MAX_SPLITS))
+    few = 3 * sms // (2 * programs)
+    if 4 * programs <= sms and triton.cdiv(capacity, few) <= (FEW_KEYS_MAX_GATHER if gather else FEW_KEYS_MAX_ROWS):
+        return max(1, min(few, most if gather else min(triton.cdiv(tiles, 2), MAX_SPLITS)))
     if programs < 2 * sms and not gather:
         return max(1, min(sms // programs if 2 * programs <= sms else round(sms / programs), most))
-    few = 3 * sms // (2 * programs)
-    if gather and 4 * programs <= sms and triton.cdiv(capacity, few) <= GATHER_FEW_KEYS_MAX:
-        return max(1, min(few, most))
     return max(1, min(triton.cdiv(12 * sms, programs), most))
 
 
