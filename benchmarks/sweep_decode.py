@@ -59,6 +59,26 @@ def parse_shape(text: str) -> DecodeShape:
     return DecodeShape(batch, seqlen_k, page_size=int(page or 0))
 
 
+def heuristic_splits(shape: DecodeShape, device="cuda") -> int:
+    """The splits ``choose_splits`` gives ``shape`` (num_splits=0) on ``device``'s SM count,
+    after ``split_plan`` rounds the split size to key tiles (expanded 0-d tensors: no cache
+    is allocated)."""
+    import torch
+
+    from flashtile.backends.triton import decode
+
+    one = torch.empty((), device=device, dtype=torch.bfloat16)
+    q = one.expand(shape.batch, shape.seqlen_q, shape.nheads, shape.headdim)
+    table = None
+    if shape.page_size:
+        pages = -(-shape.seqlen_k // shape.page_size)
+        cache = one.expand(shape.batch * pages, shape.page_size, shape.nheads_k, shape.headdim)
+        table = torch.empty((), device=device, dtype=torch.int32).expand(shape.batch, pages)
+    else:
+        cache = one.expand(shape.batch, shape.seqlen_k, shape.nheads_k, shape.headdim)
+    return decode.split_plan(q, cache, table, 0)[0]
+
+
 def sweep(args) -> None:
     todo = shapes()
     if args.only is not None or args.shapes:  # run 187 meant only its --shapes and timed out in the rows
@@ -80,7 +100,7 @@ def sweep(args) -> None:
         spread = max(max(t) - min(t) for t in times.values()) * 1e3
         line = f"{shape.label():40s} best: {best} splits, {mean[best] * 1e3:.2f} us" if best else shape.label()
         if 0 in mean:
-            line += f"; the heuristic's {mean[0] * 1e3:.2f} us"
+            line += f"; the heuristic's ({heuristic_splits(shape)} splits) {mean[0] * 1e3:.2f} us"
         print(f"{line}; rounds within {spread:.2f} us", flush=True)
 
 

@@ -53,6 +53,20 @@ def test_sweep_decode_reads_paged_shapes(monkeypatch):
     assert parse("4x8192p16").label() == "B4 L8192 H32/8 d128 q1 page 16"
 
 
+def test_sweep_decode_names_the_heuristics_count(monkeypatch):
+    """``sweep_decode.heuristic_splits``: ``split_plan``'s count for a shape on a CPU device (16
+    SMs). 8 KV heads at batch 1 are 8 programs: one per two SMs on 4096 rows (16 // 8), the
+    many-wave count capped at 4 key tiles a split with pages of 16 (64 tiles: 16); 2 KV heads
+    are 2 programs, the small-batch count 24 // 2 = 12, whose 342 keys round up to 384: 11."""
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    module = _script("sweep_decode")
+    from flashtile.tools.bench.decode import DecodeShape
+
+    assert module.heuristic_splits(module.parse_shape("1x4096"), "cpu") == 2
+    assert module.heuristic_splits(module.parse_shape("1x4096p16"), "cpu") == 16
+    assert module.heuristic_splits(DecodeShape(1, 4096, nheads=8, nheads_k=2), "cpu") == 11
+
+
 def test_host_overhead_cpu_stub_times_every_row(capsys, monkeypatch, triton_backend):
     """``host_overhead.py --cpu-stub`` (the host path with stubbed launches, the way this box
     measures host cost): every row is timed, none reports a failure (a launch plan that
@@ -71,7 +85,7 @@ def test_decode_tma_experiment_matches_the_library_kernel(capsys, triton_backend
     last tiles; it exits 1 on a mismatch."""
     assert _script("experiments/decode_tma").main(["--cpu"]) == 0
     out = capsys.readouterr().out
-    assert out.count(" ok") == 3 and "splits 4" in out, out
+    assert out.count(" ok") == 3 and "B2 L1000 H8/2 d64 splits 6:" in out, out  # 5 splits of 192 keys and 40
 
 
 def test_varlen_same_documents(tmp_path, capsys, monkeypatch):
