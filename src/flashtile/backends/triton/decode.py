@@ -1049,9 +1049,12 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
         return max(1, min(num_splits, tiles, MAX_SPLITS))
     sms = _sms(device)
     most = max(1, min(triton.cdiv(tiles, 4), MAX_SPLITS))
-    few = 3 * sms // (2 * programs)
-    if 4 * programs <= sms and triton.cdiv(capacity, few) <= (FEW_KEYS_MAX_GATHER if gather else FEW_KEYS_MAX_ROWS):
-        return max(1, min(few, most if gather else min(triton.cdiv(tiles, 2), MAX_SPLITS)))
+    if 4 * programs <= sms:
+        few = 3 * sms // (2 * programs)
+        if gather and triton.cdiv(capacity, few) <= FEW_KEYS_MAX_GATHER:
+            return max(1, min(few, most))
+        if not gather and triton.cdiv(capacity, few) <= FEW_KEYS_MAX_ROWS:
+            return max(1, min(few, triton.cdiv(tiles, 2), MAX_SPLITS))
     if programs < 2 * sms and not gather:
         return max(1, min(sms // programs if 2 * programs <= sms else round(sms / programs), most))
     return max(1, min(triton.cdiv(12 * sms, programs), most))
