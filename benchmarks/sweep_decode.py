@@ -17,7 +17,7 @@ import os
 
 # Launch plans replay what a key's first call launched, and the key does not hold
 # backends.triton.decode.STAGES: with plans on, every --stages-paged value after the first would time
-# the first one's kernel (H200 run 68 did). CUDA-graph timing has no host cost to save.
+# the first one's kernel (H200 run 68 did); --stages-rows likewise. CUDA-graph timing has no host cost to save.
 os.environ["FLASHTILE_PLANS"] = "0"
 
 from flashtile.tools.bench.decode import DecodeShape, measure, read_ceiling, shapes
@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--rep", type=int, default=50)
     p.add_argument("--stages-paged", type=int, nargs="+", help="num_stages of the paged kernel (each in turn)")
+    p.add_argument("--stages-rows", type=int, nargs="+", help="num_stages of the row-cache kernel (each in turn)")
     p.add_argument("--page-slice", type=int, nargs="+",
                    help="decode.PAGE_SLICE_MAX values (each in turn; 0: the per-tile table read)")
     args = p.parse_args()
@@ -49,7 +50,11 @@ def main() -> None:
             if stages is not None:
                 decode.STAGES["tile"] = decode.STAGES["gather"] = stages
                 print(f"paged num_stages {stages}", flush=True)
-            sweep(args)
+            for rows in args.stages_rows or [None]:
+                if rows is not None:
+                    decode.STAGES["rows"] = rows
+                    print(f"row-cache num_stages {rows}", flush=True)
+                sweep(args)
 
 
 def parse_shape(text: str) -> DecodeShape:
