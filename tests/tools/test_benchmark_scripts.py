@@ -67,6 +67,22 @@ def test_sweep_decode_names_the_heuristics_count(monkeypatch):
     assert module.heuristic_splits(DecodeShape(1, 4096, nheads=8, nheads_k=2), "cpu") == 11
 
 
+def test_sweep_decode_sets_each_row_stage_count(monkeypatch):
+    """``sweep_decode.py --stages-rows 2 4``: one sweep per value, each with the row-cache
+    kernel's ``decode.STAGES["rows"]`` at that value (the paged kinds untouched)."""
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    module = _script("sweep_decode")
+    from flashtile.backends.triton import decode
+
+    monkeypatch.setattr(decode, "STAGES", dict(decode.STAGES))
+    seen = []
+    monkeypatch.setattr(module, "sweep", lambda args: seen.append(dict(decode.STAGES)))
+    monkeypatch.setattr("sys.argv", ["sweep_decode.py", "--only", "--stages-rows", "2", "4"])
+    module.main()
+    assert [s["rows"] for s in seen] == [2, 4]
+    assert all(s["tile"] == 5 and s["gather"] == 3 for s in seen)
+
+
 def test_host_overhead_cpu_stub_times_every_row(capsys, monkeypatch, triton_backend):
     """``host_overhead.py --cpu-stub`` (the host path with stubbed launches, the way this box
     measures host cost): every row is timed, none reports a failure (a launch plan that
