@@ -11,7 +11,9 @@ thread issues a tile, and the registers that held 64 addresses are free. Whole t
 unmasked; a split's last, partial tile is read with masked pointer loads, as the library
 reads every tile (the cache holds anything past a sequence, NaN included, and a value row
 zeroed in registers would hold the whole tile there: sm_90a, d128, 127 registers against
-97), so only that tile pays for masks.
+97), so only that tile pays for masks. A second variant reads the whole tiles through
+unmasked pointer loads (cp.async as the library, without its per-key masks): whether a
+gain is TMA's or only the masks'.
 
 Scope: a row cache, one query per sequence (decoding), no options (rotary, ALiBi,
 softcap, windows, sinks, appends). It uses the library's split plan and combine, so the
@@ -38,10 +40,13 @@ def tma_decode_kernel(
     stride_pp, stride_pb, stride_ph, stride_lp, stride_lpb, stride_lph,
     nheads_k, group, split_size, num_m_blocks, qk_scale,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    TMA: tl.constexpr = True,
 ):
     """Program (b, kv head hk, row block, split): rows r = query heads hk * group + r of
     sequence b (one query each) against keys [split * split_size, (split + 1) * split_size)
-    of its cache row; partial out and LSE (base e) into OutPart, LsePart."""
+    of its cache row; partial out and LSE (base e) into OutPart, LsePart. Whole tiles through
+    the descriptors when TMA, else through unmasked pointer loads (the library's cp.async
+    ring without its per-key masks)."""
     pid = tl.program_id(0)
     split = pid % NUM_SPLITS
     rest = pid // NUM_SPLITS
@@ -65,14 +70,23 @@ def tma_decode_kernel(
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    k_row = K + b.to(tl.int64) * stride_kb + hk * stride_kh
+    v_row = V + b.to(tl.int64) * stride_vb + hk * stride_vh
     for n0 in range(lo, full_hi, BLOCK_N):  # whole tiles: no masks
-        k = desc_k.load([b, n0, hk, 0]).reshape(BLOCK_N, BLOCK_D)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if TMA:
+            kt = tl.trans(desc_k.load([b, n0, hk, 0]).reshape(BLOCK_N, BLOCK_D))
+        else:
+            j64 = (n0 + tl.arange(0, BLOCK_N)).to(tl.int64)
+            kt = tl.load(k_row + j64[None, :] * stride_ks + offs_d[:, None])
+        s = tl.dot(q, kt) * qk_scale
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp2(s - m_new[:, None])
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = desc_v.load([b, n0, hk, 0]).reshape(BLOCK_N, BLOCK_D)
+        if TMA:
+            v = desc_v.load([b, n0, hk, 0]).reshape(BLOCK_N, BLOCK_D)
+        else:
+            v = tl.load(v_row + j64[:, None] * stride_vs + offs_d[None, :])
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     for n0 in range(full_hi, hi, BLOCK_N):  # the last, partial tile (a loop: Triton stages its loads in
@@ -102,9 +116,10 @@ def tma_decode_kernel(
     tl.store(LsePart + s64 * stride_lp + b64 * stride_lpb + h * stride_lph, lse, mask=row_ok)
 
 
-def tma_decode(q, k_cache, v_cache, seqlens, num_warps: int = 4, num_stages: int = 3):
+def tma_decode(q, k_cache, v_cache, seqlens, num_warps: int = 4, num_stages: int = 3, tma: bool = True):
     """q (B, 1, H, D), caches (B, S, Hk, D) contiguous, seqlens int32 (B,) -> out (B, 1, H, D),
-    lse (B, H, 1), with the library's split plan and combine."""
+    lse (B, H, 1), with the library's split plan and combine; ``tma`` False: whole tiles
+    through unmasked pointer loads instead of the descriptors."""
     import torch
     from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -133,7 +148,7 @@ def tma_decode(q, k_cache, v_cache, seqlens, num_warps: int = 4, num_stages: int
         out_part.stride(0), out_part.stride(1), out_part.stride(3), lse_part.stride(0), lse_part.stride(1),
         lse_part.stride(2),
         nheads_k, group, split_size, num_m_blocks, head_dim ** -0.5 * LOG2E,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=splits,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, NUM_SPLITS=splits, TMA=tma,
         num_warps=num_warps, num_stages=num_stages)
     decode.combine(out_part, lse_part, out, lse)
     return out, lse, splits
@@ -171,24 +186,27 @@ def make(batch, cached, nheads, nheads_k, head_dim, dtype, device, ragged: bool 
 
 
 def check(device: str, dtype, shapes) -> None:
-    """The TMA kernel against the library's, shape by shape (max |difference| of out, LSE)."""
+    """The experiment's kernel, TMA and unmasked-pointer tiles, against the library's, shape
+    by shape (max |difference| of out, LSE)."""
     import torch
 
-    for batch, cached, nheads, nheads_k, head_dim in shapes:
+    for (batch, cached, nheads, nheads_k, head_dim), tma in ((shape, tma) for shape in shapes for tma in (True, False)):
         q, kc, vc, lens = make(batch, cached, nheads, nheads_k, head_dim, dtype, device)
-        out, lse, splits = tma_decode(q, kc, vc, lens)
+        out, lse, splits = tma_decode(q, kc, vc, lens, tma=tma)
         ref_out, ref_lse = library_decode(q, kc, vc, lens)
         d_out = (out.float() - ref_out.float()).abs().max().item()
         d_lse = (lse - ref_lse).abs().max().item()
         ok = torch.isfinite(out.float()).all().item() and d_out <= 2e-2 and d_lse <= 1e-3
-        print(f"check B{batch} L{cached} H{nheads}/{nheads_k} d{head_dim} splits {splits}: max |d out| {d_out:.2e}"
+        print(f"check {'tma' if tma else 'unmasked'} B{batch} L{cached} H{nheads}/{nheads_k} d{head_dim} "
+              f"splits {splits}: max |d out| {d_out:.2e}"
               f" |d lse| {d_lse:.2e} {'ok' if ok else 'FAILED'}", flush=True)
         if not ok:
             raise SystemExit(1)
 
 
 def time_shapes(shapes) -> None:
-    """Kernel time under CUDA graphs (host cost out), library vs TMA, and the bytes read per second."""
+    """Kernel time under CUDA graphs (host cost out), library vs TMA vs unmasked pointer loads
+    of whole tiles, and the bytes read per second."""
     import torch
     from triton.testing import do_bench_cudagraph
 
@@ -197,14 +215,17 @@ def time_shapes(shapes) -> None:
         nbytes = 2 * kc.numel() * kc.element_size()
         ms_lib = do_bench_cudagraph(lambda: library_decode(q, kc, vc, lens), rep=100)
         ms_tma = do_bench_cudagraph(lambda: tma_decode(q, kc, vc, lens), rep=100)
+        ms_plain = do_bench_cudagraph(lambda: tma_decode(q, kc, vc, lens, tma=False), rep=100)
         print(f"B{batch} L{cached} H{nheads}/{nheads_k} d{head_dim}: library {ms_lib * 1e3:7.1f} us "
               f"{nbytes / ms_lib * 1e-9:5.2f} TB/s | tma {ms_tma * 1e3:7.1f} us {nbytes / ms_tma * 1e-9:5.2f} TB/s "
-              f"| tma/library speed {ms_lib / ms_tma:.3f}", flush=True)
+              f"| unmasked {ms_plain * 1e3:7.1f} us | speed against the library: tma {ms_lib / ms_tma:.3f}, "
+              f"unmasked {ms_lib / ms_plain:.3f}", flush=True)
 
 
-SHAPES = [(1, 4096, 32, 8, 128), (1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (2, 8192, 32, 8, 128),
-          (4, 8192, 32, 8, 128), (4, 32768, 32, 8, 128), (8, 4096, 32, 8, 128), (8, 32768, 32, 8, 128),
-          (64, 8192, 32, 8, 128), (4, 8192, 32, 8, 64), (4, 8192, 16, 2, 256)]
+SHAPES = [(1, 4096, 32, 8, 128), (1, 8192, 32, 8, 128), (1, 32768, 32, 8, 128), (2, 4096, 32, 8, 128),
+          (2, 8192, 32, 8, 128), (4, 4096, 32, 8, 128), (4, 8192, 32, 8, 128), (4, 32768, 32, 8, 128),
+          (8, 4096, 32, 8, 128), (8, 32768, 32, 8, 128), (64, 8192, 32, 8, 128), (4, 8192, 32, 8, 64),
+          (4, 8192, 16, 2, 256)]
 
 
 def main(argv=None) -> int:

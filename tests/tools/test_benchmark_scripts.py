@@ -96,12 +96,14 @@ def test_host_overhead_cpu_stub_times_every_row(capsys, monkeypatch, triton_back
 
 
 def test_decode_tma_experiment_matches_the_library_kernel(capsys, triton_backend):
-    """benchmarks/experiments/decode_tma.py --cpu: its TMA-read decode kernel (interpreter)
-    against the library's decode kernel, caches NaN past each sequence, splits with partial
-    last tiles; it exits 1 on a mismatch."""
+    """benchmarks/experiments/decode_tma.py --cpu: its decode kernel (interpreter), whole tiles
+    through TMA and through unmasked pointer loads, against the library's decode kernel,
+    caches NaN past each sequence, splits with partial last tiles; it exits 1 on a mismatch."""
     assert _script("experiments/decode_tma").main(["--cpu"]) == 0
     out = capsys.readouterr().out
-    assert out.count(" ok") == 3 and "B2 L1000 H8/2 d64 splits 6:" in out, out  # 5 splits of 192 keys and 40
+    assert out.count(" ok") == 6, out
+    for how in ("tma", "unmasked"):  # 5 splits of 192 keys and 40
+        assert f"check {how} B2 L1000 H8/2 d64 splits 6:" in out, out
 
 
 def test_varlen_same_documents(tmp_path, capsys, monkeypatch):
