@@ -12,6 +12,12 @@ token; the cache cycles through cold copies, ``tools.bench.decode.cold_copies``)
 - ``gaps``: the step minus the sum of its kernels' times: launch latency between the
   kernels of a step and between steps, which Programmatic Dependent Launch overlaps.
 
+``--eager``: the bench's eager rows instead (``do_bench``: the L2 flushed by zeroing 256 MB
+before each call, the kernels of eager calls, the flush's own kernel left out). At batch 1-2
+x 4k-8k keys eager steps took 7-13 us more than graph steps in H100 run 190, flashtile's
+2.6-3.8 us more than cuDNN's; the flush (~85 us of GPU time) should keep the host ahead,
+so the question is which kernel grows.
+
 What it tells: whether flashtile's extra microseconds against cuDNN are in a kernel (which
 one) or between kernels.
 """
@@ -64,12 +70,30 @@ def kernel_times(call, steps: int) -> dict[str, float]:
     return device_us(graph.replay, steps)
 
 
+def eager_kernel_times(call, steps: int) -> dict[str, float]:
+    """{kernel name: device us per step} of ``steps`` eager calls, each after the L2 flush
+    ``triton.testing.do_bench`` makes (zeroing 256 MB), the flush's kernel left out."""
+    import torch
+
+    cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
+
+    def run():
+        for _ in range(steps):
+            cache.zero_()
+            call()
+
+    run()
+    torch.cuda.synchronize()
+    return {name: us for name, us in device_us(run, steps).items() if "fill" not in name.lower()}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--only", nargs="+", type=int, default=[10, 11, 14, 15, 18, 19],
                    help="indices into tools.bench.decode.shapes() (default: B1, B2, B4 at 4k and 8k)")
     p.add_argument("--impl", nargs="+", default=["flashtile", "sdpa-cudnn"])
     p.add_argument("--rep", type=int, default=50)
+    p.add_argument("--eager", action="store_true", help="eager steps after an L2 flush, as the bench's eager rows")
     args = p.parse_args(argv)
     import torch
 
@@ -79,12 +103,13 @@ def main(argv=None) -> int:
     todo = shapes()
     for i in args.only:
         shape = todo[i]
-        copies = cold_copies(shape)
+        copies = 1 if args.eager else cold_copies(shape)
         for impl in args.impl:
-            step_us = 1e3 * measure(impl, shape, "cuda_graph", 10, args.rep, append=impl == "flashtile")
+            mode = "eager" if args.eager else "cuda_graph"
+            step_us = 1e3 * measure(impl, shape, mode, 10, args.rep, append=impl == "flashtile")
             call = build(impl, shape, 0, impl == "flashtile", copies)
             with torch.no_grad():
-                per = kernel_times(call, max(copies, 8))
+                per = eager_kernel_times(call, 20) if args.eager else kernel_times(call, max(copies, 8))
             print(f"{shape.label():28s} {impl:10s} step {step_us:6.2f} us  {breakdown(step_us, per)}", flush=True)
     return 0
 
