@@ -8,6 +8,9 @@ export PYTHONPATH=src PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/flashtile-out}
 mkdir -p "$OUT" /tmp/bench
 what=${1:-all}
+# Row files are named after the card they ran on (h100-..., h200-...; the image's nvidia-smi)
+gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]00' | tr H h)
+gpu=${gpu:-gpu}
 
 # The bench rows of /tmp/bench/$1*.jsonl side by side: mode and shape, then us per step for
 # each tag (the file name after $1).
@@ -60,13 +63,13 @@ if [[ $what == bench || $what == all ]]; then
   timeout 60 python3 benchmarks/host_overhead.py > "$OUT/host-overhead.log" 2>&1
   echo "host overhead rc=$?"; grep -v Warn "$OUT/host-overhead.log"
   timeout 200 python3 -m flashtile.tools.bench --dtype bf16 --pass fwd bwd --impl flashtile sdpa-flash sdpa-cudnn \
-    --out /tmp/bench --tag h200-bf16 > "$OUT/bench.log" 2>&1
+    --out /tmp/bench --tag ${gpu}-bf16 > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"
   FLASHTILE_BWD_DQ=atomic timeout 90 python3 -m flashtile.tools.bench --dtype bf16 --pass bwd --impl flashtile \
-    --headdim 64 128 --out /tmp/bench --tag h200-bf16-atomic-dq > "$OUT/bench-atomic.log" 2>&1
+    --headdim 64 128 --out /tmp/bench --tag ${gpu}-bf16-atomic-dq > "$OUT/bench-atomic.log" 2>&1
   echo "bench atomic-dq rc=$?"
   timeout 120 python3 -m flashtile.tools.bench --dtype bf16 --pass bwd --impl flashtile flashtile-det \
-    --headdim 64 128 --seqlen 2048 8192 --out /tmp/bench --tag h200-bf16-deterministic > "$OUT/bench-det.log" 2>&1
+    --headdim 64 128 --seqlen 2048 8192 --out /tmp/bench --tag ${gpu}-bf16-deterministic > "$OUT/bench-det.log" 2>&1
   echo "bench deterministic rc=$?"; grep "| bwd " "$OUT/bench-det.log" | tail -8
   timeout 60 python3 benchmarks/train_block.py --seqlen 8192 --out /tmp/bench/train-block.jsonl > "$OUT/train-block.log" 2>&1
   echo "train block rc=$?"; tail -6 "$OUT/train-block.log"
@@ -78,7 +81,7 @@ if [[ $what == bench-d128 ]]; then
   timeout 60 python3 benchmarks/host_overhead.py > "$OUT/host-overhead.log" 2>&1
   echo "host overhead rc=$?"; grep -v Warn "$OUT/host-overhead.log" | tail -12
   timeout ${BENCH_TIMEOUT:-200} python3 -m flashtile.tools.bench --dtype bf16 --pass fwd bwd --headdim 128 \
-    --impl flashtile sdpa-cudnn --out /tmp/bench --tag h200-bf16-d128 > "$OUT/bench.log" 2>&1
+    --impl flashtile sdpa-cudnn --out /tmp/bench --tag ${gpu}-bf16-d128 > "$OUT/bench.log" 2>&1
   echo "bench rc=$?"
   grep "| fwd \|| bwd " "$OUT/bench.log" | awk -F'|' '{print $2,$3,$5,$6,$7,$8,$9,$10,$12,$13}' | tail -24
   tar czf "$OUT/bench.tgz" -C /tmp/bench .
@@ -89,9 +92,9 @@ if [[ $what == flex ]]; then
     --maxfail=20 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-flex.log" 2>&1
   echo "flex gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-flex.log" | cut -c1-300 | tail -25
   timeout ${FLEX_BENCH_TIMEOUT:-300} python3 -m flashtile.tools.bench --flex ${FLEX_BENCH_ARGS:-} --out /tmp/bench \
-    --tag h200-flex > "$OUT/bench-flex.log" 2>&1
+    --tag ${gpu}-flex > "$OUT/bench-flex.log" 2>&1
   echo "flex bench rc=$?"; grep "^|" "$OUT/bench-flex.log" | tail -60
-  cp /tmp/bench/h200-flex* "$OUT/" 2>/dev/null
+  cp /tmp/bench/${gpu}-flex* "$OUT/" 2>/dev/null
 fi
 if [[ $what == features ]]; then
   # Issue 36: sinks and chunks against the same call without them, head dim 512 and (192, 128).
@@ -104,10 +107,10 @@ if [[ $what == varlen ]]; then
   timeout 240 python3 -m pytest -m gpu tests/api/test_varlen_gpu.py -q -n 8 --maxfail=20 -p no:warnings \
     -p no:cacheprovider > "$OUT/gpu-tests-varlen.log" 2>&1
   echo "varlen gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-varlen.log" | cut -c1-300 | tail -25
-  timeout 330 python3 -m flashtile.tools.bench --varlen --warmup 5 --rep 25 --out /tmp/bench --tag h200-varlen \
+  timeout 330 python3 -m flashtile.tools.bench --varlen --warmup 5 --rep 25 --out /tmp/bench --tag ${gpu}-varlen \
     ${VARLEN_BENCH_ARGS:-} > "$OUT/bench-varlen.log" 2>&1
   echo "varlen bench rc=$?"; grep -v Warning "$OUT/bench-varlen.log" | grep "^|" | tail -30
-  cp /tmp/bench/h200-varlen* "$OUT/" 2>/dev/null
+  cp /tmp/bench/${gpu}-varlen* "$OUT/" 2>/dev/null
 fi
 if [[ $what == decode ]]; then
   # KV-cache decoding: its GPU tests first (a fault ends here), then the split sweep and the bench.
@@ -118,10 +121,10 @@ if [[ $what == decode ]]; then
     timeout ${DECODE_SWEEP_TIMEOUT:-150} python3 benchmarks/sweep_decode.py $DECODE_SWEEP > "$OUT/sweep-decode.log" 2>&1
     echo "decode sweep rc=$?"; grep -v Warn "$OUT/sweep-decode.log" | tail -60
   fi
-  timeout ${DECODE_BENCH_TIMEOUT:-300} python3 -m flashtile.tools.bench --decode --out /tmp/bench --tag h200-decode \
+  timeout ${DECODE_BENCH_TIMEOUT:-300} python3 -m flashtile.tools.bench --decode --out /tmp/bench --tag ${gpu}-decode \
     ${DECODE_BENCH_ARGS:-} > "$OUT/bench-decode.log" 2>&1
   echo "decode bench rc=$?"; grep -v Warn "$OUT/bench-decode.log" | tail -45
-  cp /tmp/bench/h200-decode* "$OUT/" 2>/dev/null
+  cp /tmp/bench/${gpu}-decode* "$OUT/" 2>/dev/null
 fi
 if [[ $what == transformers ]]; then
   # The transformers integration: its GPU tests, then training steps and generation of a 1.1B
@@ -141,8 +144,8 @@ if [[ $what == provider ]]; then
     > "$OUT/host-provider.log" 2>&1
   echo "host overhead rc=$?"; grep -v Warn "$OUT/host-provider.log"
   timeout 200 python3 -m flashtile.tools.bench --dtype bf16 --pass fwd bwd --impl flashtile sdpa-flash sdpa-flashtile \
-    --headdim 64 128 --seqlen 2048 8192 16384 --out /tmp/bench --tag h200-bf16-provider > "$OUT/bench-provider.log" 2>&1
-  echo "bench provider rc=$?"; grep -A40 "TFLOP/s" /tmp/bench/h200-bf16-provider-summary.md | tail -30
+    --headdim 64 128 --seqlen 2048 8192 16384 --out /tmp/bench --tag ${gpu}-bf16-provider > "$OUT/bench-provider.log" 2>&1
+  echo "bench provider rc=$?"; grep -A40 "TFLOP/s" /tmp/bench/${gpu}-bf16-provider-summary.md | tail -30
   timeout ${PROVIDER_TRAIN_TIMEOUT:-160} python3 benchmarks/transformers_step.py --impl sdpa "sdpa[flash]" sdpa+flashtile \
     tiled_attention --workload train-full --steps 10 --out /tmp/bench/provider-train.jsonl > /tmp/bench/provider-train.log 2>&1
   echo "provider train rc=$?"; grep -v Warn /tmp/bench/provider-train.log | tail -6
@@ -150,7 +153,7 @@ if [[ $what == provider ]]; then
     --out /tmp/bench/cb.jsonl > /tmp/bench/cb.log 2>&1
   echo "continuous batching rc=$?"; grep -v -i "warn\|psutil" /tmp/bench/cb.log | tail -5
   # everything in one tarball: at most 8 files come back
-  tar -czf "$OUT/provider.tgz" -C /tmp/bench h200-bf16-provider.jsonl h200-bf16-provider-summary.md \
+  tar -czf "$OUT/provider.tgz" -C /tmp/bench ${gpu}-bf16-provider.jsonl ${gpu}-bf16-provider-summary.md \
     provider-train.jsonl provider-train.log cb.jsonl cb.log 2>/dev/null
 fi
 if [[ $what == decode-ab ]]; then
@@ -165,7 +168,7 @@ if [[ $what == decode-ab ]]; then
     set -- $cfg
     FLASHTILE_DECODE_APPEND=$1 FLASHTILE_DECODE_COMBINE=$2 FLASHTILE_DECODE_CHECK=$3 timeout ${DECODE_AB_TIMEOUT:-150} \
       python3 -m flashtile.tools.bench --decode --append --impl flashtile --only $only --out /tmp/bench \
-      --tag "h200-decode-append-$1-combine-$2-check-$3" > "/tmp/bench/decode-ab-$1-$2-$3.log" 2>&1
+      --tag "${gpu}-decode-append-$1-combine-$2-check-$3" > "/tmp/bench/decode-ab-$1-$2-$3.log" 2>&1
     echo "decode append=$1 combine=$2 check=$3 rc=$?"; grep -E "^B" "/tmp/bench/decode-ab-$1-$2-$3.log" | tail -28
   done
   timeout 40 python3 benchmarks/host_overhead.py --only kvcache > "$OUT/host-decode.log" 2>&1  # the defaults (auto)
@@ -177,7 +180,7 @@ if [[ $what == decode-ab ]]; then
     env $sw timeout 40 python3 benchmarks/host_overhead.py --only kvcache --impl flashtile >> "$OUT/host-decode.log" 2>&1
   done
   echo "host overhead rc=$?"; grep -v Warn "$OUT/host-decode.log"
-  tar -czf "$OUT/decode-ab.tgz" -C /tmp/bench $(cd /tmp/bench && ls h200-decode-append-* decode-ab-*.log 2>/dev/null)
+  tar -czf "$OUT/decode-ab.tgz" -C /tmp/bench $(cd /tmp/bench && ls ${gpu}-decode-append-* decode-ab-*.log 2>/dev/null)
 fi
 if [[ $what == varlen-onepass ]]; then
   # Issue 38: packed calls on the one-pass backward (FLASHTILE_BWD_DQ=onepass; session 23, compiled
@@ -188,10 +191,10 @@ if [[ $what == varlen-onepass ]]; then
   echo "varlen one-pass gpu tests rc=$?"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-varlen-onepass.log" | cut -c1-300 | tail -12
   for mode in split onepass; do
     FLASHTILE_BWD_DQ=$mode timeout 150 python3 -m flashtile.tools.bench --varlen --pass bwd --impl flashtile \
-      --headdim 64 128 --warmup 5 --rep 25 --out /tmp/bench --tag h200-varlen-bwd-$mode > "$OUT/bench-varlen-$mode.log" 2>&1
+      --headdim 64 128 --warmup 5 --rep 25 --out /tmp/bench --tag ${gpu}-varlen-bwd-$mode > "$OUT/bench-varlen-$mode.log" 2>&1
     echo "varlen bwd $mode rc=$?"; grep -v Warning "$OUT/bench-varlen-$mode.log" | grep "^|" | tail -14
   done
-  cp /tmp/bench/h200-varlen-bwd-* "$OUT/" 2>/dev/null
+  cp /tmp/bench/${gpu}-varlen-bwd-* "$OUT/" 2>/dev/null
 fi
 if [[ $what == sweep ]]; then
   timeout 280 python3 benchmarks/sweep_bwd.py --out "$OUT/sweep-bwd.jsonl" > "$OUT/sweep-bwd.log" 2>&1
