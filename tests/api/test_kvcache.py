@@ -700,6 +700,32 @@ def test_paged_table_slice(triton_backend, monkeypatch, page, num_splits, slice_
     assert len(slices) == 1 and (slices[0] >= 16 if slice_max else slices[0] == 0)
 
 
+@pytest.mark.parametrize("page, slice_max, want", [(16, 16, 16), (16, 15, 0), (48, 8, 16), (48, 7, 0)])
+def test_paged_table_slice_spans_exact_pages(triton_backend, monkeypatch, page, slice_max, want):
+    """``decode.pages_spanned``, unsplit caches: 256 keys in pages of 16 (which divide the
+    64-key tile) are exactly 16 pages, so a slice limit of 16 takes the table slice (the
+    extra page once counted for every layout sent such a split to the per-key table read)
+    and 15 does not; 288 keys in pages of 48 (not a divisor: a tile may start inside a
+    page) read up to cdiv(320, 48) + 1 = 8 pages, within a limit of 8 and past one of 7."""
+    from flashtile.backends.triton import decode
+
+    monkeypatch.setattr(decode, "PAGE_SLICE_MAX", slice_max)
+    slices = []
+    orig = decode._launch_decode._launch
+
+    def spy(grid, args, constexprs, *rest):
+        slices.append(constexprs["PAGE_SLICE"])
+        return orig(grid, args, constexprs, *rest)
+
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")
+    monkeypatch.setattr(decode._launch_decode, "_launch", spy)
+    capacity = 256 if page == 16 else 288
+    q, k, v, kc, vc, table, seqlens = _case(batch=2, sq=1, new=1, heads=(4, 2), d=32, capacity=capacity,
+                                             seqlens=(200, capacity - 1), page=page)
+    _run_and_check(q, k, v, kc, vc, seqlens, table=table, num_splits=1)
+    assert slices == [want], slices
+
+
 @pytest.mark.parametrize("num_splits, check", [(1, "host"), (4, "host"), (4, "spread")])
 def test_split_kv_windows_softcap_alibi_rotary(triton_backend, monkeypatch, num_splits, check):
     """Every option with split-KV; with the spread check too (metadata checked on the device:
