@@ -73,7 +73,7 @@ from flashtile.runtime.launch import Launcher
 
 HEAD_DIMS = (64, 128)  # what it compiles for (the default at both: scope.ONEPASS_HEAD_DIMS)
 NUM_BUF = {64: 4, 128: 2}  # (Q, dO) ring slots
-DQ_BUF = 2  # float32 dQ slots (64 x D each: with 2 ring slots at d128, 224 of the 227 KB)
+DQ_BUF = 2  # float32 dQ slots (64 x D each: with 2 ring slots at d128, 224 of the 227 KB; own_dq: 2 x 64 x D)
 # The dQ slots' swizzle in bytes (0: none). The wgmma accumulator's st.shared.v2 stores are
 # 2-way bank-conflicted at 128 and 64, 4-way at 0, conflict-free at 32 (gl.bank_conflicts,
 # sm_90a); a 32-byte swizzle cuts each slot's TMA reduction into 8-column boxes. Measured
@@ -490,8 +490,8 @@ _launch_convert = Launcher(_dq_convert)
 
 
 def dq_accumulator_layout(head_dim: int, swizzle: int | None = None):
-    """The shared-memory layout of a (BLOCK, D / 2) float32 dQ slot (and its TMA box):
-    ``swizzle`` bytes (None: ``DQ_SWIZZLE[head_dim]``)."""
+    """The shared-memory layout of a (BLOCK, D / 2) float32 dQ slot (``own_dq``: (BLOCK, D))
+    and its TMA box: ``swizzle`` bytes (None: ``DQ_SWIZZLE[head_dim]``)."""
     swizzle = DQ_SWIZZLE[head_dim] if swizzle is None else swizzle
     if swizzle not in (0, 32, 64, 128):
         raise ValueError(f"a dQ swizzle is 0, 32, 64 or 128 bytes, got {swizzle}")
@@ -552,6 +552,9 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     num_buf = num_buf or NUM_BUF[head_dim]
     if num_buf < 2 or dq_buf < 1:
         raise ValueError(f"need num_buf >= 2 and dq_buf >= 1, got {num_buf} and {dq_buf}")
+    if own_dq and head_dim * dq_buf > 128:  # d128 at 2 slots: ~295 KB of shared memory (sm_90a compile)
+        raise ValueError(f"own_dq at head dim {head_dim} fits {128 // head_dim} float32 dQ slot(s), "
+                         f"got dq_buf={dq_buf}")
     rows = triton.cdiv(seqlen_q, BLOCK) * BLOCK  # padded: the last query block's reductions need no mask
     if batch * nheads * rows >= 2 ** 31:
         raise ValueError(f"batch x heads x padded seqlen_q = {batch * nheads * rows} exceeds the int32 rows "
