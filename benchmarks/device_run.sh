@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|levers-bwd|levers-decode|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -339,4 +339,40 @@ if [[ $what == host-ab ]]; then
     timeout 60 python3 benchmarks/host_overhead.py --impl flashtile sdpa-cudnn ${HOST_AB_ARGS:-} >> "$OUT/host-ab.log" 2>&1
   done
   grep -v Warn "$OUT/host-ab.log" | grep -v "^# "
+fi
+if [[ $what == levers-bwd ]]; then
+  # Session 35's backward lever, written on the CPU: the one-pass kernel's own_dq variant (each
+  # consumer warpgroup's whole-width dQ share, no dS handshake). Its GPU tests first (a wrong
+  # result ends here), then the A/B against the library's variants at d64 and d128.
+  timeout 200 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -k "own_dq or race_hunt" -v -rf \
+    -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-own-dq.log" 2>&1
+  rc=$?; echo "own_dq gpu tests rc=$rc"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-own-dq.log" | tail -12
+  if [[ $rc == 0 ]]; then
+    timeout 170 python3 benchmarks/experiments/gluon_bwd_onepass.py --variants "4,2;4,2,-1,1" \
+      --shapes "64,4096,0;64,4096,1;64,16384,0;64,16384,1" > "$OUT/own-dq-d64.log" 2>&1
+    echo "d64 A/B rc=$?"; grep -v Warn "$OUT/own-dq-d64.log" | tail -20
+    timeout 170 python3 benchmarks/experiments/gluon_bwd_onepass.py --variants "2,2;2,1;2,1,-1,1" \
+      --shapes "128,4096,0;128,4096,1;128,16384,0" > "$OUT/own-dq-d128.log" 2>&1
+    echo "d128 A/B rc=$?"; grep -v Warn "$OUT/own-dq-d128.log" | tail -20
+  fi
+fi
+if [[ $what == levers-decode ]]; then
+  # Session 35's decode items: the kv-cache GPU file (the gather's exact page count), the TMA /
+  # unmasked tiles against the library kernel at today's split counts, the eager rows'
+  # kernels (PDL on and off), and the batch-8 split counts with pages of 16.
+  timeout 120 python3 -m pytest -m gpu tests/api/test_kvcache_gpu.py -q -n 8 --maxfail=20 -p no:warnings \
+    -p no:cacheprovider > "$OUT/gpu-tests-kvcache.log" 2>&1
+  rc=$?; echo "kvcache gpu tests rc=$rc"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-kvcache.log" | tail -12
+  if [[ $rc == 0 ]]; then
+    timeout 120 python3 benchmarks/experiments/decode_tma.py > "$OUT/decode-tma.log" 2>&1
+    echo "decode tma rc=$?"; grep -v Warn "$OUT/decode-tma.log" | tail -16
+    for pdl in on off; do
+      FLASHTILE_PDL=$pdl timeout 60 python3 benchmarks/experiments/decode_breakdown.py --eager \
+        > "$OUT/decode-breakdown-eager-pdl-$pdl.log" 2>&1
+      echo "eager breakdown pdl=$pdl rc=$?"; grep -v Warn "$OUT/decode-breakdown-eager-pdl-$pdl.log" | cut -c1-220
+    done
+    timeout 200 python3 benchmarks/sweep_decode.py --append --rounds 2 --shapes 8x4096p16 8x8192p16 8x32768p16 \
+      64x8192p16 --splits 0 4 6 8 12 16 25 > "$OUT/sweep-decode-pages.log" 2>&1
+    echo "pages sweep rc=$?"; grep "best:" "$OUT/sweep-decode-pages.log"
+  fi
 fi
