@@ -674,14 +674,9 @@ def test_fused_append_is_the_separate_append_bitwise(triton_backend, monkeypatch
     torch.testing.assert_close(results["fused"][3].double(), want_vc, atol=0, rtol=0)
 
 
-@pytest.mark.parametrize("num_splits", [1, 3, 0])
-@pytest.mark.parametrize("page", [1, 16, 48])
-@pytest.mark.parametrize("slice_max", [512, 0])
-def test_paged_table_slice(triton_backend, monkeypatch, page, num_splits, slice_max):
-    """decode.PAGE_SLICE_MAX (512 by default): the per-key page gather with each split's table
-    entries read once into registers, and (0) the per-key table read that a split spanning
-    more pages than that takes; 48-key pages do not divide the 64-key tiles, so a split's
-    first tile starts inside a page."""
+def _spy_page_slices(monkeypatch, slice_max):
+    """decode.PAGE_SLICE_MAX set to ``slice_max`` (plans off); returns the live list of each
+    decode launch's PAGE_SLICE."""
     from flashtile.backends.triton import decode
 
     monkeypatch.setattr(decode, "PAGE_SLICE_MAX", slice_max)
@@ -694,6 +689,18 @@ def test_paged_table_slice(triton_backend, monkeypatch, page, num_splits, slice_
 
     monkeypatch.setenv("FLASHTILE_PLANS", "0")
     monkeypatch.setattr(decode._launch_decode, "_launch", spy)
+    return slices
+
+
+@pytest.mark.parametrize("num_splits", [1, 3, 0])
+@pytest.mark.parametrize("page", [1, 16, 48])
+@pytest.mark.parametrize("slice_max", [512, 0])
+def test_paged_table_slice(triton_backend, monkeypatch, page, num_splits, slice_max):
+    """decode.PAGE_SLICE_MAX (512 by default): the per-key page gather with each split's table
+    entries read once into registers, and (0) the per-key table read that a split spanning
+    more pages than that takes; 48-key pages do not divide the 64-key tiles, so a split's
+    first tile starts inside a page."""
+    slices = _spy_page_slices(monkeypatch, slice_max)
     q, k, v, kc, vc, table, seqlens = _case(batch=4, sq=3, new=3, heads=(8, 2), d=32, capacity=320,
                                              seqlens=(0, 5, 129, 317), page=page)
     _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True, num_splits=num_splits)
@@ -707,18 +714,7 @@ def test_paged_table_slice_spans_exact_pages(triton_backend, monkeypatch, page, 
     extra page once counted for every layout sent such a split to the per-key table read)
     and 15 does not; 288 keys in pages of 48 (not a divisor: a tile may start inside a
     page) read up to cdiv(320, 48) + 1 = 8 pages, within a limit of 8 and past one of 7."""
-    from flashtile.backends.triton import decode
-
-    monkeypatch.setattr(decode, "PAGE_SLICE_MAX", slice_max)
-    slices = []
-    orig = decode._launch_decode._launch
-
-    def spy(grid, args, constexprs, *rest):
-        slices.append(constexprs["PAGE_SLICE"])
-        return orig(grid, args, constexprs, *rest)
-
-    monkeypatch.setenv("FLASHTILE_PLANS", "0")
-    monkeypatch.setattr(decode._launch_decode, "_launch", spy)
+    slices = _spy_page_slices(monkeypatch, slice_max)
     capacity = 256 if page == 16 else 288
     q, k, v, kc, vc, table, seqlens = _case(batch=2, sq=1, new=1, heads=(4, 2), d=32, capacity=capacity,
                                              seqlens=(200, capacity - 1), page=page)

@@ -88,12 +88,9 @@ def test_bitwise_reproducible(head_dim, bwd_ws_calls):
     assert len(bwd_ws_calls) == 11 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_ws"}
 
 
-@pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_one_pass_race_hunt(causal, head_dim, bwd_ws_calls):
-    """The one-pass kernel at batch 60 (many programs add into each dQ tile at once, GQA):
-    dK and dV bitwise equal over reruns (each program owns its keys), dQ within the
-    accuracy rule every time (its float32 sums arrive in a varying order)."""
+def _race_case(head_dim, causal):
+    """The race hunt's call (batch 60, GQA 4/2, 333 queries and keys, bf16): flashtile's out
+    with its leaves, dout, and the float64 and bf16 references' (dq, dk, dv)."""
     case = Case(333, 333, head_dim, dtype=torch.bfloat16, causal=causal, batch=60, nheads=4, nheads_k=2)
     q, k, v, _ = make_inputs(case, "cuda", 0)
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -101,7 +98,16 @@ def test_one_pass_race_hunt(causal, head_dim, bwd_ws_calls):
     ref = _grads(lambda *a: reference(case, *a, None, torch.float64)[0], (q, k, v), dout.double())[1:]
     base = _grads(lambda *a: reference(case, *a, None, case.dtype)[0], (q, k, v), dout)[1:]
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    out = flashtile.flash_attn_func(*leaves, causal=causal)
+    return flashtile.flash_attn_func(*leaves, causal=causal), leaves, dout, ref, base
+
+
+@pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_pass_race_hunt(causal, head_dim, bwd_ws_calls):
+    """The one-pass kernel at batch 60 (many programs add into each dQ tile at once, GQA):
+    dK and dV bitwise equal over reruns (each program owns its keys), dQ within the
+    accuracy rule every time (its float32 sums arrive in a varying order)."""
+    out, leaves, dout, ref, base = _race_case(head_dim, causal)
     first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
     for name, a, r, b in zip(("dq", "dk", "dv"), first, ref, base):
         assert_close(f"one-pass {name}", a, r, b, factor=GRAD_FACTOR)
@@ -123,14 +129,7 @@ def test_one_pass_own_dq_variant(causal, head_dim, bwd_ws_calls, monkeypatch):
 
     from flashtile.backends.sm90 import backward_onepass
 
-    case = Case(333, 333, head_dim, dtype=torch.bfloat16, causal=causal, batch=60, nheads=4, nheads_k=2)
-    q, k, v, _ = make_inputs(case, "cuda", 0)
-    g = torch.Generator(device="cuda").manual_seed(3)
-    dout = torch.randn(q.shape, device="cuda", dtype=case.dtype, generator=g)
-    ref = _grads(lambda *a: reference(case, *a, None, torch.float64)[0], (q, k, v), dout.double())[1:]
-    base = _grads(lambda *a: reference(case, *a, None, case.dtype)[0], (q, k, v), dout)[1:]
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    out = flashtile.flash_attn_func(*leaves, causal=causal)
+    out, leaves, dout, ref, base = _race_case(head_dim, causal)
     library = torch.autograd.grad(out, leaves, dout, retain_graph=True)
     monkeypatch.setattr(backward_onepass, "attention_backward_onepass",
                         functools.partial(backward_onepass.attention_backward_onepass, own_dq=True,
