@@ -72,14 +72,17 @@ def kernel_times(call, steps: int) -> dict[str, float]:
 
 def eager_kernel_times(call, steps: int) -> dict[str, float]:
     """{kernel name: device us per step} of ``steps`` eager calls, each after the L2 flush
-    ``triton.testing.do_bench`` makes (zeroing 256 MB), the flush's kernel left out."""
+    ``triton.testing.do_bench`` makes (its driver's cache buffer, zeroed), the flush's kernel
+    left out."""
     import torch
+    from triton import runtime
 
-    cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")
+    driver = runtime.driver.active
+    cache = driver.get_empty_cache_for_benchmark()
 
     def run():
         for _ in range(steps):
-            cache.zero_()
+            driver.clear_cache(cache)
             call()
 
     run()

@@ -26,6 +26,7 @@ elsewhere.
 from __future__ import annotations
 
 import argparse
+import itertools
 
 import triton
 import triton.language as tl
@@ -190,7 +191,7 @@ def check(device: str, dtype, shapes) -> None:
     by shape (max |difference| of out, LSE)."""
     import torch
 
-    for (batch, cached, nheads, nheads_k, head_dim), tma in ((shape, tma) for shape in shapes for tma in (True, False)):
+    for (batch, cached, nheads, nheads_k, head_dim), tma in itertools.product(shapes, (True, False)):
         q, kc, vc, lens = make(batch, cached, nheads, nheads_k, head_dim, dtype, device)
         out, lse, splits = tma_decode(q, kc, vc, lens, tma=tma)
         ref_out, ref_lse = library_decode(q, kc, vc, lens)

@@ -198,7 +198,7 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
     VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
-    OWN: gl.constexpr = dq_smem.type.shape[2] == HEAD_D  # own_dq: no dS crosses between the warpgroups
+    OWN: gl.constexpr = dq_smem.type.shape[2] == HEAD_D  # own_dq (whole-width slots): no dS crosses
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS, 16])
@@ -344,6 +344,16 @@ def _loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sme
 
 
 @gluon.jit
+def _free_dq_slot(dq_empty, slot, OWN: gl.constexpr):
+    """The reducer hands dQ slot ``slot`` back: its one barrier, or (OWN) each warpgroup's."""
+    if OWN:
+        mbarrier.arrive(dq_empty.index(2 * slot), count=1)
+        mbarrier.arrive(dq_empty.index(2 * slot + 1), count=1)
+    else:
+        mbarrier.arrive(dq_empty.index(slot), count=1)
+
+
+@gluon.jit
 def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
              p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
              seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
@@ -357,7 +367,7 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sm
     (the host checks)."""
     DQ_BUF: gl.constexpr = dq_smem.type.shape[0] // 2
     WIDTH: gl.constexpr = dq_smem.type.shape[2]
-    OWN: gl.constexpr = dq_full.type.shape[0] == dq_smem.type.shape[0]
+    OWN: gl.constexpr = dq_smem.type.shape[2] == q_desc.block_type.shape[3]  # own_dq: whole-width slots
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
     q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
     for t in range(nq * group_size):
@@ -377,19 +387,10 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sm
         if DQ_BUF > 1:
             tma.store_wait(pendings=2)  # step t - 1's two reductions have read their slot
             if t > 0:
-                prev = (t + DQ_BUF - 1) % DQ_BUF
-                if OWN:
-                    mbarrier.arrive(dq_empty.index(2 * prev), count=1)
-                    mbarrier.arrive(dq_empty.index(2 * prev + 1), count=1)
-                else:
-                    mbarrier.arrive(dq_empty.index(prev), count=1)
+                _free_dq_slot(dq_empty, (t + DQ_BUF - 1) % DQ_BUF, OWN)
         else:
             tma.store_wait(pendings=0)
-            if OWN:
-                mbarrier.arrive(dq_empty.index(2 * slot), count=1)
-                mbarrier.arrive(dq_empty.index(2 * slot + 1), count=1)
-            else:
-                mbarrier.arrive(dq_empty.index(slot), count=1)
+            _free_dq_slot(dq_empty, slot, OWN)
     tma.store_wait(pendings=0)  # nothing may still read shared memory when the program ends
 
 
