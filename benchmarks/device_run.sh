@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|levers-bwd|levers-decode|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|levers-bwd|levers-decode|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -75,6 +75,19 @@ if [[ $what == bench || $what == all ]]; then
   echo "train block rc=$?"; tail -6 "$OUT/train-block.log"
   tar czf "$OUT/bench.tgz" -C /tmp/bench .
   grep "| fwd \|| bwd " "$OUT/bench.log" | awk -F'|' '{print $2,$3,$5,$6,$7,$8,$9,$10,$12,$13}' | tail -40
+fi
+if [[ $what == rows ]]; then
+  # The issue's target rows on one card (H200 for issue 38): `flashtile bench` bf16 and fp16,
+  # forward and backward, every shape, against PyTorch's flash and cuDNN; the host cost per call.
+  timeout 60 python3 benchmarks/host_overhead.py > /tmp/bench/host-overhead.log 2>&1
+  echo "host overhead rc=$?"; grep -v Warn /tmp/bench/host-overhead.log | tail -12
+  for dt in bf16 fp16; do
+    timeout ${BENCH_TIMEOUT:-230} python3 -m flashtile.tools.bench --dtype $dt --pass fwd bwd \
+      --impl flashtile sdpa-flash sdpa-cudnn --out /tmp/bench --tag ${gpu}-$dt > /tmp/bench/bench-$dt.log 2>&1
+    echo "bench $dt rc=$?"
+    grep "| bwd " /tmp/bench/bench-$dt.log | awk -F'|' '{print $2,$3,$5,$6,$7,$8,$9,$10,$12,$13}' | tail -24
+  done
+  tar czf "$OUT/rows.tgz" -C /tmp/bench .
 fi
 if [[ $what == bench-d128 ]]; then
   # Issue 34's check: d128 bf16 forward and backward against run 100's rows, host cost included.
