@@ -1033,8 +1033,8 @@ def test_choose_splits():
     most one program per four SMs with short splits, about 1.5 per SM (a split at most 1024 keys
     and 2 key tiles on rows, 2048 keys and 4 tiles with a page gather); else about one program per
     SM in one wave when fewer than two per SM (rounded down up to one per two SMs, to the nearest
-    above), about 12 per SM when more or with a page gather, at most one split per 4 key tiles; an
-    explicit count capped by tiles."""
+    above), a page gather two per SM up to two per SM (at least the splits its table slice needs),
+    about 12 per SM when more, at most one split per 4 key tiles; an explicit count capped by tiles."""
     from flashtile.backends.triton.decode import choose_splits
 
     cpu = torch.device("cpu")
@@ -1050,10 +1050,17 @@ def test_choose_splits():
     assert choose_splits(0, 31, 131072, 64, cpu) == 1
     assert choose_splits(0, 64, 4096, 64, cpu) == 3  # >= 32 programs: cdiv(192, 64)
     assert choose_splits(0, 400, 4096, 64, cpu) == 1
-    assert choose_splits(0, 8, 131072, 64, cpu, gather=True) == 24  # cdiv(192, 8)
-    assert choose_splits(0, 4, 8192, 64, cpu, gather=True) == 6  # 24 // 4, 1366 keys a split
-    assert choose_splits(0, 4, 12289, 64, cpu, gather=True) == 48  # 2049 keys a split: cdiv(192, 4)
-    assert choose_splits(0, 5, 8192, 64, cpu, gather=True) == 32  # 5 > 16 / 4: cdiv(192, 5), 4 tiles a split
+    # pages of 16 (a gather): 1.5 per SM while splits stay short, else two per SM (run 202)
+    assert choose_splits(0, 4, 8192, 64, cpu, page=16) == 6  # 24 // 4, 1366 keys a split
+    assert choose_splits(0, 4, 12289, 64, cpu, page=16) == 8  # 2049 keys at 6: 32 // 4
+    assert choose_splits(0, 5, 8192, 64, cpu, page=16) == 6  # 5 > 16 / 4: 32 // 5
+    assert choose_splits(0, 16, 8192, 64, cpu, page=16) == 2  # 32 // 16
+    # ... but never past the table slice: 512 pages of 16 are 8192 keys, 511 of 48 (a page
+    # may start inside a tile) 24512
+    assert choose_splits(0, 8, 131072, 64, cpu, page=16) == 16  # cdiv(131072, 8192), not 32 // 8
+    assert choose_splits(0, 8, 131072, 64, cpu, page=48) == 6  # cdiv(131072, 24512)
+    assert choose_splits(0, 40, 8192, 64, cpu, page=16) == 5  # 40 > 2 x 16: cdiv(192, 40)
+    assert choose_splits(0, 8, 131072, 64, cpu, page=256) == 2  # whole tiles: the rows' 16 // 8
     assert choose_splits(0, 1, 100, 64, cpu) == 1
     assert choose_splits(500, 1, 640, 64, cpu) == 10  # one per key tile at most
     assert choose_splits(3, 1000, 640, 64, cpu) == 3

@@ -1020,9 +1020,11 @@ def _sms(device) -> int:
 
 
 def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, device, *,
-                  gather: bool = False) -> int:
+                  page: int = 0) -> int:
     """Splits of the cache length: ``num_splits`` when given (at most one per key tile),
-    else from ``programs`` (batch x nheads_k x row blocks) and the SM count.
+    else from ``programs`` (batch x nheads_k x row blocks) and the SM count. ``page``: the
+    page size of a paged cache (0: a row cache); "gather" below is a page size that is not a
+    multiple of the key tile (``layout``), whose table reads sit in front of every key load.
     - At most one program per four SMs, with short splits: about 1.5 programs per SM
       (rounded down) while each split then holds at most ``FEW_KEYS_MAX_ROWS`` keys
       (``FEW_KEYS_MAX_GATHER`` for ``gather``), at most one split per 2 key tiles (4 for
@@ -1033,6 +1035,12 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
       16 at batch 4 x 4k and 8k 6, 33.3 and 55.9 against 38.7 and 61.9 at the many-wave 16
       and 32; batch 2 x 4k and 8k 12, 21.3 and 32.8 against 22.5 and 37.8; batch 1 x 8k and
       32k 24, 21.6 and 55.7 against 22.3 and 60.9.
+    - Else a page gather of at most two programs per SM: two per SM rounded down, and at least enough splits for each to read its pages through a table
+      slice (``slice_keys``). H100 run 202, pages of 16, the best of 0-6 splits: batch 8 x 4k,
+      8k and 32k 4 splits, 56.3, 99.2 and 356.6 us against 61.8, 106.2 and 364.3 at the
+      many-wave 16-25 (3 splits of 32k keys, past the slice: 492); batch 16 x 4k and 8k 2,
+      98.6 and 184.5 against 108.5 and 198.8 at 13; batch 32 x 8k 1 (and 3), 361.5 against
+      373.3 at 7 (2: 417.5: 512 programs are two waves less a few).
     - Else fewer than two programs per SM on rows or whole-tile pages: about one per SM, one
       wave of programs that each stream a long stretch. At most one per two SMs that is
       ``sms // programs`` (run 178: up to 4% less a step than two per SM at batch 1-8,
@@ -1040,14 +1048,13 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
       above, the nearest count, so 1 from two thirds of the SMs on (run 186: batch 16, 128
       programs, 92.4 us unsplit against 96.1 at 2 splits, 4% less at 8k keys too; batch 8,
       64 programs, wants its 2: 50.6 against 69.6 unsplit).
-    - Else (more programs, or a page gather: a page size that is not a multiple of the key
-      tile, whose table reads sit in front of every key load): enough splits for about 12
-      programs per SM, so that the last, partial wave is short (batch 64 x 8192: 4.38 vs
+    - Else (more programs): enough splits for about 12 programs per SM, so that the last, partial wave is short (batch 64 x 8192: 4.38 vs
       3.85 TB/s unsplit), at most one split per 4 key tiles."""
     tiles = max(1, triton.cdiv(capacity, block_n))
     if num_splits > 0:
         return max(1, min(num_splits, tiles, MAX_SPLITS))
     sms = _sms(device)
+    gather = layout(page > 0, page, block_n) == "gather"
     most = max(1, min(triton.cdiv(tiles, 4), MAX_SPLITS))
     if 4 * programs <= sms:
         few = 3 * sms // (2 * programs)
@@ -1055,6 +1062,10 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
             return max(1, min(few, most))
         if not gather and triton.cdiv(capacity, few) <= FEW_KEYS_MAX_ROWS:
             return max(1, min(few, triton.cdiv(tiles, 2), MAX_SPLITS))
+    if gather and programs <= 2 * sms:
+        keys = slice_keys(page, block_n)
+        least = triton.cdiv(capacity, keys) if keys else 1
+        return max(1, min(max(2 * sms // programs, least), most))
     if programs < 2 * sms and not gather:
         return max(1, min(sms // programs if 2 * programs <= sms else round(sms / programs), most))
     return max(1, min(triton.cdiv(12 * sms, programs), most))
@@ -1168,6 +1179,14 @@ def layout(paged: bool, page: int, block_n: int) -> str:
     return "rows" if not paged else "tile" if page % block_n == 0 else "gather"
 
 
+def slice_keys(page: int, block_n: int) -> int:
+    """The most keys a split of a page gather may hold (a multiple of the key tile) and still
+    read its pages through a table slice (``pages_spanned`` at most ``PAGE_SLICE_MAX``); 0
+    when not even one key tile can."""
+    pages = PAGE_SLICE_MAX - (0 if block_n % page == 0 else 1)
+    return pages * page // block_n * block_n
+
+
 def pages_spanned(split_size: int, page: int, block_n: int) -> int:
     """The most pages a split of ``split_size`` keys (a multiple of the key tile) reads:
     split_size / page when the page divides the key tile (every split and tile then starts
@@ -1191,8 +1210,7 @@ def split_plan(q, k_cache, table, num_splits: int, head_dim_v: int = 0) -> tuple
     capacity = table.shape[1] * page if paged else k_cache.shape[1]
     block_m, block_n, _, _ = block_sizes(head_dim, seqlen_q * (nheads // nheads_k), head_dim_v)
     programs = batch * nheads_k * triton.cdiv(seqlen_q * (nheads // nheads_k), block_m)
-    splits = choose_splits(num_splits, programs, capacity, block_n, q.device,
-                           gather=layout(paged, page, block_n) == "gather")
+    splits = choose_splits(num_splits, programs, capacity, block_n, q.device, page=page if paged else 0)
     split_size = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
     return triton.cdiv(capacity, split_size), split_size
 
