@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|levers-bwd|levers-decode|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-rule|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -88,6 +88,36 @@ if [[ $what == rows ]]; then
     grep "| bwd " /tmp/bench/bench-$dt.log | awk -F'|' '{print $2,$3,$5,$6,$7,$8,$9,$10,$12,$13}' | tail -24
   done
   tar czf "$OUT/rows.tgz" -C /tmp/bench .
+fi
+if [[ $what == decode-rule ]]; then
+  # Session 36: the page gather's two-programs-per-SM rule (1cfcd94) and the eager fold. The
+  # kv-cache GPU file; the rule's count against its neighbours with pages of 16 at batch 4-32;
+  # its bench rows (pages of 16, both modes, against cuDNN); eager steps at batch 1-2 x 4k-8k
+  # with the fold (auto) against two launches (spread check, separate combine), alternating.
+  timeout 120 python3 -m pytest -m gpu tests/api/test_kvcache_gpu.py -q -n 8 --maxfail=20 -p no:warnings \
+    -p no:cacheprovider > "$OUT/gpu-tests-kvcache.log" 2>&1
+  rc=$?; echo "kvcache gpu tests rc=$rc"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-kvcache.log" | tail -12
+  if [[ $rc == 0 ]]; then
+    timeout 150 python3 benchmarks/sweep_decode.py --append --rounds 2 --shapes 4x16384p16 4x32768p16 8x4096p16 \
+      8x32768p16 12x8192p16 16x8192p16 24x8192p16 32x8192p16 --splits 0 2 4 8 16 > /tmp/bench/sweep-decode-rule.log 2>&1
+    echo "sweep rc=$?"; grep "best:" /tmp/bench/sweep-decode-rule.log
+    timeout 120 python3 -m flashtile.tools.bench --decode --append --only 6 8 22 23 24 25 --impl flashtile sdpa-cudnn \
+      --out /tmp/bench --tag ${gpu}-decode-gather > /tmp/bench/bench-decode-gather.log 2>&1
+    echo "bench gather rc=$?"; grep -E "^B|^\|" /tmp/bench/bench-decode-gather.log | tail -16
+    for r in 1 2; do
+      for cfg in auto split; do
+        sw=""; [[ $cfg == split ]] && sw="FLASHTILE_DECODE_CHECK=spread FLASHTILE_DECODE_COMBINE=separate"
+        env $sw timeout 60 python3 -m flashtile.tools.bench --decode --append --mode eager --only 10 11 14 \
+          --impl flashtile --out /tmp/bench --tag eager-$cfg-r$r > /tmp/bench/eager-$cfg-r$r.log 2>&1
+        echo "eager $cfg round $r rc=$?"; grep -E "^B" /tmp/bench/eager-$cfg-r$r.log | tail -4
+      done
+    done
+    timeout 60 python3 -m flashtile.tools.bench --decode --append --mode eager --only 10 11 14 --impl sdpa-cudnn \
+      --out /tmp/bench --tag eager-cudnn > /tmp/bench/eager-cudnn.log 2>&1
+    echo "eager cudnn rc=$?"; grep -E "^B" /tmp/bench/eager-cudnn.log | tail -4
+    rows_by_tag eager-
+  fi
+  tar -czf "$OUT/decode-rule.tgz" -C /tmp/bench .
 fi
 if [[ $what == bench-d128 ]]; then
   # Issue 34's check: d128 bf16 forward and backward against run 100's rows, host cost included.
@@ -352,40 +382,4 @@ if [[ $what == host-ab ]]; then
     timeout 60 python3 benchmarks/host_overhead.py --impl flashtile sdpa-cudnn ${HOST_AB_ARGS:-} >> "$OUT/host-ab.log" 2>&1
   done
   grep -v Warn "$OUT/host-ab.log" | grep -v "^# "
-fi
-if [[ $what == levers-bwd ]]; then
-  # Session 35's backward lever, written on the CPU: the one-pass kernel's own_dq variant (each
-  # consumer warpgroup's whole-width dQ share, no dS handshake). Its GPU tests first (a wrong
-  # result ends here), then the A/B against the library's variants at d64 and d128.
-  timeout 200 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -k "own_dq or race_hunt" -v -rf \
-    -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-own-dq.log" 2>&1
-  rc=$?; echo "own_dq gpu tests rc=$rc"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-own-dq.log" | tail -12
-  if [[ $rc == 0 ]]; then
-    timeout 170 python3 benchmarks/experiments/gluon_bwd_onepass.py --variants "4,2;4,2,-1,1" \
-      --shapes "64,4096,0;64,4096,1;64,16384,0;64,16384,1" > "$OUT/own-dq-d64.log" 2>&1
-    echo "d64 A/B rc=$?"; grep -v Warn "$OUT/own-dq-d64.log" | tail -20
-    timeout 170 python3 benchmarks/experiments/gluon_bwd_onepass.py --variants "2,2;2,1;2,1,-1,1" \
-      --shapes "128,4096,0;128,4096,1;128,16384,0" > "$OUT/own-dq-d128.log" 2>&1
-    echo "d128 A/B rc=$?"; grep -v Warn "$OUT/own-dq-d128.log" | tail -20
-  fi
-fi
-if [[ $what == levers-decode ]]; then
-  # Session 35's decode items: the kv-cache GPU file (the gather's exact page count), the TMA /
-  # unmasked tiles against the library kernel at today's split counts, the eager rows'
-  # kernels (PDL on and off), and the batch-8 split counts with pages of 16.
-  timeout 120 python3 -m pytest -m gpu tests/api/test_kvcache_gpu.py -q -n 8 --maxfail=20 -p no:warnings \
-    -p no:cacheprovider > "$OUT/gpu-tests-kvcache.log" 2>&1
-  rc=$?; echo "kvcache gpu tests rc=$rc"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-kvcache.log" | tail -12
-  if [[ $rc == 0 ]]; then
-    timeout 120 python3 benchmarks/experiments/decode_tma.py > "$OUT/decode-tma.log" 2>&1
-    echo "decode tma rc=$?"; grep -v Warn "$OUT/decode-tma.log" | tail -16
-    for pdl in on off; do
-      FLASHTILE_PDL=$pdl timeout 60 python3 benchmarks/experiments/decode_breakdown.py --eager \
-        > "$OUT/decode-breakdown-eager-pdl-$pdl.log" 2>&1
-      echo "eager breakdown pdl=$pdl rc=$?"; grep -v Warn "$OUT/decode-breakdown-eager-pdl-$pdl.log" | cut -c1-220
-    done
-    timeout 200 python3 benchmarks/sweep_decode.py --append --rounds 2 --shapes 8x4096p16 8x8192p16 8x32768p16 \
-      64x8192p16 --splits 0 4 6 8 12 16 25 > "$OUT/sweep-decode-pages.log" 2>&1
-    echo "pages sweep rc=$?"; grep "best:" "$OUT/sweep-decode-pages.log"
-  fi
 fi

@@ -8,11 +8,8 @@ report for sm_90a on the CPU; one shape for Nsight Compute.
     ncu -k regex:onepass_kernel --launch-skip 1 --launch-count 1 \\
         python3 benchmarks/experiments/gluon_bwd_onepass.py --profile 128,4096,0     # one shape
 
-Variants are (num_buf, dq_buf[, dq_swizzle[, own_dq]]): (Q, dO) ring slots, float32 dQ slots,
-the dQ slots' swizzle in bytes (default the library's ``DQ_SWIZZLE``; 32 has no bank
-conflicts; -1: the default) and 1 for ``own_dq`` (each warpgroup's whole-width share of dQ
-from its own dS: no lockstep between the two consumers, twice the reduction bytes; session
-35, compiled only: ``--variants "4,2;4,2,-1,1" --shapes "64,4096,0;64,16384,1"``). History (docs/
+Variants are (num_buf, dq_buf[, dq_swizzle]): (Q, dO) ring slots, float32 dQ slots and the
+dQ slots' swizzle in bytes (default the library's ``DQ_SWIZZLE``; 32 has no bank conflicts). History (docs/
 perf-notes.md, "One-pass backward"): runs 30-34 reduced dQ from the consumers' registers
 (290-375 TF/s at d128); run 80 measured the L2's reduction rate alone (3.6 TB/s); runs
 83-85 (session 16) the reducer warp: d64 1.03-1.09x the split kernels, d128 0.90-0.99x
@@ -35,17 +32,9 @@ from gluon_bwd import run  # noqa: E402  (the library experiment's checks and ti
 def onepass_launch(q, k, v, dout, lse, delta, dq, dk, dv, *, causal, diag, variant):
     from flashtile.backends.sm90.backward_onepass import attention_backward_onepass
 
-    num_buf, dq_buf, swizzle, own = parse_variant(variant)
+    num_buf, dq_buf, *swizzle = variant
     attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5, diag_offset=diag,
-                               causal=causal, num_buf=num_buf, dq_buf=dq_buf, dq_swizzle=swizzle, own_dq=own)
-
-
-def parse_variant(variant):
-    """(num_buf, dq_buf[, dq_swizzle[, own_dq]]) -> num_buf, dq_buf, swizzle (None: the
-    default; also for -1), own_dq."""
-    num_buf, dq_buf, *rest = variant
-    swizzle = rest[0] if rest and rest[0] >= 0 else None
-    return num_buf, dq_buf, swizzle, bool(rest[1]) if len(rest) > 1 else False
+                               causal=causal, num_buf=num_buf, dq_buf=dq_buf, dq_swizzle=(swizzle or [None])[0])
 
 
 def main(argv=None) -> int:
@@ -63,13 +52,12 @@ def main(argv=None) -> int:
     if args.compile:
         from flashtile.tools.sm90_check import compile_backward_onepass
 
-        for variant in variants:
-            num_buf, dq_buf, swizzle, own = parse_variant(variant)
+        for num_buf, dq_buf, *swizzle in variants:
             for d in sorted({sh[0] for sh in shapes}):
                 for causal in (False, True):
                     try:
                         c = compile_backward_onepass("bf16", d, causal=causal, num_buf=num_buf, dq_buf=dq_buf,
-                                                     dq_swizzle=swizzle, own_dq=own)
+                                                     dq_swizzle=(swizzle or [None])[0])
                         regs, spills = c.registers()
                         print(f"{c.name}: shared {c.shared} B, regs {regs}, spills {spills} B, bulk reduces "
                               f"{c.ptx.count('cp.reduce.async.bulk.tensor')}", flush=True)

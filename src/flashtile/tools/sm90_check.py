@@ -359,24 +359,23 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
 
 def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf: int | None = None,
                              dq_buf: int | None = None, keys_outer: bool = False,
-                             dq_swizzle: int | None = None, varlen: bool = False, own_dq: bool = False) -> Compiled:
+                             dq_swizzle: int | None = None, varlen: bool = False) -> Compiled:
     """The one-pass Gluon backward (``backends.sm90.backward_onepass``; its default rings and
-    dQ swizzle unless given; ``varlen``: its work-list variant for packed sequences; ``own_dq``:
-    its experimental whole-width dQ shares): its PTX should hold the bulk tensor reductions of dQ."""
+    dQ swizzle unless given; ``varlen``: its work-list variant for packed sequences): its PTX
+    should hold the bulk tensor reductions of dQ."""
     from flashtile.backends.sm90 import backward_onepass as op
 
     num_buf = num_buf or op.NUM_BUF[head_dim]
     dq_buf = dq_buf or op.DQ_BUF
     layout = op.dq_accumulator_layout(head_dim, dq_swizzle)
-    dq_desc = f"tensordesc<fp32[{op.BLOCK}, {head_dim if own_dq else head_dim // 2}],{layout}>"
+    dq_desc = f"tensordesc<fp32[{op.BLOCK}, {head_dim // 2}],{layout}>"
     return _compile_ws(f"bwd-onepass {dtype} d{head_dim} causal={causal} num_buf={num_buf} dq_buf={dq_buf} "
-                       f"dq_swizzle={layout.swizzle_byte_width}" + (" varlen" if varlen else "")
-                       + (" own_dq" if own_dq else ""),
+                       f"dq_swizzle={layout.swizzle_byte_width}" + (" varlen" if varlen else ""),
                        op.onepass_kernel, dtype, head_dim,
                        dict.fromkeys(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc"), op.BLOCK),
                        dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=op.CONSUMER_REGS,
                             LOADER_REGS=op.LOADER_REGS, REDUCER_REGS=op.REDUCER_REGS,
-                            KEYS_OUTER=keys_outer and not varlen, OWN_DQ=own_dq),
+                            KEYS_OUTER=keys_outer and not varlen),
                        dict(dq_desc=dq_desc, **(dict(Items="*i32") if varlen else {})))
 
 

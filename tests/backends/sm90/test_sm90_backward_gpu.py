@@ -88,9 +88,12 @@ def test_bitwise_reproducible(head_dim, bwd_ws_calls):
     assert len(bwd_ws_calls) == 11 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_ws"}
 
 
-def _race_case(head_dim, causal):
-    """The race hunt's call (batch 60, GQA 4/2, 333 queries and keys, bf16): flashtile's out
-    with its leaves, dout, and the float64 and bf16 references' (dq, dk, dv)."""
+@pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_pass_race_hunt(causal, head_dim, bwd_ws_calls):
+    """The one-pass kernel at batch 60 (many programs add into each dQ tile at once, GQA):
+    dK and dV bitwise equal over reruns (each program owns its keys), dQ within the
+    accuracy rule every time (its float32 sums arrive in a varying order)."""
     case = Case(333, 333, head_dim, dtype=torch.bfloat16, causal=causal, batch=60, nheads=4, nheads_k=2)
     q, k, v, _ = make_inputs(case, "cuda", 0)
     g = torch.Generator(device="cuda").manual_seed(3)
@@ -98,16 +101,7 @@ def _race_case(head_dim, causal):
     ref = _grads(lambda *a: reference(case, *a, None, torch.float64)[0], (q, k, v), dout.double())[1:]
     base = _grads(lambda *a: reference(case, *a, None, case.dtype)[0], (q, k, v), dout)[1:]
     leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    return flashtile.flash_attn_func(*leaves, causal=causal), leaves, dout, ref, base
-
-
-@pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_one_pass_race_hunt(causal, head_dim, bwd_ws_calls):
-    """The one-pass kernel at batch 60 (many programs add into each dQ tile at once, GQA):
-    dK and dV bitwise equal over reruns (each program owns its keys), dQ within the
-    accuracy rule every time (its float32 sums arrive in a varying order)."""
-    out, leaves, dout, ref, base = _race_case(head_dim, causal)
+    out = flashtile.flash_attn_func(*leaves, causal=causal)
     first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
     for name, a, r, b in zip(("dq", "dk", "dv"), first, ref, base):
         assert_close(f"one-pass {name}", a, r, b, factor=GRAD_FACTOR)
@@ -116,28 +110,6 @@ def test_one_pass_race_hunt(causal, head_dim, bwd_ws_calls):
         assert torch.equal(dk, first[1]) and torch.equal(dv, first[2])
         assert_close("one-pass dq again", dq, ref[0], base[0], factor=GRAD_FACTOR)
     assert len(bwd_ws_calls) == 6 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
-
-
-@pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_one_pass_own_dq_variant(causal, head_dim, bwd_ws_calls, monkeypatch):
-    """The experiment ``own_dq`` (each consumer warpgroup adds its own keys' share of dQ over
-    every column; at d128 with one float32 slot, which is what fits) on the race hunt's
-    case (batch 60, GQA, odd lengths): dQ within the accuracy rule; dK and dV bitwise the
-    library kernel's, whose path the option leaves as it is."""
-    import functools
-
-    from flashtile.backends.sm90 import backward_onepass
-
-    out, leaves, dout, ref, base = _race_case(head_dim, causal)
-    library = torch.autograd.grad(out, leaves, dout, retain_graph=True)
-    monkeypatch.setattr(backward_onepass, "attention_backward_onepass",
-                        functools.partial(backward_onepass.attention_backward_onepass, own_dq=True,
-                                          dq_buf=1 if head_dim == 128 else 2))
-    own = torch.autograd.grad(out, leaves, dout, retain_graph=True)
-    assert_close("own_dq dq", own[0], ref[0], base[0], factor=GRAD_FACTOR)
-    assert torch.equal(own[1], library[1]) and torch.equal(own[2], library[2])
-    assert [c.get("own_dq", False) for c in bwd_ws_calls] == [False, True], bwd_ws_calls
 
 
 def test_one_pass_switch(bwd_ws_calls, monkeypatch):

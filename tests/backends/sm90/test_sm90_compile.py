@@ -409,28 +409,6 @@ def test_one_pass_backward_compiles_with_a_reducer_warp(tmp_path):
         assert (int(stores) > 0) == (varlen == "1"), rows
 
 
-@pytest.mark.slow(seconds=20)
-def test_one_pass_backward_own_dq_variant_compiles(tmp_path):
-    """The experiment ``own_dq`` (session 35, unmeasured): each consumer warpgroup takes
-    its own keys' share of dQ over every column, so the d64 kernel's dQ products are
-    64 x 64 (m64n64) where the library's halves are 64 x 32 (m64n32), its float32 slots
-    twice as wide (+32 KB at two slots of two warpgroups), and it still fits without
-    spills. The default path is not touched by the option (its PTX was compared with the
-    previous tree's when the option came in)."""
-    code = ("from flashtile.tools.sm90_check import compile_backward_onepass as f\n"
-            "for own in (False, True):\n"
-            "    c = f('bf16', 64, causal=True, own_dq=own); regs, spills = c.registers()\n"
-            "    print(own, c.shared, spills, c.ptx.count('m64n32k16'), c.ptx.count('cp.reduce.async.bulk.tensor'))")
-    rows = {own: [int(x) for x in rest] for own, *rest in
-            (line.split() for line in _compile_run(tmp_path, "-c", code).splitlines())}
-    (halves_smem, halves_spills, halves_n32, _), (own_smem, own_spills, own_n32, own_reduces) = (
-        rows["False"], rows["True"])
-    # 4 slots x 64 x 32 more float32, give or take the barriers' alignment
-    assert abs(own_smem - halves_smem - 4 * 64 * 32 * 4) <= 64 and own_smem <= SM90_SHARED_LIMIT, rows
-    assert halves_spills == own_spills == 0, rows
-    assert halves_n32 > 0 and own_n32 == 0 and own_reduces >= 2, rows
-
-
 @pytest.mark.exhaustive
 @pytest.mark.slow(seconds=180)
 def test_flex_kernels_compile_and_fit(tmp_path):

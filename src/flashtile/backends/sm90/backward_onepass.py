@@ -73,7 +73,7 @@ from flashtile.runtime.launch import Launcher
 
 HEAD_DIMS = (64, 128)  # what it compiles for (the default at both: scope.ONEPASS_HEAD_DIMS)
 NUM_BUF = {64: 4, 128: 2}  # (Q, dO) ring slots
-DQ_BUF = 2  # float32 dQ slots (64 x D each: with 2 ring slots at d128, 224 of the 227 KB; own_dq: 2 x 64 x D)
+DQ_BUF = 2  # float32 dQ slots (64 x D each: with 2 ring slots at d128, 224 of the 227 KB)
 # The dQ slots' swizzle in bytes (0: none). The wgmma accumulator's st.shared.v2 stores are
 # 2-way bank-conflicted at 128 and 64, 4-way at 0, conflict-free at 32 (gl.bank_conflicts,
 # sm_90a); a 32-byte swizzle cuts each slot's TMA reduction into 8-column boxes. Measured
@@ -146,47 +146,33 @@ def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, q
 
 
 @gluon.jit
-def _dq_issue(WG: gl.constexpr, t, k_smem, ds_smem, ds_full, z, OWN: gl.constexpr):
+def _dq_issue(WG: gl.constexpr, t, k_smem, ds_smem, ds_full, z):
     """Issue dQ of step t for this warpgroup's half of the head dim, from both warpgroups'
-    dS; OWN (``own_dq``): this warpgroup's share of dQ, every column, from its own dS and
-    keys (async; the caller waits). ``z`` is 0 (see ``_consumer``'s loop)."""
+    dS (async; the caller waits). ``z`` is 0 (see ``_consumer``'s loop)."""
     HEAD_D: gl.constexpr = k_smem.type.shape[4]
     HALF_D: gl.constexpr = HEAD_D // 2
-    if OWN:
-        own_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_D, 16])
-        dq = warpgroup_mma(ds_smem.index(WG + z), k_smem.index(WG + z).reshape([ROWS, HEAD_D]),
-                           gl.zeros([ROWS, HEAD_D], gl.float32, own_layout), use_acc=False, is_async=True)
-    else:
-        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HALF_D, 16])
-        mbarrier.wait(ds_full.index(0), t & 1)
-        dq = warpgroup_mma(ds_smem.index(z),
-                           k_smem.index(z).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D, dim=1),
-                           gl.zeros([ROWS, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
-        dq = warpgroup_mma(ds_smem.index(1 + z),
-                           k_smem.index(1 + z).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D, dim=1),
-                           dq, is_async=True)
-    return dq
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HALF_D, 16])
+    mbarrier.wait(ds_full.index(0), t & 1)
+    dq = warpgroup_mma(ds_smem.index(z), k_smem.index(z).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D, dim=1),
+                       gl.zeros([ROWS, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
+    return warpgroup_mma(ds_smem.index(1 + z), k_smem.index(1 + z).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D,
+                                                                                             dim=1),
+                         dq, is_async=True)
 
 
 @gluon.jit
-def _dq_finish(WG: gl.constexpr, dq, t, ds_empty, scale, dq_smem, dq_full, dq_empty, OWN: gl.constexpr):
+def _dq_finish(WG: gl.constexpr, dq, t, ds_empty, scale, dq_smem, dq_full, dq_empty):
     """Once step t's dQ product is done: tell the other warpgroup its dS was read, then
     hand this warpgroup's half to the reducer through slot t % DQ_BUF (wait until the
-    slot's last reductions have read it, store, fence, arrive). OWN: no dS of the other
-    warpgroup was read, and each warpgroup's slot has barriers of its own (2 slot + WG)."""
+    slot's last reductions have read it, store, fence, arrive)."""
     DQ_BUF: gl.constexpr = dq_smem.type.shape[0] // 2
+    mbarrier.arrive(ds_empty.index(0), count=1)
     slot = t % DQ_BUF
-    if OWN:
-        bar = 2 * slot + WG
-    else:
-        mbarrier.arrive(ds_empty.index(0), count=1)
-        bar = slot
-    mbarrier.wait(dq_empty.index(bar), ((t // DQ_BUF) & 1) ^ 1)  # a fresh barrier passes phase 1
+    mbarrier.wait(dq_empty.index(slot), ((t // DQ_BUF) & 1) ^ 1)  # a fresh barrier passes phase 1
     dq_smem.index(2 * slot + WG).store(dq * scale)
     fence_async_shared()
-    mbarrier.arrive(dq_full.index(bar), count=1)
+    mbarrier.arrive(dq_full.index(slot), count=1)
 
 
 @gluon.jit
@@ -198,7 +184,6 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
     VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
-    OWN: gl.constexpr = dq_smem.type.shape[2] == HEAD_D  # own_dq (whole-width slots): no dS crosses
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, ROWS, 16])
@@ -230,8 +215,7 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         p_tile.store(pt)
         ds_tile.store(dst)
         fence_async_shared()
-        if not OWN:
-            mbarrier.arrive(ds_full.index(0), count=1)
+        mbarrier.arrive(ds_full.index(0), count=1)
     for s in range(1, n_steps):
         prev = (s - 1) % NUM_BUF
         # At d128, z = 0 (s < 2**30) but not to the compiler: the fixed tiles' views are
@@ -259,14 +243,12 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
         p_tile.store(pt)  # P_{s-1} is read (only this warpgroup reads it)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(_dq_issue(WG, s - 1, k_smem, ds_smem, ds_full, z, OWN),))
-        _dq_finish(WG, dq, s - 1, ds_empty, scale, dq_smem, dq_full, dq_empty, OWN)
-        if not OWN:
-            mbarrier.wait(ds_empty.index(0), (s - 1) & 1)  # the other warpgroup has read dS_{s-1} too
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(_dq_issue(WG, s - 1, k_smem, ds_smem, ds_full, z),))
+        _dq_finish(WG, dq, s - 1, ds_empty, scale, dq_smem, dq_full, dq_empty)
+        mbarrier.wait(ds_empty.index(0), (s - 1) & 1)  # the other warpgroup has read dS_{s-1} too
         ds_tile.store(dst)
         fence_async_shared()
-        if not OWN:
-            mbarrier.arrive(ds_full.index(0), count=1)
+        mbarrier.arrive(ds_full.index(0), count=1)
 
     if n_steps > 0:
         last = (n_steps - 1) % NUM_BUF
@@ -274,13 +256,11 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(last).reshape([ROWS, HEAD_D]), dk, is_async=True)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(last), count=1)
-        dq = warpgroup_mma_wait(num_outstanding=0,
-                                deps=(_dq_issue(WG, n_steps - 1, k_smem, ds_smem, ds_full, 0, OWN),))
-        _dq_finish(WG, dq, n_steps - 1, ds_empty, scale, dq_smem, dq_full, dq_empty, OWN)
-        if not OWN:
-            # The other warpgroup's last dQ product reads this warpgroup's K tile, which is
-            # about to stage dK.
-            mbarrier.wait(ds_empty.index(0), (n_steps - 1) & 1)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(_dq_issue(WG, n_steps - 1, k_smem, ds_smem, ds_full, 0),))
+        _dq_finish(WG, dq, n_steps - 1, ds_empty, scale, dq_smem, dq_full, dq_empty)
+        # The other warpgroup's last dQ product reads this warpgroup's K tile, which is
+        # about to stage dK.
+        mbarrier.wait(ds_empty.index(0), (n_steps - 1) & 1)
 
     # K and V are no longer read: their tiles stage dK and dV for the TMA stores, which
     # clip rows past seqlen_k; a packed sequence's last tile goes from registers instead,
@@ -344,16 +324,6 @@ def _loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sme
 
 
 @gluon.jit
-def _free_dq_slot(dq_empty, slot, OWN: gl.constexpr):
-    """The reducer hands dQ slot ``slot`` back: its one barrier, or (OWN) each warpgroup's."""
-    if OWN:
-        mbarrier.arrive(dq_empty.index(2 * slot), count=1)
-        mbarrier.arrive(dq_empty.index(2 * slot + 1), count=1)
-    else:
-        mbarrier.arrive(dq_empty.index(slot), count=1)
-
-
-@gluon.jit
 def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
              p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
              seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
@@ -362,35 +332,25 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sm
     add them into the float32 dQ (a (B * H * dq_rows, D) matrix) with two bulk TMA
     reductions; then wait until the previous step's reductions have read their slot and
     free it (so one step's reductions stay in flight; with one slot, wait for this step's).
-    OWN (``own_dq``): each warpgroup's whole-width share as soon as it is stored, each with
-    barriers of its own. Rows are int32: B * H * dq_rows < 2**31, as TMA coordinates are
-    (the host checks)."""
+    Rows are int32: B * H * dq_rows < 2**31, as TMA coordinates are (the host checks)."""
     DQ_BUF: gl.constexpr = dq_smem.type.shape[0] // 2
-    WIDTH: gl.constexpr = dq_smem.type.shape[2]
-    OWN: gl.constexpr = dq_smem.type.shape[2] == q_desc.block_type.shape[3]  # own_dq: whole-width slots
+    HALF_D: gl.constexpr = dq_smem.type.shape[2]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
     q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
     for t in range(nq * group_size):
         slot = t % DQ_BUF
-        if OWN:
-            hq, m0 = _step_coords(t, q_lo, nq, q_rot, kvh, group_size)
-            row = (b * nheads + hq) * dq_rows + q_row + m0
-            for wg in gl.static_range(2):
-                mbarrier.wait(dq_full.index(2 * slot + wg), (t // DQ_BUF) & 1)
-                async_reduce_add_shared_to_global(dq_desc, [row, 0], dq_smem.index(2 * slot + wg))
-        else:
-            mbarrier.wait(dq_full.index(slot), (t // DQ_BUF) & 1)
-            hq, m0 = _step_coords(t, q_lo, nq, q_rot, kvh, group_size)
-            row = (b * nheads + hq) * dq_rows + q_row + m0  # packed: b = 0, the sequence's rows from q_row on
-            for half in gl.static_range(2):
-                async_reduce_add_shared_to_global(dq_desc, [row, half * WIDTH], dq_smem.index(2 * slot + half))
+        mbarrier.wait(dq_full.index(slot), (t // DQ_BUF) & 1)
+        hq, m0 = _step_coords(t, q_lo, nq, q_rot, kvh, group_size)
+        row = (b * nheads + hq) * dq_rows + q_row + m0  # packed: b = 0, the sequence's rows from q_row on
+        for half in gl.static_range(2):
+            async_reduce_add_shared_to_global(dq_desc, [row, half * HALF_D], dq_smem.index(2 * slot + half))
         if DQ_BUF > 1:
             tma.store_wait(pendings=2)  # step t - 1's two reductions have read their slot
             if t > 0:
-                _free_dq_slot(dq_empty, (t + DQ_BUF - 1) % DQ_BUF, OWN)
+                mbarrier.arrive(dq_empty.index((t + DQ_BUF - 1) % DQ_BUF), count=1)
         else:
             tma.store_wait(pendings=0)
-            _free_dq_slot(dq_empty, slot, OWN)
+            mbarrier.arrive(dq_empty.index(slot), count=1)
     tma.store_wait(pendings=0)  # nothing may still read shared memory when the program ends
 
 
@@ -399,7 +359,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
                     seqlen_q, num_n_blocks, diag_offset, qk_scale, scale, dq_desc, dq_rows, seqlen_k, Items,
                     item_cap, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr,
                     DQ_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                    REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr, OWN_DQ: gl.constexpr = False):
+                    REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
     pid = gl.program_id(0)  # flat grid over (batch, kv head) pairs and blocks of 2 * ROWS keys
@@ -439,18 +399,16 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
     pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
     p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], pds_layout)
     ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], pds_layout)
-    # DQ_BUF slots of both warpgroups' float32 dQ halves (64 x D/2 each; slot s's half h at 2 s + h);
-    # OWN_DQ: of each warpgroup's whole-width share (64 x D; slot s's share of warpgroup w at 2 s + w)
-    DQ_WIDTH: gl.constexpr = HEAD_D if OWN_DQ else HEAD_D // 2
-    DQ_BARS: gl.constexpr = 2 * DQ_BUF if OWN_DQ else DQ_BUF
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUF * 2, ROWS, DQ_WIDTH], dq_desc.layout)
+    # DQ_BUF slots of both warpgroups' float32 dQ halves (64 x D/2 each; slot s's half h at 2 s + h)
+    HALF_D: gl.constexpr = HEAD_D // 2
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUF * 2, ROWS, HALF_D], dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     ds_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BARS, 1], mbarrier.MBarrierLayout())
-    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BARS, 1], mbarrier.MBarrierLayout())
+    dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUF, 1], mbarrier.MBarrierLayout())
+    dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
         mbarrier.init(kv_bar.index(i), count=1)
     for i in gl.static_range(NUM_BUF):
@@ -458,8 +416,8 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
         mbarrier.init(q_empty.index(i), count=2)  # both consumers release a slot
     mbarrier.init(ds_full.index(0), count=2)
     mbarrier.init(ds_empty.index(0), count=2)
-    for i in gl.static_range(DQ_BARS):
-        mbarrier.init(dq_full.index(i), count=1 if OWN_DQ else 2)  # both warpgroups' halves (OWN_DQ: one's share)
+    for i in gl.static_range(DQ_BUF):
+        mbarrier.init(dq_full.index(i), count=2)  # both warpgroups' halves
         mbarrier.init(dq_empty.index(i), count=1)  # the reducer
 
     args = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
@@ -491,8 +449,8 @@ _launch_convert = Launcher(_dq_convert)
 
 
 def dq_accumulator_layout(head_dim: int, swizzle: int | None = None):
-    """The shared-memory layout of a (BLOCK, D / 2) float32 dQ slot (``own_dq``: (BLOCK, D))
-    and its TMA box: ``swizzle`` bytes (None: ``DQ_SWIZZLE[head_dim]``)."""
+    """The shared-memory layout of a (BLOCK, D / 2) float32 dQ slot (and its TMA box):
+    ``swizzle`` bytes (None: ``DQ_SWIZZLE[head_dim]``)."""
     swizzle = DQ_SWIZZLE[head_dim] if swizzle is None else swizzle
     if swizzle not in (0, 32, 64, 128):
         raise ValueError(f"a dQ swizzle is 0, 32, 64 or 128 bytes, got {swizzle}")
@@ -512,8 +470,7 @@ def accumulator(q):
 
 def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int,
                                causal: bool, num_buf: int | None = None, dq_buf: int = DQ_BUF,
-                               dq_swizzle: int | None = None, varlen=None, dq_accum=None,
-                               own_dq: bool = False) -> None:
+                               dq_swizzle: int | None = None, varlen=None, dq_accum=None) -> None:
     """Launch the one-pass kernel and the dQ postprocess; the caller checked
     ``scope.backward_scope`` and TMA alignment (``backends.registry.backward``).
 
@@ -534,12 +491,6 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
             written; dQ's are written as zeros (the postprocess casts every row).
         dq_accum: None, or ``accumulator(q)`` already zeroed (the library's path: the
             preprocess zeroed it), else the call allocates and zeroes one.
-        own_dq: each consumer warpgroup computes its own keys' share of dQ over every
-            column (dS_w K_w) and the reducer adds the two shares separately, instead of
-            each computing half the columns from both warpgroups' dS: no dS crosses
-            between the warpgroups (no lockstep), at twice the reduction bytes and twice
-            the float32 slots. An experiment (``benchmarks/experiments/gluon_bwd_onepass.py``),
-            never the library's path; unmeasured.
 
     Memory: a float32 dQ of B x H x Sq (rounded up to 64) x D.
     """
@@ -553,9 +504,6 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     num_buf = num_buf or NUM_BUF[head_dim]
     if num_buf < 2 or dq_buf < 1:
         raise ValueError(f"need num_buf >= 2 and dq_buf >= 1, got {num_buf} and {dq_buf}")
-    if own_dq and head_dim * dq_buf > 128:  # d128 at 2 slots: ~295 KB of shared memory (sm_90a compile)
-        raise ValueError(f"own_dq at head dim {head_dim} fits {128 // head_dim} float32 dQ slot(s), "
-                         f"got dq_buf={dq_buf}")
     rows = triton.cdiv(seqlen_q, BLOCK) * BLOCK  # padded: the last query block's reductions need no mask
     if batch * nheads * rows >= 2 ** 31:
         raise ValueError(f"batch x heads x padded seqlen_q = {batch * nheads * rows} exceeds the int32 rows "
@@ -565,8 +513,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
                          f"{dq_accum.dtype} {tuple(dq_accum.shape)}")
     acc = accumulator(q).zero_() if dq_accum is None else dq_accum
     flat = acc.view(-1, head_dim)
-    box = [BLOCK, head_dim if own_dq else head_dim // 2]
-    dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box,
+    dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [BLOCK, head_dim // 2],
                                dq_accumulator_layout(head_dim, dq_swizzle))
     if varlen is None:
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
@@ -585,6 +532,6 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
              dq_desc, rows, seqlen_k, *items),
             dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=CONSUMER_REGS,
                  LOADER_REGS=LOADER_REGS, REDUCER_REGS=REDUCER_REGS,
-                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k), OWN_DQ=own_dq), 4, 1)
+                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k)), 4, 1)
     _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
                     (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]), dict(BLOCK_M=BLOCK, HEAD_D=head_dim), 4, 1)
