@@ -81,7 +81,7 @@ if [[ $what == rows ]]; then
   # forward and backward, every shape, against PyTorch's flash and cuDNN; the host cost per call.
   timeout 60 python3 benchmarks/host_overhead.py > /tmp/bench/host-overhead.log 2>&1
   echo "host overhead rc=$?"; grep -v Warn /tmp/bench/host-overhead.log | tail -12
-  for dt in bf16 fp16; do
+  for dt in ${ROWS_DTYPES:-bf16 fp16}; do
     timeout ${BENCH_TIMEOUT:-230} python3 -m flashtile.tools.bench --dtype $dt --pass fwd bwd \
       --impl flashtile sdpa-flash sdpa-cudnn --out /tmp/bench --tag ${gpu}-$dt > /tmp/bench/bench-$dt.log 2>&1
     echo "bench $dt rc=$?"
