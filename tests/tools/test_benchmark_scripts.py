@@ -55,15 +55,15 @@ def test_sweep_decode_reads_paged_shapes(monkeypatch):
 
 def test_sweep_decode_names_the_heuristics_count(monkeypatch):
     """``sweep_decode.heuristic_splits``: ``split_plan``'s count for a shape on a CPU device (16
-    SMs). 8 KV heads at batch 1 are 8 programs: one per two SMs on 4096 rows (16 // 8), the
-    many-wave count capped at 4 key tiles a split with pages of 16 (64 tiles: 16); 2 KV heads
+    SMs). 8 KV heads at batch 1 are 8 programs: one per two SMs on 4096 rows (16 // 8), two per
+    SM with pages of 16 (32 // 8; the many-wave count was 16 until run 202); 2 KV heads
     are 2 programs, the small-batch count 24 // 2 = 12, whose 342 keys round up to 384: 11."""
     monkeypatch.setenv("FLASHTILE_PLANS", "0")
     module = _script("sweep_decode")
     from flashtile.tools.bench.decode import DecodeShape
 
     assert module.heuristic_splits(module.parse_shape("1x4096"), "cpu") == 2
-    assert module.heuristic_splits(module.parse_shape("1x4096p16"), "cpu") == 16
+    assert module.heuristic_splits(module.parse_shape("1x4096p16"), "cpu") == 4
     assert module.heuristic_splits(DecodeShape(1, 4096, nheads=8, nheads_k=2), "cpu") == 11
 
 
