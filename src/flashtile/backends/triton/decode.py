@@ -1040,7 +1040,9 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
       8k and 32k 4 splits, 56.3, 99.2 and 356.6 us against 61.8, 106.2 and 364.3 at the
       many-wave 16-25 (3 splits of 32k keys, past the slice: 492); batch 16 x 4k and 8k 2,
       98.6 and 184.5 against 108.5 and 198.8 at 13; batch 32 x 8k 1 (and 3), 361.5 against
-      373.3 at 7 (2: 417.5: 512 programs are two waves less a few).
+      373.3 at 7 (2: 417.5: 512 programs are two waves less a few). Run 204, the rule's count
+      against 2-16: batch 4 x 16k and 32k 8 splits (98.8 and 184.7 us; 16 splits 109.8 and
+      209.9), batch 12 x 8k 2, the best; batch 24 x 8k 1 split 280.0 against 272.3 at 2 (3%).
     - Else fewer than two programs per SM on rows or whole-tile pages: about one per SM, one
       wave of programs that each stream a long stretch. At most one per two SMs that is
       ``sms // programs`` (run 178: up to 4% less a step than two per SM at batch 1-8,
