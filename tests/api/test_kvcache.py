@@ -9,6 +9,7 @@ import math
 
 import pytest
 import torch
+from hypothesis import example, given, settings, strategies as st
 
 import flashtile
 from flashtile.testing import assert_close, plain_attention
@@ -1064,6 +1065,21 @@ def test_choose_splits():
     assert choose_splits(0, 1, 100, 64, cpu) == 1
     assert choose_splits(500, 1, 640, 64, cpu) == 10  # one per key tile at most
     assert choose_splits(3, 1000, 640, 64, cpu) == 3
+
+
+@settings(max_examples=300, deadline=None)
+@given(programs=st.integers(1, 32), capacity=st.integers(1, 1 << 19), page=st.sampled_from([16, 32, 48, 8, 24]))
+@example(programs=32, capacity=2 * 512 * 48, page=48)  # two splits of 512 pages of 48 would span 513
+def test_gather_splits_fit_the_table_slice(programs, capacity, page):
+    """``choose_splits`` with a page gather of at most two programs per SM (16 SMs on a CPU
+    device): every split of ``split_plan``'s size reads its pages through a table slice
+    (``pages_spanned`` at most ``PAGE_SLICE_MAX``; run 202: B8 x 32k at 3 splits, past it,
+    492 us against 357 at 4) unless the count is capped at ``MAX_SPLITS``."""
+    from flashtile.backends.triton import decode
+
+    splits = decode.choose_splits(0, programs, capacity, 64, torch.device("cpu"), page=page)
+    split_size = -(-(-(-capacity // splits)) // 64) * 64
+    assert splits == decode.MAX_SPLITS or decode.pages_spanned(split_size, page, 64) <= decode.PAGE_SLICE_MAX
 
 
 # --------------------------------------------------------------------------- issue 40's fuzz defects
