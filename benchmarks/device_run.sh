@@ -93,23 +93,25 @@ if [[ $what == decode-rule ]]; then
   # Session 36: the page gather's two-programs-per-SM rule (1cfcd94; its sweep: run 204) and the
   # eager fold. The kv-cache GPU file; the rule's bench rows (pages of 16, both modes, against
   # cuDNN); eager steps at batch 1-2 x 4k-8k with the fold (auto) against two launches (spread
-  # check, separate combine), alternating (run 204's host was too noisy to read them).
+  # check, separate combine), alternating (run 204's host was too noisy to read them). The time
+  # limits add up to 520 s; the bench rows come back in a tarball of their own first.
   timeout 120 python3 -m pytest -m gpu tests/api/test_kvcache_gpu.py -q -n 8 --maxfail=20 -p no:warnings \
     -p no:cacheprovider > "$OUT/gpu-tests-kvcache.log" 2>&1
   rc=$?; echo "kvcache gpu tests rc=$rc"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-kvcache.log" | tail -12
   if [[ $rc == 0 ]]; then
     timeout 120 python3 -m flashtile.tools.bench --decode --append --only 6 8 22 23 24 25 --impl flashtile sdpa-cudnn \
       --out /tmp/bench --tag ${gpu}-decode-gather > /tmp/bench/bench-decode-gather.log 2>&1
+    tar -czf "$OUT/decode-gather.tgz" -C /tmp/bench $(cd /tmp/bench && ls ${gpu}-decode-gather* bench-decode-gather.log)
     echo "bench gather rc=$?"; grep -E "^B|^\|" /tmp/bench/bench-decode-gather.log | tail -16
     for r in 1 2 3; do
       for cfg in auto split; do
         sw=""; [[ $cfg == split ]] && sw="FLASHTILE_DECODE_CHECK=spread FLASHTILE_DECODE_COMBINE=separate"
-        env $sw timeout 60 python3 -m flashtile.tools.bench --decode --append --mode eager --only 10 11 14 \
+        env $sw timeout 40 python3 -m flashtile.tools.bench --decode --append --mode eager --only 10 11 14 \
           --impl flashtile --out /tmp/bench --tag eager-$cfg-r$r > /tmp/bench/eager-$cfg-r$r.log 2>&1
         echo "eager $cfg round $r rc=$?"; grep -E "^B" /tmp/bench/eager-$cfg-r$r.log | tail -4
       done
     done
-    timeout 60 python3 -m flashtile.tools.bench --decode --append --mode eager --only 10 11 14 --impl sdpa-cudnn \
+    timeout 40 python3 -m flashtile.tools.bench --decode --append --mode eager --only 10 11 14 --impl sdpa-cudnn \
       --out /tmp/bench --tag eager-cudnn > /tmp/bench/eager-cudnn.log 2>&1
     echo "eager cudnn rc=$?"; grep -E "^B" /tmp/bench/eager-cudnn.log | tail -4
     rows_by_tag eager-

@@ -38,7 +38,8 @@ def main() -> None:
     p.add_argument("--stages-paged", type=int, nargs="+", help="num_stages of the paged kernel (each in turn)")
     p.add_argument("--stages-rows", type=int, nargs="+", help="num_stages of the row-cache kernel (each in turn)")
     p.add_argument("--page-slice", type=int, nargs="+",
-                   help="decode.PAGE_SLICE_MAX values (each in turn; 0: the per-tile table read)")
+                   help="decode.PAGE_SLICE_MAX values (each in turn; 0: the per-tile table read); the "
+                        "heuristic's count (0) follows it: a page gather takes at least the splits its slice needs")
     args = p.parse_args()
     from flashtile.backends.triton import decode
 

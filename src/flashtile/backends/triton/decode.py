@@ -1035,14 +1035,16 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
       16 at batch 4 x 4k and 8k 6, 33.3 and 55.9 against 38.7 and 61.9 at the many-wave 16
       and 32; batch 2 x 4k and 8k 12, 21.3 and 32.8 against 22.5 and 37.8; batch 1 x 8k and
       32k 24, 21.6 and 55.7 against 22.3 and 60.9.
-    - Else a page gather of at most two programs per SM: two per SM rounded down, and at least enough splits for each to read its pages through a table
-      slice (``slice_keys``). H100 run 202, pages of 16, the best of 0-6 splits: batch 8 x 4k,
-      8k and 32k 4 splits, 56.3, 99.2 and 356.6 us against 61.8, 106.2 and 364.3 at the
-      many-wave 16-25 (3 splits of 32k keys, past the slice: 492); batch 16 x 4k and 8k 2,
-      98.6 and 184.5 against 108.5 and 198.8 at 13; batch 32 x 8k 1 (and 3), 361.5 against
-      373.3 at 7 (2: 417.5: 512 programs are two waves less a few). Run 204, the rule's count
-      against 2-16: batch 4 x 16k and 32k 8 splits (98.8 and 184.7 us; 16 splits 109.8 and
-      209.9), batch 12 x 8k 2, the best; batch 24 x 8k 1 split 280.0 against 272.3 at 2 (3%).
+    - Else a page gather of at most two programs per SM: two per SM rounded down, and at
+      least enough splits for each to read its pages through a table slice (``slice_keys``;
+      so do the short splits above). H100 run 202, pages of 16, the best of 0-6 splits: batch
+      8 x 4k, 8k and 32k 4 splits, 56.3, 99.2 and 356.6 us against 61.8, 106.2 and 364.3 at
+      the many-wave 16-25 (3 splits of 32k keys, past the slice: 492); batch 16 x 4k and 8k
+      2, 98.6 and 184.5 against 108.5 and 198.8 at 13; batch 32 x 8k 1 or 3, 361.7 and 361.5
+      against 373.3 at 7 (2: 417.5: 512 programs are two waves less a few). Run 204, the
+      rule's count against 2-16: batch 4 x 16k and 32k 8 splits (98.8 and 184.7 us; 16 splits
+      110.5 and 210.7), batch 12 x 8k 2, the best; batch 24 x 8k 1 split 280.0 against 272.3
+      at 2 (3%).
     - Else fewer than two programs per SM on rows or whole-tile pages: about one per SM, one
       wave of programs that each stream a long stretch. At most one per two SMs that is
       ``sms // programs`` (run 178: up to 4% less a step than two per SM at batch 1-8,
@@ -1050,8 +1052,9 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
       above, the nearest count, so 1 from two thirds of the SMs on (run 186: batch 16, 128
       programs, 92.4 us unsplit against 96.1 at 2 splits, 4% less at 8k keys too; batch 8,
       64 programs, wants its 2: 50.6 against 69.6 unsplit).
-    - Else (more programs): enough splits for about 12 programs per SM, so that the last, partial wave is short (batch 64 x 8192: 4.38 vs
-      3.85 TB/s unsplit), at most one split per 4 key tiles."""
+    - Else (more programs): enough splits for about 12 programs per SM, so that the last,
+      partial wave is short (batch 64 x 8192: 4.38 vs 3.85 TB/s unsplit), at most one split
+      per 4 key tiles."""
     tiles = max(1, triton.cdiv(capacity, block_n))
     if num_splits > 0:
         return max(1, min(num_splits, tiles, MAX_SPLITS))
@@ -1060,7 +1063,7 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
     most = max(1, min(triton.cdiv(tiles, 4), MAX_SPLITS))
     if 4 * programs <= sms:
         few = 3 * sms // (2 * programs)
-        if gather and triton.cdiv(capacity, few) <= FEW_KEYS_MAX_GATHER:
+        if gather and triton.cdiv(capacity, few) <= min(FEW_KEYS_MAX_GATHER, slice_keys(page, block_n)):
             return max(1, min(few, most))
         if not gather and triton.cdiv(capacity, few) <= FEW_KEYS_MAX_ROWS:
             return max(1, min(few, triton.cdiv(tiles, 2), MAX_SPLITS))
@@ -1185,7 +1188,7 @@ def slice_keys(page: int, block_n: int) -> int:
     """The most keys a split of a page gather may hold (a multiple of the key tile) and still
     read its pages through a table slice (``pages_spanned`` at most ``PAGE_SLICE_MAX``); 0
     when not even one key tile can."""
-    pages = PAGE_SLICE_MAX - (0 if block_n % page == 0 else 1)
+    pages = max(0, PAGE_SLICE_MAX - (0 if block_n % page == 0 else 1))
     return pages * page // block_n * block_n
 
 
