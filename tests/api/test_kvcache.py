@@ -1035,7 +1035,8 @@ def test_choose_splits():
     and 2 key tiles on rows, 2048 keys and 4 tiles with a page gather); else about one program per
     SM in one wave when fewer than two per SM (rounded down up to one per two SMs, to the nearest
     above), a page gather of at most two programs per SM two per SM (at least the splits its table
-    slice needs), about 12 per SM when more, at most one split per 4 key tiles; an explicit count capped by tiles."""
+    slice needs), about 12 per SM when more, at most one split per 4 key tiles; an explicit count
+    capped by tiles."""
     from flashtile.backends.triton.decode import choose_splits
 
     cpu = torch.device("cpu")
@@ -1081,7 +1082,7 @@ def test_gather_splits_fit_the_table_slice(programs, capacity, page):
     from flashtile.backends.triton import decode
 
     splits = decode.choose_splits(0, programs, capacity, 64, torch.device("cpu"), page=page)
-    split_size = math.ceil(math.ceil(capacity / splits) / 64) * 64  # split_plan's
+    split_size = decode.split_keys(capacity, splits, 64)
     assert splits == decode.MAX_SPLITS or decode.pages_spanned(split_size, page, 64) <= decode.PAGE_SLICE_MAX
 
 

@@ -1060,15 +1060,13 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
         return max(1, min(num_splits, tiles, MAX_SPLITS))
     sms = _sms(device)
     gather = layout(page > 0, page, block_n) == "gather"
+    keys = slice_keys(page, block_n) if gather else 0
     most = max(1, min(triton.cdiv(tiles, 4), MAX_SPLITS))
-    if 4 * programs <= sms:
-        few = 3 * sms // (2 * programs)
-        if gather and triton.cdiv(capacity, few) <= min(FEW_KEYS_MAX_GATHER, slice_keys(page, block_n)):
-            return max(1, min(few, most))
-        if not gather and triton.cdiv(capacity, few) <= FEW_KEYS_MAX_ROWS:
-            return max(1, min(few, triton.cdiv(tiles, 2), MAX_SPLITS))
+    few = 3 * sms // (2 * programs)
+    if 4 * programs <= sms and triton.cdiv(capacity, few) <= (min(FEW_KEYS_MAX_GATHER, keys) if gather
+                                                             else FEW_KEYS_MAX_ROWS):
+        return max(1, min(few, most if gather else min(triton.cdiv(tiles, 2), MAX_SPLITS)))
     if gather and programs <= 2 * sms:
-        keys = slice_keys(page, block_n)
         least = triton.cdiv(capacity, keys) if keys else 1
         return max(1, min(max(2 * sms // programs, least), most))
     if programs < 2 * sms and not gather:
@@ -1205,6 +1203,11 @@ def pages_spanned(split_size: int, page: int, block_n: int) -> int:
     return triton.cdiv(split_size, page) + 1
 
 
+def split_keys(capacity: int, splits: int, block_n: int) -> int:
+    """Keys per split of ``capacity`` cut ``splits`` ways: a multiple of the key tile."""
+    return triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
+
+
 def split_plan(q, k_cache, table, num_splits: int, head_dim_v: int = 0) -> tuple[int, int]:
     """(splits, split_size) of a decode call: ``choose_splits``, then split_size a multiple
     of the key tile and no split without keys."""
@@ -1216,7 +1219,7 @@ def split_plan(q, k_cache, table, num_splits: int, head_dim_v: int = 0) -> tuple
     block_m, block_n, _, _ = block_sizes(head_dim, seqlen_q * (nheads // nheads_k), head_dim_v)
     programs = batch * nheads_k * triton.cdiv(seqlen_q * (nheads // nheads_k), block_m)
     splits = choose_splits(num_splits, programs, capacity, block_n, q.device, page=page if paged else 0)
-    split_size = triton.cdiv(triton.cdiv(capacity, splits), block_n) * block_n
+    split_size = split_keys(capacity, splits, block_n)
     return triton.cdiv(capacity, split_size), split_size
 
 
