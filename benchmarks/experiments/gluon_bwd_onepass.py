@@ -32,14 +32,24 @@ from gluon_bwd import run  # noqa: E402  (the library experiment's checks and ti
 def onepass_launch(q, k, v, dout, lse, delta, dq, dk, dv, *, causal, diag, variant):
     from flashtile.backends.sm90.backward_onepass import attention_backward_onepass
 
-    num_buf, dq_buf, *swizzle = variant
+    num_buf, dq_buf, swizzle, q_rows = _parts(variant)
     attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5, diag_offset=diag,
-                               causal=causal, num_buf=num_buf, dq_buf=dq_buf, dq_swizzle=(swizzle or [None])[0])
+                               causal=causal, num_buf=num_buf, dq_buf=dq_buf, dq_swizzle=swizzle, q_rows=q_rows)
+
+
+def _parts(variant):
+    """(num_buf, dq_buf[, dq_swizzle[, q_rows]]) -> the four, None for a missing or -1 swizzle
+    (the library's) and a missing q_rows (the library's ``Q_ROWS``)."""
+    num_buf, dq_buf, *rest = variant
+    swizzle = rest[0] if rest and rest[0] >= 0 else None
+    return num_buf, dq_buf, swizzle, (rest[1] if len(rest) > 1 else None)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--variants", default="4,2;2,2", help="num_buf,dq_buf[,dq_swizzle];... (d128 fits 2,2 or 3,1; d64 4,2)")
+    p.add_argument("--variants", default="4,2;2,2",
+                   help="num_buf,dq_buf[,dq_swizzle[,q_rows]];... (d128 fits 2,2 or 3,1; d64 4,2, or 2,2,-1,128: "
+                        "128 queries per step; a swizzle of -1 is the library's)")
     p.add_argument("--shapes", default="128,4096,0;128,4096,1;128,16384,1;64,4096,0;64,16384,1;64,1024,0;128,1024,1",
                    help="headdim,seqlen,causal;...")
     p.add_argument("--compile", action="store_true",
@@ -52,12 +62,13 @@ def main(argv=None) -> int:
     if args.compile:
         from flashtile.tools.sm90_check import compile_backward_onepass
 
-        for num_buf, dq_buf, *swizzle in variants:
+        for variant in variants:
+            num_buf, dq_buf, swizzle, q_rows = _parts(variant)
             for d in sorted({sh[0] for sh in shapes}):
                 for causal in (False, True):
                     try:
                         c = compile_backward_onepass("bf16", d, causal=causal, num_buf=num_buf, dq_buf=dq_buf,
-                                                     dq_swizzle=(swizzle or [None])[0])
+                                                     dq_swizzle=swizzle, q_rows=q_rows)
                         regs, spills = c.registers()
                         print(f"{c.name}: shared {c.shared} B, regs {regs}, spills {spills} B, bulk reduces "
                               f"{c.ptx.count('cp.reduce.async.bulk.tensor')}", flush=True)

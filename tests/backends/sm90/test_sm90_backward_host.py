@@ -81,6 +81,33 @@ def test_one_pass_arguments_are_checked_before_any_work():
     with pytest.raises(ValueError, match="dq_accum"):  # rows are padded to 64
         attention_backward_onepass(t, t, t, t, lse, lse, t, t, t, scale=0.1, diag_offset=0, causal=False,
                                    dq_accum=torch.zeros(1, 2, 8, 64))
+    with pytest.raises(ValueError, match="dq_accum"):  # to 128 with 128 queries per step
+        attention_backward_onepass(t, t, t, t, lse, lse, t, t, t, scale=0.1, diag_offset=0, causal=False,
+                                   dq_accum=torch.zeros(1, 2, 64, 64), q_rows=128)
+    with pytest.raises(ValueError, match="q_rows"):
+        attention_backward_onepass(t, t, t, t, lse, lse, t, t, t, scale=0.1, diag_offset=0, causal=False, q_rows=96)
+    with pytest.raises(ValueError, match="q_rows"):  # packed sequences step by 64
+        attention_backward_onepass(t, t, t, t, lse, lse, t, t, t, scale=0.1, diag_offset=0, causal=False, q_rows=128,
+                                   varlen=(None, (torch.zeros(64, dtype=torch.int32), 1)))
+
+
+def test_one_pass_128_query_steps_launch(monkeypatch):
+    """q_rows=128: Q and dO boxes of 128 rows, 2 ring slots by default (the shared memory of
+    4 slots of 64 rows), the float32 dQ padded to 128 rows (its boxes 128 rows too)."""
+    from flashtile.backends.sm90 import backward_onepass as op
+
+    launches = []
+    monkeypatch.setattr(op, "_launch", lambda grid, args, constexprs, *rest: launches.append((grid, args, constexprs)))
+    monkeypatch.setattr(op, "_launch_convert", lambda grid, args, *rest: launches.append((grid, args)))
+    q = torch.zeros(1, 4, 300, 64, dtype=torch.float16)
+    lse = torch.zeros(1, 4, 300)
+    op.attention_backward_onepass(q, q, q, q, lse, lse, q, q, q, scale=0.1, diag_offset=0, causal=True, q_rows=128)
+    (grid, args, constexprs), (convert_grid, convert_args) = launches
+    assert constexprs["NUM_BUF"] == 2 and args[0].block_shape == [1, 1, 128, 64] and args[3].block_shape[2] == 128
+    assert args[4].block_shape == [1, 1, 64, 64]  # dK's stores stay 64 keys per warpgroup
+    dq_desc = args[16]
+    assert dq_desc.block_shape == [128, 32] and dq_desc.shape == [4 * 384, 64] and args[17] == 384
+    assert convert_args[4] == 384
 
 
 @pytest.mark.parametrize("causal, nheads_k, block_major", [(True, 2, True), (True, 1, True), (True, 4, False),

@@ -82,6 +82,10 @@ DQ_BUF = 2  # float32 dQ slots (64 x D each: with 2 ring slots at d128, 224 of t
 # at d128, so it is chosen per head dim.
 DQ_SWIZZLE = {64: 32, 128: 128}
 REDUCER_REGS = 24
+# Queries per step (the Q, dO tiles' rows): BLOCK, or 2 x BLOCK at d64, FA3's d64 tiling (128
+# queries x 128 keys a step: S and dP of 128 x 64 per warpgroup, half the steps and barriers
+# per FLOP; 2 ring slots fill the shared memory as 4 of 64 rows do). Fixed-length calls only.
+Q_ROWS = {64: BLOCK, 128: BLOCK}
 
 
 def keys_outer(causal: bool, group_size: int) -> bool:
@@ -95,12 +99,12 @@ def keys_outer(causal: bool, group_size: int) -> bool:
 
 
 @gluon.jit
-def _step_coords(s, q_lo, nq, q_rot, kvh, group_size):
-    """Step s -> (query head, first query row). Within a head the query blocks run from
-    q_lo + q_rot, wrapping around."""
+def _step_coords(s, q_lo, nq, q_rot, kvh, group_size, QROWS: gl.constexpr):
+    """Step s -> (query head, first query row). Within a head the query blocks (of QROWS
+    rows) run from q_lo + q_rot, wrapping around."""
     r = s % nq + q_rot
     r = gl.where(r >= nq, r - nq, r)
-    return kvh * group_size + s // nq, (q_lo + r) * ROWS
+    return kvh * group_size + s // nq, (q_lo + r) * QROWS
 
 
 @gluon.jit
@@ -108,11 +112,12 @@ def _step_tiles(s, q_lo, nq, q_rot, kvh, group_size, q_smem, do_smem, q_ready):
     """Step s: the query head, the first query row, and the (Q, dO) tiles once they have
     landed."""
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+    QROWS: gl.constexpr = q_smem.type.shape[3]
     HEAD_D: gl.constexpr = q_smem.type.shape[4]
     slot = s % NUM_BUF
     mbarrier.wait(q_ready.index(slot), (s // NUM_BUF) & 1)
-    hq, m0 = _step_coords(s, q_lo, nq, q_rot, kvh, group_size)
-    return hq, m0, q_smem.index(slot).reshape([ROWS, HEAD_D]), do_smem.index(slot).reshape([ROWS, HEAD_D])
+    hq, m0 = _step_coords(s, q_lo, nq, q_rot, kvh, group_size, QROWS)
+    return hq, m0, q_smem.index(slot).reshape([QROWS, HEAD_D]), do_smem.index(slot).reshape([QROWS, HEAD_D])
 
 
 @gluon.jit
@@ -127,7 +132,8 @@ def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, q
     dS adds 0 to dQ, their dK and dV rows are clipped); the next document's keys in a
     packed one, so P is masked there (causal: the diagonal's mask already does, since every
     row's last key is at most seqlen_k - 1)."""
-    rows = m0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    QROWS: gl.constexpr = s.shape[0]
+    rows = m0 + gl.arange(0, QROWS, layout=gl.SliceLayout(1, s_layout))
     # (B, H, Sq) rows lse_stride apart; packed: (1, H, total_q), the sequence's from q_row on
     row_off = (b * nheads + hq).to(gl.int64) * lse_stride + q_row
     lse2 = gl.load(Lse + row_off + rows, mask=rows < seqlen_q, other=float("inf")) * C_LOG2E
@@ -151,11 +157,12 @@ def _dq_issue(WG: gl.constexpr, t, k_smem, ds_smem, ds_full, z):
     dS (async; the caller waits). ``z`` is 0 (see ``_consumer``'s loop)."""
     HEAD_D: gl.constexpr = k_smem.type.shape[4]
     HALF_D: gl.constexpr = HEAD_D // 2
+    QROWS: gl.constexpr = ds_smem.type.shape[1]
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HALF_D, 16])
     mbarrier.wait(ds_full.index(0), t & 1)
     dq = warpgroup_mma(ds_smem.index(z), k_smem.index(z).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D, dim=1),
-                       gl.zeros([ROWS, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
+                       gl.zeros([QROWS, HALF_D], gl.float32, dq_layout), use_acc=False, is_async=True)
     return warpgroup_mma(ds_smem.index(1 + z), k_smem.index(1 + z).reshape([ROWS, HEAD_D]).slice(WG * HALF_D, HALF_D,
                                                                                              dim=1),
                          dq, is_async=True)
@@ -181,6 +188,7 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
               group_size, nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty,
               dq_rows, q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    QROWS: gl.constexpr = q_desc.block_type.shape[2]
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
     VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
@@ -192,7 +200,7 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     nk = n0 + WG * ROWS  # first key of this warpgroup
     k_tile = k_smem.index(WG).reshape([ROWS, HEAD_D])
     v_tile = v_smem.index(WG).reshape([ROWS, HEAD_D])
-    q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    q_lo, nq = step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
     n_steps = nq * group_size
 
     # P and dS (queries x keys) of the previous step wait in shared memory for their
@@ -205,9 +213,9 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     mbarrier.wait(kv_bar.index(1), 0)
     if n_steps > 0:  # step 0: nothing to overlap with yet
         hq, m0, q_t, do_t = _step_tiles(0, q_lo, nq, q_rot, kvh, group_size, q_smem, do_smem, q_ready)
-        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
                            use_acc=False, is_async=True)
-        dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+        dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
                             use_acc=False, is_async=True)
         st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
         pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale, q_row,
@@ -222,7 +230,7 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         # then made anew each step instead of their wgmma descriptors (one per tile and
         # k-step, ~40 words) being hoisted out of the loop and spilled (ptxas: 1,292 -> 312
         # B of spills; H200 run 96: 7-16% faster). d64 does not spill: its code is as before.
-        if HEAD_D > 64:
+        if HEAD_D > 64 or QROWS > ROWS:
             z = s >> 30
         else:
             z = 0
@@ -231,12 +239,12 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         p_tile = p_smem.index(WG + z)
         ds_tile = ds_smem.index(WG + z)
         hq, m0, q_t, do_t = _step_tiles(s, q_lo, nq, q_rot, kvh, group_size, q_smem, do_smem, q_ready)
-        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
                            use_acc=False, is_async=True)
-        dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([ROWS, ROWS], gl.float32, s_layout),
+        dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
                             use_acc=False, is_async=True)
-        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(prev).reshape([ROWS, HEAD_D]), dv, is_async=True)
-        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(prev).reshape([ROWS, HEAD_D]), dk, is_async=True)
+        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(prev).reshape([QROWS, HEAD_D]), dv, is_async=True)
+        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(prev).reshape([QROWS, HEAD_D]), dk, is_async=True)
         st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # step s-1's products stay in flight
         pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale, q_row,
                             seqlen_k, lse_stride, CAUSAL, VARLEN, dtype, s_layout)
@@ -252,8 +260,8 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 
     if n_steps > 0:
         last = (n_steps - 1) % NUM_BUF
-        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(last).reshape([ROWS, HEAD_D]), dv, is_async=True)
-        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(last).reshape([ROWS, HEAD_D]), dk, is_async=True)
+        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(last).reshape([QROWS, HEAD_D]), dv, is_async=True)
+        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(last).reshape([QROWS, HEAD_D]), dk, is_async=True)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
         mbarrier.arrive(q_empty.index(last), count=1)
         dq = warpgroup_mma_wait(num_outstanding=0, deps=(_dq_issue(WG, n_steps - 1, k_smem, ds_smem, ds_full, 0),))
@@ -306,16 +314,17 @@ def _loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sme
             seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
             q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+    QROWS: gl.constexpr = q_smem.type.shape[3]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
     k0 = k_row + n0  # a packed sequence's keys from row k_row on, its queries from row q_row on (else 0)
     for wg in gl.static_range(2):
         mbarrier.expect(kv_bar.index(wg), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [b, kvh, k0 + wg * ROWS, 0], kv_bar.index(wg), k_smem.index(wg))
         tma.async_copy_global_to_shared(v_desc, [b, kvh, k0 + wg * ROWS, 0], kv_bar.index(wg), v_smem.index(wg))
-    q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    q_lo, nq = step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
     for s in range(nq * group_size):
         slot = s % NUM_BUF
-        hq, m0 = _step_coords(s, q_lo, nq, q_rot, kvh, group_size)
+        hq, m0 = _step_coords(s, q_lo, nq, q_rot, kvh, group_size, QROWS)
         m0 = q_row + m0
         mbarrier.wait(q_empty.index(slot), ((s // NUM_BUF) & 1) ^ 1)  # fresh barriers pass phase 1
         mbarrier.expect(q_ready.index(slot), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
@@ -334,13 +343,14 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sm
     free it (so one step's reductions stay in flight; with one slot, wait for this step's).
     Rows are int32: B * H * dq_rows < 2**31, as TMA coordinates are (the host checks)."""
     DQ_BUF: gl.constexpr = dq_smem.type.shape[0] // 2
+    QROWS: gl.constexpr = dq_smem.type.shape[1]
     HALF_D: gl.constexpr = dq_smem.type.shape[2]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
-    q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    q_lo, nq = step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
     for t in range(nq * group_size):
         slot = t % DQ_BUF
         mbarrier.wait(dq_full.index(slot), (t // DQ_BUF) & 1)
-        hq, m0 = _step_coords(t, q_lo, nq, q_rot, kvh, group_size)
+        hq, m0 = _step_coords(t, q_lo, nq, q_rot, kvh, group_size, QROWS)
         row = (b * nheads + hq) * dq_rows + q_row + m0  # packed: b = 0, the sequence's rows from q_row on
         for half in gl.static_range(2):
             async_reduce_add_shared_to_global(dq_desc, [row, half * HALF_D], dq_smem.index(2 * slot + half))
@@ -361,6 +371,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
                     DQ_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                     REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    QROWS: gl.constexpr = q_desc.block_type.shape[2]  # queries per step (ROWS, or 2 x ROWS at d64: Q_ROWS)
     dtype: gl.constexpr = q_desc.dtype
     pid = gl.program_id(0)  # flat grid over (batch, kv head) pairs and blocks of 2 * ROWS keys
     lse_stride = seqlen_q
@@ -389,19 +400,19 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
         q_row = b * 0
         k_row = q_row
     n0 = nb * (2 * ROWS)
-    q_lo, nq = step_range(n0, seqlen_q, diag_offset, ROWS, CAUSAL)
+    q_lo, nq = step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
     q_rot = (nb * nq) // num_n_blocks
 
-    q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], q_desc.layout)
-    do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, ROWS, HEAD_D], do_desc.layout)
+    q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], q_desc.layout)
+    do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], v_desc.layout)
-    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, ROWS], dtype)
-    p_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], pds_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, ROWS, ROWS], pds_layout)
-    # DQ_BUF slots of both warpgroups' float32 dQ halves (64 x D/2 each; slot s's half h at 2 s + h)
+    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QROWS, ROWS], dtype)
+    p_smem = gl.allocate_shared_memory(dtype, [2, QROWS, ROWS], pds_layout)
+    ds_smem = gl.allocate_shared_memory(dtype, [2, QROWS, ROWS], pds_layout)
+    # DQ_BUF slots of both warpgroups' float32 dQ halves (QROWS x D/2 each; slot s's half h at 2 s + h)
     HALF_D: gl.constexpr = HEAD_D // 2
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUF * 2, ROWS, HALF_D], dq_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUF * 2, QROWS, HALF_D], dq_desc.layout)
     kv_bar = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -457,20 +468,23 @@ def dq_accumulator_layout(head_dim: int, swizzle: int | None = None):
     return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=2)
 
 
-def accumulator(q):
+def accumulator(q, q_rows: int | None = None):
     """An uninitialised float32 dQ for ``attention_backward_onepass(dq_accum=)``: (B, H, Sq
-    rounded up to BLOCK, D) of a q (B, H, Sq, D). The backward's Delta preprocess zeroes it
-    in its own launch (``triton.backward.preprocess(accumulator=)``: fixed lengths)."""
+    rounded up to q_rows (default ``Q_ROWS[D]``), D) of a q (B, H, Sq, D). The backward's
+    Delta preprocess zeroes it in its own launch (``triton.backward.preprocess(accumulator=)``:
+    fixed lengths)."""
     import torch
 
     batch, nheads, seqlen_q, head_dim = q.shape
-    return torch.empty((batch, nheads, triton.cdiv(seqlen_q, BLOCK) * BLOCK, head_dim), dtype=torch.float32,
+    q_rows = q_rows or Q_ROWS[head_dim]
+    return torch.empty((batch, nheads, triton.cdiv(seqlen_q, q_rows) * q_rows, head_dim), dtype=torch.float32,
                        device=q.device)
 
 
 def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int,
                                causal: bool, num_buf: int | None = None, dq_buf: int = DQ_BUF,
-                               dq_swizzle: int | None = None, varlen=None, dq_accum=None) -> None:
+                               dq_swizzle: int | None = None, varlen=None, dq_accum=None,
+                               q_rows: int | None = None) -> None:
     """Launch the one-pass kernel and the dQ postprocess; the caller checked
     ``scope.backward_scope`` and TMA alignment (``backends.registry.backward``).
 
@@ -483,16 +497,18 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
         num_buf, dq_buf: (Q, dO) ring slots (default ``NUM_BUF[D]``) and float32 dQ slots;
             dq_swizzle: the dQ slots' swizzle (default ``DQ_SWIZZLE[D]``) (experiments:
             benchmarks/experiments/gluon_bwd_onepass.py).
+        q_rows: queries per step, BLOCK or 2 x BLOCK (default ``Q_ROWS[D]``; packed sequences
+            take BLOCK).
         varlen: None, or (Varlen, key table, ...) for packed sequences (B = 1; Sq and Sk the
             total rows), as ``backward_split.attention_backward_ws`` takes it: the work list of
             blocks of 2 * BLOCK keys (``backends.worklist.build_work_items``); further
             tables are ignored. Each sequence's causal diagonal is its bottom-right one
             (``diag_offset`` is not read). dK and dV rows outside every sequence are not
             written; dQ's are written as zeros (the postprocess casts every row).
-        dq_accum: None, or ``accumulator(q)`` already zeroed (the library's path: the
+        dq_accum: None, or ``accumulator(q, q_rows)`` already zeroed (the library's path: the
             preprocess zeroed it), else the call allocates and zeroes one.
 
-    Memory: a float32 dQ of B x H x Sq (rounded up to 64) x D.
+    Memory: a float32 dQ of B x H x Sq (rounded up to q_rows) x D.
     """
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -501,19 +517,22 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"the one-pass backward takes head dims {HEAD_DIMS}, got {head_dim}")
-    num_buf = num_buf or NUM_BUF[head_dim]
+    q_rows = q_rows or (BLOCK if varlen is not None else Q_ROWS[head_dim])
+    if q_rows not in (BLOCK, 2 * BLOCK) or (varlen is not None and q_rows != BLOCK):
+        raise ValueError(f"q_rows is {BLOCK} or {2 * BLOCK} ({BLOCK} for packed sequences), got {q_rows}")
+    num_buf = num_buf or NUM_BUF[head_dim] * BLOCK // q_rows
     if num_buf < 2 or dq_buf < 1:
         raise ValueError(f"need num_buf >= 2 and dq_buf >= 1, got {num_buf} and {dq_buf}")
-    rows = triton.cdiv(seqlen_q, BLOCK) * BLOCK  # padded: the last query block's reductions need no mask
+    rows = triton.cdiv(seqlen_q, q_rows) * q_rows  # padded: the last query block's reductions need no mask
     if batch * nheads * rows >= 2 ** 31:
         raise ValueError(f"batch x heads x padded seqlen_q = {batch * nheads * rows} exceeds the int32 rows "
                          f"of a TMA coordinate")
     if dq_accum is not None and (dq_accum.shape != (batch, nheads, rows, head_dim) or dq_accum.dtype != torch.float32):
-        raise ValueError(f"dq_accum must be float32 {(batch, nheads, rows, head_dim)} (accumulator(q)), got "
+        raise ValueError(f"dq_accum must be float32 {(batch, nheads, rows, head_dim)} (accumulator(q, q_rows)), got "
                          f"{dq_accum.dtype} {tuple(dq_accum.shape)}")
-    acc = accumulator(q).zero_() if dq_accum is None else dq_accum
+    acc = accumulator(q, q_rows).zero_() if dq_accum is None else dq_accum
     flat = acc.view(-1, head_dim)
-    dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [BLOCK, head_dim // 2],
+    dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [q_rows, head_dim // 2],
                                dq_accumulator_layout(head_dim, dq_swizzle))
     if varlen is None:
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
@@ -526,8 +545,8 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
         num_n_blocks, grid = 0, kv_cap * nheads_k
         items = (kv_table, kv_cap, dk, dk.stride(1), dk.stride(2), dv, dv.stride(1), dv.stride(2))
     _launch((grid,),
-            (tma_descriptor(q, BLOCK), tma_descriptor(k, BLOCK), tma_descriptor(v, BLOCK),
-             tma_descriptor(dout, BLOCK), tma_descriptor(dk, BLOCK), tma_descriptor(dv, BLOCK), lse, delta,
+            (tma_descriptor(q, q_rows), tma_descriptor(k, BLOCK), tma_descriptor(v, BLOCK),
+             tma_descriptor(dout, q_rows), tma_descriptor(dk, BLOCK), tma_descriptor(dv, BLOCK), lse, delta,
              nheads, nheads_k, nheads // nheads_k, seqlen_q, num_n_blocks, diag_offset, scale * LOG2E, scale,
              dq_desc, rows, seqlen_k, *items),
             dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=CONSUMER_REGS,

@@ -48,7 +48,7 @@ def preprocess_kernel(
     Out, DO, Delta, Items, Acc,
     stride_ob, stride_oh, stride_om,
     stride_db, stride_dh, stride_dm,
-    nheads, seqlen_q, head_dim, num_m_blocks, item_cap,
+    nheads, seqlen_q, head_dim, num_m_blocks, item_cap, acc_rows,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, IEEE_DOT: tl.constexpr, VARLEN: tl.constexpr,
     ZERO_ACC: tl.constexpr,
 ):
@@ -94,11 +94,17 @@ def preprocess_kernel(
     delta = tl.sum(tl.where(diag, gram, 0.0), 0)
     tl.store(Delta + bh.to(tl.int64) * total + row + offs_m, delta, mask=offs_m < seqlen_q)
     if ZERO_ACC:
-        # The one-pass backward's float32 dQ (B, H, num_m_blocks * BLOCK_M, head_dim),
-        # contiguous: this program's rows, zeroed here instead of by a memset launch.
-        acc_rows = bh.to(tl.int64) * num_m_blocks * BLOCK_M + offs_m[:, None]
-        tl.store(Acc + acc_rows * head_dim + offs_d[None, :], tl.zeros([BLOCK_M, BLOCK_D], tl.float32),
-                 mask=offs_d[None, :] < head_dim)
+        # The one-pass backward's float32 dQ (B, H, acc_rows, head_dim), contiguous, acc_rows
+        # a multiple of BLOCK_M from num_m_blocks * BLOCK_M up: this program's rows, zeroed here
+        # instead of by a memset launch; the last block's program zeroes the padding after them.
+        base = Acc + bh.to(tl.int64) * acc_rows * head_dim
+        zeros = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        tl.store(base + offs_m[:, None] * head_dim + offs_d[None, :], zeros, mask=offs_d[None, :] < head_dim)
+        if m_block == num_m_blocks - 1:
+            for r0 in range(num_m_blocks * BLOCK_M, acc_rows, BLOCK_M):
+                rows_pad = r0 + tl.arange(0, BLOCK_M)
+                tl.store(base + rows_pad[:, None] * head_dim + offs_d[None, :], zeros,
+                         mask=offs_d[None, :] < head_dim)
 
 
 @triton.jit
@@ -517,8 +523,9 @@ def preprocess(out, dout, dlse, varlen, tables, window_left: int, window_right: 
             kernels' (block, over_keys) work lists) are built in the same launch as the
             preprocess's own 64-row list, and returned in their order.
         window_left, window_right: the normalised window; total_k: rows of k.
-        accumulator: None, or a float32 (B, H, Sq rounded up to 64, D) contiguous buffer
-            (fixed lengths only: the one-pass backward's dQ) that the same launch zeroes.
+        accumulator: None, or a float32 (B, H, Sq rounded up to 64 or a larger multiple of 64,
+            D) contiguous buffer (fixed lengths only: the one-pass backward's dQ) that the same
+            launch zeroes.
 
     Returns:
         (delta (B, H, Sq) float32, [(table, capacity), ...] of ``tables``, empty when not
@@ -533,19 +540,21 @@ def preprocess(out, dout, dlse, varlen, tables, window_left: int, window_right: 
     if varlen is None:
         pre_blocks = triton.cdiv(seqlen_q, 64)
         pre_grid, pre_items, pre_cap, pre_sizes = pre_blocks * batch * nheads, out, 0, (seqlen_q, pre_blocks)
-        if accumulator is not None and (accumulator.shape != (batch, nheads, pre_blocks * 64, head_dim)
+        acc_rows = pre_blocks * 64 if accumulator is None else accumulator.shape[2]
+        if accumulator is not None and (accumulator.shape != (batch, nheads, acc_rows, head_dim)
+                                        or acc_rows % 64 or acc_rows < pre_blocks * 64
                                         or accumulator.dtype != torch.float32 or not accumulator.is_contiguous()):
-            raise ValueError(f"accumulator must be float32 contiguous {(batch, nheads, pre_blocks * 64, head_dim)}, "
-                             f"got {accumulator.dtype} {tuple(accumulator.shape)}")
+            raise ValueError(f"accumulator must be float32 contiguous {(batch, nheads, pre_blocks * 64, head_dim)} "
+                             f"(or more rows, a multiple of 64), got {accumulator.dtype} {tuple(accumulator.shape)}")
     elif accumulator is not None:
         raise ValueError("accumulator: fixed-length calls only (packed rows do not tile it)")
     else:
         built = build_work_items(varlen, seqlen_q, total_k, list(tables) + [(64, False)], window_left, window_right)
         pre_items, pre_cap = built.pop()
-        pre_grid, pre_sizes = pre_cap * nheads, (seqlen_q, 0)
+        pre_grid, pre_sizes, acc_rows = pre_cap * nheads, (seqlen_q, 0), 0
     _launch_pre((pre_grid,),
                 (out, dout, delta, pre_items, delta if accumulator is None else accumulator, *out.stride()[:3],
-                 *dout.stride()[:3], nheads, pre_sizes[0], head_dim, pre_sizes[1], pre_cap),
+                 *dout.stride()[:3], nheads, pre_sizes[0], head_dim, pre_sizes[1], pre_cap, acc_rows),
                 dict(BLOCK_M=64, BLOCK_D=block_d, IEEE_DOT=out.dtype == torch.float32, VARLEN=varlen is not None,
                      ZERO_ACC=accumulator is not None),
                 4, 3)
