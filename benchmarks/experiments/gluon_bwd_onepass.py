@@ -8,15 +8,18 @@ report for sm_90a on the CPU; one shape for Nsight Compute.
     ncu -k regex:onepass_kernel --launch-skip 1 --launch-count 1 \\
         python3 benchmarks/experiments/gluon_bwd_onepass.py --profile 128,4096,0     # one shape
 
-Variants are (num_buf, dq_buf[, dq_swizzle]): (Q, dO) ring slots, float32 dQ slots and the
-dQ slots' swizzle in bytes (default the library's ``DQ_SWIZZLE``; 32 has no bank conflicts). History (docs/
+Variants are (num_buf, dq_buf[, dq_swizzle[, q_rows]]): (Q, dO) ring slots, float32 dQ slots,
+the dQ slots' swizzle in bytes (default, or -1, the library's ``DQ_SWIZZLE``; 32 has no bank
+conflicts) and the queries per step (default the library's ``Q_ROWS``). History (docs/
 perf-notes.md, "One-pass backward"): runs 30-34 reduced dQ from the consumers' registers
 (290-375 TF/s at d128); run 80 measured the L2's reduction rate alone (3.6 TB/s); runs
 83-85 (session 16) the reducer warp: d64 1.03-1.09x the split kernels, d128 0.90-0.99x
 with its register spills; run 96 (session 17), the loop's fixed tiles viewed anew each
-step: d128 1.07-1.16x the split kernels, 0.95-1.06x cuDNN (`--variants 2,2`). The A/B modes of those runs (no reductions, red.v4 from
-registers, the serial consumer) are in git history (benchmarks/experiments/
-gluon_bwd_onepass.py at 47aaad2).
+step: d128 1.07-1.16x the split kernels, 0.95-1.06x cuDNN (`--variants 2,2`); run 205
+(session 37), 128 queries per step at d64 (`--variants "4,2;2,2,-1,128"`, then 64 rows by
+default): +12-14% without causal, +5-7% with it, now the default (`Q_ROWS`). The A/B
+modes of those runs (no reductions, red.v4 from registers, the serial consumer) are in git
+history (benchmarks/experiments/gluon_bwd_onepass.py at 47aaad2).
 """
 
 from __future__ import annotations
@@ -47,9 +50,9 @@ def _parts(variant):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
-    p.add_argument("--variants", default="4,2;2,2",
-                   help="num_buf,dq_buf[,dq_swizzle[,q_rows]];... (d128 fits 2,2 or 3,1; d64 4,2, or 2,2,-1,128: "
-                        "128 queries per step; a swizzle of -1 is the library's)")
+    p.add_argument("--variants", default="2,2",
+                   help="num_buf,dq_buf[,dq_swizzle[,q_rows]];... (d128 fits 2,2 or 3,1; d64 2,2 at its default "
+                        "128 queries per step, 4,2,-1,64 at 64; a swizzle of -1 is the library's)")
     p.add_argument("--shapes", default="128,4096,0;128,4096,1;128,16384,1;64,4096,0;64,16384,1;64,1024,0;128,1024,1",
                    help="headdim,seqlen,causal;...")
     p.add_argument("--compile", action="store_true",

@@ -155,14 +155,14 @@ def test_the_launch_asks_the_registry(monkeypatch, triton_backend):
     poisoned = backward_onepass.accumulator
     monkeypatch.setattr(backward_onepass, "accumulator", lambda q: poisoned(q).fill_(float("nan")))
     assert chosen(64) == "one-pass"
-    acc = seen[-1]["dq_accum"]  # zeroed by the Delta launch, no memset
-    assert acc.shape == (1, 2, 64, 64) and torch.equal(acc, torch.zeros_like(acc))
-    with monkeypatch.context() as m:  # 128 queries per step: padded to 128 rows, the padding zeroed too
-        m.setitem(backward_onepass.Q_ROWS, 64, 128)
+    acc = seen[-1]["dq_accum"]  # zeroed by the Delta launch, no memset; 128 queries a step at d64:
+    assert acc.shape == (1, 2, 128, 64) and torch.equal(acc, torch.zeros_like(acc))  # the padding zeroed too
+    with monkeypatch.context() as m:  # 64 queries per step: padded to 64 rows
+        m.setitem(backward_onepass.Q_ROWS, 64, 64)
         m.setattr(backward_onepass, "accumulator", lambda q: poisoned(q).fill_(float("nan")))
         assert chosen(64) == "one-pass"
     acc = seen[-1]["dq_accum"]
-    assert acc.shape == (1, 2, 128, 64) and torch.equal(acc, torch.zeros_like(acc))
+    assert acc.shape == (1, 2, 64, 64) and torch.equal(acc, torch.zeros_like(acc))
     assert chosen(64, deterministic=True) == "split"
     assert chosen(128) == "one-pass"
     assert chosen(128, deterministic=True) == "split"

@@ -112,17 +112,19 @@ def test_one_pass_race_hunt(causal, head_dim, bwd_ws_calls):
     assert len(bwd_ws_calls) == 6 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
 
 
+@pytest.mark.parametrize("q_rows", [128, 64])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("causal", [False, True])
-def test_one_pass_128_query_steps(causal, dtype, bwd_ws_calls, monkeypatch):
-    """d64 with 128 queries per step (``backward_onepass.Q_ROWS[64] = 128``, FA3's d64 tiling;
-    session 37's A/B): the matrix's sequence pairs (a step's second 64 rows past seqlen_q,
-    causal rows with no key, key blocks no query sees), MHA and GQA, and batch 60 (many
-    programs adding into each dQ tile). The accumulator is padded to 128 rows and zeroed by
-    the Delta launch (its last program zeroes the padding)."""
+def test_one_pass_query_steps(causal, dtype, q_rows, bwd_ws_calls, monkeypatch):
+    """d64 with 128 queries per step (``backward_onepass.Q_ROWS[64]``, the default since
+    session 37: FA3's d64 tiling) and with 64, the earlier default: the matrix's sequence pairs
+    (a step's second 64 rows past seqlen_q, causal rows with no key, key blocks no query
+    sees), MHA and GQA, and batch 60 (many programs adding into each dQ tile). The
+    accumulator is padded to q_rows rows and zeroed by the Delta launch (its last program
+    zeroes the padding)."""
     from flashtile.backends.sm90 import backward_onepass
 
-    monkeypatch.setitem(backward_onepass.Q_ROWS, 64, 128)
+    monkeypatch.setitem(backward_onepass.Q_ROWS, 64, q_rows)
     for i, (seqlen_q, seqlen_k) in enumerate(SEQ_PAIRS + [(2100, 2100)]):
         nheads_k = (6, 2, 1)[i % 3]
         check_flash_grads(Case(seqlen_q, seqlen_k, 64, dtype=dtype, causal=causal, nheads=6, nheads_k=nheads_k),

@@ -395,11 +395,12 @@ def test_one_pass_backward_compiles_with_a_reducer_warp(tmp_path):
     makes the fixed tiles' views anew each step: with them hoisted, their wgmma descriptors
     spilled 1,292 B (312 B now). Its packed-sequence variant (a work list) fits too, and
     stores a sequence's last dK/dV tile from registers, rows masked (the fixed-length kernel
-    stores only by TMA: no st.global). d64 with 128 queries per step (``q_rows=128``) fits
-    too (229,888 B), within d128's spill bound with the views made anew (236-408 B)."""
+    stores only by TMA: no st.global). d64 takes 128 queries per step (``Q_ROWS``): it fits
+    (229,888 B) within d128's spill bound, with the views made anew (236-408 B); its 64-row
+    steps (packed sequences) spill nothing."""
     code = ("from flashtile.tools.sm90_check import compile_backward_onepass as f\n"
-            "for d, causal, varlen, q_rows in ((64, False, 0, 64), (64, True, 0, 64), (128, False, 0, 64),\n"
-            "                                  (128, False, 1, 64), (64, True, 0, 128)):\n"
+            "for d, causal, varlen, q_rows in ((64, False, 0, 128), (64, True, 0, 128), (128, False, 0, 64),\n"
+            "                                  (128, False, 1, 64), (64, True, 1, 64)):\n"
             "    c = f('bf16', d, causal=causal, varlen=bool(varlen), q_rows=q_rows); regs, spills = c.registers()\n"
             "    print(d, causal, varlen, q_rows, c.shared, regs, spills, c.ptx.count('cp.reduce.async.bulk.tensor'),\n"
             "          c.wgmma, c.ptx.count('st.global'))")

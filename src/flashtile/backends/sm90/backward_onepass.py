@@ -8,11 +8,12 @@ The same algebra as ``backward.py`` (read its docstring first) and the same scop
 ``backward_split`` (read its docstring second), in one kernel with 5 tile products per tile
 pair instead of the split kernels' 7. One program owns a block of 2 x 64 keys of one
 (batch, kv head) and streams every query block that sees those keys, for every query head
-of the GQA group (so dK and dV are summed over the group in registers). Programs run
-pair-major (a (batch, kv head)'s key blocks side by side), or block-major for causal GQA
-(``keys_outer``). Partitions:
+of the GQA group (so dK and dV are summed over the group in registers). A step takes
+QROWS queries (``Q_ROWS``): 128 at d64 (FA3's d64 tiling), 64 at d128 and for packed
+sequences. Programs run pair-major (a (batch, kv head)'s key blocks side by side), or
+block-major for causal GQA (``keys_outer``). Partitions:
 
-    loader   (1 warp)  K and V of the block once, then (Q_s, dO_s) tiles of 64 queries
+    loader   (1 warp)  K and V of the block once, then (Q_s, dO_s) tiles of QROWS queries
                        through a NUM_BUF-slot ring by TMA
     consumer (2 x 4 warps; warpgroup w owns keys w*64 .. w*64+63), per step s:
         issue  S_s = Q_s K_w^T,  dP_s = dO_s V_w^T                   (async wgmma)
@@ -44,7 +45,10 @@ k-step) were hoisted out of the loop and spilled (1,292 B; ncu: 3.2 GB of local 
 call at S4096, 40% of the stall cycles on L1TEX), and it lost to the split kernels
 (0.90-0.99x). Its loop now makes those views anew each step from an index the compiler
 cannot fold (312 B of spills; 1.27 GB of local loads): 1.07-1.16x the split kernels and
-0.95-1.06x cuDNN, bf16, the kernels alone (H200 run 96), so d128 takes it too.
+0.95-1.06x cuDNN, bf16, the kernels alone (H200 run 96), so d128 takes it too. At d64,
+steps of 128 queries instead of 64 (H100 runs 205-207, session 37): the kernel alone
++12-14% without causal and +5-7% with it (S2048-16384); ``flashtile bench`` bf16 0.92-1.01x
+cuDNN at S >= 2048 (0.85-0.91x before, run 194).
 
 Triton 3.6 turns constexprs passed through ``gl.warp_specialize`` into tensors, so the
 partitions read compile-time sizes from descriptor and shared-memory types (CAUSAL: the
@@ -72,8 +76,8 @@ from flashtile.backends.triton.scores import C_LOG2E, LOG2E
 from flashtile.runtime.launch import Launcher
 
 HEAD_DIMS = (64, 128)  # what it compiles for (the default at both: scope.ONEPASS_HEAD_DIMS)
-NUM_BUF = {64: 4, 128: 2}  # (Q, dO) ring slots
-DQ_BUF = 2  # float32 dQ slots (64 x D each: with 2 ring slots at d128, 224 of the 227 KB)
+NUM_BUF = {64: 4, 128: 2}  # (Q, dO) ring slots of 64 rows (half as many of 128 rows)
+DQ_BUF = 2  # float32 dQ slots (QROWS x D each: with 2 ring slots at d128, 224 of the 227 KB)
 # The dQ slots' swizzle in bytes (0: none). The wgmma accumulator's st.shared.v2 stores are
 # 2-way bank-conflicted at 128 and 64, 4-way at 0, conflict-free at 32 (gl.bank_conflicts,
 # sm_90a); a 32-byte swizzle cuts each slot's TMA reduction into 8-column boxes. Measured
@@ -82,10 +86,12 @@ DQ_BUF = 2  # float32 dQ slots (64 x D each: with 2 ring slots at d128, 224 of t
 # at d128, so it is chosen per head dim.
 DQ_SWIZZLE = {64: 32, 128: 128}
 REDUCER_REGS = 24
-# Queries per step (the Q, dO tiles' rows): BLOCK, or 2 x BLOCK at d64, FA3's d64 tiling (128
-# queries x 128 keys a step: S and dP of 128 x 64 per warpgroup, half the steps and barriers
-# per FLOP; 2 ring slots fill the shared memory as 4 of 64 rows do). Fixed-length calls only.
-Q_ROWS = {64: BLOCK, 128: BLOCK}
+# Queries per step (the Q, dO tiles' rows) of fixed-length calls: 2 x BLOCK at d64, FA3's d64
+# tiling (128 queries x 128 keys a step: S and dP of 128 x 64 per warpgroup, half the steps
+# and barriers per FLOP; 2 ring slots of 128 rows, 229,888 B of shared memory). H100 run 205,
+# the kernel alone, bf16 d64 S2048-16384: +12-14% without causal, +5-7% with it, against 64
+# (docs/perf-notes.md, session 37). d128 has no room for it; packed sequences keep BLOCK.
+Q_ROWS = {64: 2 * BLOCK, 128: BLOCK}
 
 
 def keys_outer(causal: bool, group_size: int) -> bool:
