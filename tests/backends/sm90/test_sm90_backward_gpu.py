@@ -132,6 +132,7 @@ def test_one_pass_query_steps(causal, dtype, q_rows, bwd_ws_calls, monkeypatch):
     check_flash_grads(Case(333, 333, 64, dtype=dtype, causal=causal, batch=60, nheads=4, nheads_k=2),
                       device="cuda")
     assert len(bwd_ws_calls) == len(SEQ_PAIRS) + 2
+    assert bwd_ws_calls[len(SEQ_PAIRS)]["dq_accum"].shape[2] == -(-2100 // q_rows) * q_rows  # 2176 or 2112
     assert {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
 
 

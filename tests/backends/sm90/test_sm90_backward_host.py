@@ -78,7 +78,7 @@ def test_one_pass_arguments_are_checked_before_any_work():
     t = torch.zeros(1, 2, 8, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="num_buf"):
         attention_backward_onepass(t, t, t, t, lse, lse, t, t, t, scale=0.1, diag_offset=0, causal=False, num_buf=1)
-    with pytest.raises(ValueError, match="dq_accum"):  # rows are padded to 64
+    with pytest.raises(ValueError, match="dq_accum"):  # rows are padded to 128 at d64 (64 would not do either)
         attention_backward_onepass(t, t, t, t, lse, lse, t, t, t, scale=0.1, diag_offset=0, causal=False,
                                    dq_accum=torch.zeros(1, 2, 8, 64))
     with pytest.raises(ValueError, match="dq_accum"):  # to 128 with 128 queries per step
@@ -86,6 +86,10 @@ def test_one_pass_arguments_are_checked_before_any_work():
                                    dq_accum=torch.zeros(1, 2, 64, 64), q_rows=128)
     with pytest.raises(ValueError, match="q_rows"):
         attention_backward_onepass(t, t, t, t, lse, lse, t, t, t, scale=0.1, diag_offset=0, causal=False, q_rows=96)
+    t128 = torch.zeros(1, 2, 8, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="q_rows"):  # no room in shared memory at d128
+        attention_backward_onepass(t128, t128, t128, t128, lse, lse, t128, t128, t128, scale=0.1, diag_offset=0,
+                                   causal=False, q_rows=128)
     with pytest.raises(ValueError, match="q_rows"):  # packed sequences step by 64
         attention_backward_onepass(t, t, t, t, lse, lse, t, t, t, scale=0.1, diag_offset=0, causal=False, q_rows=128,
                                    varlen=(None, (torch.zeros(64, dtype=torch.int32), 1)))

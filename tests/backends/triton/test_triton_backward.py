@@ -374,8 +374,10 @@ def test_sdpa_rows_hidden_by_finfo_min(dtype):
 
 def test_preprocess_zeroes_the_one_pass_accumulator():
     """The Delta launch zeroes the one-pass backward's float32 dQ (fixed lengths), one
-    launch fewer than a memset: every row of every (batch, head), padding rows included,
-    and Delta unchanged by it. Packed calls and a wrongly shaped buffer are refused first."""
+    launch fewer than a memset: every row of every (batch, head), padding rows included
+    (padded to 128 rows at d64: the last program zeroes the rows past its block, one block
+    or several), and Delta unchanged by it. Packed calls and a wrongly shaped buffer are
+    refused first."""
     from flashtile.backends.triton.backward import preprocess
 
     g = torch.Generator().manual_seed(0)
@@ -384,8 +386,15 @@ def test_preprocess_zeroes_the_one_pass_accumulator():
     plain, _ = preprocess(out, dout, None, None, [], -1, -1, 70)
     delta, built = preprocess(out, dout, None, None, [], -1, -1, 70, accumulator=acc)
     assert torch.equal(delta, plain) and built == [] and torch.equal(acc, torch.zeros_like(acc))
-    for bad in (torch.zeros(2, 3, 70, 64), torch.zeros(2, 3, 128, 64, dtype=torch.float16)):
+    out, dout = (torch.randn(2, 3, 130, 64, generator=g).to(torch.float16) for _ in range(2))
+    for rows in (192, 256):  # 3 blocks of 64: a padding of 1 and of 2 blocks
+        acc = torch.full((2, 3, rows, 64), float("nan"))
+        delta, _ = preprocess(out, dout, None, None, [], -1, -1, 130, accumulator=acc)
+        assert torch.equal(acc, torch.zeros_like(acc))
+    acc = torch.full((2, 3, 256, 64), float("nan"))
+    for bad in (torch.zeros(2, 3, 130, 64), torch.zeros(2, 3, 100, 64), torch.zeros(2, 3, 256, 64, dtype=torch.float16),
+                torch.zeros(64)):
         with pytest.raises(ValueError, match="accumulator"):
-            preprocess(out, dout, None, None, [], -1, -1, 70, accumulator=bad)
+            preprocess(out, dout, None, None, [], -1, -1, 130, accumulator=bad)
     with pytest.raises(ValueError, match="fixed-length"):
-        preprocess(out, dout, None, object(), [], -1, -1, 70, accumulator=acc)
+        preprocess(out, dout, None, object(), [], -1, -1, 130, accumulator=acc)

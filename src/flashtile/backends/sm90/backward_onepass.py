@@ -235,7 +235,8 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         # At d128, z = 0 (s < 2**30) but not to the compiler: the fixed tiles' views are
         # then made anew each step instead of their wgmma descriptors (one per tile and
         # k-step, ~40 words) being hoisted out of the loop and spilled (ptxas: 1,292 -> 312
-        # B of spills; H200 run 96: 7-16% faster). d64 does not spill: its code is as before.
+        # B of spills; H200 run 96: 7-16% faster). d64's 128-row steps too (2,136 -> 236 B,
+        # 408 causal); its 64-row steps (packed sequences) do not spill: their code is as before.
         if HEAD_D > 64 or QROWS > ROWS:
             z = s >> 30
         else:
@@ -466,7 +467,7 @@ _launch_convert = Launcher(_dq_convert)
 
 
 def dq_accumulator_layout(head_dim: int, swizzle: int | None = None):
-    """The shared-memory layout of a (BLOCK, D / 2) float32 dQ slot (and its TMA box):
+    """The shared-memory layout of a (q_rows, D / 2) float32 dQ slot (and its TMA box):
     ``swizzle`` bytes (None: ``DQ_SWIZZLE[head_dim]``)."""
     swizzle = DQ_SWIZZLE[head_dim] if swizzle is None else swizzle
     if swizzle not in (0, 32, 64, 128):
@@ -476,9 +477,10 @@ def dq_accumulator_layout(head_dim: int, swizzle: int | None = None):
 
 def accumulator(q, q_rows: int | None = None):
     """An uninitialised float32 dQ for ``attention_backward_onepass(dq_accum=)``: (B, H, Sq
-    rounded up to q_rows (default ``Q_ROWS[D]``), D) of a q (B, H, Sq, D). The backward's
-    Delta preprocess zeroes it in its own launch (``triton.backward.preprocess(accumulator=)``:
-    fixed lengths)."""
+    rounded up to q_rows (default ``Q_ROWS[D]``, the fixed-length calls' steps), D) of a q
+    (B, H, Sq, D). The backward's Delta preprocess zeroes it in its own launch
+    (``triton.backward.preprocess(accumulator=)``: fixed lengths; packed sequences' calls
+    allocate their own, of BLOCK rows)."""
     import torch
 
     batch, nheads, seqlen_q, head_dim = q.shape
@@ -500,11 +502,12 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
         lse, delta: (B, H, Sq) float32 contiguous (natural log; delta = rowsum(dO * O),
             minus the LSE's own upstream gradient if any).
         causal: key j visible to query i iff j <= i + diag_offset.
-        num_buf, dq_buf: (Q, dO) ring slots (default ``NUM_BUF[D]``) and float32 dQ slots;
+        num_buf, dq_buf: (Q, dO) ring slots (default ``NUM_BUF[D]`` of 64 rows: half as many
+            of 128) and float32 dQ slots;
             dq_swizzle: the dQ slots' swizzle (default ``DQ_SWIZZLE[D]``) (experiments:
             benchmarks/experiments/gluon_bwd_onepass.py).
-        q_rows: queries per step, BLOCK or 2 x BLOCK (default ``Q_ROWS[D]``; packed sequences
-            take BLOCK).
+        q_rows: queries per step, BLOCK, or 2 x BLOCK at D 64 (default ``Q_ROWS[D]``;
+            packed sequences take BLOCK).
         varlen: None, or (Varlen, key table, ...) for packed sequences (B = 1; Sq and Sk the
             total rows), as ``backward_split.attention_backward_ws`` takes it: the work list of
             blocks of 2 * BLOCK keys (``backends.worklist.build_work_items``); further
@@ -524,8 +527,8 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"the one-pass backward takes head dims {HEAD_DIMS}, got {head_dim}")
     q_rows = q_rows or (BLOCK if varlen is not None else Q_ROWS[head_dim])
-    if q_rows not in (BLOCK, 2 * BLOCK) or (varlen is not None and q_rows != BLOCK):
-        raise ValueError(f"q_rows is {BLOCK} or {2 * BLOCK} ({BLOCK} for packed sequences), got {q_rows}")
+    if q_rows not in (BLOCK, 2 * BLOCK) or (q_rows != BLOCK and (varlen is not None or head_dim != 64)):
+        raise ValueError(f"q_rows is {BLOCK}, or {2 * BLOCK} at head dim 64 without packed sequences, got {q_rows}")
     num_buf = num_buf or NUM_BUF[head_dim] * BLOCK // q_rows
     if num_buf < 2 or dq_buf < 1:
         raise ValueError(f"need num_buf >= 2 and dq_buf >= 1, got {num_buf} and {dq_buf}")

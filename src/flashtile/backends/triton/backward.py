@@ -540,7 +540,7 @@ def preprocess(out, dout, dlse, varlen, tables, window_left: int, window_right: 
     if varlen is None:
         pre_blocks = triton.cdiv(seqlen_q, 64)
         pre_grid, pre_items, pre_cap, pre_sizes = pre_blocks * batch * nheads, out, 0, (seqlen_q, pre_blocks)
-        acc_rows = pre_blocks * 64 if accumulator is None else accumulator.shape[2]
+        acc_rows = pre_blocks * 64 if accumulator is None or accumulator.dim() != 4 else accumulator.shape[2]
         if accumulator is not None and (accumulator.shape != (batch, nheads, acc_rows, head_dim)
                                         or acc_rows % 64 or acc_rows < pre_blocks * 64
                                         or accumulator.dtype != torch.float32 or not accumulator.is_contiguous()):
