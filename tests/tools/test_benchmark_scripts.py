@@ -33,7 +33,7 @@ def _transformers_step_rows(tmp_path, monkeypatch, *argv) -> dict:
 @pytest.mark.parametrize("name", ["sweep_fwd", "sweep_bwd", "train_block", "host_overhead", "host_profile",
                                   "context_parallel", "varlen_profile", "tma_reduce_rate",
                                   "varlen_same_documents", "experiments/gluon_fwd", "experiments/decode_breakdown",
-                                  "experiments/bwd_breakdown",
+                                  "experiments/bwd_breakdown", "experiments/dq_collisions",
                                   "features"])
 def test_script_imports_and_shows_help(name, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))  # as when run as a script: benchmarks/ holds sweep_common
@@ -93,6 +93,18 @@ def test_host_overhead_cpu_stub_times_every_row(capsys, monkeypatch, triton_back
     out = capsys.readouterr().out
     assert "failed" not in out, out
     assert sum(" host " in line for line in out.splitlines()) == 18, out
+
+
+def test_dq_collisions_model():
+    """benchmarks/experiments/dq_collisions.py (session 37's model of the one-pass backward's
+    query-loop rotation): plain calls put every program of a head on a dQ tile of its own; causal
+    calls crowd tiles under the rotation (more so with 128-row steps) and do not from the diagonal."""
+    collisions = _script("experiments/dq_collisions").collisions
+    assert collisions(16384, 128, causal=False, rotate=True) == (1, 1.0)
+    assert collisions(16384, 128, causal=True, rotate=False) == (1, 1.0)
+    worst, mean = collisions(16384, 128, causal=True, rotate=True)
+    assert worst == 11 and round(mean, 2) == 1.27
+    assert collisions(16384, 64, causal=True, rotate=True)[0] == 8
 
 
 def test_decode_tma_experiment_matches_the_library_kernel(capsys, triton_backend):
