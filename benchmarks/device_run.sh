@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-rule|onepass-rot|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-rule|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -117,20 +117,6 @@ if [[ $what == decode-rule ]]; then
     rows_by_tag eager-
   fi
   tar -czf "$OUT/decode-rule.tgz" -C /tmp/bench .
-fi
-if [[ $what == onepass-rot ]]; then
-  # Session 37: causal one-pass backward without the query-loop rotation (CAUSAL_ROTATION=False:
-  # each key block walks up from its diagonal) against today's rotation, the kernel alone, d64 and
-  # d128 causal; its GPU test first.
-  timeout 200 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -k "without_rotation or race_hunt" \
-    -v -n 4 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-rot.log" 2>&1
-  rc=$?; echo "rotation gpu tests rc=$rc"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-rot.log" | cut -c1-300 | tail -12
-  if [[ $rc == 0 ]]; then
-    timeout ${ROT_TIMEOUT:-300} python3 benchmarks/experiments/gluon_bwd_onepass.py --variants "2,2;2,2,-1,-1,0" \
-      --shapes "64,2048,1;64,4096,1;64,8192,1;64,16384,1;128,4096,1;128,8192,1;128,16384,1;64,8192,0" \
-      > "$OUT/rotation.log" 2>&1
-    echo "rotation bench rc=$?"; grep -v "^B[0-9]" "$OUT/rotation.log" | grep -v "check failed" | tail -12
-  fi
 fi
 if [[ $what == bench-d128 ]]; then
   # Issue 34's check: d128 bf16 forward and backward against run 100's rows, host cost included.

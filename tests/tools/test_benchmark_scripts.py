@@ -95,16 +95,20 @@ def test_host_overhead_cpu_stub_times_every_row(capsys, monkeypatch, triton_back
     assert sum(" host " in line for line in out.splitlines()) == 18, out
 
 
-def test_dq_collisions_model():
-    """benchmarks/experiments/dq_collisions.py (session 37's model of the one-pass backward's
-    query-loop rotation): plain calls put every program of a head on a dQ tile of its own; causal
-    calls crowd tiles under the rotation (more so with 128-row steps) and do not from the diagonal."""
-    collisions = _script("experiments/dq_collisions").collisions
-    assert collisions(16384, 128, causal=False, rotate=True) == (1, 1.0)
-    assert collisions(16384, 128, causal=True, rotate=False) == (1, 1.0)
-    worst, mean = collisions(16384, 128, causal=True, rotate=True)
+def test_dq_collisions_models():
+    """benchmarks/experiments/dq_collisions.py (session 37): in the lockstep model plain calls
+    put each program of a head on a dQ tile of its own and causal calls crowd tiles under the
+    rotation (more with 128-row steps), not from the diagonal; in the scheduled model (132 SMs,
+    random step times) the diagonal start is the crowded one at S16384. The models disagree."""
+    script = _script("experiments/dq_collisions")
+    assert script.lockstep(16384, 128, causal=False, rotate=True) == (1, 1.0)
+    assert script.lockstep(16384, 128, causal=True, rotate=False) == (1, 1.0)
+    worst, mean = script.lockstep(16384, 128, causal=True, rotate=True)
     assert worst == 11 and round(mean, 2) == 1.27
-    assert collisions(16384, 64, causal=True, rotate=True)[0] == 8
+    assert script.lockstep(16384, 64, causal=True, rotate=True)[0] == 8
+    rotated = script.scheduled(16384, 128, causal=True, rotate=True, heads=32)[1]
+    diagonal = script.scheduled(16384, 128, causal=True, rotate=False, heads=32)[1]
+    assert round(rotated, 2) == 2.50 and round(diagonal, 2) == 7.29
 
 
 def test_decode_tma_experiment_matches_the_library_kernel(capsys, triton_backend):

@@ -136,22 +136,6 @@ def test_one_pass_query_steps(causal, dtype, q_rows, bwd_ws_calls, monkeypatch):
     assert {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
 
 
-@pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
-def test_one_pass_causal_without_rotation(head_dim, bwd_ws_calls, monkeypatch):
-    """``backward_onepass.CAUSAL_ROTATION = False`` (session 37's experiment: each key block's
-    query loop walks up from its diagonal): causal gradients within the accuracy rule where
-    loops are long (2100 rows, GQA), where queries or keys are few, and at batch 60."""
-    from flashtile.backends.sm90 import backward_onepass
-
-    monkeypatch.setattr(backward_onepass, "CAUSAL_ROTATION", False)
-    for case in (Case(2100, 2100, head_dim, dtype=torch.bfloat16, causal=True, nheads=4, nheads_k=2),
-                 Case(1000, 200, head_dim, dtype=torch.float16, causal=True, nheads=6, nheads_k=6),
-                 Case(200, 1000, head_dim, dtype=torch.bfloat16, causal=True, nheads=6, nheads_k=1),
-                 Case(333, 333, head_dim, dtype=torch.bfloat16, causal=True, batch=60, nheads=4, nheads_k=4)):
-        check_flash_grads(case, device="cuda")
-    assert len(bwd_ws_calls) == 4 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
-
-
 def test_one_pass_switch(bwd_ws_calls, monkeypatch):
     """FLASHTILE_BWD_DQ=split keeps d64 on the split kernels; unset, it takes the one-pass one."""
     case = Case(517, 300, 64, dtype=torch.float16, causal=True, nheads=6, nheads_k=2)

@@ -92,14 +92,6 @@ REDUCER_REGS = 24
 # the kernel alone, bf16 d64 S2048-16384: +12-14% without causal, +5-7% with it, against 64
 # (docs/perf-notes.md, session 37). d128 has no room for it; packed sequences keep BLOCK.
 Q_ROWS = {64: 2 * BLOCK, 128: BLOCK}
-# Causal calls rotate each key block's query loop as plain ones do (``q_rot``). Plain: block nb
-# starts at the query block of its own keys, so at each step the programs of one head reduce
-# into distinct dQ tiles. Causal: block nb's loop covers blocks from its diagonal q_lo up, and
-# the same formula crowds the last key blocks' starts near the top (lockstep model, S16384 d64:
-# at most 11 programs on one dQ tile, 1.27 on average per touched tile; 1.0 without rotation,
-# each program walking up from its diagonal). False: no rotation for causal calls (an
-# experiment until a GPU measures it: docs/perf-notes.md, session 37).
-CAUSAL_ROTATION = True
 
 
 def keys_outer(causal: bool, group_size: int) -> bool:
@@ -384,7 +376,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
                     seqlen_q, num_n_blocks, diag_offset, qk_scale, scale, dq_desc, dq_rows, seqlen_k, Items,
                     item_cap, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr,
                     DQ_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                    REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr, CAUSAL_ROT: gl.constexpr = True):
+                    REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     QROWS: gl.constexpr = q_desc.block_type.shape[2]  # queries per step (ROWS, or 2 x ROWS at d64: Q_ROWS)
     dtype: gl.constexpr = q_desc.dtype
@@ -416,10 +408,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
         k_row = q_row
     n0 = nb * (2 * ROWS)
     q_lo, nq = step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
-    if CAUSAL and not CAUSAL_ROT:
-        q_rot = nq * 0  # from the diagonal up
-    else:
-        q_rot = (nb * nq) // num_n_blocks
+    q_rot = (nb * nq) // num_n_blocks
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], do_desc.layout)
@@ -571,7 +560,6 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
              dq_desc, rows, seqlen_k, *items),
             dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=CONSUMER_REGS,
                  LOADER_REGS=LOADER_REGS, REDUCER_REGS=REDUCER_REGS,
-                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k),
-                 CAUSAL_ROT=CAUSAL_ROTATION), 4, 1)
+                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k)), 4, 1)
     _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
                     (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]), dict(BLOCK_M=BLOCK, HEAD_D=head_dim), 4, 1)
