@@ -366,8 +366,7 @@ def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf
     packed sequences): its PTX should hold the bulk tensor reductions of dQ."""
     from flashtile.backends.sm90 import backward_onepass as op
 
-    q_rows = q_rows or (op.BLOCK if varlen else op.Q_ROWS[head_dim])
-    num_buf = num_buf or op.NUM_BUF[head_dim] * op.BLOCK // q_rows
+    q_rows, num_buf = op.step_plan(head_dim, varlen, q_rows, num_buf)
     dq_buf = dq_buf or op.DQ_BUF
     layout = op.dq_accumulator_layout(head_dim, dq_swizzle)
     dq_desc = f"tensordesc<fp32[{q_rows}, {head_dim // 2}],{layout}>"

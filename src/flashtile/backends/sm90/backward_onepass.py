@@ -475,6 +475,16 @@ def dq_accumulator_layout(head_dim: int, swizzle: int | None = None):
     return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=2)
 
 
+def step_plan(head_dim: int, packed: bool, q_rows: int | None = None, num_buf: int | None = None) -> tuple[int, int]:
+    """(queries per step, (Q, dO) ring slots) of a call, the defaults filled in: ``Q_ROWS[D]``
+    (BLOCK for packed sequences) and ``NUM_BUF[D]`` slots of BLOCK rows (half as many of
+    2 x BLOCK). Refuses other step sizes, and 2 x BLOCK but at d64 without packed sequences."""
+    q_rows = q_rows or (BLOCK if packed else Q_ROWS[head_dim])
+    if q_rows not in (BLOCK, 2 * BLOCK) or (q_rows != BLOCK and (packed or head_dim != 64)):
+        raise ValueError(f"q_rows is {BLOCK}, or {2 * BLOCK} at head dim 64 without packed sequences, got {q_rows}")
+    return q_rows, num_buf or NUM_BUF[head_dim] * BLOCK // q_rows
+
+
 def accumulator(q, q_rows: int | None = None):
     """An uninitialised float32 dQ for ``attention_backward_onepass(dq_accum=)``: (B, H, Sq
     rounded up to q_rows (default ``Q_ROWS[D]``, the fixed-length calls' steps), D) of a q
@@ -526,10 +536,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"the one-pass backward takes head dims {HEAD_DIMS}, got {head_dim}")
-    q_rows = q_rows or (BLOCK if varlen is not None else Q_ROWS[head_dim])
-    if q_rows not in (BLOCK, 2 * BLOCK) or (q_rows != BLOCK and (varlen is not None or head_dim != 64)):
-        raise ValueError(f"q_rows is {BLOCK}, or {2 * BLOCK} at head dim 64 without packed sequences, got {q_rows}")
-    num_buf = num_buf or NUM_BUF[head_dim] * BLOCK // q_rows
+    q_rows, num_buf = step_plan(head_dim, varlen is not None, q_rows, num_buf)
     if num_buf < 2 or dq_buf < 1:
         raise ValueError(f"need num_buf >= 2 and dq_buf >= 1, got {num_buf} and {dq_buf}")
     rows = triton.cdiv(seqlen_q, q_rows) * q_rows  # padded: the last query block's reductions need no mask
