@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-rule|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-rule|decode-wave|det-q128|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -30,7 +30,11 @@ for (mode, label), row in us.items():
 PY
 }
 (nvidia-smi --query-gpu=name,driver_version,clocks.sm,memory.used --format=csv
- python3 -c "import torch, triton; print(torch.__version__, triton.__version__)") > "$OUT/env.txt" 2>&1
+ python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"
+ # what decode's split rule sees (decode.wave_per_sm: DRAM GB/s per SM against WAVE_GBPS_PER_SM)
+ python3 -c "import torch; from flashtile.runtime.device import dram_gbps, sm_count; from flashtile.backends.triton import decode
+print('dram GB/s', dram_gbps(0), 'SMs', sm_count(0), 'wave_per_sm', decode.wave_per_sm(torch.device('cuda', 0)))"
+) > "$OUT/env.txt" 2>&1
 
 if [[ $what == tests || $what == all || $what == tests-1 || $what == tests-2 || $what == tests-3 ]]; then
   # -n 6: compiles run in parallel on the host's cores (at -n 8 an H100's 80 GB ran out: run 132).
@@ -117,6 +121,34 @@ if [[ $what == decode-rule ]]; then
     rows_by_tag eager-
   fi
   tar -czf "$OUT/decode-rule.tgz" -C /tmp/bench .
+fi
+if [[ $what == decode-wave ]]; then
+  # Session 38: two programs per SM in the one wave of long splits where the DRAM feeds more
+  # than WAVE_GBPS_PER_SM per SM (an H200; an H100 keeps one: env.txt says which this card
+  # takes). The kv-cache GPU file, the decode table against cuDNN (compare run 211), then the
+  # rows whose count the rule changes on an H200 at both counts and their neighbours.
+  timeout 130 python3 -m pytest -m gpu tests/api/test_kvcache_gpu.py -q -n 8 --maxfail=20 -p no:warnings \
+    -p no:cacheprovider > "$OUT/gpu-tests-kvcache.log" 2>&1
+  rc=$?; echo "kvcache gpu tests rc=$rc"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-kvcache.log" | tail -12
+  if [[ $rc == 0 ]]; then
+    timeout 200 python3 -m flashtile.tools.bench --decode --out /tmp/bench --tag ${gpu}-decode > "$OUT/bench-decode.log" 2>&1
+    echo "decode bench rc=$?"; grep -v Warn "$OUT/bench-decode.log" | grep "^|" | tail -54
+    cp /tmp/bench/${gpu}-decode* "$OUT/" 2>/dev/null
+    timeout ${WAVE_SWEEP_TIMEOUT:-180} python3 benchmarks/sweep_decode.py --only 0 1 2 5 7 13 17 19 21 --splits 0 2 4 8 16 33 \
+      > "$OUT/sweep-decode-wave.log" 2>&1
+    echo "wave sweep rc=$?"; grep -v Warn "$OUT/sweep-decode-wave.log" | tail -30
+  fi
+fi
+if [[ $what == det-q128 ]]; then
+  # Session 38: the split backward (the deterministic path at d64/d128) with its dK/dV kernel at
+  # 128 queries per step, now without spills (the one-pass kernel's fresh views), against 64:
+  # gluon_bwd.py checks each variant against fp32 autograd, then times the whole split backward,
+  # each kernel alone, the library's default ("api": the one-pass kernel) and cuDNN.
+  timeout ${DETQ_TIMEOUT:-420} python3 benchmarks/experiments/gluon_bwd.py --split \
+    --variants "4,128,3;2,128,3,128;3,128,3,128" \
+    --shapes "64,2048,0;64,4096,0;64,8192,0;64,16384,0;64,2048,1;64,4096,1;64,8192,1;64,16384,1" \
+    > "$OUT/det-q128.log" 2>&1
+  echo "det q128 rc=$?"; grep -v Warn "$OUT/det-q128.log" | tail -40
 fi
 if [[ $what == bench-d128 ]]; then
   # Issue 34's check: d128 bf16 forward and backward against run 100's rows, host cost included.

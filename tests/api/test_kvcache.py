@@ -1068,6 +1068,52 @@ def test_choose_splits():
     assert choose_splits(3, 1000, 640, 64, cpu) == 3
 
 
+def test_choose_splits_two_per_sm(monkeypatch):
+    """Where the DRAM feeds more than ``WAVE_GBPS_PER_SM`` per SM (an H200), the one wave of
+    long splits holds two programs per SM; the short splits, the page gather and the many-wave
+    count do not change, nor does an explicit count."""
+    from flashtile.backends.triton import decode
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(decode, "wave_per_sm", lambda device: 2)
+    assert decode.choose_splits(0, 2, 16384, 64, cpu) == 16  # 32 // 2 (one per SM: 8)
+    assert decode.choose_splits(0, 8, 131072, 64, cpu) == 4  # 32 // 8 (2)
+    assert decode.choose_splits(0, 9, 131072, 64, cpu) == 3  # 32 // 9 (2)
+    assert decode.choose_splits(0, 20, 131072, 64, cpu) == 2  # 20 > 32 / 2: 32 / 20 to the nearest (1)
+    assert decode.choose_splits(0, 31, 131072, 64, cpu) == 1
+    assert decode.choose_splits(0, 8, 131072, 64, cpu, page=256) == 4  # whole tiles: the rows' count
+    assert decode.choose_splits(0, 2, 4096, 64, cpu) == 12  # short splits: 1.5 per SM as before
+    assert decode.choose_splits(0, 16, 8192, 64, cpu, page=16) == 2  # the gather: two per SM as before
+    assert decode.choose_splits(0, 64, 4096, 64, cpu) == 3  # many waves as before
+    assert decode.choose_splits(3, 1, 640, 64, cpu) == 3
+
+
+@pytest.mark.parametrize("per_sm, wave", [(3352.3 / 132, 1), (4800.0 / 132, 2), (30.0, 1), (2039.0 / 114, 1),
+                                           (None, 1)])
+def test_wave_per_sm(monkeypatch, per_sm, wave):
+    """``wave_per_sm`` from the driver's DRAM bandwidth per SM (H100 SXM, H200, a card at
+    exactly 30 GB/s per SM, H100 PCIe, a MIG slice: None); a CPU device (the interpreter)
+    keeps one."""
+    from flashtile.backends.triton import decode
+
+    monkeypatch.setattr(decode, "dram_gbps_per_sm", lambda index: per_sm)
+    assert decode.wave_per_sm(torch.device("cuda", 0)) == wave
+    assert decode.wave_per_sm(torch.device("cpu")) == 1
+
+
+def test_dram_gbps_per_sm_refuses_a_mig_slice(monkeypatch):
+    """A MIG slice's SM count is its own but its memory clock and bus width are the card's:
+    no figure (``runtime.device.dram_gbps_per_sm``), so the split rule keeps one per SM."""
+    from flashtile.runtime import device
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: "NVIDIA H100 80GB HBM3 MIG 1g.10gb")
+    device.dram_gbps_per_sm.cache_clear()
+    try:
+        assert device.dram_gbps_per_sm(0) is None
+    finally:
+        device.dram_gbps_per_sm.cache_clear()
+
+
 @settings(max_examples=300, deadline=None)
 @given(programs=st.integers(1, 32), capacity=st.integers(1, 1 << 19),
        page=st.sampled_from([16, 32, 48, 8, 24, 1, 2, 3]))

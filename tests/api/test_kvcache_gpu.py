@@ -485,3 +485,37 @@ def test_auto_keeps_the_kernels_under_capture(monkeypatch):
     with torch.cuda.graph(graph):
         flashtile.flash_attn_with_kvcache(q, kc, vc, k, v, **kw)
     assert counts == {"_launch_decode": 1, "_launch_finish": 1}, counts
+
+
+def test_wave_per_sm_on_this_gpu():
+    """The split rule's DRAM bandwidth (``runtime.device.dram_gbps``, from the driver) is a real
+    figure on this card, and the one wave of long splits holds two programs per SM on an H200,
+    one on an H100 SXM (``decode.WAVE_GBPS_PER_SM``)."""
+    from flashtile.backends.triton import decode
+    from flashtile.runtime.device import dram_gbps
+
+    index = torch.cuda.current_device()
+    gbps, name = dram_gbps(index), torch.cuda.get_device_name(index)
+    assert 500 < gbps < 20000, (name, gbps)
+    if name == "NVIDIA H200":
+        assert decode.wave_per_sm(torch.device("cuda", index)) == 2, (name, gbps)
+    if name == "NVIDIA H100 80GB HBM3":
+        assert decode.wave_per_sm(torch.device("cuda", index)) == 1, (name, gbps)
+
+
+@pytest.mark.parametrize("batch, page", [(1, 0), (4, 0), (4, 256)])
+def test_one_wave_of_long_splits(batch, page):
+    """A long cache at small batch (GQA 32/8, d128, 32k keys) takes the one-wave split count,
+    ``wave_per_sm`` programs per SM (33 splits at batch 1 on an H200, 16 on an H100), and
+    matches the float64 reference."""
+    from flashtile.backends.triton import decode
+
+    capacity = 32768
+    seqlens = tuple(capacity - 1 - 997 * i for i in range(batch))
+    q, k, v, kc, vc, table, seqlens = _cuda(*_case(batch=batch, sq=1, new=1, heads=(32, 8), d=128,
+                                                   capacity=capacity, seqlens=seqlens, dtype=torch.bfloat16,
+                                                   page=page))
+    splits, _ = decode.split_plan(q, kc, table, 0)
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    assert splits == decode.wave_per_sm(q.device) * sms // (batch * 8), splits
+    _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True)

@@ -65,7 +65,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from flashtile.backends.triton.scores import C_LN2, C_LOG2E, LOG2E, add_sink, chunk_start, scores
 from flashtile.problem.window import effective_window
-from flashtile.runtime.device import capability_of, device_context, device_index, sm_count
+from flashtile.runtime.device import capability_of, device_context, device_index, dram_gbps_per_sm, sm_count
 from flashtile.runtime.launch import Launcher
 from flashtile.runtime import settings
 from flashtile.runtime.replay import capturing, stream_counter
@@ -100,6 +100,14 @@ MAX_SPLITS = 128
 # one per SM from 1365 (batch 1 x 32k, batch 2 x 16k, batch 4 x 8k: 2-4% less there).
 FEW_KEYS_MAX_GATHER = 2048
 FEW_KEYS_MAX_ROWS = 1024
+# One wave of long splits (``choose_splits``): one program per SM while the GPU's DRAM
+# bandwidth per SM is at most this many GB/s, else two (``wave_per_sm``). An H100 SXM has
+# 25 GB/s per SM: one per SM measured up to 4% faster than two (run 178). An H200 has 36:
+# with one per SM its steps read 3.8-3.9 TB/s where cuDNN reads 4.3-4.5 (run 211: 0.88-0.90x
+# at batch 8 x 32k, batch 4 x 32k, batch 1 x 131k), the rows at two or more programs per SM
+# read 0.98x cuDNN in the same run, and run 75's two per SM read 4.1-4.3 TB/s (0.96-0.99x).
+# Never measured near the line: an H100 NVL or a GH200 (about 30 per SM) may fall either side.
+WAVE_GBPS_PER_SM = 30
 # Table entries the device check reads a step (``_first_bad_page``; 8 warps: 8 a thread), and
 # inside the decode kernel (4 warps) when it checks the metadata itself.
 CHECK_BLOCK_E = 2048
@@ -1019,6 +1027,16 @@ def _sms(device) -> int:
     return sm_count(device_index(device)) if device.type == "cuda" else 16
 
 
+def wave_per_sm(device) -> int:
+    """Programs per SM in ``choose_splits``' one wave of long splits: 2 where the GPU's DRAM
+    bandwidth per SM is above ``WAVE_GBPS_PER_SM`` (an H200), else 1 (an H100; a MIG slice;
+    a CPU device under the interpreter)."""
+    if device.type != "cuda":
+        return 1
+    per_sm = dram_gbps_per_sm(device_index(device))
+    return 2 if per_sm is not None and per_sm > WAVE_GBPS_PER_SM else 1
+
+
 def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, device, *,
                   page: int = 0) -> int:
     """Splits of the cache length: ``num_splits`` when given (at most one per key tile),
@@ -1045,13 +1063,14 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
       rule's count against 2-16: batch 4 x 16k and 32k 8 splits (98.8 and 184.7 us; 16 splits
       110.5 and 210.7), batch 12 x 8k 2, the best; batch 24 x 8k 1 split 280.0 against 272.3
       at 2 (3%).
-    - Else fewer than two programs per SM on rows or whole-tile pages: about one per SM, one
-      wave of programs that each stream a long stretch. At most one per two SMs that is
-      ``sms // programs`` (run 178: up to 4% less a step than two per SM at batch 1-8,
-      4k-131k keys, with half the partials to merge; +0.2% at batch 8 with pages of 256);
-      above, the nearest count, so 1 from two thirds of the SMs on (run 186: batch 16, 128
-      programs, 92.4 us unsplit against 96.1 at 2 splits, 4% less at 8k keys too; batch 8,
-      64 programs, wants its 2: 50.6 against 69.6 unsplit).
+    - Else fewer than two programs per SM on rows or whole-tile pages: one wave of programs
+      that each stream a long stretch, w = ``wave_per_sm`` per SM (1 on an H100, 2 on an
+      H200's faster DRAM: ``WAVE_GBPS_PER_SM``). Up to half of w x sms programs that is
+      ``w * sms // programs`` (H100 run 178: one per SM up to 4% less a step than two at batch
+      1-8, 4k-131k keys, with half the partials to merge; +0.2% at batch 8 with pages of
+      256); above, the nearest count, so 1 from two thirds of w x sms on (H100 run 186: batch
+      16, 128 programs, 92.4 us unsplit against 96.1 at 2 splits, 4% less at 8k keys too;
+      batch 8, 64 programs, wants its 2: 50.6 against 69.6 unsplit).
     - Else (more programs): enough splits for about 12 programs per SM, so that the last,
       partial wave is short (batch 64 x 8192: 4.38 vs 3.85 TB/s unsplit), at most one split
       per 4 key tiles."""
@@ -1070,7 +1089,8 @@ def choose_splits(num_splits: int, programs: int, capacity: int, block_n: int, d
         least = triton.cdiv(capacity, keys) if keys else 1
         return max(1, min(max(2 * sms // programs, least), most))
     if programs < 2 * sms and not gather:
-        return max(1, min(sms // programs if 2 * programs <= sms else round(sms / programs), most))
+        wave = wave_per_sm(device) * sms
+        return max(1, min(wave // programs if 2 * programs <= wave else round(wave / programs), most))
     return max(1, min(triton.cdiv(12 * sms, programs), most))
 
 
