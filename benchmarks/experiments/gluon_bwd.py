@@ -103,7 +103,8 @@ def run(variants, shapes, split: bool = False, launch=library_launch) -> None:
                     for part, n_products in (("dkdv", 4), ("dq", 3)):
                         ms_part = do_bench(lambda: ws(q, k, v, dout, lse, delta, causal, 0, variant, kernels=(part,)),
                                            warmup=25, rep=100)
-                        row[f"  {part}"] = bwd_flops * n_products / 5 / ms_part * 1e-9
+                        row[f"  {part}@" + ",".join(map(str, variant))] = (bwd_flops * n_products / 5 / ms_part
+                                                                           * 1e-9)
             except Exception as exc:  # noqa: BLE001
                 print(f"d{D} S{S} {variant} failed: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
         qb, kb, vb = (t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v))
