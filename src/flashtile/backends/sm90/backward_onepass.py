@@ -92,6 +92,14 @@ REDUCER_REGS = 24
 # the kernel alone, bf16 d64 S2048-16384: +12-14% without causal, +5-7% with it, against 64
 # (docs/perf-notes.md, session 37). d128 has no room for it; packed sequences keep BLOCK.
 Q_ROWS = {64: 2 * BLOCK, 128: BLOCK}
+# Causal calls: the steps whose tile reaches the diagonal (the mask's) in a loop of their own,
+# ahead of the rest, which run without the mask's code (``_consumer``), and no query-loop
+# rotation (H200 run 212: without it the kernel alone ran -0.6..+1.2%). In one loop body the
+# mask's branch is if-converted, so its 64 compares and selects a thread (32 at d128) run at
+# every step: sm_90a SASS, the consumers' loop blocks, d64 649/637 instructions causal against
+# 445 without; apart, the unmasked loop 488/459 (d64) and 343/338 (d128, from 415/410).
+# An experiment, off until a GPU measures it (docs/perf-notes.md, session 38).
+MASKED_STEPS_APART = False
 
 
 def keys_outer(causal: bool, group_size: int) -> bool:
@@ -189,6 +197,56 @@ def _dq_finish(WG: gl.constexpr, dq, t, ds_empty, scale, dq_smem, dq_full, dq_em
 
 
 @gluon.jit
+def _step(WG: gl.constexpr, s, dk, dv, Lse, Delta, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_ready,
+          q_empty, ds_full, ds_empty, dq_smem, dq_full, dq_empty, b, kvh, q_lo, nq, q_rot, group_size, nheads,
+          seqlen_q, nk, diag_offset, qk_scale, scale, q_row, seqlen_k, lse_stride, CAUSAL: gl.constexpr,
+          VARLEN: gl.constexpr, dtype: gl.constexpr):
+    """One step s >= 1 of ``_consumer``'s loop: S_s and dP_s issued, step s-1's dV and dK
+    products in flight over P_s and dS_s, then dQ_{s-1}; returns (dk, dv). CAUSAL and VARLEN
+    say which masks ``_p_and_ds`` may apply (a causal call's steps off the diagonal pass
+    neither)."""
+    HEAD_D: gl.constexpr = q_smem.type.shape[4]
+    QROWS: gl.constexpr = q_smem.type.shape[3]
+    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, ROWS, 16])
+    prev = (s - 1) % NUM_BUF
+    # At d128, z = 0 (s < 2**30) but not to the compiler: the fixed tiles' views are
+    # then made anew each step instead of their wgmma descriptors (one per tile and
+    # k-step, ~40 words) being hoisted out of the loop and spilled (ptxas: 1,292 -> 312
+    # B of spills; H200 run 96: 7-16% faster). d64's 128-row steps too (2,136 -> 236 B,
+    # 408 causal); its 64-row steps (packed sequences) do not spill: their code is as before.
+    if HEAD_D > 64 or QROWS > ROWS:
+        z = s >> 30
+    else:
+        z = 0
+    k_tile = k_smem.index(WG + z).reshape([ROWS, HEAD_D])
+    v_tile = v_smem.index(WG + z).reshape([ROWS, HEAD_D])
+    p_tile = p_smem.index(WG + z)
+    ds_tile = ds_smem.index(WG + z)
+    hq, m0, q_t, do_t = _step_tiles(s, q_lo, nq, q_rot, kvh, group_size, q_smem, do_smem, q_ready)
+    st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
+                       use_acc=False, is_async=True)
+    dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
+                        use_acc=False, is_async=True)
+    dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(prev).reshape([QROWS, HEAD_D]), dv, is_async=True)
+    dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(prev).reshape([QROWS, HEAD_D]), dk, is_async=True)
+    st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # step s-1's products stay in flight
+    pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale, q_row,
+                        seqlen_k, lse_stride, CAUSAL, VARLEN, dtype, s_layout)
+    dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+    mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
+    p_tile.store(pt)  # P_{s-1} is read (only this warpgroup reads it)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(_dq_issue(WG, s - 1, k_smem, ds_smem, ds_full, z),))
+    _dq_finish(WG, dq, s - 1, ds_empty, scale, dq_smem, dq_full, dq_empty)
+    mbarrier.wait(ds_empty.index(0), (s - 1) & 1)  # the other warpgroup has read dS_{s-1} too
+    ds_tile.store(dst)
+    fence_async_shared()
+    mbarrier.arrive(ds_full.index(0), count=1)
+    return dk, dv
+
+
+@gluon.jit
 def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem,
               k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot,
               group_size, nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty,
@@ -197,6 +255,7 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     QROWS: gl.constexpr = q_desc.block_type.shape[2]
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
+    MASK_APART: gl.constexpr = ds_empty.type.shape[0] == 2  # MASKED_STEPS_APART
     VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -230,40 +289,28 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         ds_tile.store(dst)
         fence_async_shared()
         mbarrier.arrive(ds_full.index(0), count=1)
-    for s in range(1, n_steps):
-        prev = (s - 1) % NUM_BUF
-        # At d128, z = 0 (s < 2**30) but not to the compiler: the fixed tiles' views are
-        # then made anew each step instead of their wgmma descriptors (one per tile and
-        # k-step, ~40 words) being hoisted out of the loop and spilled (ptxas: 1,292 -> 312
-        # B of spills; H200 run 96: 7-16% faster). d64's 128-row steps too (2,136 -> 236 B,
-        # 408 causal); its 64-row steps (packed sequences) do not spill: their code is as before.
-        if HEAD_D > 64 or QROWS > ROWS:
-            z = s >> 30
-        else:
-            z = 0
-        k_tile = k_smem.index(WG + z).reshape([ROWS, HEAD_D])
-        v_tile = v_smem.index(WG + z).reshape([ROWS, HEAD_D])
-        p_tile = p_smem.index(WG + z)
-        ds_tile = ds_smem.index(WG + z)
-        hq, m0, q_t, do_t = _step_tiles(s, q_lo, nq, q_rot, kvh, group_size, q_smem, do_smem, q_ready)
-        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
-                           use_acc=False, is_async=True)
-        dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
-                            use_acc=False, is_async=True)
-        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(prev).reshape([QROWS, HEAD_D]), dv, is_async=True)
-        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(prev).reshape([QROWS, HEAD_D]), dk, is_async=True)
-        st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # step s-1's products stay in flight
-        pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale, q_row,
-                            seqlen_k, lse_stride, CAUSAL, VARLEN, dtype, s_layout)
-        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
-        mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
-        p_tile.store(pt)  # P_{s-1} is read (only this warpgroup reads it)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(_dq_issue(WG, s - 1, k_smem, ds_smem, ds_full, z),))
-        _dq_finish(WG, dq, s - 1, ds_empty, scale, dq_smem, dq_full, dq_empty)
-        mbarrier.wait(ds_empty.index(0), (s - 1) & 1)  # the other warpgroup has read dS_{s-1} too
-        ds_tile.store(dst)
-        fence_async_shared()
-        mbarrier.arrive(ds_full.index(0), count=1)
+    if CAUSAL and MASK_APART:
+        # MASKED_STEPS_APART: no rotation (q_rot = 0), so each head's steps walk up from the
+        # diagonal and the steps whose tile reaches it (the mask's) come first, n_mask of
+        # them; the rest run in a loop without the mask's code.
+        n_mask = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(nk + ROWS - 1 - diag_offset, 0), QROWS) - q_lo, 0), nq)
+        for g in range(group_size):
+            for s in range(gl.maximum(g * nq, 1), g * nq + n_mask):
+                dk, dv = _step(WG, s, dk, dv, Lse, Delta, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_ready,
+                               q_empty, ds_full, ds_empty, dq_smem, dq_full, dq_empty, b, kvh, q_lo, nq, q_rot,
+                               group_size, nheads, seqlen_q, nk, diag_offset, qk_scale, scale, q_row, seqlen_k,
+                               lse_stride, True, VARLEN, dtype)
+            for s in range(gl.maximum(g * nq + n_mask, 1), (g + 1) * nq):
+                dk, dv = _step(WG, s, dk, dv, Lse, Delta, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_ready,
+                               q_empty, ds_full, ds_empty, dq_smem, dq_full, dq_empty, b, kvh, q_lo, nq, q_rot,
+                               group_size, nheads, seqlen_q, nk, diag_offset, qk_scale, scale, q_row, seqlen_k,
+                               lse_stride, False, False, dtype)
+    else:
+        for s in range(1, n_steps):
+            dk, dv = _step(WG, s, dk, dv, Lse, Delta, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_ready,
+                           q_empty, ds_full, ds_empty, dq_smem, dq_full, dq_empty, b, kvh, q_lo, nq, q_rot,
+                           group_size, nheads, seqlen_q, nk, diag_offset, qk_scale, scale, q_row, seqlen_k,
+                           lse_stride, CAUSAL, VARLEN, dtype)
 
     if n_steps > 0:
         last = (n_steps - 1) % NUM_BUF
@@ -376,7 +423,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
                     seqlen_q, num_n_blocks, diag_offset, qk_scale, scale, dq_desc, dq_rows, seqlen_k, Items,
                     item_cap, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr,
                     DQ_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                    REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr):
+                    REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr, MASK_APART: gl.constexpr = False):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     QROWS: gl.constexpr = q_desc.block_type.shape[2]  # queries per step (ROWS, or 2 x ROWS at d64: Q_ROWS)
     dtype: gl.constexpr = q_desc.dtype
@@ -408,7 +455,10 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
         k_row = q_row
     n0 = nb * (2 * ROWS)
     q_lo, nq = step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
-    q_rot = (nb * nq) // num_n_blocks
+    if CAUSAL and MASK_APART:  # from the diagonal up: the masked steps first (``_consumer``)
+        q_rot = nq * 0
+    else:
+        q_rot = (nb * nq) // num_n_blocks
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], do_desc.layout)
@@ -424,7 +474,8 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     ds_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    ds_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    # a second (unused) entry tells the consumers MASK_APART (a constexpr they cannot be passed)
+    ds_empty = gl.allocate_shared_memory(gl.int64, [2 if MASK_APART else 1, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUF, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
@@ -567,6 +618,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
              dq_desc, rows, seqlen_k, *items),
             dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=CONSUMER_REGS,
                  LOADER_REGS=LOADER_REGS, REDUCER_REGS=REDUCER_REGS,
-                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k)), 4, 1)
+                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k),
+                 MASK_APART=causal and MASKED_STEPS_APART), 4, 1)
     _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
                     (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]), dict(BLOCK_M=BLOCK, HEAD_D=head_dim), 4, 1)
