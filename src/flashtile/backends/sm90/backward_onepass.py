@@ -70,7 +70,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashtile.backends.sm90.backward_split import BLOCK, CONSUMER_REGS, LOADER_REGS, ROWS
-from flashtile.backends.sm90.common import step_range, store_grad_tile, tma_descriptor, varlen_item
+from flashtile.backends.sm90.common import dkdv_step_products, step_range, store_grad_tile, tma_descriptor, varlen_item
 from flashtile.backends.sm90.tma_reduce import async_reduce_add_shared_to_global
 from flashtile.backends.triton.scores import C_LOG2E, LOG2E
 from flashtile.runtime.launch import Launcher
@@ -225,13 +225,8 @@ def _step(WG: gl.constexpr, s, dk, dv, Lse, Delta, q_smem, do_smem, k_smem, v_sm
     p_tile = p_smem.index(WG + z)
     ds_tile = ds_smem.index(WG + z)
     hq, m0, q_t, do_t = _step_tiles(s, q_lo, nq, q_rot, kvh, group_size, q_smem, do_smem, q_ready)
-    st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
-                       use_acc=False, is_async=True)
-    dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
-                        use_acc=False, is_async=True)
-    dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(prev).reshape([QROWS, HEAD_D]), dv, is_async=True)
-    dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(prev).reshape([QROWS, HEAD_D]), dk, is_async=True)
-    st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # step s-1's products stay in flight
+    st, dpt, dk, dv = dkdv_step_products(q_t, do_t, k_tile, v_tile, p_tile, ds_tile, q_smem, do_smem, prev,
+                                         dk, dv, s_layout)
     pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, qk_scale, q_row,
                         seqlen_k, lse_stride, CAUSAL, VARLEN, dtype, s_layout)
     dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))

@@ -61,8 +61,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtile.backends.sm90.common import (load_kv_tiles, step_range, store_grad_tile, tma_descriptor,
-                                           varlen_item, work_item)
+from flashtile.backends.sm90.common import (dkdv_step_products, load_kv_tiles, step_range, store_grad_tile,
+                                           tma_descriptor, varlen_item, work_item)
 from flashtile.backends.sm90.scope import SPLIT_HEAD_DIMS
 from flashtile.backends.triton.scores import C_LOG2E, LOG2E
 from flashtile.runtime.launch import Launcher
@@ -228,13 +228,8 @@ def _dkdv_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, d
             p_tile = p_smem.index(WG + z)
             ds_tile = ds_smem.index(WG + z)
         hq, m0, q_t, do_t = _step_tiles(s, q_lo, nq, kvh, group_size, q_smem, do_smem, q_ready)
-        st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
-                           use_acc=False, is_async=True)
-        dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([QROWS, ROWS], gl.float32, s_layout),
-                            use_acc=False, is_async=True)
-        dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(prev).reshape([QROWS, HEAD_D]), dv, is_async=True)
-        dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(prev).reshape([QROWS, HEAD_D]), dk, is_async=True)
-        st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # step s-1's products stay in flight
+        st, dpt, dk, dv = dkdv_step_products(q_t, do_t, k_tile, v_tile, p_tile, ds_tile, q_smem, do_smem, prev,
+                                             dk, dv, s_layout)
         pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, seqlen_k, nk, m0, diag_offset,
                             qk_scale, lse_stride, q_row, CAUSAL, dtype, s_layout)
         dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))

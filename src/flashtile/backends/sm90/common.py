@@ -12,7 +12,8 @@ import functools
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma, warpgroup_mma,
+                                                         warpgroup_mma_wait)
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from flashtile.runtime.launch import TESTED_VERSION
@@ -131,6 +132,27 @@ def tma_store_tile(x, smem, desc, b, h, row):
     smem.reshape([x.shape[0], x.shape[1]]).store(x)
     fence_async_shared()
     tma.async_copy_shared_to_global(desc, [b, h, row, 0], smem)
+
+
+@gluon.jit
+def dkdv_step_products(q_t, do_t, k_tile, v_tile, p_tile, ds_tile, q_smem, do_smem, prev, dk, dv,
+                       s_layout: gl.constexpr):
+    """One step of a backward loop over query tiles against a warpgroup's keys (the one-pass
+    kernel and the split dK/dV kernel): S_s = Q_s K^T and dP_s = dO_s V^T issued, then the
+    previous step's dV += P^T dO_{s-1} and dK += dS^T Q_{s-1} (P, dS from shared memory; Q and
+    dO of step s-1 in ring slot ``prev``); returns (S_s, dP_s, dk, dv) once S_s and dP_s are
+    done, dk and dv still in flight."""
+    QROWS: gl.constexpr = q_t.type.shape[0]
+    HEAD_D: gl.constexpr = q_t.type.shape[1]
+    KEYS: gl.constexpr = k_tile.type.shape[0]
+    st = warpgroup_mma(q_t, k_tile.permute((1, 0)), gl.zeros([QROWS, KEYS], gl.float32, s_layout),
+                       use_acc=False, is_async=True)
+    dpt = warpgroup_mma(do_t, v_tile.permute((1, 0)), gl.zeros([QROWS, KEYS], gl.float32, s_layout),
+                        use_acc=False, is_async=True)
+    dv = warpgroup_mma(p_tile.permute((1, 0)), do_smem.index(prev).reshape([QROWS, HEAD_D]), dv, is_async=True)
+    dk = warpgroup_mma(ds_tile.permute((1, 0)), q_smem.index(prev).reshape([QROWS, HEAD_D]), dk, is_async=True)
+    st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # step s-1's products stay in flight
+    return st, dpt, dk, dv
 
 
 @gluon.jit
