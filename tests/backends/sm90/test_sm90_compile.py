@@ -214,29 +214,34 @@ def test_varlen_kernels_compile(tmp_path):
             assert int(fields["atom"]) == 3, line
 
 
-@pytest.mark.slow(seconds=55)
-def test_decode_kernels_compile_for_sm90(tmp_path):
+@pytest.mark.slow(seconds=25)
+@pytest.mark.parametrize("head_dims", [(128,), pytest.param((64, 256), marks=pytest.mark.exhaustive)],
+                         ids=lambda dims: "-".join(f"d{d}" for d in dims))
+def test_decode_kernels_compile_for_sm90(tmp_path, head_dims):
     """backends/triton/decode.py's check, append, decode and combine kernels build sm_90a PTX at
-    head dims 64/128/256, row and paged caches, split and not, every option: the interpreter
-    runs what the compiler refuses (a non-constexpr global read in a kernel, H200 run 65).
-    ptxas runs for the plain decode kernels, whose registers and spills are checked (for the
-    rest, whether ptxas takes them shows in the GPU tests: ``sm90_check.ptx_only``)."""
+    ``head_dims`` (d128 in make test, d64 and d256 in make test-exhaustive), row and paged
+    caches, split and not, every option: the interpreter runs what the compiler refuses (a
+    non-constexpr global read in a kernel, H200 run 65). ptxas runs for the plain decode
+    kernels, whose registers and spills are checked (for the rest, whether ptxas takes them
+    shows in the GPU tests: ``sm90_check.ptx_only``)."""
     out = _compile_run(tmp_path, "-m", "flashtile.tools.sm90_check", "--decode", "--ptx-only",
-                       "--regs-match", "^decode bf16 .* extras=False")
+                       "--regs-match", "^decode bf16 .* extras=False", "--headdim", *map(str, head_dims))
     lines = [line for line in out.splitlines() if line.startswith(("ok  ", "FAIL"))]
-    assert len(lines) == 3 * 41 + 2 and all(line.startswith("ok  ") for line in lines), out
-    for kind, n in (("decode-check", 9), ("decode-append", 11), ("decode-combine", 8)):
-        assert sum(f" {kind} " in line for line in lines) == 3 * n, out
-    assert sum(" decode-finish " in line for line in lines) == 3 + 1, out  # the paged spread at d128 only
+    n, d128 = len(head_dims), int(128 in head_dims)  # d128 alone builds the paged spread's finish
+    assert len(lines) == 41 * n + 2 * d128 and all(line.startswith("ok  ") for line in lines), out
+    for kind, per_dim in (("decode-check", 9), ("decode-append", 11), ("decode-combine", 8)):
+        assert sum(f" {kind} " in line for line in lines) == n * per_dim, out
+    assert sum(" decode-finish " in line for line in lines) == n + d128, out
     # the plain decode kernels (the bandwidth-bound loop) keep their tiles in registers
     plain = [line for line in lines if " decode bf16 " in line and "extras=False" in line]
-    assert len(plain) == 34 and all(" spill=    0B" in line for line in plain), "\n".join(plain)
-    # appending the new keys in the decode kernel (the default) costs the loop no registers:
-    # its append loop takes one token a step (APPEND_T=1, a decode step's)
-    regs = {" append=separate" in line: int(re.search(r"regs=\s*(\d+)", line).group(1))
-            for line in plain if "rows=4 paged=0 extras=False split=True" in line and " d128 " in line
-            and "combine=fused" not in line}
-    assert regs[False] <= regs[True], regs
+    assert len(plain) == 11 * n + d128 and all(" spill=    0B" in line for line in plain), "\n".join(plain)
+    if d128:
+        # appending the new keys in the decode kernel (the default) costs the loop no
+        # registers: its append loop takes one token a step (APPEND_T=1, a decode step's)
+        regs = {" append=separate" in line: int(re.search(r"regs=\s*(\d+)", line).group(1))
+                for line in plain if "rows=4 paged=0 extras=False split=True" in line and " d128 " in line
+                and "combine=fused" not in line}
+        assert regs[False] <= regs[True], regs
     # a page that holds whole key tiles pipelines like a row cache: K and V double-buffered
     # (decode.STAGES["tile"]; at 3 stages Triton gave them one buffer, H200 run 68); so does
     # the page-16 gather with its table slice in registers (decode.PAGE_SLICE_MAX)
@@ -246,21 +251,21 @@ def test_decode_kernels_compile_for_sm90(tmp_path):
                       r"split=True", line)
         if m:
             smem[(m.group(3) + (m.group(4) or ""), m.group(2))] = int(m.group(1))
-    for d in ("d64", "d128", "d256"):
+    for d in (f"d{d}" for d in head_dims):
         assert smem[("256", d)] >= smem[("0", d)], smem
         assert smem[("16 slice=128", d)] >= smem[("0", d)] > smem[("16", d)], smem
     # the metadata check inside the decode kernel (FLASHTILE_DECODE_CHECK=fused) takes no
     # shared memory from the key pipeline: the check runs before the loop, in registers
     fused = [line for line in plain if " check=fused " in line]
-    assert len(fused) == 6
+    assert len(fused) == 2 * n
     for line in fused:
         twin = line.replace(" check=fused", "").split("B  ", 1)[1]
         base = next(x for x in plain if x.split("B  ", 1)[1] == twin)
         assert re.search(r"smem=\s*(\d+)", line).group(1) == re.search(r"smem=\s*(\d+)", base).group(1), (line, base)
     # the spread check (a captured step's default) costs the row cache's loop no shared memory
     # and at most 8 registers: its check runs before the loop, its new key in a tile of 16 after
-    for d in ("d64", "d128", "d256"):
-        base, spread = (next(x for x in plain if f" decode bf16 {d} rows=4 paged=0 extras=False {c}split=True" in x)
+    for d in head_dims:
+        base, spread = (next(x for x in plain if f" decode bf16 d{d} rows=4 paged=0 extras=False {c}split=True" in x)
                         for c in ("", "check=spread "))
         (s0, r0), (s1, r1) = (map(int, re.search(r"smem=\s*(\d+) .* regs=\s*(\d+)", x).groups()) for x in (base, spread))
         assert s1 == s0 and r1 <= r0 + 8, (base, spread)
