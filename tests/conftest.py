@@ -9,6 +9,8 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/oracle.py and friends
 
+import cpu_speed  # noqa: E402
+
 
 def _cuda_available() -> bool:
     try:
@@ -21,61 +23,13 @@ def _cuda_available() -> bool:
 def pytest_configure(config):
     # Under `-n 2` on 2 cores each worker's torch ran as many intra-op threads as there are
     # cores: the oversubscribed small ops took 2.4x as long (the twin file: 43 s against 18).
-    if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
-        import torch
-
-        torch.set_num_threads(1)
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        _skip_nested_lang_patches()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        cpu_speed.one_torch_thread()
+    cpu_speed.skip_nested_lang_patches()
     # On a GPU, every direct kernel launch also runs Triton's own binary lookup and fails
     # the test if the two differ (flashtile.runtime.launch).
     if "FLASHTILE_LAUNCH_CHECK" not in os.environ and _cuda_available():
         os.environ["FLASHTILE_LAUNCH_CHECK"] = "1"
-
-
-def _skip_nested_lang_patches() -> None:
-    """Triton 3.6's interpreter patches triton.language's builtins once per launch (and
-    restores them after it), then again at every call of a nested ``@triton.jit`` function,
-    never restored: ``inspect.getmembers`` over the language modules, about 2 ms a call and a
-    quarter of an interpreted decode test's time. A nested call whose language modules the
-    launch already patched finds nothing left to patch, so it is skipped here; a call that
-    sees another module is patched as before. Test speed only: what the kernels compute is
-    the interpreter's own. Other triton versions keep their own code."""
-    try:
-        import triton
-        from triton.runtime import interpreter
-    except ImportError:
-        return
-    if triton.__version__ != "3.6.0" or getattr(interpreter, "_flashtile_tests_patched", False):
-        return
-    import inspect
-
-    import triton.language as tl
-
-    patch_lang, run_grid = interpreter._patch_lang, interpreter.GridExecutor.__call__
-    launch = {"langs": None}  # the language modules the current launch has patched
-
-    def lang_modules(fn) -> frozenset:
-        return frozenset(id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and v in (tl, tl.core))
-
-    def patch_once_per_launch(fn):
-        langs = lang_modules(fn)
-        if launch["langs"] is not None and langs <= launch["langs"]:
-            return interpreter._LangPatchScope()  # nothing to restore (a nested call's never is)
-        scope = patch_lang(fn)
-        launch["langs"] = langs | (launch["langs"] or frozenset())
-        return scope
-
-    def grid_call(self, *args, **kwargs):
-        launch["langs"] = None
-        try:
-            return run_grid(self, *args, **kwargs)
-        finally:
-            launch["langs"] = None
-
-    interpreter._patch_lang = patch_once_per_launch
-    interpreter.GridExecutor.__call__ = grid_call
-    interpreter._flashtile_tests_patched = True
 
 
 def _slow_seconds(item) -> float:

@@ -31,7 +31,11 @@ def _free_port() -> int:
 
 
 def _worker(rank, world, port, out_dir, backend, configs):
+    import cpu_speed
     import torch.distributed as dist
+
+    cpu_speed.one_torch_thread()  # the ranks share the box's cores
+    cpu_speed.skip_nested_lang_patches()
 
     import flashtile
     from flashtile.parallel import (ring_attention, shard_sequence, ulysses_attention, unshard_sequence,
