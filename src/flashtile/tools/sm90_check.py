@@ -326,7 +326,9 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
     items = dict(Items="*i32") if varlen else None
     if split and (dkdv_num_buf or dkdv_block_q):
         raise ValueError(f"dkdv_num_buf and dkdv_block_q do not apply at head dim {head_dim} (split kernels)")
-    dkdv_num_buf = dkdv_num_buf or bw.DKDV_NUM_BUF
+    steps = bw.default_dkdv_steps(head_dim, varlen)  # the library's (queries per step, slots)
+    block_q = dkdv_block_q or steps[0]
+    dkdv_num_buf = dkdv_num_buf or (steps[1] if block_q == steps[0] else bw.DKDV_NUM_BUF)
     dq_block_n = dq_block_n or bw.default_dq_block_n(head_dim)
     dq_num_buf = dq_num_buf or bw.DQ_NUM_BUF
     regs = dict(CONSUMER_REGS=bw.CONSUMER_REGS, LOADER_REGS=bw.LOADER_REGS)
@@ -340,9 +342,8 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
                            dict(CAUSAL=causal, NUM_Q=bw.DK_RING[0], NUM_DO=bw.DK_RING[1],
                                 LOADER_REGS=bw.LOADER_REGS))]
     else:
-        block_q = dkdv_block_q or bw.BLOCK
         tag = f"{dtype} d{head_dim} causal={causal} num_buf={dkdv_num_buf}"
-        tag += f" block_q={block_q}" if dkdv_block_q else ""
+        tag += f" block_q={block_q}" if block_q != bw.BLOCK else ""
         tag += " varlen" if varlen else ""
         out = [_compile_ws(f"bwd-ws-dkdv {tag}", bw.dkdv_kernel, dtype, head_dim,
                            dict(q_desc=block_q, k_desc=bw.BLOCK, v_desc=bw.BLOCK, do_desc=block_q, dk_desc=bw.BLOCK,

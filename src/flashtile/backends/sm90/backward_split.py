@@ -89,6 +89,14 @@ DV_RING = (2, 2)
 DK_RING = (3, 1)
 
 
+def default_dkdv_steps(head_dim: int, varlen: bool) -> tuple[int, int]:
+    """(queries per step, (Q, dO) ring slots) of the dK/dV kernel: 128 and 3 at d64 without
+    packed sequences (H100 run 215, the split backward alone: +3-9% over 64 and 4 at
+    S2048-16k, causal or not; 128 with 4 slots and 2 slots lost), else BLOCK and
+    DKDV_NUM_BUF."""
+    return (2 * BLOCK, 3) if head_dim <= 64 and not varlen else (BLOCK, DKDV_NUM_BUF)
+
+
 def default_dq_block_n(head_dim: int) -> int:
     """Keys per tile of the dQ kernel: 128 at d64 (+1-2.5% over 64, H200 runs 36 and 39),
     64 at d128 (3 ring slots of 128 keys do not fit shared memory), 32 at d256 (3 slots of
@@ -798,7 +806,7 @@ _launch_dk = Launcher(dk_kernel)
 
 def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int, causal: bool,
                           dkdv_num_buf: int | None = None, dq_block_n: int | None = None,
-                          dq_num_buf: int = DQ_NUM_BUF, dkdv_block_q: int = BLOCK,
+                          dq_num_buf: int = DQ_NUM_BUF, dkdv_block_q: int | None = None,
                           kernels: tuple = ("dkdv", "dq"), varlen=None) -> None:
     """Launch the dK/dV kernel (at d256: the dV and the dK kernel) and the dQ kernel; the
     registry checked their scope (``scope.backward_scope``) and TMA alignment.
@@ -810,9 +818,10 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
             minus the LSE's own upstream gradient if any).
         causal: key j visible to query i iff j <= i + diag_offset.
         dkdv_num_buf, dq_block_n, dq_num_buf: ring slots and key tile (experiments;
-            defaults: DKDV_NUM_BUF, ``default_dq_block_n``, DQ_NUM_BUF). The split
+            defaults: ``default_dkdv_steps``, ``default_dq_block_n``, DQ_NUM_BUF). The split
             kernels of d256 have fixed rings (DV_RING, DK_RING): dkdv_num_buf is refused there.
-        dkdv_block_q: queries per step of the dK/dV kernel (experiment: 64 or 128; not d256).
+        dkdv_block_q: queries per step of the dK/dV kernel, 64 or 128 (not d256; default
+            ``default_dkdv_steps``).
         kernels: which kernels to launch: ("dkdv", "dq"), or a part to time it alone
             (benchmarks/experiments/gluon_bwd.py --split); at d256 also "dv" or "dk".
         varlen: None, or (Varlen, key table, query table) for packed sequences (B = 1,
@@ -829,7 +838,9 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
     if split and dkdv_num_buf is not None:
         raise ValueError(f"dkdv_num_buf does not apply at head dim {head_dim}: its dV and dK kernels have fixed "
                          f"rings (DV_RING={DV_RING}, DK_RING={DK_RING})")
-    dkdv_num_buf = dkdv_num_buf or DKDV_NUM_BUF
+    steps = default_dkdv_steps(head_dim, varlen is not None)
+    dkdv_block_q = dkdv_block_q or steps[0]
+    dkdv_num_buf = dkdv_num_buf or (steps[1] if dkdv_block_q == steps[0] else DKDV_NUM_BUF)
     if dkdv_num_buf < 2 or dq_num_buf < 2:  # one slot: the loader waits for a release that never comes
         raise ValueError(f"ring slots must be >= 2, got dkdv_num_buf={dkdv_num_buf}, dq_num_buf={dq_num_buf}")
     if dkdv_block_q not in (BLOCK, 2 * BLOCK) or (split and dkdv_block_q != BLOCK):
