@@ -98,7 +98,9 @@ Q_ROWS = {64: 2 * BLOCK, 128: BLOCK}
 # mask's branch is if-converted, so its 64 compares and selects a thread (32 at d128) run at
 # every step: sm_90a SASS, the consumers' loop blocks, d64 649/637 instructions causal against
 # 445 without; apart, the unmasked loop 488/459 (d64) and 343/338 (d128, from 415/410).
-# An experiment, off until a GPU measures it (docs/perf-notes.md, session 38).
+# Measured and lost: H100 run 214, the kernel alone, causal S2048-16384, d64 -17..-18% and
+# d128 -29..-33% against one loop (its GPU tests pass). Off; an experiment kept for the
+# A/B (``gluon_bwd_onepass.py``; docs/perf-notes.md, sessions 38-39).
 MASKED_STEPS_APART = False
 
 
