@@ -23,7 +23,8 @@ def _cuda_available() -> bool:
 def pytest_configure(config):
     # Under `-n 2` on 2 cores each worker's torch ran as many intra-op threads as there are
     # cores: the oversubscribed small ops took 2.4x as long (the twin file: 43 s against 18).
-    if os.environ.get("PYTEST_XDIST_WORKER"):
+    # (A GPU machine's workers keep torch's default: their references run on its cores.)
+    if os.environ.get("PYTEST_XDIST_WORKER") and not _cuda_available():
         cpu_speed.one_torch_thread()
     cpu_speed.skip_nested_lang_patches()
     # On a GPU, every direct kernel launch also runs Triton's own binary lookup and fails
