@@ -326,9 +326,7 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
     items = dict(Items="*i32") if varlen else None
     if split and (dkdv_num_buf or dkdv_block_q):
         raise ValueError(f"dkdv_num_buf and dkdv_block_q do not apply at head dim {head_dim} (split kernels)")
-    steps = bw.default_dkdv_steps(head_dim, varlen)  # the library's (queries per step, slots)
-    block_q = dkdv_block_q or steps[0]
-    dkdv_num_buf = dkdv_num_buf or (steps[1] if block_q == steps[0] else bw.DKDV_NUM_BUF)
+    block_q, dkdv_num_buf = bw.dkdv_steps(head_dim, varlen, dkdv_block_q, dkdv_num_buf)  # the library's
     dq_block_n = dq_block_n or bw.default_dq_block_n(head_dim)
     dq_num_buf = dq_num_buf or bw.DQ_NUM_BUF
     regs = dict(CONSUMER_REGS=bw.CONSUMER_REGS, LOADER_REGS=bw.LOADER_REGS)

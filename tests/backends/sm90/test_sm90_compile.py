@@ -130,7 +130,7 @@ def test_gluon_backward_compiles_with_the_overlap(tmp_path):
         assert int(fields["spill"]) <= limit, line
 
 
-@pytest.mark.exhaustive  # an option, not a default kernel: make test-exhaustive
+@pytest.mark.exhaustive  # the deterministic d64 default since run 216; its GPU tests build it too
 @pytest.mark.slow(seconds=30)
 def test_split_backward_128_query_steps_do_not_spill(tmp_path):
     """The split backward's dK/dV kernel at 128 queries per step (``dkdv_block_q=128``, d64,

@@ -89,12 +89,15 @@ DV_RING = (2, 2)
 DK_RING = (3, 1)
 
 
-def default_dkdv_steps(head_dim: int, varlen: bool) -> tuple[int, int]:
-    """(queries per step, (Q, dO) ring slots) of the dK/dV kernel: 128 and 3 at d64 without
-    packed sequences (H100 run 215, the split backward alone: +3-9% over 64 and 4 at
-    S2048-16k, causal or not; 128 with 4 slots and 2 slots lost), else BLOCK and
-    DKDV_NUM_BUF."""
-    return (2 * BLOCK, 3) if head_dim <= 64 and not varlen else (BLOCK, DKDV_NUM_BUF)
+def dkdv_steps(head_dim: int, varlen: bool, block_q: int | None = None,
+               num_buf: int | None = None) -> tuple[int, int]:
+    """(queries per step, (Q, dO) ring slots) of the dK/dV kernel, the caller's where given.
+    Defaults: 128 and 3 at d64 without packed sequences (H100 run 215, the split backward
+    alone: +3-9% over 64 and 4 at S2048-16k, causal or not; 128 with 2 slots lost), else
+    BLOCK and DKDV_NUM_BUF; a caller's step size other than the default takes DKDV_NUM_BUF."""
+    default = (2 * BLOCK, 3) if head_dim <= 64 and not varlen else (BLOCK, DKDV_NUM_BUF)
+    block_q = block_q or default[0]
+    return block_q, num_buf or (default[1] if block_q == default[0] else DKDV_NUM_BUF)
 
 
 def default_dq_block_n(head_dim: int) -> int:
@@ -818,10 +821,10 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
             minus the LSE's own upstream gradient if any).
         causal: key j visible to query i iff j <= i + diag_offset.
         dkdv_num_buf, dq_block_n, dq_num_buf: ring slots and key tile (experiments;
-            defaults: ``default_dkdv_steps``, ``default_dq_block_n``, DQ_NUM_BUF). The split
+            defaults: ``dkdv_steps``, ``default_dq_block_n``, DQ_NUM_BUF). The split
             kernels of d256 have fixed rings (DV_RING, DK_RING): dkdv_num_buf is refused there.
         dkdv_block_q: queries per step of the dK/dV kernel, 64 or 128 (not d256; default
-            ``default_dkdv_steps``).
+            ``dkdv_steps``).
         kernels: which kernels to launch: ("dkdv", "dq"), or a part to time it alone
             (benchmarks/experiments/gluon_bwd.py --split); at d256 also "dv" or "dk".
         varlen: None, or (Varlen, key table, query table) for packed sequences (B = 1,
@@ -838,9 +841,7 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
     if split and dkdv_num_buf is not None:
         raise ValueError(f"dkdv_num_buf does not apply at head dim {head_dim}: its dV and dK kernels have fixed "
                          f"rings (DV_RING={DV_RING}, DK_RING={DK_RING})")
-    steps = default_dkdv_steps(head_dim, varlen is not None)
-    dkdv_block_q = dkdv_block_q or steps[0]
-    dkdv_num_buf = dkdv_num_buf or (steps[1] if dkdv_block_q == steps[0] else DKDV_NUM_BUF)
+    dkdv_block_q, dkdv_num_buf = dkdv_steps(head_dim, varlen is not None, dkdv_block_q, dkdv_num_buf)
     if dkdv_num_buf < 2 or dq_num_buf < 2:  # one slot: the loader waits for a release that never comes
         raise ValueError(f"ring slots must be >= 2, got dkdv_num_buf={dkdv_num_buf}, dq_num_buf={dq_num_buf}")
     if dkdv_block_q not in (BLOCK, 2 * BLOCK) or (split and dkdv_block_q != BLOCK):
