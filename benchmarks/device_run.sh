@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-rule|decode-wave|det-q128|onepass-mask|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-rule|decode-wave|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -137,31 +137,6 @@ if [[ $what == decode-wave ]]; then
     timeout ${WAVE_SWEEP_TIMEOUT:-180} python3 benchmarks/sweep_decode.py --only 0 1 2 5 7 13 17 19 21 --splits 0 2 4 8 16 33 \
       > "$OUT/sweep-decode-wave.log" 2>&1
     echo "wave sweep rc=$?"; grep -v Warn "$OUT/sweep-decode-wave.log" | tail -30
-  fi
-fi
-if [[ $what == det-q128 ]]; then
-  # Session 38: the split backward (the deterministic path at d64/d128) with its dK/dV kernel at
-  # 128 queries per step, now without spills (the one-pass kernel's fresh views), against 64:
-  # gluon_bwd.py checks each variant against fp32 autograd, then times the whole split backward,
-  # each kernel alone, the library's default ("api": the one-pass kernel) and cuDNN.
-  timeout ${DETQ_TIMEOUT:-420} python3 benchmarks/experiments/gluon_bwd.py --split \
-    --variants "4,128,3;2,128,3,128;3,128,3,128" \
-    --shapes "64,2048,0;64,4096,0;64,8192,0;64,16384,0;64,2048,1;64,4096,1;64,8192,1;64,16384,1" \
-    > "$OUT/det-q128.log" 2>&1
-  echo "det q128 rc=$?"; grep -v Warn "$OUT/det-q128.log" | tail -40
-fi
-if [[ $what == onepass-mask ]]; then
-  # Session 38: causal one-pass backward with its masked steps apart (MASKED_STEPS_APART: the
-  # diagonal's steps in a loop of their own, no rotation) against today's one loop, the kernel
-  # alone, d64 and d128 causal (one plain shape for the noise); its GPU test and the race hunt first.
-  timeout 240 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -k "masked_steps_apart or race_hunt" \
-    -v -n 4 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-mask.log" 2>&1
-  rc=$?; echo "masked-steps gpu tests rc=$rc"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-mask.log" | cut -c1-300 | tail -12
-  if [[ $rc == 0 ]]; then
-    timeout ${MASK_TIMEOUT:-300} python3 benchmarks/experiments/gluon_bwd_onepass.py --variants "2,2;2,2,-1,-1,1" \
-      --shapes "64,2048,1;64,4096,1;64,8192,1;64,16384,1;128,4096,1;128,8192,1;128,16384,1;64,8192,0" \
-      > "$OUT/masked-steps.log" 2>&1
-    echo "masked-steps bench rc=$?"; grep -v "^B[0-9]" "$OUT/masked-steps.log" | grep -v "check failed" | tail -12
   fi
 fi
 if [[ $what == bench-d128 ]]; then

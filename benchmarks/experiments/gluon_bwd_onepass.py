@@ -8,20 +8,20 @@ report for sm_90a on the CPU; one shape for Nsight Compute.
     ncu -k regex:onepass_kernel --launch-skip 1 --launch-count 1 \\
         python3 benchmarks/experiments/gluon_bwd_onepass.py --profile 128,4096,0     # one shape
 
-Variants are (num_buf, dq_buf[, dq_swizzle[, q_rows[, masked_apart]]]): (Q, dO) ring slots,
-float32 dQ slots, the dQ slots' swizzle in bytes (default, or -1, the library's ``DQ_SWIZZLE``;
-32 has no bank conflicts), the queries per step (default, or -1, the library's ``Q_ROWS``) and
-whether causal calls run their masked steps apart (1/0, default the library's
-``MASKED_STEPS_APART``; session 38). History (docs/
+Variants are (num_buf, dq_buf[, dq_swizzle[, q_rows]]): (Q, dO) ring slots, float32 dQ slots,
+the dQ slots' swizzle in bytes (default, or -1, the library's ``DQ_SWIZZLE``; 32 has no bank
+conflicts) and the queries per step (default, or -1, the library's ``Q_ROWS``). History (docs/
 perf-notes.md, "One-pass backward"): runs 30-34 reduced dQ from the consumers' registers
 (290-375 TF/s at d128); run 80 measured the L2's reduction rate alone (3.6 TB/s); runs
 83-85 (session 16) the reducer warp: d64 1.03-1.09x the split kernels, d128 0.90-0.99x
 with its register spills; run 96 (session 17), the loop's fixed tiles viewed anew each
 step: d128 1.07-1.16x the split kernels, 0.95-1.06x cuDNN (`--variants 2,2`); run 205
 (session 37), 128 queries per step at d64 (`--variants "4,2;2,2,-1,128"`, then 64 rows by
-default): +12-14% without causal, +5-7% with it, now the default (`Q_ROWS`). The A/B
-modes of those runs (no reductions, red.v4 from registers, the serial consumer) are in git
-history (benchmarks/experiments/gluon_bwd_onepass.py at 47aaad2).
+default): +12-14% without causal, +5-7% with it, now the default (`Q_ROWS`); run 214
+(session 39), causal calls with their masked steps in a loop of their own: 17-33% slower
+(the switch is gone; its code is bc7de7f's). The A/B modes of those runs (no reductions,
+red.v4 from registers, the serial consumer) are in git history
+(benchmarks/experiments/gluon_bwd_onepass.py at 47aaad2).
 """
 
 from __future__ import annotations
@@ -37,33 +37,27 @@ from gluon_bwd import run  # noqa: E402  (the library experiment's checks and ti
 def onepass_launch(q, k, v, dout, lse, delta, dq, dk, dv, *, causal, diag, variant):
     from flashtile.backends.sm90.backward_onepass import attention_backward_onepass
 
-    from flashtile.backends.sm90 import backward_onepass
-
-    num_buf, dq_buf, swizzle, q_rows, apart = _parts(variant)
-    kept = backward_onepass.MASKED_STEPS_APART
-    backward_onepass.MASKED_STEPS_APART = kept if apart is None else bool(apart)
-    try:
-        attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5,
-                                   diag_offset=diag, causal=causal, num_buf=num_buf, dq_buf=dq_buf,
-                                   dq_swizzle=swizzle, q_rows=q_rows)
-    finally:
-        backward_onepass.MASKED_STEPS_APART = kept
+    num_buf, dq_buf, swizzle, q_rows = _parts(variant)
+    attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5,
+                               diag_offset=diag, causal=causal, num_buf=num_buf, dq_buf=dq_buf,
+                               dq_swizzle=swizzle, q_rows=q_rows)
 
 
 def _parts(variant):
-    """(num_buf, dq_buf[, dq_swizzle[, q_rows[, masked_apart]]]) -> the five, None for a
-    missing or -1 entry (the library's ``DQ_SWIZZLE``, ``Q_ROWS``, ``MASKED_STEPS_APART``)."""
+    """(num_buf, dq_buf[, dq_swizzle[, q_rows]]) -> the four, None for a missing or -1 entry
+    (the library's ``DQ_SWIZZLE``, ``Q_ROWS``)."""
     num_buf, dq_buf, *rest = variant
-    rest = [None if x < 0 else x for x in rest] + [None] * (3 - len(rest))
-    return (num_buf, dq_buf, *rest[:3])
+    if len(rest) > 2:
+        raise ValueError(f"a variant is num_buf,dq_buf[,dq_swizzle[,q_rows]], got {variant}")
+    rest = [None if x < 0 else x for x in rest] + [None] * (2 - len(rest))
+    return (num_buf, dq_buf, *rest)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default="2,2",
-                   help="num_buf,dq_buf[,dq_swizzle[,q_rows[,masked_apart]]];... (d128 fits 2,2 or 3,1; d64 2,2 "
-                        "at its default 128 queries per step, 4,2,-1,64 at 64; -1 is the library's; 2,2,-1,-1,1: "
-                        "causal calls with their masked steps apart)")
+                   help="num_buf,dq_buf[,dq_swizzle[,q_rows]];... (d128 fits 2,2 or 3,1; d64 2,2 "
+                        "at its default 128 queries per step, 4,2,-1,64 at 64; -1 is the library's)")
     p.add_argument("--shapes", default="128,4096,0;128,4096,1;128,16384,1;64,4096,0;64,16384,1;64,1024,0;128,1024,1",
                    help="headdim,seqlen,causal;...")
     p.add_argument("--compile", action="store_true",
@@ -77,13 +71,12 @@ def main(argv=None) -> int:
         from flashtile.tools.sm90_check import compile_backward_onepass
 
         for variant in variants:
-            num_buf, dq_buf, swizzle, q_rows, apart = _parts(variant)
+            num_buf, dq_buf, swizzle, q_rows = _parts(variant)
             for d in sorted({sh[0] for sh in shapes}):
                 for causal in (False, True):
                     try:
                         c = compile_backward_onepass("bf16", d, causal=causal, num_buf=num_buf, dq_buf=dq_buf,
-                                                     dq_swizzle=swizzle, q_rows=q_rows,
-                                                     masked_steps_apart=bool(apart))
+                                                     dq_swizzle=swizzle, q_rows=q_rows)
                         regs, spills = c.registers()
                         print(f"{c.name}: shared {c.shared} B, regs {regs}, spills {spills} B, bulk reduces "
                               f"{c.ptx.count('cp.reduce.async.bulk.tensor')}", flush=True)

@@ -193,30 +193,6 @@ def test_lse_gradient(bwd_ws_calls):
 
 
 @pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
-def test_one_pass_masked_steps_apart(head_dim, bwd_ws_calls, monkeypatch):
-    """``backward_onepass.MASKED_STEPS_APART`` (session 38's experiment: causal calls run the
-    steps on the diagonal in a loop of their own, each head's first, without the query-loop
-    rotation): causal gradients within the accuracy rule with bottom-right diagonals (more
-    queries than keys: rows that see no key; fewer: a diagonal that starts inside a step),
-    tiles cut by sequence ends, GQA heads whose loops restart at each head, MQA, batch 60,
-    and packed documents (FLASHTILE_BWD_DQ=onepass)."""
-    from flashtile.backends.sm90 import backward_onepass
-
-    monkeypatch.setattr(backward_onepass, "MASKED_STEPS_APART", True)
-    pairs = SEQ_PAIRS + [(2100, 2100), (300, 2100), (2100, 300)]
-    cases = [Case(sq, sk, head_dim, dtype=torch.bfloat16, causal=True, nheads=6, nheads_k=(6, 2, 1)[i % 3])
-             for i, (sq, sk) in enumerate(pairs)]
-    cases.append(Case(333, 333, head_dim, dtype=torch.float16, causal=True, batch=60, nheads=4, nheads_k=2))
-    for case in cases:
-        check_flash_grads(case, device="cuda")
-    assert len(bwd_ws_calls) == len(cases) and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
-    monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")
-    check_varlen(VarlenCase((0, 1, 17, 113, 9, 1000, 332), (5, 1, 130, 113, 0, 700, 300), head_dim=head_dim,
-                            dtype=torch.bfloat16, nheads=6, nheads_k=2, causal=True), device="cuda")
-    assert bwd_ws_calls[-1]["varlen"] is not None
-
-
-@pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_pass_packed_sequences(causal, head_dim, bwd_ws_calls, monkeypatch):
     """FLASHTILE_BWD_DQ=onepass: packed calls on the one-pass kernel (the default for

@@ -112,11 +112,6 @@ def test_one_pass_128_query_steps_launch(monkeypatch):
     dq_desc = args[16]
     assert dq_desc.block_shape == [128, 32] and dq_desc.shape == [4 * 384, 64] and args[17] == 384
     assert convert_args[4] == 384
-    assert constexprs["MASK_APART"] is False  # one loop unless MASKED_STEPS_APART is on (an experiment)
-    monkeypatch.setattr(op, "MASKED_STEPS_APART", True)
-    op.attention_backward_onepass(q, q, q, q, lse, lse, q, q, q, scale=0.1, diag_offset=0, causal=True)
-    op.attention_backward_onepass(q, q, q, q, lse, lse, q, q, q, scale=0.1, diag_offset=0, causal=False)
-    assert launches[-4][2]["MASK_APART"] is True and launches[-2][2]["MASK_APART"] is False  # causal calls only
 
 
 @pytest.mark.parametrize("causal, nheads_k, block_major", [(True, 2, True), (True, 1, True), (True, 4, False),

@@ -92,18 +92,6 @@ REDUCER_REGS = 24
 # the kernel alone, bf16 d64 S2048-16384: +12-14% without causal, +5-7% with it, against 64
 # (docs/perf-notes.md, session 37). d128 has no room for it; packed sequences keep BLOCK.
 Q_ROWS = {64: 2 * BLOCK, 128: BLOCK}
-# Causal calls: the steps whose tile reaches the diagonal (the mask's) in a loop of their own,
-# ahead of the rest, which run without the mask's code (``_consumer``), and no query-loop
-# rotation (H200 run 212: without it the kernel alone ran -0.6..+1.2%). In one loop body the
-# mask's branch is if-converted, so its 64 compares and selects a thread (32 at d128) run at
-# every step: sm_90a SASS, the consumers' loop blocks, d64 649/637 instructions causal against
-# 445 without; apart, the unmasked loop 488/459 (d64) and 343/338 (d128, from 415/410).
-# Measured and lost: H100 run 214, the kernel alone, causal S2048-16384, d64 -17..-18% and
-# d128 -29..-33% against one loop (its GPU tests pass). Off; an experiment kept for the
-# A/B (``gluon_bwd_onepass.py``; docs/perf-notes.md, sessions 38-39).
-MASKED_STEPS_APART = False
-
-
 def keys_outer(causal: bool, group_size: int) -> bool:
     """The grid's order: block-major (every (batch, kv head) pair's key block 0 first, then
     every pair's block 1, ...) for causal GQA, else pair-major (a pair's blocks side by side,
@@ -205,8 +193,7 @@ def _step(WG: gl.constexpr, s, dk, dv, Lse, Delta, q_smem, do_smem, k_smem, v_sm
           VARLEN: gl.constexpr, dtype: gl.constexpr):
     """One step s >= 1 of ``_consumer``'s loop: S_s and dP_s issued, step s-1's dV and dK
     products in flight over P_s and dS_s, then dQ_{s-1}; returns (dk, dv). CAUSAL and VARLEN
-    say which masks ``_p_and_ds`` may apply (a causal call's steps off the diagonal pass
-    neither)."""
+    say which masks ``_p_and_ds`` applies."""
     HEAD_D: gl.constexpr = q_smem.type.shape[4]
     QROWS: gl.constexpr = q_smem.type.shape[3]
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
@@ -252,7 +239,6 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     QROWS: gl.constexpr = q_desc.block_type.shape[2]
     NUM_BUF: gl.constexpr = q_smem.type.shape[0]
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
-    MASK_APART: gl.constexpr = ds_empty.type.shape[0] == 2  # MASKED_STEPS_APART
     VARLEN: gl.constexpr = Items.dtype.element_ty == gl.int32
     dtype: gl.constexpr = q_desc.dtype
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -286,28 +272,11 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
         ds_tile.store(dst)
         fence_async_shared()
         mbarrier.arrive(ds_full.index(0), count=1)
-    if CAUSAL and MASK_APART:
-        # MASKED_STEPS_APART: no rotation (q_rot = 0), so each head's steps walk up from the
-        # diagonal and the steps whose tile reaches it (the mask's) come first, n_mask of
-        # them; the rest run in a loop without the mask's code.
-        n_mask = gl.minimum(gl.maximum(gl.cdiv(gl.maximum(nk + ROWS - 1 - diag_offset, 0), QROWS) - q_lo, 0), nq)
-        for g in range(group_size):
-            for s in range(gl.maximum(g * nq, 1), g * nq + n_mask):
-                dk, dv = _step(WG, s, dk, dv, Lse, Delta, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_ready,
-                               q_empty, ds_full, ds_empty, dq_smem, dq_full, dq_empty, b, kvh, q_lo, nq, q_rot,
-                               group_size, nheads, seqlen_q, nk, diag_offset, qk_scale, scale, q_row, seqlen_k,
-                               lse_stride, True, VARLEN, dtype)
-            for s in range(gl.maximum(g * nq + n_mask, 1), (g + 1) * nq):
-                dk, dv = _step(WG, s, dk, dv, Lse, Delta, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_ready,
-                               q_empty, ds_full, ds_empty, dq_smem, dq_full, dq_empty, b, kvh, q_lo, nq, q_rot,
-                               group_size, nheads, seqlen_q, nk, diag_offset, qk_scale, scale, q_row, seqlen_k,
-                               lse_stride, False, False, dtype)
-    else:
-        for s in range(1, n_steps):
-            dk, dv = _step(WG, s, dk, dv, Lse, Delta, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_ready,
-                           q_empty, ds_full, ds_empty, dq_smem, dq_full, dq_empty, b, kvh, q_lo, nq, q_rot,
-                           group_size, nheads, seqlen_q, nk, diag_offset, qk_scale, scale, q_row, seqlen_k,
-                           lse_stride, CAUSAL, VARLEN, dtype)
+    for s in range(1, n_steps):
+        dk, dv = _step(WG, s, dk, dv, Lse, Delta, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_ready,
+                       q_empty, ds_full, ds_empty, dq_smem, dq_full, dq_empty, b, kvh, q_lo, nq, q_rot,
+                       group_size, nheads, seqlen_q, nk, diag_offset, qk_scale, scale, q_row, seqlen_k,
+                       lse_stride, CAUSAL, VARLEN, dtype)
 
     if n_steps > 0:
         last = (n_steps - 1) % NUM_BUF
@@ -420,7 +389,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
                     seqlen_q, num_n_blocks, diag_offset, qk_scale, scale, dq_desc, dq_rows, seqlen_k, Items,
                     item_cap, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr,
                     DQ_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                    REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr, MASK_APART: gl.constexpr = False):
+                    REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     QROWS: gl.constexpr = q_desc.block_type.shape[2]  # queries per step (ROWS, or 2 x ROWS at d64: Q_ROWS)
     dtype: gl.constexpr = q_desc.dtype
@@ -452,10 +421,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
         k_row = q_row
     n0 = nb * (2 * ROWS)
     q_lo, nq = step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
-    if CAUSAL and MASK_APART:  # from the diagonal up: the masked steps first (``_consumer``)
-        q_rot = nq * 0
-    else:
-        q_rot = (nb * nq) // num_n_blocks
+    q_rot = (nb * nq) // num_n_blocks
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], do_desc.layout)
@@ -471,8 +437,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     ds_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
-    # a second (unused) entry tells the consumers MASK_APART (a constexpr they cannot be passed)
-    ds_empty = gl.allocate_shared_memory(gl.int64, [2 if MASK_APART else 1, 1], mbarrier.MBarrierLayout())
+    ds_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUF, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUF, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(2):
@@ -615,7 +580,6 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
              dq_desc, rows, seqlen_k, *items),
             dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=CONSUMER_REGS,
                  LOADER_REGS=LOADER_REGS, REDUCER_REGS=REDUCER_REGS,
-                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k),
-                 MASK_APART=causal and MASKED_STEPS_APART), 4, 1)
+                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k)), 4, 1)
     _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
                     (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]), dict(BLOCK_M=BLOCK, HEAD_D=head_dim), 4, 1)
