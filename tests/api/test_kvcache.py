@@ -41,7 +41,10 @@ def _reference(q, k_cache, v_cache, k, v, seqlens, *, rotary=None, interleaved=T
     kc, vc = k_cache.double().clone(), v_cache.double().clone()
     new = 0 if k is None else k.shape[1]
     pads = [0] * batch if leftpad is None else leftpad.tolist()
-    local = causal or window != (-1, -1)
+    # flash-attn rotates q at its own positions when causal or windowed, after trimming a
+    # window side of at least the cache's capacity to -1 (no window)
+    capacity = k_cache.shape[1] * (1 if table is None else table.shape[1])
+    local = causal or any(0 <= side < capacity for side in window)
     # rotary positions are cache indices (leftpad included), as flash-attn's kernel uses them
     q_pos = [[n + (i if local else 0) for i in range(sq)] for n in seqlens]
     k_pos = [[n + i for i in range(new)] for n in seqlens]
@@ -172,6 +175,25 @@ def test_rotary(backend, interleaved, causal):
     rotary = (torch.cos(pos).float(), torch.sin(pos).float())  # rotary_dim 6 < headdim 16
     _run_and_check(q, k, v, kc, vc, seqlens, rotary=rotary, interleaved=interleaved, causal=causal,
                    leftpad=torch.tensor([0, 4, 0], dtype=torch.int32))
+
+
+@pytest.mark.parametrize("page", [0, 16])
+@pytest.mark.parametrize("past, local", [(-1, True), (0, False), (None, False)], ids=["below", "at", "huge"])
+def test_rotary_window_at_the_capacity_is_no_window(backend, page, past, local):
+    """flash-attn's rule: a window side of at least the cache's capacity (its 40 rows, or the
+    table's 3 pages x 16 = 48 keys) is trimmed to -1 before it decides where q rotates, so
+    window_size=(capacity, -1) rotates every query row at cache_seqlens, as no window does,
+    and (capacity - 1, -1) at the rows' own positions."""
+    q, k, v, kc, vc, table, seqlens = _case(sq=3, new=3, d=16, seqlens=(0, 10, 30), page=page)
+    capacity = 40 if not page else table.shape[1] * page
+    left = 2**31 - 1 if past is None else capacity + past
+    pos = torch.arange(64, dtype=torch.float64)[:, None] * 10000 ** (-torch.arange(4) / 4)[None, :]
+    rotary = (torch.cos(pos).float(), torch.sin(pos).float())
+    kw = dict(rotary=rotary, window=(left, -1)) | (dict(table=table) if page else {})
+    out = _run_and_check(q, k, v, kc.clone(), vc.clone(), seqlens, **kw)
+    # the same call without a window: equal when q rotates at cache_seqlens, else not
+    plain = _run_and_check(q, k, v, kc.clone(), vc.clone(), seqlens, **(kw | dict(window=(-1, -1))))
+    assert torch.equal(out, plain) != local
 
 
 @pytest.mark.parametrize("heads", [(8, 2), (8, 1)], ids=["gqa", "mqa"])

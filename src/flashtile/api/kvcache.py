@@ -87,7 +87,9 @@ def flash_attn_with_kvcache(
         rotary_cos, rotary_sin: None, or (seqlen_ro, rotary_dim / 2): k is rotated at
             positions cache_seqlens + i (its index in the cache row, leftpad included, as
             flash-attn does); q at the same positions when causal or windowed, else all of
-            its rows at cache_seqlens.
+            its rows at cache_seqlens. As in flash-attn, a window side of at least the cache's
+            capacity (its rows, or block_table's pages x page size) is no window here: with
+            window_size=(capacity, -1) q rotates at cache_seqlens.
             ``rotary_interleaved``: GPT-J pairs (True) or GPT-NeoX halves (False).
         cache_seqlens: int, or int32 (batch,): the cache's valid end before the append
             (None: the whole cache is valid).
