@@ -11,8 +11,10 @@ capacity is no window).
 
 The draws stay off the backward's two documented accuracy limits (docs/perf-notes.md,
 "Backward: design and accuracy"), which are FlashAttention's own and not defects of a
-feature: q x 5 (sharp rows) only with fp16 inputs (fp32's P from the stored LSE), and sinks
-and rotary only with fp32 inputs (Delta from the fp16 output; the rounded rotated q).
+feature: no q x 5 (rows where one key takes almost all the weight: in fp16 Delta from the
+rounded output, in fp32 P from the stored LSE), and sinks only with fp32 inputs (dsink is
+-sum P_sink Delta); rotary only with fp32 inputs too (plain fp16 rounds the rotated q as the
+kernels do, so a few-row LSE's tolerance is luck).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def dense_cases(draw):
                 nheads_k=nheads_k, window=draw(WINDOWS), softcap=draw(st.sampled_from([0.0, 0.0, 5.0, 30.0])),
                 alibi=draw(st.sampled_from([None, None, "heads", "batch"])),
                 layout=draw(st.sampled_from(["contiguous", "transposed", "packed"])),
-                dist=draw(st.sampled_from(["randn", "rand"] + (["q5"] if dtype == torch.float16 else []))),
+                dist=draw(st.sampled_from(["randn", "rand"])),
                 scale=draw(st.sampled_from([None, None, 0.3])),
                 sink=draw(st.sampled_from([None, "small", "large"])) if dtype == torch.float32 else None,
                 chunk=draw(st.sampled_from([0, 0, 0, 1, 7, 33])),
