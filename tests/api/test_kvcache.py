@@ -185,7 +185,7 @@ def test_rotary_window_at_the_capacity_is_no_window(backend, page, past, local):
     window_size=(capacity, -1) rotates every query row at cache_seqlens, as no window does,
     and (capacity - 1, -1) at the rows' own positions."""
     q, k, v, kc, vc, table, seqlens = _case(sq=3, new=3, d=16, seqlens=(0, 10, 30), page=page)
-    capacity = 40 if not page else table.shape[1] * page
+    capacity = kc.shape[1] * (1 if table is None else table.shape[1])  # rows, or pages x page size
     left = 2**31 - 1 if past is None else capacity + past
     pos = torch.arange(64, dtype=torch.float64)[:, None] * 10000 ** (-torch.arange(4) / 4)[None, :]
     rotary = (torch.cos(pos).float(), torch.sin(pos).float())

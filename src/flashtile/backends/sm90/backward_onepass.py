@@ -92,6 +92,8 @@ REDUCER_REGS = 24
 # the kernel alone, bf16 d64 S2048-16384: +12-14% without causal, +5-7% with it, against 64
 # (docs/perf-notes.md, session 37). d128 has no room for it; packed sequences keep BLOCK.
 Q_ROWS = {64: 2 * BLOCK, 128: BLOCK}
+
+
 def keys_outer(causal: bool, group_size: int) -> bool:
     """The grid's order: block-major (every (batch, kv head) pair's key block 0 first, then
     every pair's block 1, ...) for causal GQA, else pair-major (a pair's blocks side by side,
