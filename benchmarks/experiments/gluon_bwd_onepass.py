@@ -10,7 +10,8 @@ report for sm_90a on the CPU; one shape for Nsight Compute.
 
 Variants are (num_buf, dq_buf[, dq_swizzle[, q_rows]]): (Q, dO) ring slots, float32 dQ slots,
 the dQ slots' swizzle in bytes (default, or -1, the library's ``DQ_SWIZZLE``; 32 has no bank
-conflicts) and the queries per step (default, or -1, the library's ``Q_ROWS``). History (docs/
+conflicts; ``native``: the accumulator's register order, no bank conflicts and one box per
+half) and the queries per step (default, or -1, the library's ``Q_ROWS``). History (docs/
 perf-notes.md, "One-pass backward"): runs 30-34 reduced dQ from the consumers' registers
 (290-375 TF/s at d128); run 80 measured the L2's reduction rate alone (3.6 TB/s); runs
 83-85 (session 16) the reducer warp: d64 1.03-1.09x the split kernels, d128 0.90-0.99x
@@ -19,7 +20,8 @@ step: d128 1.07-1.16x the split kernels, 0.95-1.06x cuDNN (`--variants 2,2`); ru
 (session 37), 128 queries per step at d64 (`--variants "4,2;2,2,-1,128"`, then 64 rows by
 default): +12-14% without causal, +5-7% with it, now the default (`Q_ROWS`); run 214
 (session 39), causal calls with their masked steps in a loop of their own: 17-33% slower
-(the switch is gone; its code is bc7de7f's). The A/B modes of those runs (no reductions,
+(the switch is gone; its code is bc7de7f's); session 41, dQ in the accumulator's order
+(`--variants "2,2;2,2,native"`, `device_run.sh dq-native`). The A/B modes of those runs (no reductions,
 red.v4 from registers, the serial consumer) are in git history
 (benchmarks/experiments/gluon_bwd_onepass.py at 47aaad2).
 """
@@ -49,7 +51,7 @@ def _parts(variant):
     num_buf, dq_buf, *rest = variant
     if len(rest) > 2:
         raise ValueError(f"a variant is num_buf,dq_buf[,dq_swizzle[,q_rows]], got {variant}")
-    rest = [None if x < 0 else x for x in rest] + [None] * (2 - len(rest))
+    rest = [None if isinstance(x, int) and x < 0 else x for x in rest] + [None] * (2 - len(rest))
     return (num_buf, dq_buf, *rest)
 
 
@@ -57,7 +59,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--variants", default="2,2",
                    help="num_buf,dq_buf[,dq_swizzle[,q_rows]];... (d128 fits 2,2 or 3,1; d64 2,2 "
-                        "at its default 128 queries per step, 4,2,-1,64 at 64; -1 is the library's)")
+                        "at its default 128 queries per step, 4,2,-1,64 at 64; -1 is the library's; "
+                        "dq_swizzle 0, 32, 64, 128 or native)")
     p.add_argument("--shapes", default="128,4096,0;128,4096,1;128,16384,1;64,4096,0;64,16384,1;64,1024,0;128,1024,1",
                    help="headdim,seqlen,causal;...")
     p.add_argument("--compile", action="store_true",
@@ -65,7 +68,7 @@ def main(argv=None) -> int:
     p.add_argument("--profile", metavar="D,S,CAUSAL",
                    help="GPU: the first variant on one timing shape, twice, no checks (for ncu --launch-skip 1)")
     args = p.parse_args(argv)
-    variants = [tuple(int(x) for x in v.split(",")) for v in args.variants.split(";")]
+    variants = [tuple(x if x == "native" else int(x) for x in v.split(",")) for v in args.variants.split(";")]
     shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")]
     if args.compile:
         from flashtile.tools.sm90_check import compile_backward_onepass

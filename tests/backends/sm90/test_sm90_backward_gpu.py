@@ -214,3 +214,32 @@ def test_one_pass_packed_sequences(causal, head_dim, bwd_ws_calls, monkeypatch):
     assert torch.equal(first[3], again[3]) and torch.equal(first[4], again[4])
     assert len(bwd_ws_calls) == 2 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
     assert all(c["varlen"] is not None for c in bwd_ws_calls)
+
+
+@pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_pass_native_dq_order(causal, head_dim, bwd_ws_calls, monkeypatch):
+    """``dq_swizzle="native"`` as the default at both head dims (``backward_onepass.
+    native_offset_bases``: the consumers store dQ in their registers' order, the reducer
+    adds whole slots into a dQ in that order, the postprocess puts rows and columns back):
+    the matrix's sequence pairs (a last tile past seqlen_q, causal rows with no key), MHA
+    and GQA, batch 60 (many programs adding into each tile) under the accuracy rule against
+    float64, NaN-poisoned; then a packed call with the same default takes the 128-byte
+    swizzle and passes too."""
+    from flashtile.backends.sm90 import backward_onepass
+
+    monkeypatch.setitem(backward_onepass.DQ_SWIZZLE, head_dim, backward_onepass.DQ_NATIVE)
+    native, launch = [], backward_onepass._launch
+    monkeypatch.setattr(backward_onepass, "_launch", lambda grid, args, constexprs, *rest: (
+        native.append(constexprs["DQ_NATIVE"]), launch(grid, args, constexprs, *rest))[1])
+    for i, (seqlen_q, seqlen_k) in enumerate(SEQ_PAIRS + [(2100, 2100)]):
+        check_flash_grads(Case(seqlen_q, seqlen_k, head_dim, dtype=torch.bfloat16, causal=causal, nheads=6,
+                               nheads_k=(6, 2, 1)[i % 3]), device="cuda")
+    check_flash_grads(Case(333, 333, head_dim, dtype=torch.bfloat16, causal=causal, batch=60, nheads=4, nheads_k=2),
+                      device="cuda")
+    assert native == [True] * (len(SEQ_PAIRS) + 2)
+    assert {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")
+    check_varlen(VarlenCase((0, 17, 113, 1000), (5, 130, 113, 700), head_dim=head_dim, dtype=torch.bfloat16,
+                            nheads=6, nheads_k=2, causal=causal), device="cuda")
+    assert bwd_ws_calls[-1]["varlen"] is not None and native[-1] is False

@@ -63,8 +63,46 @@ def test_one_pass_postprocess_casts_the_padded_accumulator(triton_backend):
     acc = torch.randn(B, H, rows, D)
     base = torch.full((B, S + 5, H, D), float("nan"), dtype=torch.float16)
     dq = base[:, :S].transpose(1, 2)  # (B, H, S, D) view of a (B, S, H, D) buffer, rows to spare
-    _launch_convert((2, B * H), (acc, dq, H, S, rows, *dq.stride()[:3]), dict(BLOCK_M=64, HEAD_D=D), 4, 1)
+    _launch_convert((2, B * H), (acc, dq, H, S, rows, *dq.stride()[:3]),
+                    dict(BLOCK_M=64, HEAD_D=D, QROWS=64, NATIVE=False), 4, 1)
     assert torch.equal(dq, acc[:, :, :S].to(torch.float16))
+    assert base[:, S:].isnan().all()
+
+
+def _native_positions(rows: int, cols: int):
+    """(row, col) of a native dQ slot's every offset, from ``native_offset_bases`` alone (the
+    sum of the bases of the offset's set bits)."""
+    from flashtile.backends.sm90.backward_onepass import native_offset_bases
+
+    bases = torch.tensor(native_offset_bases(rows, cols))
+    offsets = torch.arange(rows * cols)
+    bits = (offsets[:, None] >> torch.arange(len(bases))) & 1
+    at = bits @ bases
+    return at[:, 0], at[:, 1]
+
+
+@pytest.mark.parametrize("head_dim, q_rows", [(128, 64), (64, 128), (64, 64)])
+def test_native_dq_order_is_put_back(head_dim, q_rows, triton_backend):
+    """``dq_swizzle="native"``: each query tile's two halves lie one after the other in the
+    float32 dQ, each in ``native_offset_bases``' order (a permutation of the slot: every
+    (row, col) once); ``_dq_convert`` (interpreted) puts every element back, into a strided
+    dq with seqlen_q inside the last tile (the padding rows are not written)."""
+    from flashtile.backends.sm90.backward_onepass import _launch_convert
+
+    half = head_dim // 2
+    r_at, c_at = _native_positions(q_rows, half)
+    assert sorted(zip(r_at.tolist(), c_at.tolist())) == [(r, c) for r in range(q_rows) for c in range(half)]
+    B, H, S = 2, 3, q_rows + 37
+    rows = -(-S // q_rows) * q_rows
+    want = torch.randn(B, H, rows, head_dim)
+    tiles = want.view(B, H, rows // q_rows, q_rows, 2, half).permute(0, 1, 2, 4, 3, 5)  # (.., tile, half, r, c)
+    acc = tiles[..., r_at, c_at].contiguous().view(B, H, rows, head_dim)
+    assert not torch.equal(acc, want)
+    base = torch.full((B, S + 5, H, head_dim), float("nan"), dtype=torch.float16)
+    dq = base[:, :S].transpose(1, 2)
+    _launch_convert((-(-S // 64), B * H), (acc, dq, H, S, rows, *dq.stride()[:3]),
+                    dict(BLOCK_M=64, HEAD_D=head_dim, QROWS=q_rows, NATIVE=True), 4, 1)
+    assert torch.equal(dq, want[:, :, :S].to(torch.float16))
     assert base[:, S:].isnan().all()
 
 
@@ -114,6 +152,33 @@ def test_one_pass_128_query_steps_launch(monkeypatch):
     assert convert_args[4] == 384
 
 
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_one_pass_native_dq_launch(head_dim, monkeypatch):
+    """dq_swizzle="native": the kernel's constexpr, the float32 dQ seen by its TMA boxes as
+    (2 x B x H x padded rows, D / 2) without swizzle (a query tile's halves one after the
+    other), and the postprocess told so; the default launches keep the swizzled (B x H x
+    rows, D) view."""
+    from flashtile.backends.sm90 import backward_onepass as op
+
+    launches = []
+    monkeypatch.setattr(op, "_launch", lambda grid, args, constexprs, *rest: launches.append((args, constexprs)))
+    monkeypatch.setattr(op, "_launch_convert", lambda grid, args, constexprs, *rest: launches.append(constexprs))
+    q = torch.zeros(1, 4, 300, head_dim, dtype=torch.float16)
+    lse = torch.zeros(1, 4, 300)
+    q_rows = op.Q_ROWS[head_dim]
+    rows = -(-300 // q_rows) * q_rows
+    for swizzle in ("native", None):
+        op.attention_backward_onepass(q, q, q, q, lse, lse, q, q, q, scale=0.1, diag_offset=0, causal=True,
+                                      dq_swizzle=swizzle)
+    (args, constexprs), convert, (plain_args, plain_constexprs), plain_convert = launches
+    assert constexprs["DQ_NATIVE"] is True and convert["NATIVE"] is True and convert["QROWS"] == q_rows
+    dq_desc = args[16]
+    assert dq_desc.shape == [2 * 4 * rows, head_dim // 2] and dq_desc.block_shape == [q_rows, head_dim // 2]
+    assert dq_desc.layout.swizzle_byte_width == 0
+    assert plain_constexprs["DQ_NATIVE"] is False and plain_convert["NATIVE"] is False
+    assert plain_args[16].shape == [4 * rows, head_dim] and plain_args[16].layout.swizzle_byte_width != 0
+
+
 @pytest.mark.parametrize("causal, nheads_k, block_major", [(True, 2, True), (True, 1, True), (True, 4, False),
                                                            (False, 2, False), (False, 4, False)])
 def test_one_pass_grid_order(causal, nheads_k, block_major, monkeypatch):
@@ -158,7 +223,7 @@ def test_one_pass_packed_launch(monkeypatch):
     assert len(launches) == 2
 
 
-def test_dq_slot_layout_and_its_swizzle():
+def test_dq_slot_layout_and_its_swizzle(monkeypatch):
     """The one-pass kernel's float32 dQ slots: by default 32-byte swizzled at d64 (no bank
     conflicts: faster on an H100) and Triton's own layout for the tile at d128 (128 bytes);
     a swizzle is one TMA supports, else refused before any launch."""
@@ -174,3 +239,15 @@ def test_dq_slot_layout_and_its_swizzle():
                                                                                        gl.float32)
     with pytest.raises(ValueError, match="swizzle"):
         op.dq_accumulator_layout(128, 16)
+    with pytest.raises(ValueError, match="swizzle"):
+        op.dq_accumulator_layout(128, "natural")
+    # the accumulator's own order: its TMA boxes unswizzled; fixed-length calls only (asked
+    # for with packed sequences, refused; as a default, packed calls take 128 bytes)
+    assert op.dq_accumulator_layout(128, op.DQ_NATIVE).swizzle_byte_width == 0
+    assert op.dq_slot_swizzle(128, op.DQ_NATIVE, packed=False) == op.DQ_NATIVE
+    with pytest.raises(ValueError, match="fixed-length"):
+        op.dq_slot_swizzle(128, op.DQ_NATIVE, packed=True)
+    assert op.dq_slot_swizzle(64, None, packed=True) == op.DQ_SWIZZLE[64]
+    monkeypatch.setitem(op.DQ_SWIZZLE, 128, op.DQ_NATIVE)
+    assert op.dq_slot_swizzle(128, None, packed=True) == 128
+    assert op.dq_slot_swizzle(128, None, packed=False) == op.DQ_NATIVE

@@ -83,8 +83,10 @@ DQ_BUF = 2  # float32 dQ slots (QROWS x D each: with 2 ring slots at d128, 224 o
 # sm_90a); a 32-byte swizzle cuts each slot's TMA reduction into 8-column boxes. Measured
 # on an H100 (runs 117, 123, 124 of docs/perf-notes.md, both swizzles in one process): 32
 # bytes win at every d64 shape (+3.5 to +9.7%, S2048-16384, causal and not) and lose 0-3%
-# at d128, so it is chosen per head dim.
+# at d128, so it is chosen per head dim. ``DQ_NATIVE`` ("native", fixed-length calls only) stores
+# each thread's accumulator registers in their own order instead (``native_offset_bases``).
 DQ_SWIZZLE = {64: 32, 128: 128}
+DQ_NATIVE = "native"
 REDUCER_REGS = 24
 # Queries per step (the Q, dO tiles' rows) of fixed-length calls: 2 x BLOCK at d64, FA3's d64
 # tiling (128 queries x 128 keys a step: S and dP of 128 x 64 per warpgroup, half the steps
@@ -92,6 +94,42 @@ REDUCER_REGS = 24
 # the kernel alone, bf16 d64 S2048-16384: +12-14% without causal, +5-7% with it, against 64
 # (docs/perf-notes.md, session 37). d128 has no room for it; packed sequences keep BLOCK.
 Q_ROWS = {64: 2 * BLOCK, 128: BLOCK}
+
+
+@triton.constexpr_function
+def native_offset_bases(rows: int, cols: int) -> list[list[int]]:
+    """The dQ slots' layout under ``dq_swizzle="native"`` (FA3's dQ accumulation): the
+    (row, col) of a (rows x cols) float32 slot at each bit of its shared-memory offset, so
+    that thread t of the warpgroup stores its wgmma accumulator registers 4i .. 4i + 3 at
+    floats 4 (128 i + t) .. + 3 (one ``st.shared.v4`` per 4 registers, a warp's 32 stores
+    512 contiguous bytes: no bank conflicts, which ``_dq_finish`` asserts at compile time
+    with ``gl.bank_conflicts``). The accumulator (``NVMMADistributedLayout`` [3, 0], 4 warps,
+    instr_shape [16, cols, 16]), as triton 3.6's linear layout of it reads: register bits
+    (col 1, row 8, then col 8 .. cols / 2, then row 64 .. rows / 2), lane bits (col 2,
+    col 4, row 1, row 2, row 4), warp bits (row 16, row 32). The bulk reduction copies a
+    slot's bytes as they are (a [rows, cols] box without swizzle), so the float32 dQ holds
+    each (query tile, half) in this order too; ``_dq_convert`` puts the rows and columns
+    back (each basis is one bit of a row or a column, so its inverse is a sum of shifts)."""
+    if rows % 64 or rows & (rows - 1) or cols < 16 or cols & (cols - 1):
+        raise ValueError(f"a native dQ slot is rows (64 x a power of two) x cols (a power of two >= 16), "
+                         f"got {rows} x {cols}")
+    reg = [[0, 1], [8, 0]] + [[0, 8 << i] for i in range((cols // 8).bit_length() - 1)]
+    reg += [[64 << i, 0] for i in range((rows // 64).bit_length() - 1)]
+    lane = [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]]
+    warp = [[16, 0], [32, 0]]
+    return reg[:2] + lane + warp + reg[2:]
+
+
+@triton.constexpr_function
+def _dq_slot_layout(native, rows, cols, tma_layout):
+    """The dQ slots' shared layout: the accumulator's own order (``native_offset_bases``), or
+    the TMA box's swizzled layout."""
+    return gl.SharedLinearLayout(native_offset_bases(rows, cols)) if native else tma_layout
+
+
+@triton.constexpr_function
+def _is_native(layout):
+    return isinstance(layout, gl.SharedLinearLayout)
 
 
 def keys_outer(causal: bool, group_size: int) -> bool:
@@ -183,7 +221,10 @@ def _dq_finish(WG: gl.constexpr, dq, t, ds_empty, scale, dq_smem, dq_full, dq_em
     mbarrier.arrive(ds_empty.index(0), count=1)
     slot = t % DQ_BUF
     mbarrier.wait(dq_empty.index(slot), ((t // DQ_BUF) & 1) ^ 1)  # a fresh barrier passes phase 1
-    dq_smem.index(2 * slot + WG).store(dq * scale)
+    half = dq_smem.index(2 * slot + WG)
+    if _is_native(dq_smem.type.layout):  # the registers in their own order: no bank conflicts
+        gl.static_assert(gl.bank_conflicts(dq.type, half.type) == 0)
+    half.store(dq * scale)
     fence_async_shared()
     mbarrier.arrive(dq_full.index(slot), count=1)
 
@@ -363,10 +404,13 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sm
     add them into the float32 dQ (a (B * H * dq_rows, D) matrix) with two bulk TMA
     reductions; then wait until the previous step's reductions have read their slot and
     free it (so one step's reductions stay in flight; with one slot, wait for this step's).
-    Rows are int32: B * H * dq_rows < 2**31, as TMA coordinates are (the host checks)."""
+    Rows are int32: B * H * dq_rows < 2**31, as TMA coordinates are (the host checks).
+    Slots in the accumulator's own order (``native_offset_bases``) go whole into the dQ
+    viewed as (2 * B * H * dq_rows, D / 2): a query tile's two halves one after the other."""
     DQ_BUF: gl.constexpr = dq_smem.type.shape[0] // 2
     QROWS: gl.constexpr = dq_smem.type.shape[1]
     HALF_D: gl.constexpr = dq_smem.type.shape[2]
+    NATIVE: gl.constexpr = _is_native(dq_smem.type.layout)
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
     q_lo, nq = step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
     for t in range(nq * group_size):
@@ -375,7 +419,11 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sm
         hq, m0 = _step_coords(t, q_lo, nq, q_rot, kvh, group_size, QROWS)
         row = (b * nheads + hq) * dq_rows + q_row + m0  # packed: b = 0, the sequence's rows from q_row on
         for half in gl.static_range(2):
-            async_reduce_add_shared_to_global(dq_desc, [row, half * HALF_D], dq_smem.index(2 * slot + half))
+            if NATIVE:  # the slot's bytes as they are (a box without swizzle)
+                src = dq_smem.index(2 * slot + half)._reinterpret(gl.float32, [QROWS, HALF_D], dq_desc.layout)
+                async_reduce_add_shared_to_global(dq_desc, [2 * row + half * QROWS, 0], src)
+            else:
+                async_reduce_add_shared_to_global(dq_desc, [row, half * HALF_D], dq_smem.index(2 * slot + half))
         if DQ_BUF > 1:
             tma.store_wait(pendings=2)  # step t - 1's two reductions have read their slot
             if t > 0:
@@ -391,7 +439,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
                     seqlen_q, num_n_blocks, diag_offset, qk_scale, scale, dq_desc, dq_rows, seqlen_k, Items,
                     item_cap, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr,
                     DQ_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                    REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr):
+                    REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr, DQ_NATIVE: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     QROWS: gl.constexpr = q_desc.block_type.shape[2]  # queries per step (ROWS, or 2 x ROWS at d64: Q_ROWS)
     dtype: gl.constexpr = q_desc.dtype
@@ -434,7 +482,8 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
     ds_smem = gl.allocate_shared_memory(dtype, [2, QROWS, ROWS], pds_layout)
     # DQ_BUF slots of both warpgroups' float32 dQ halves (QROWS x D/2 each; slot s's half h at 2 s + h)
     HALF_D: gl.constexpr = HEAD_D // 2
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUF * 2, QROWS, HALF_D], dq_desc.layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUF * 2, QROWS, HALF_D],
+                                        _dq_slot_layout(DQ_NATIVE, QROWS, HALF_D, dq_desc.layout))
     kv_bar = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -463,16 +512,30 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
 
 @triton.jit
 def _dq_convert(Acc, Dq, nheads, seqlen_q, acc_rows, stride_b, stride_h, stride_m,
-                BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr):
+                BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, QROWS: tl.constexpr, NATIVE: tl.constexpr):
     """The postprocess: rows of the float32 dQ (B, H, acc_rows, D), contiguous, cast into
-    dq (B, H, Sq, D) with unit last stride. Grid (cdiv(Sq, BLOCK_M), B * H)."""
+    dq (B, H, Sq, D) with unit last stride. Grid (cdiv(Sq, BLOCK_M), B * H). NATIVE: each
+    tile of QROWS rows holds its two halves of D / 2 columns one after the other, each in
+    the order of ``native_offset_bases``."""
     bh = tl.program_id(1)
     b = bh // nheads
     h = bh % nheads
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, HEAD_D)
     ok = (rows < seqlen_q)[:, None]
-    acc = tl.load(Acc + bh.to(tl.int64) * acc_rows * HEAD_D + rows[:, None] * HEAD_D + cols[None, :], mask=ok)
+    if NATIVE:
+        HALF: tl.constexpr = HEAD_D // 2
+        r = rows % QROWS
+        c = cols % HALF
+        # native_offset_bases inverted: every row and column bit to its offset bit (row 1, 2, 4
+        # to 16, 32, 64; row 8 to 2; row 16, 32 to 128, 256; row 64 past the column bits; col
+        # 1 to 1; col 2, 4 to 4, 8; col 8 .. to 512 ..)
+        g = ((r & 7) << 4) | ((r & 8) >> 2) | ((r & 48) << 3) | ((r >> 6) * (64 * HALF))
+        f = ((c & 1) | ((c & 6) << 1) | ((c >> 3) << 9)) + (cols // HALF) * (QROWS * HALF)
+        offs = ((rows - r) * HEAD_D + g)[:, None] + f[None, :]
+    else:
+        offs = rows[:, None] * HEAD_D + cols[None, :]
+    acc = tl.load(Acc + bh.to(tl.int64) * acc_rows * HEAD_D + offs, mask=ok)
     out = Dq + b.to(tl.int64) * stride_b + h.to(tl.int64) * stride_h + rows[:, None].to(tl.int64) * stride_m
     tl.store(out + cols[None, :], acc.to(Dq.dtype.element_ty), mask=ok)
 
@@ -481,13 +544,27 @@ _launch = Launcher(onepass_kernel)
 _launch_convert = Launcher(_dq_convert)
 
 
-def dq_accumulator_layout(head_dim: int, swizzle: int | None = None):
-    """The shared-memory layout of a (q_rows, D / 2) float32 dQ slot (and its TMA box):
-    ``swizzle`` bytes (None: ``DQ_SWIZZLE[head_dim]``)."""
+def dq_accumulator_layout(head_dim: int, swizzle: int | str | None = None):
+    """The shared-memory layout of a (q_rows, D / 2) float32 dQ slot's TMA box: ``swizzle``
+    bytes (None: ``DQ_SWIZZLE[head_dim]``), none for ``DQ_NATIVE`` (whose slots the
+    consumers write in ``native_offset_bases``' order)."""
     swizzle = DQ_SWIZZLE[head_dim] if swizzle is None else swizzle
-    if swizzle not in (0, 32, 64, 128):
-        raise ValueError(f"a dQ swizzle is 0, 32, 64 or 128 bytes, got {swizzle}")
-    return gl.NVMMASharedLayout(swizzle_byte_width=swizzle, element_bitwidth=32, rank=2)
+    if swizzle not in (0, 32, 64, 128, DQ_NATIVE):
+        raise ValueError(f"a dQ swizzle is 0, 32, 64 or 128 bytes or {DQ_NATIVE!r}, got {swizzle!r}")
+    return gl.NVMMASharedLayout(swizzle_byte_width=0 if swizzle == DQ_NATIVE else swizzle, element_bitwidth=32,
+                                rank=2)
+
+
+def dq_slot_swizzle(head_dim: int, swizzle: int | str | None, packed: bool) -> int | str:
+    """A call's dQ slot swizzle: ``swizzle``, else ``DQ_SWIZZLE[head_dim]``. ``DQ_NATIVE``
+    needs fixed lengths (a packed sequence's query tiles start at any row, not at a multiple
+    of the tile): asked for with packed sequences it is refused; as the default, packed
+    calls take the 128-byte swizzle."""
+    if swizzle == DQ_NATIVE and packed:
+        raise ValueError(f"dq_swizzle={DQ_NATIVE!r} takes fixed-length calls: a packed sequence's query tiles "
+                         f"start at any row")
+    swizzle = DQ_SWIZZLE[head_dim] if swizzle is None else swizzle
+    return 128 if swizzle == DQ_NATIVE and packed else swizzle
 
 
 def step_plan(head_dim: int, packed: bool, q_rows: int | None = None, num_buf: int | None = None) -> tuple[int, int]:
@@ -516,7 +593,7 @@ def accumulator(q, q_rows: int | None = None):
 
 def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int,
                                causal: bool, num_buf: int | None = None, dq_buf: int = DQ_BUF,
-                               dq_swizzle: int | None = None, varlen=None, dq_accum=None,
+                               dq_swizzle: int | str | None = None, varlen=None, dq_accum=None,
                                q_rows: int | None = None) -> None:
     """Launch the one-pass kernel and the dQ postprocess; the caller checked
     ``scope.backward_scope`` and TMA alignment (``backends.registry.backward``).
@@ -529,7 +606,8 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
         causal: key j visible to query i iff j <= i + diag_offset.
         num_buf, dq_buf: (Q, dO) ring slots (default ``NUM_BUF[D]`` of 64 rows: half as many
             of 128) and float32 dQ slots;
-            dq_swizzle: the dQ slots' swizzle (default ``DQ_SWIZZLE[D]``) (experiments:
+            dq_swizzle: the dQ slots' swizzle (default ``DQ_SWIZZLE[D]``), or ``DQ_NATIVE``:
+            the accumulator's register order, without packed sequences (experiments:
             benchmarks/experiments/gluon_bwd_onepass.py).
         q_rows: queries per step, BLOCK, or 2 x BLOCK at D 64 (default ``Q_ROWS[D]``;
             packed sequences take BLOCK).
@@ -554,15 +632,17 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     q_rows, num_buf = step_plan(head_dim, varlen is not None, q_rows, num_buf)
     if num_buf < 2 or dq_buf < 1:
         raise ValueError(f"need num_buf >= 2 and dq_buf >= 1, got {num_buf} and {dq_buf}")
+    dq_swizzle = dq_slot_swizzle(head_dim, dq_swizzle, varlen is not None)
+    native = dq_swizzle == DQ_NATIVE
     rows = triton.cdiv(seqlen_q, q_rows) * q_rows  # padded: the last query block's reductions need no mask
-    if batch * nheads * rows >= 2 ** 31:
+    if batch * nheads * rows * (2 if native else 1) >= 2 ** 31:
         raise ValueError(f"batch x heads x padded seqlen_q = {batch * nheads * rows} exceeds the int32 rows "
-                         f"of a TMA coordinate")
+                         f"of a TMA coordinate" + (f" (halved: dq_swizzle={DQ_NATIVE!r})" if native else ""))
     if dq_accum is not None and (dq_accum.shape != (batch, nheads, rows, head_dim) or dq_accum.dtype != torch.float32):
         raise ValueError(f"dq_accum must be float32 {(batch, nheads, rows, head_dim)} (accumulator(q, q_rows)), got "
                          f"{dq_accum.dtype} {tuple(dq_accum.shape)}")
     acc = accumulator(q, q_rows).zero_() if dq_accum is None else dq_accum
-    flat = acc.view(-1, head_dim)
+    flat = acc.view(-1, head_dim // 2 if native else head_dim)  # native: each tile's halves one after the other
     dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [q_rows, head_dim // 2],
                                dq_accumulator_layout(head_dim, dq_swizzle))
     if varlen is None:
@@ -582,6 +662,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
              dq_desc, rows, seqlen_k, *items),
             dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=CONSUMER_REGS,
                  LOADER_REGS=LOADER_REGS, REDUCER_REGS=REDUCER_REGS,
-                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k)), 4, 1)
+                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k), DQ_NATIVE=native), 4, 1)
     _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
-                    (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]), dict(BLOCK_M=BLOCK, HEAD_D=head_dim), 4, 1)
+                    (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]),
+                    dict(BLOCK_M=BLOCK, HEAD_D=head_dim, QROWS=q_rows, NATIVE=native), 4, 1)
