@@ -62,4 +62,24 @@ def skip_nested_lang_patches() -> None:
 
     interpreter._patch_lang = patch_once_per_launch
     interpreter.GridExecutor.__call__ = grid_call
+    _memoize_np_dtypes(interpreter, tl)
     interpreter._flashtile_tests_patched = True
+
+
+def _memoize_np_dtypes(interpreter, tl) -> None:
+    """Triton 3.6's ``interpreter._get_np_dtype`` (the numpy dtype of a Triton type, asked at
+    nearly every interpreted op) builds a 19-entry dict of Triton dtypes, each hashed in
+    Python, on every call: about 5% of an interpreted backward test. The answer depends on
+    the scalar type alone (a block's element type; every pointer is uint64), so it is kept
+    per type name here. Called by ``skip_nested_lang_patches``, under its version check."""
+    find = interpreter._get_np_dtype
+    known = {}
+
+    def np_dtype(tt_dtype):
+        scalar = tt_dtype.element_ty if isinstance(tt_dtype, tl.block_type) else tt_dtype
+        name = scalar.name
+        if name not in known:
+            known[name] = find(scalar)
+        return known[name]
+
+    interpreter._get_np_dtype = np_dtype
