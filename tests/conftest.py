@@ -26,7 +26,7 @@ def pytest_configure(config):
     # (A GPU machine's workers keep torch's default: their references run on its cores.)
     if os.environ.get("PYTEST_XDIST_WORKER") and not _cuda_available():
         cpu_speed.one_torch_thread()
-    cpu_speed.skip_nested_lang_patches()
+    cpu_speed.interpreter_shortcuts()
     # On a GPU, every direct kernel launch also runs Triton's own binary lookup and fails
     # the test if the two differ (flashtile.runtime.launch).
     if "FLASHTILE_LAUNCH_CHECK" not in os.environ and _cuda_available():

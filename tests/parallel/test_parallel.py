@@ -35,7 +35,7 @@ def _worker(rank, world, port, out_dir, backend, configs):
     import torch.distributed as dist
 
     cpu_speed.one_torch_thread()  # the ranks share the box's cores
-    cpu_speed.skip_nested_lang_patches()
+    cpu_speed.interpreter_shortcuts()
 
     import flashtile
     from flashtile.parallel import (ring_attention, shard_sequence, ulysses_attention, unshard_sequence,
