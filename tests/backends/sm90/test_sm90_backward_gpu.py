@@ -219,7 +219,7 @@ def test_one_pass_packed_sequences(causal, head_dim, bwd_ws_calls, monkeypatch):
 @pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_pass_native_dq_order(causal, head_dim, bwd_ws_calls, monkeypatch):
-    """``dq_swizzle="native"`` as the default at both head dims (``backward_onepass.
+    """``dq_swizzle="native"``, the default at both head dims since session 41 (``backward_onepass.
     native_offset_bases``: the consumers store dQ in their registers' order, the reducer
     adds whole slots into a dQ in that order, the postprocess puts rows and columns back):
     the matrix's sequence pairs (a last tile past seqlen_q, causal rows with no key), MHA

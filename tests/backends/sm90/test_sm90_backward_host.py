@@ -147,17 +147,17 @@ def test_one_pass_128_query_steps_launch(monkeypatch):
     (grid, args, constexprs), (convert_grid, convert_args) = launches
     assert constexprs["NUM_BUF"] == 2 and args[0].block_shape == [1, 1, 128, 64] and args[3].block_shape[2] == 128
     assert args[4].block_shape == [1, 1, 64, 64]  # dK's stores stay 64 keys per warpgroup
-    dq_desc = args[16]
-    assert dq_desc.block_shape == [128, 32] and dq_desc.shape == [4 * 384, 64] and args[17] == 384
+    dq_desc = args[16]  # the accumulator's own order (the default): a tile's halves one after the other
+    assert dq_desc.block_shape == [128, 32] and dq_desc.shape == [2 * 4 * 384, 32] and args[17] == 384
     assert convert_args[4] == 384
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_one_pass_native_dq_launch(head_dim, monkeypatch):
-    """dq_swizzle="native": the kernel's constexpr, the float32 dQ seen by its TMA boxes as
-    (2 x B x H x padded rows, D / 2) without swizzle (a query tile's halves one after the
-    other), and the postprocess told so; the default launches keep the swizzled (B x H x
-    rows, D) view."""
+    """dq_swizzle="native" (the default): the kernel's constexpr, the float32 dQ seen by its
+    TMA boxes as (2 x B x H x padded rows, D / 2) without swizzle (a query tile's halves one
+    after the other), and the postprocess told so; a swizzled call keeps the (B x H x rows,
+    D) view."""
     from flashtile.backends.sm90 import backward_onepass as op
 
     launches = []
@@ -167,7 +167,7 @@ def test_one_pass_native_dq_launch(head_dim, monkeypatch):
     lse = torch.zeros(1, 4, 300)
     q_rows = op.Q_ROWS[head_dim]
     rows = -(-300 // q_rows) * q_rows
-    for swizzle in ("native", None):
+    for swizzle in (None, op.DQ_SWIZZLE_PACKED[head_dim]):
         op.attention_backward_onepass(q, q, q, q, lse, lse, q, q, q, scale=0.1, diag_offset=0, causal=True,
                                       dq_swizzle=swizzle)
     (args, constexprs), convert, (plain_args, plain_constexprs), plain_convert = launches
@@ -223,31 +223,29 @@ def test_one_pass_packed_launch(monkeypatch):
     assert len(launches) == 2
 
 
-def test_dq_slot_layout_and_its_swizzle(monkeypatch):
-    """The one-pass kernel's float32 dQ slots: by default 32-byte swizzled at d64 (no bank
-    conflicts: faster on an H100) and Triton's own layout for the tile at d128 (128 bytes);
-    a swizzle is one TMA supports, else refused before any launch."""
+def test_dq_slot_layout_and_its_swizzle():
+    """The one-pass kernel's float32 dQ slots: by default in the accumulator's own order at
+    both head dims (``DQ_NATIVE``: TMA boxes without swizzle; H100 runs 218-221) for
+    fixed-length calls; packed sequences (whose query tiles start at any row) keep the
+    earlier defaults, 32-byte swizzled at d64 (no bank conflicts) and Triton's own layout for
+    the tile at d128 (128 bytes), and refuse ``DQ_NATIVE`` asked for; a swizzle is one TMA
+    supports, else refused before any launch."""
     import triton.experimental.gluon.language as gl
 
     from flashtile.backends.sm90 import backward_onepass as op
 
-    assert op.dq_accumulator_layout(64).swizzle_byte_width == 32
-    assert op.dq_accumulator_layout(128) == gl.NVMMASharedLayout.get_default_for([op.BLOCK, 64], gl.float32)
     for d in op.HEAD_DIMS:
+        assert op.dq_slot_swizzle(d, None, packed=False) == op.DQ_NATIVE
+        assert op.dq_accumulator_layout(d).swizzle_byte_width == 0
         assert op.dq_accumulator_layout(d, 32).swizzle_byte_width == 32
         assert op.dq_accumulator_layout(d, 128) == gl.NVMMASharedLayout.get_default_for([op.BLOCK, d // 2],
                                                                                        gl.float32)
+    assert op.dq_slot_swizzle(64, None, packed=True) == 32
+    assert op.dq_slot_swizzle(128, None, packed=True) == 128
+    assert op.dq_slot_swizzle(64, 128, packed=True) == 128
+    with pytest.raises(ValueError, match="fixed-length"):
+        op.dq_slot_swizzle(128, op.DQ_NATIVE, packed=True)
     with pytest.raises(ValueError, match="swizzle"):
         op.dq_accumulator_layout(128, 16)
     with pytest.raises(ValueError, match="swizzle"):
         op.dq_accumulator_layout(128, "natural")
-    # the accumulator's own order: its TMA boxes unswizzled; fixed-length calls only (asked
-    # for with packed sequences, refused; as a default, packed calls take 128 bytes)
-    assert op.dq_accumulator_layout(128, op.DQ_NATIVE).swizzle_byte_width == 0
-    assert op.dq_slot_swizzle(128, op.DQ_NATIVE, packed=False) == op.DQ_NATIVE
-    with pytest.raises(ValueError, match="fixed-length"):
-        op.dq_slot_swizzle(128, op.DQ_NATIVE, packed=True)
-    assert op.dq_slot_swizzle(64, None, packed=True) == op.DQ_SWIZZLE[64]
-    monkeypatch.setitem(op.DQ_SWIZZLE, 128, op.DQ_NATIVE)
-    assert op.dq_slot_swizzle(128, None, packed=True) == 128
-    assert op.dq_slot_swizzle(128, None, packed=False) == op.DQ_NATIVE

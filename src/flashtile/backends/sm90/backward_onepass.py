@@ -48,7 +48,9 @@ cannot fold (312 B of spills; 1.27 GB of local loads): 1.07-1.16x the split kern
 0.95-1.06x cuDNN, bf16, the kernels alone (H200 run 96), so d128 takes it too. At d64,
 steps of 128 queries instead of 64 (H100 runs 205-207, session 37): the kernel alone
 +12-14% without causal and +5-7% with it (S2048-16384); ``flashtile bench`` bf16 0.92-1.01x
-cuDNN at S >= 2048 (0.85-0.91x before, run 194).
+cuDNN at S >= 2048 (0.85-0.91x before, run 194). Since session 41 the consumers store dQ in
+their accumulator registers' own order (``DQ_SWIZZLE``, ``native_offset_bases``): H100 runs
+220-221, ``flashtile bench`` bf16 S2048-16384 d64 0.95-1.04x cuDNN, d128 1.01-1.05x.
 
 Triton 3.6 turns constexprs passed through ``gl.warp_specialize`` into tensors, so the
 partitions read compile-time sizes from descriptor and shared-memory types (CAUSAL: the
@@ -78,15 +80,20 @@ from flashtile.runtime.launch import Launcher
 HEAD_DIMS = (64, 128)  # what it compiles for (the default at both: scope.ONEPASS_HEAD_DIMS)
 NUM_BUF = {64: 4, 128: 2}  # (Q, dO) ring slots of 64 rows (half as many of 128 rows)
 DQ_BUF = 2  # float32 dQ slots (QROWS x D each: with 2 ring slots at d128, 224 of the 227 KB)
-# The dQ slots' swizzle in bytes (0: none). The wgmma accumulator's st.shared.v2 stores are
-# 2-way bank-conflicted at 128 and 64, 4-way at 0, conflict-free at 32 (gl.bank_conflicts,
-# sm_90a); a 32-byte swizzle cuts each slot's TMA reduction into 8-column boxes. Measured
-# on an H100 (runs 117, 123, 124 of docs/perf-notes.md, both swizzles in one process): 32
-# bytes win at every d64 shape (+3.5 to +9.7%, S2048-16384, causal and not) and lose 0-3%
-# at d128, so it is chosen per head dim. ``DQ_NATIVE`` ("native", fixed-length calls only) stores
-# each thread's accumulator registers in their own order instead (``native_offset_bases``).
-DQ_SWIZZLE = {64: 32, 128: 128}
+# The dQ slots' layout. ``DQ_NATIVE`` ("native", the default for fixed-length calls since
+# session 41): each thread stores its wgmma accumulator registers in their own order
+# (``native_offset_bases``: st.shared.v4, no bank conflicts, one TMA box per half); H100
+# runs 218-221 (docs/perf-notes.md, "Session 41"), the kernel alone against the swizzles
+# below: d128 +3.8 to +5.8% (S16384 causal -0.2%), d64 +1.6 to +7.2%; the library's bf16
+# backward +0.3 to +11% (S2048-16384, causal and not; 0.95-1.05x cuDNN, from 0.92-1.06x).
+# Else a swizzle in bytes (0: none): the accumulator's st.shared.v2 stores are 2-way
+# bank-conflicted at 128 and 64, 4-way at 0, conflict-free at 32 (gl.bank_conflicts,
+# sm_90a), and a 32-byte swizzle cuts each slot's TMA reduction into 8-column boxes; H100
+# runs 117, 123, 124: 32 bytes won at d64 (+3.5 to +9.7%) and lost 0-3% at d128. Packed
+# sequences (a query tile may start at any row) keep those: ``DQ_SWIZZLE_PACKED``.
 DQ_NATIVE = "native"
+DQ_SWIZZLE = {64: DQ_NATIVE, 128: DQ_NATIVE}
+DQ_SWIZZLE_PACKED = {64: 32, 128: 128}
 REDUCER_REGS = 24
 # Queries per step (the Q, dO tiles' rows) of fixed-length calls: 2 x BLOCK at d64, FA3's d64
 # tiling (128 queries x 128 keys a step: S and dP of 128 x 64 per warpgroup, half the steps
@@ -564,7 +571,7 @@ def dq_slot_swizzle(head_dim: int, swizzle: int | str | None, packed: bool) -> i
         raise ValueError(f"dq_swizzle={DQ_NATIVE!r} takes fixed-length calls: a packed sequence's query tiles "
                          f"start at any row")
     swizzle = DQ_SWIZZLE[head_dim] if swizzle is None else swizzle
-    return 128 if swizzle == DQ_NATIVE and packed else swizzle
+    return DQ_SWIZZLE_PACKED[head_dim] if swizzle == DQ_NATIVE and packed else swizzle
 
 
 def step_plan(head_dim: int, packed: bool, q_rows: int | None = None, num_buf: int | None = None) -> tuple[int, int]:
