@@ -412,55 +412,44 @@ def test_tma_reduce_rate_kernels_compile(tmp_path):
     assert got[("False", 1)][1] == 0 and got[("False", 1)][2] > 0, got
 
 
-@pytest.mark.slow(seconds=35)
+@pytest.mark.slow(seconds=40)
 def test_one_pass_backward_compiles_with_a_reducer_warp(tmp_path):
-    """Issue 17's kernel (``backends.sm90.backward_onepass``, the default backward at d64 unless
-    deterministic): dQ tiles go to a reducer warp that issues bulk TMA reductions (two per
-    step, one per warpgroup's half: at least two in the PTX, 4 in triton 3.6's, the loop
-    peeled); d64 compiles without spills and fits, causal and not. d128 fits, and its loop
-    makes the fixed tiles' views anew each step: with them hoisted, their wgmma descriptors
-    spilled 1,292 B (312 B now). Its packed-sequence variant (a work list) fits too, and
+    """Issue 17's kernel (``backends.sm90.backward_onepass``, the default backward at d64 and
+    d128 unless deterministic): dQ tiles go to a reducer warp that issues bulk TMA
+    reductions (at least two in the PTX: one per warpgroup's half, the loop peeled); d64
+    (128 queries per step, ``Q_ROWS``) and d128 fit (229,888 B) within a spill bound, their
+    loops making the fixed tiles' views anew each step (with them hoisted, d128's wgmma
+    descriptors spilled 1,292 B). The packed-sequence variant (a work list) fits too, and
     stores a sequence's last dK/dV tile from registers, rows masked (the fixed-length kernel
-    stores only by TMA: no st.global). d64 takes 128 queries per step (``Q_ROWS``): it fits
-    (229,888 B) within d128's spill bound, with the views made anew (236-408 B); its 64-row
-    steps (packed sequences) spill nothing."""
+    stores only by TMA: no st.global); its 64-row steps spill nothing at d64.
+
+    The dQ slots (session 41, H100 runs 218-222): fixed-length calls store them in the
+    accumulator's register order (``DQ_NATIVE``, the default), compiled without bank
+    conflicts (the kernel's static assert on ``gl.bank_conflicts``) as ``st.shared.v4``
+    only, and the reducer adds each half as one unswizzled box: half the reduction sites of
+    the 128-byte swizzle at d128 (two boxes per half), which stores ``v2``; packed sequences
+    keep the swizzled slots."""
     code = ("from flashtile.tools.sm90_check import compile_backward_onepass as f\n"
-            "for d, causal, varlen, q_rows in ((64, False, 0, 128), (64, True, 0, 128), (128, False, 0, 64),\n"
-            "                                  (128, False, 1, 64), (64, True, 1, 64)):\n"
-            "    c = f('bf16', d, causal=causal, varlen=bool(varlen), q_rows=q_rows); regs, spills = c.registers()\n"
-            "    print(d, causal, varlen, q_rows, c.shared, regs, spills, c.ptx.count('cp.reduce.async.bulk.tensor'),\n"
-            "          c.wgmma, c.ptx.count('st.global'))")
+            "for d, causal, varlen, q_rows, swizzle in ((64, False, 0, 128, None), (64, True, 0, 128, None),\n"
+            "        (128, False, 0, 64, None), (128, False, 0, 64, 128), (128, False, 1, 64, None),\n"
+            "        (64, True, 1, 64, None)):\n"
+            "    c = f('bf16', d, causal=causal, varlen=bool(varlen), q_rows=q_rows, dq_swizzle=swizzle)\n"
+            "    regs, spills = c.registers()\n"
+            "    print(d, causal, varlen, q_rows, swizzle, c.shared, regs, spills,\n"
+            "          c.ptx.count('cp.reduce.async.bulk.tensor'), c.wgmma, c.ptx.count('st.global'),\n"
+            "          c.ptx.count('st.shared.v4.b32'), c.ptx.count('st.shared.v2.b32'))")
     rows = [line.split() for line in _compile_run(tmp_path, "-c", code).splitlines()]
-    assert len(rows) == 5, rows
-    for d, causal, varlen, q_rows, shared, regs, spills, reduces, wgmma, stores in rows:
+    assert len(rows) == 6, rows
+    reduces_at = {}
+    for d, causal, varlen, q_rows, swizzle, shared, regs, spills, reduces, wgmma, stores, v4, v2 in rows:
         assert 0 < int(shared) <= SM90_SHARED_LIMIT and int(reduces) >= 2 and wgmma == "True", rows
         assert int(spills) == 0 if (d, q_rows) == ("64", "64") else int(spills) <= 600, rows
         assert (int(stores) > 0) == (varlen == "1"), rows
-
-
-@pytest.mark.slow(seconds=15)
-def test_one_pass_native_dq_order_compiles(tmp_path):
-    """``dq_swizzle="native"`` (the default since session 41, H100 runs 218-222): the
-    consumers' dQ stores in their registers' order compile without bank conflicts (the
-    kernel's static assert on ``gl.bank_conflicts``) as ``st.shared.v4`` only (the swizzled
-    slots take ``v2``), the reducer adds each half as one unswizzled box (the 128-byte
-    swizzle needs two per half at d128: 8 bulk reduction sites against 4), and the kernel
-    fits, d64 (128-row steps) and d128. PTX only (``sm90_check.ptx_only``); the registers
-    and spills are in docs/perf-notes.md."""
-    code = ("from flashtile.tools.sm90_check import compile_backward_onepass as f, ptx_only\n"
-            "with ptx_only():\n"
-            "    for d, swizzle in ((128, 'native'), (128, 128), (64, 'native')):\n"
-            "        c = f('bf16', d, causal=False, dq_swizzle=swizzle)\n"
-            "        print(d, swizzle, c.shared, c.ptx.count('cp.reduce.async.bulk.tensor'),\n"
-            "              c.ptx.count('st.shared.v4.b32'), c.ptx.count('st.shared.v2.b32'))")
-    rows = [line.split() for line in _compile_run(tmp_path, "-c", code).splitlines()]
-    assert len(rows) == 3, rows
-    got = {(d, swizzle): tuple(map(int, rest)) for d, swizzle, *rest in rows}
-    for d in ("128", "64"):
-        shared, reduces, v4, v2 = got[(d, "native")]
-        assert 0 < shared <= SM90_SHARED_LIMIT and reduces >= 2 and v4 >= 32 and v2 <= 2, got
-    assert got[("128", "native")][1] * 2 == got[("128", "128")][1], got
-    assert got[("128", "128")][2] == 0 and got[("128", "128")][3] >= 32, got
+        native = varlen == "0" and swizzle == "None"
+        assert (int(v4) >= 32 and int(v2) <= 2) if native else (int(v4) <= 2 and int(v2) >= 32), rows
+        if d == "128" and varlen == "0":
+            reduces_at[swizzle] = int(reduces)
+    assert reduces_at["None"] * 2 == reduces_at["128"], rows
 
 
 @pytest.mark.exhaustive
