@@ -27,7 +27,8 @@ def interpreter_shortcuts() -> None:
     - the shape tuples of block types and tensors are made once per shape
       (``_share_block_shapes``).
 
-    The last two halved the suite's time on the 2-core box (748 s to 446 s, session 41).
+    On the 2-core box (session 41) the dtype memo cut the interpreted tests' time by about
+    15%, and sharing the shapes then took the whole suite from 748 s to 446 s.
 
     Triton 3.6's interpreter patches triton.language's builtins once per launch (and
     restores them after it), then again at every call of a nested ``@triton.jit`` function,
