@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|bench-d128|features|flex|varlen|varlen-onepass|dq-native|decode|decode-rule|decode-wave|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-rule|decode-wave|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -277,22 +277,6 @@ if [[ $what == onepass ]]; then
   timeout ${ONEPASS_TIMEOUT:-240} python3 benchmarks/experiments/gluon_bwd_onepass.py ${ONEPASS_ARGS:-} \
     > "$OUT/onepass.log" 2>&1
   echo "onepass rc=$?"; grep -v Warning "$OUT/onepass.log" | tail -16
-fi
-if [[ $what == dq-native ]]; then
-  # Session 41: the one-pass consumers store dQ in their registers' order (dq_swizzle="native":
-  # no bank conflicts, one TMA box per half, fewer spills at d128; the postprocess puts rows
-  # and columns back). Correctness first (its GPU test, and the race hunt and step tests
-  # beside it), then the kernel alone against today's slots, both head dims (S8192 added:
-  # run 161's ncu shape).
-  timeout 200 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -k "native or race_hunt" \
-    -v -rf -n 4 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-dq-native.log" 2>&1
-  rc=$?; echo "dq-native gpu tests rc=$rc"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-dq-native.log" | tail -8
-  if [[ $rc == 0 ]]; then
-    timeout ${ONEPASS_TIMEOUT:-330} python3 benchmarks/experiments/gluon_bwd_onepass.py --variants "2,2;2,2,native" \
-      --shapes "128,4096,0;128,8192,0;128,4096,1;128,16384,1;64,4096,0;64,8192,0;64,16384,1;128,2048,0;64,2048,1" \
-      > "$OUT/onepass-dq-native.log" 2>&1
-    echo "dq-native A/B rc=$?"; grep -v Warning "$OUT/onepass-dq-native.log" | tail -22
-  fi
 fi
 if [[ $what == onepass-ncu ]]; then
   # Where the one-pass kernel's time goes, on one shape under Nsight Compute: speed of

@@ -115,18 +115,18 @@ def _share_block_shapes(core) -> None:
         assert isinstance(shape, (list, core.tuple))
         values = shape.values if isinstance(shape, core.tuple) else shape
         key = builtins.tuple(v.value if isinstance(v, core.constexpr) else v for v in values)
-        known = shapes.get(key) if all(type(v) is int for v in key) else None
+        if not all(type(v) is int for v in key):  # not a plain shape: Triton's own path, nothing kept
+            return block_init(self, element_ty, shape)
+        known = shapes.get(key)
         if known is None:
             block_init(self, element_ty, shape)
-            if all(type(v) is int for v in key):
-                shapes[key] = known = (self.shape, self.numel, core.tuple([core.constexpr(s) for s in self.shape]),
-                                       core.constexpr(math.prod(self.shape)))
+            known = shapes[key] = (self.shape, self.numel, core.tuple([core.constexpr(s) for s in self.shape]),
+                                   core.constexpr(math.prod(self.shape)))
         else:
             self.element_ty = element_ty
             self.shape, self.numel = known[0], known[1]
             self.name = f'<{self.shape}, {self.element_ty}>'
-        if known is not None:
-            self._flashtile_tensor_shape = known[2:]
+        self._flashtile_tensor_shape = known[2:]
 
     def shared_tensor_init(self, handle, type):
         shared = getattr(type, "_flashtile_tensor_shape", None)

@@ -20,8 +20,9 @@ step: d128 1.07-1.16x the split kernels, 0.95-1.06x cuDNN (`--variants 2,2`); ru
 (session 37), 128 queries per step at d64 (`--variants "4,2;2,2,-1,128"`, then 64 rows by
 default): +12-14% without causal, +5-7% with it, now the default (`Q_ROWS`); run 214
 (session 39), causal calls with their masked steps in a loop of their own: 17-33% slower
-(the switch is gone; its code is bc7de7f's); session 41, dQ in the accumulator's order
-(`--variants "2,2;2,2,native"`, `device_run.sh dq-native`). The A/B modes of those runs (no reductions,
+(the switch is gone; its code is bc7de7f's); run 218 (session 41), dQ in the accumulator's order
+(`--variants "2,2;2,2,native"` before it was the default): d128 +3.8 to +5.8%, d64 +1.6 to
++7.2%, now the default (``DQ_SWIZZLE``). The A/B modes of those runs (no reductions,
 red.v4 from registers, the serial consumer) are in git history
 (benchmarks/experiments/gluon_bwd_onepass.py at 47aaad2).
 """

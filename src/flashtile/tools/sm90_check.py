@@ -367,20 +367,17 @@ def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf
 
     q_rows, num_buf = op.step_plan(head_dim, varlen, q_rows, num_buf)
     dq_buf = dq_buf or op.DQ_BUF
-    dq_swizzle = op.dq_slot_swizzle(head_dim, dq_swizzle, varlen)
-    layout = op.dq_accumulator_layout(head_dim, dq_swizzle)
-    native = dq_swizzle == op.DQ_NATIVE
-    dq_desc = f"tensordesc<fp32[{q_rows}, {head_dim // 2}],{layout}>"
-    swizzle = op.DQ_NATIVE if native else layout.swizzle_byte_width
+    dq_swizzle = op.dq_slot_swizzle(head_dim, dq_swizzle, varlen)  # bytes, or op.DQ_NATIVE
+    dq_desc = f"tensordesc<fp32[{q_rows}, {head_dim // 2}],{op.dq_accumulator_layout(head_dim, dq_swizzle)}>"
     return _compile_ws(f"bwd-onepass {dtype} d{head_dim} causal={causal} num_buf={num_buf} dq_buf={dq_buf} "
-                       f"dq_swizzle={swizzle}" + (f" q_rows={q_rows}" if q_rows != op.BLOCK else "")
+                       f"dq_swizzle={dq_swizzle}" + (f" q_rows={q_rows}" if q_rows != op.BLOCK else "")
                        + (" varlen" if varlen else ""),
                        op.onepass_kernel, dtype, head_dim,
                        dict(dict.fromkeys(("k_desc", "v_desc", "dk_desc", "dv_desc"), op.BLOCK),
                             q_desc=q_rows, do_desc=q_rows),
                        dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=op.CONSUMER_REGS,
                             LOADER_REGS=op.LOADER_REGS, REDUCER_REGS=op.REDUCER_REGS,
-                            KEYS_OUTER=keys_outer and not varlen, DQ_NATIVE=native),
+                            KEYS_OUTER=keys_outer and not varlen, DQ_NATIVE=dq_swizzle == op.DQ_NATIVE),
                        dict(dq_desc=dq_desc, **(dict(Items="*i32") if varlen else {})))
 
 

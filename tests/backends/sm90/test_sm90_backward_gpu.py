@@ -230,8 +230,12 @@ def test_one_pass_native_dq_order(causal, head_dim, bwd_ws_calls, monkeypatch):
 
     monkeypatch.setitem(backward_onepass.DQ_SWIZZLE, head_dim, backward_onepass.DQ_NATIVE)
     native, launch = [], backward_onepass._launch
-    monkeypatch.setattr(backward_onepass, "_launch", lambda grid, args, constexprs, *rest: (
-        native.append(constexprs["DQ_NATIVE"]), launch(grid, args, constexprs, *rest))[1])
+
+    def recording(grid, args, constexprs, *rest):
+        native.append(constexprs["DQ_NATIVE"])
+        return launch(grid, args, constexprs, *rest)
+
+    monkeypatch.setattr(backward_onepass, "_launch", recording)
     for i, (seqlen_q, seqlen_k) in enumerate(SEQ_PAIRS + [(2100, 2100)]):
         check_flash_grads(Case(seqlen_q, seqlen_k, head_dim, dtype=torch.bfloat16, causal=causal, nheads=6,
                                nheads_k=(6, 2, 1)[i % 3]), device="cuda")

@@ -566,7 +566,7 @@ def dq_slot_swizzle(head_dim: int, swizzle: int | str | None, packed: bool) -> i
     """A call's dQ slot swizzle: ``swizzle``, else ``DQ_SWIZZLE[head_dim]``. ``DQ_NATIVE``
     needs fixed lengths (a packed sequence's query tiles start at any row, not at a multiple
     of the tile): asked for with packed sequences it is refused; as the default, packed
-    calls take the 128-byte swizzle."""
+    calls take ``DQ_SWIZZLE_PACKED[head_dim]``."""
     if swizzle == DQ_NATIVE and packed:
         raise ValueError(f"dq_swizzle={DQ_NATIVE!r} takes fixed-length calls: a packed sequence's query tiles "
                          f"start at any row")
