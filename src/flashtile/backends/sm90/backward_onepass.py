@@ -79,7 +79,9 @@ from flashtile.runtime.launch import Launcher
 
 HEAD_DIMS = (64, 128)  # what it compiles for (the default at both: scope.ONEPASS_HEAD_DIMS)
 NUM_BUF = {64: 4, 128: 2}  # (Q, dO) ring slots of 64 rows (half as many of 128 rows)
-DQ_BUF = 2  # float32 dQ slots (QROWS x D each: with 2 ring slots at d128, 224 of the 227 KB)
+# float32 dQ slots (QROWS x D each). d64 takes one since session 42 (library A/B, H100, four rounds:
+# +0.8 to +3.2% against two but -0.8% at one row); d128 keeps two (one read -2.6 to +1.2%).
+DQ_BUF = {64: 1, 128: 2}
 # The dQ slots' layout. ``DQ_NATIVE`` ("native", the default for fixed-length calls since
 # session 41): each thread stores its wgmma accumulator registers in their own order
 # (``native_offset_bases``: st.shared.v4, no bank conflicts, one TMA box per half); H100
@@ -599,7 +601,7 @@ def accumulator(q, q_rows: int | None = None):
 
 
 def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int,
-                               causal: bool, num_buf: int | None = None, dq_buf: int = DQ_BUF,
+                               causal: bool, num_buf: int | None = None, dq_buf: int | None = None,
                                dq_swizzle: int | str | None = None, varlen=None, dq_accum=None,
                                q_rows: int | None = None) -> None:
     """Launch the one-pass kernel and the dQ postprocess; the caller checked
@@ -612,7 +614,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
             minus the LSE's own upstream gradient if any).
         causal: key j visible to query i iff j <= i + diag_offset.
         num_buf, dq_buf: (Q, dO) ring slots (default ``NUM_BUF[D]`` of 64 rows: half as many
-            of 128) and float32 dQ slots;
+            of 128) and float32 dQ slots (default ``DQ_BUF[D]``);
             dq_swizzle: the dQ slots' swizzle (default ``DQ_SWIZZLE[D]``), or ``DQ_NATIVE``:
             the accumulator's register order, without packed sequences (experiments:
             benchmarks/experiments/gluon_bwd_onepass.py).
@@ -637,6 +639,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"the one-pass backward takes head dims {HEAD_DIMS}, got {head_dim}")
     q_rows, num_buf = step_plan(head_dim, varlen is not None, q_rows, num_buf)
+    dq_buf = DQ_BUF[head_dim] if dq_buf is None else dq_buf
     if num_buf < 2 or dq_buf < 1:
         raise ValueError(f"need num_buf >= 2 and dq_buf >= 1, got {num_buf} and {dq_buf}")
     dq_swizzle = dq_slot_swizzle(head_dim, dq_swizzle, varlen is not None)
