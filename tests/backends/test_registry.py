@@ -72,8 +72,12 @@ def test_backward_choices(monkeypatch):
     assert registry.backward(_call(head_dim=64)).kernel == "sm90.backward_onepass"
     assert registry.backward(_call(head_dim=128)).kernel == "sm90.backward_onepass"
     assert registry.backward(_call(head_dim=256)).kernel == "sm90.backward_split_d256"
-    det = registry.backward(_call(head_dim=128, deterministic=True))
-    assert det.kernel == "sm90.backward_split" and "deterministic" in det.why[0]
+    det = registry.backward(_call(head_dim=128, deterministic=True))  # 4096 queries
+    assert det.kernel == "sm90.backward_split" and "deterministic" in det.why[0] and "8192" in det.why[0]
+    for d in (64, 128):  # from 8192 queries on: the one-pass kernel's ordered dQ sums
+        assert registry.backward(_call(head_dim=d, seqlen_q=8192, deterministic=True)).kernel == "sm90.backward_onepass"
+    packed_det = registry.backward(_call(head_dim=64, seqlen_q=8192, varlen=True, deterministic=True))
+    assert packed_det.kernel == "sm90.backward_split" and "packed" in packed_det.why[0]
     # packed calls: the one-pass kernel without causal and at d64 (where it won), the split
     # kernels for causal ones at d128
     assert registry.backward(_call(head_dim=128, varlen=True)).kernel == "sm90.backward_onepass"
@@ -89,9 +93,14 @@ def test_backward_choices(monkeypatch):
                           ("atomic", "sm90.backward_split")):
         monkeypatch.setenv("FLASHTILE_BWD_DQ", value)
         assert registry.backward(_call(head_dim=64)).kernel == kernel, value
-    monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")  # causal packed calls too, never deterministic ones or d256
+    # causal packed calls too, and deterministic fixed-length ones (its ordered dQ sums); never
+    # deterministic packed calls or d256
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")
     assert registry.backward(_call(head_dim=128, varlen=True, window_right=0)).kernel == "sm90.backward_onepass"
+    assert registry.backward(_call(head_dim=128, deterministic=True)).kernel == "sm90.backward_onepass"
+    assert registry.backward(_call(head_dim=64, window_right=0, deterministic=True)).kernel == "sm90.backward_onepass"
     assert registry.backward(_call(head_dim=64, varlen=True, deterministic=True)).kernel == "sm90.backward_split"
+    assert registry.backward(_call(head_dim=256, deterministic=True)).kernel == "sm90.backward_split_d256"
     assert registry.backward(_call(head_dim=256, varlen=True)).kernel == "triton.backward"
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "atomic")
     triton_atomic = registry.backward(_call(head_dim=64, softcap=2.0))
@@ -163,12 +172,19 @@ def test_the_launch_asks_the_registry(monkeypatch, triton_backend):
     acc = seen[-1]["dq_accum"]
     assert acc.shape == (1, 2, 64, 64) and torch.equal(acc, torch.zeros_like(acc))
     assert chosen(64, deterministic=True) == "split"
-    assert chosen(128) == "one-pass"
+    assert chosen(128) == "one-pass" and seen[-1]["deterministic"] is False
     assert chosen(128, deterministic=True) == "split"
     assert chosen(256) == "split"
     torch.use_deterministic_algorithms(True)
     try:
         assert chosen(64) == "split"
+    finally:
+        torch.use_deterministic_algorithms(False)
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")  # deterministic calls on its ordered dQ sums
+    assert chosen(64, deterministic=True) == "one-pass" and seen[-1]["deterministic"] is True
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert chosen(128) == "one-pass" and seen[-1]["deterministic"] is True
     finally:
         torch.use_deterministic_algorithms(False)
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "split")

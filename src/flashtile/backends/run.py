@@ -382,7 +382,7 @@ def _launch_backward(choice, q, k, v, out4, lse, do4, dq4, dk4, dv4, problem, al
                                                         scale=problem.scale, diag_offset=problem.diag_offset,
                                                         causal=problem.causal,
                                                         varlen=None if varlen is None else (varlen, *built),
-                                                        dq_accum=acc)
+                                                        dq_accum=acc, deterministic=problem.deterministic)
         elif choice.family == "sm90":
             from flashtile.backends.sm90 import backward_split
 

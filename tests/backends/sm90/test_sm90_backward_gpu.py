@@ -1,5 +1,6 @@
 """GPU tests of the warp-specialized Gluon backward (``backends/sm90/backward_split.py``, and at d64
-and d128 ``backends/sm90/backward_onepass.py`` unless deterministic; Hopper only).
+and d128 ``backends/sm90/backward_onepass.py`` unless deterministic, or deterministic with
+FLASHTILE_BWD_DQ=onepass; Hopper only).
 
 Every case asserts that the Gluon kernels really ran (a spy counts their launches), so the
 matrix cannot pass on the Triton backward alone; gradient buffers are NaN-poisoned first
@@ -88,6 +89,23 @@ def test_bitwise_reproducible(head_dim, bwd_ws_calls):
     assert len(bwd_ws_calls) == 11 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_ws"}
 
 
+def _checked_first_grads(case, seed: int, label: str, **kwargs):
+    """``flash_attn_func``'s gradients for a random dout (``seed``) on ``case``'s inputs,
+    checked with the accuracy rule; returns what reruns need: (out, the leaves, dout, the
+    float64 and the dtype references' gradients, the first gradients)."""
+    q, k, v, _ = make_inputs(case, "cuda", 0)
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dout = torch.randn(q.shape, device="cuda", dtype=case.dtype, generator=g)
+    ref = _grads(lambda *a: reference(case, *a, None, torch.float64)[0], (q, k, v), dout.double())[1:]
+    base = _grads(lambda *a: reference(case, *a, None, case.dtype)[0], (q, k, v), dout)[1:]
+    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
+    out = flashtile.flash_attn_func(*leaves, causal=case.causal, **kwargs)
+    first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+    for name, a, r, b in zip(("dq", "dk", "dv"), first, ref, base):
+        assert_close(f"{label} {name}", a, r, b, factor=GRAD_FACTOR)
+    return out, leaves, dout, ref, base, first
+
+
 @pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_pass_race_hunt(causal, head_dim, bwd_ws_calls):
@@ -95,21 +113,32 @@ def test_one_pass_race_hunt(causal, head_dim, bwd_ws_calls):
     dK and dV bitwise equal over reruns (each program owns its keys), dQ within the
     accuracy rule every time (its float32 sums arrive in a varying order)."""
     case = Case(333, 333, head_dim, dtype=torch.bfloat16, causal=causal, batch=60, nheads=4, nheads_k=2)
-    q, k, v, _ = make_inputs(case, "cuda", 0)
-    g = torch.Generator(device="cuda").manual_seed(3)
-    dout = torch.randn(q.shape, device="cuda", dtype=case.dtype, generator=g)
-    ref = _grads(lambda *a: reference(case, *a, None, torch.float64)[0], (q, k, v), dout.double())[1:]
-    base = _grads(lambda *a: reference(case, *a, None, case.dtype)[0], (q, k, v), dout)[1:]
-    leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    out = flashtile.flash_attn_func(*leaves, causal=causal)
-    first = torch.autograd.grad(out, leaves, dout, retain_graph=True)
-    for name, a, r, b in zip(("dq", "dk", "dv"), first, ref, base):
-        assert_close(f"one-pass {name}", a, r, b, factor=GRAD_FACTOR)
+    out, leaves, dout, ref, base, first = _checked_first_grads(case, 3, "one-pass")
     for _ in range(5):
         dq, dk, dv = torch.autograd.grad(out, leaves, dout, retain_graph=True)
         assert torch.equal(dk, first[1]) and torch.equal(dv, first[2])
         assert_close("one-pass dq again", dq, ref[0], base[0], factor=GRAD_FACTOR)
     assert len(bwd_ws_calls) == 6 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
+
+
+@pytest.mark.parametrize("seqlens, batch", [((1537, 1537), 2), ((700, 1537), 3), ((1537, 700), 3), ((333, 333), 60)],
+                         ids=lambda x: str(x))
+@pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_pass_deterministic(causal, head_dim, seqlens, batch, bwd_ws_calls, monkeypatch):
+    """FLASHTILE_BWD_DQ=onepass with deterministic=True: the one-pass kernel adds dQ's parts
+    in a fixed order (``_det_turn``), so dQ, dK and dV are bitwise equal over reruns, and
+    within the accuracy rule. Causal with seqlen_q < seqlen_k and > seqlen_k (the turn
+    count follows the bottom-right diagonal; rows that see no key), GQA, one wave of
+    programs and several (batch 60)."""
+    monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")
+    case = Case(*seqlens, head_dim, dtype=torch.bfloat16, causal=causal, batch=batch, nheads=8, nheads_k=2)
+    out, leaves, dout, _, _, first = _checked_first_grads(case, 5, "deterministic one-pass", deterministic=True)
+    for _ in range(5):
+        again = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(again, first))
+    assert len(bwd_ws_calls) == 6 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
+    assert all(c["deterministic"] for c in bwd_ws_calls)
 
 
 @pytest.mark.parametrize("q_rows", [128, 64])

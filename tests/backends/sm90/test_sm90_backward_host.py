@@ -147,8 +147,8 @@ def test_one_pass_128_query_steps_launch(monkeypatch):
     (grid, args, constexprs), (convert_grid, convert_args) = launches
     assert constexprs["NUM_BUF"] == 2 and args[0].block_shape == [1, 1, 128, 64] and args[3].block_shape[2] == 128
     assert args[4].block_shape == [1, 1, 64, 64]  # dK's stores stay 64 keys per warpgroup
-    dq_desc = args[16]  # the accumulator's own order (the default): a tile's halves one after the other
-    assert dq_desc.block_shape == [128, 32] and dq_desc.shape == [2 * 4 * 384, 32] and args[17] == 384
+    dq_desc = args[17]  # the accumulator's own order (the default): a tile's halves one after the other
+    assert dq_desc.block_shape == [128, 32] and dq_desc.shape == [2 * 4 * 384, 32] and args[18] == 384
     assert convert_args[4] == 384
 
 
@@ -172,11 +172,11 @@ def test_one_pass_native_dq_launch(head_dim, monkeypatch):
                                       dq_swizzle=swizzle)
     (args, constexprs), convert, (plain_args, plain_constexprs), plain_convert = launches
     assert constexprs["DQ_NATIVE"] is True and convert["NATIVE"] is True and convert["QROWS"] == q_rows
-    dq_desc = args[16]
+    dq_desc = args[17]
     assert dq_desc.shape == [2 * 4 * rows, head_dim // 2] and dq_desc.block_shape == [q_rows, head_dim // 2]
     assert dq_desc.layout.swizzle_byte_width == 0
     assert plain_constexprs["DQ_NATIVE"] is False and plain_convert["NATIVE"] is False
-    assert plain_args[16].shape == [4 * rows, head_dim] and plain_args[16].layout.swizzle_byte_width != 0
+    assert plain_args[17].shape == [4 * rows, head_dim] and plain_args[17].layout.swizzle_byte_width != 0
 
 
 @pytest.mark.parametrize("causal, nheads_k, block_major", [(True, 2, True), (True, 1, True), (True, 4, False),
@@ -195,6 +195,36 @@ def test_one_pass_grid_order(causal, nheads_k, block_major, monkeypatch):
     op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=causal)
     (grid, constexprs), = launches
     assert grid == (3 * 2 * nheads_k,) and constexprs["KEYS_OUTER"] is block_major
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_one_pass_deterministic_launch(head_dim, monkeypatch):
+    """deterministic=True: the kernel gets an int32 turn counter per (batch, query head,
+    query tile), zeroed (Sem, after Delta; its dtype selects the ordered reducer); a plain
+    call passes the float32 LSE there, unread. Packed sequences are refused by name."""
+    from flashtile.backends.sm90 import backward_onepass as op
+
+    launches = []
+    monkeypatch.setattr(op, "_launch", lambda grid, args, constexprs, *rest: launches.append((args, constexprs)))
+    monkeypatch.setattr(op, "_launch_convert", lambda *a: None)
+    q = torch.zeros(2, 4, 300, head_dim, dtype=torch.float16)
+    kv = torch.zeros(2, 2, 300, head_dim, dtype=torch.float16)
+    lse = torch.zeros(2, 4, 300)
+    for det in (True, False):
+        op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=True,
+                                      deterministic=det)
+    (det_args, det_constexprs), (plain_args, plain_constexprs) = launches
+    tiles = -(-300 // op.Q_ROWS[head_dim])
+    sem = det_args[8]
+    assert sem.dtype == torch.int32 and sem.shape == (2 * 4 * tiles,) and not sem.any()
+    assert plain_args[8] is lse
+    assert det_constexprs["DQ_BUF"] == op.DQ_BUF_DETERMINISTIC[head_dim] == 2
+    assert plain_constexprs["DQ_BUF"] == op.DQ_BUF[head_dim]
+    with pytest.raises(ValueError, match="deterministic=True.*fixed-length"):
+        op.attention_backward_onepass(q[:1], kv[:1], kv[:1], q[:1], lse[:1], lse[:1], q[:1], kv[:1], kv[:1],
+                                      scale=0.1, diag_offset=0, causal=False, deterministic=True,
+                                      varlen=(None, (torch.zeros(64, dtype=torch.int32), 1)))
+    assert len(launches) == 2
 
 
 def test_one_pass_packed_launch(monkeypatch):

@@ -454,6 +454,28 @@ def test_one_pass_backward_compiles_with_a_reducer_warp(tmp_path):
 
 @pytest.mark.exhaustive
 @pytest.mark.slow(seconds=180)
+def test_one_pass_deterministic_reducer_compiles(tmp_path):
+    """The one-pass kernel's deterministic mode (an int32 ``Sem``: session 42): the reducer
+    polls its turn with an acquire atomic, and passes it with a release atomic only after
+    ``cp.async.bulk.wait_group 0`` (its reductions applied in global memory; the plain
+    kernel's ``tma.store_wait`` is the ``.read`` form, which waits only for the shared-memory
+    reads). The plain kernel holds no atomic and no full wait. Both fit."""
+    code = ("from flashtile.tools.sm90_check import compile_backward_onepass as f\n"
+            "for d, causal, det in ((128, True, 1), (64, False, 1), (128, True, 0)):\n"
+            "    c = f('bf16', d, causal=causal, deterministic=bool(det))\n"
+            "    full = c.ptx.count('cp.async.bulk.wait_group 0;')\n"
+            "    print(d, causal, det, c.shared, full, c.ptx.count('atom.global.gpu.acquire.add'),\n"
+            "          c.ptx.count('atom.global.gpu.release.add'), c.ptx.count('atom.'))")
+    rows = [line.split() for line in _compile_run(tmp_path, "-c", code).splitlines()]
+    assert len(rows) == 3, rows
+    for d, causal, det, shared, full, acquire, release, atoms in rows:
+        assert 0 < int(shared) <= SM90_SHARED_LIMIT, rows
+        if det == "1":
+            assert int(full) >= 1 and int(acquire) >= 1 and int(release) >= 1, rows
+        else:
+            assert int(full) == 0 and int(atoms) == 0, rows
+
+
 def test_flex_kernels_compile_and_fit(tmp_path):
     """Issue 35's kernels with translated mods build sm_90a PTX and fit shared memory: the
     forward, dQ and dK/dV at d64 and d128 with ALiBi + causal and with a relative-position

@@ -35,7 +35,16 @@ query blocks (``_step_coords``), so their reductions do not all hit one dQ tile 
 
 The float32 sums of dQ arrive in an order that varies between runs, so dQ is not bitwise
 reproducible (dK and dV are: each program owns its keys). ``deterministic=True`` and
-``torch.use_deterministic_algorithms(True)`` take the split kernels of ``backward_split``.
+``torch.use_deterministic_algorithms(True)`` take this kernel in its deterministic mode
+from ``scope.DETERMINISTIC_ONEPASS_MIN_SEQLEN`` queries on (any fixed length with
+``FLASHTILE_BWD_DQ=onepass``), else the split kernels of ``backward_split`` (FA3's mode;
+session 42, fixed lengths; H100 runs 232-235): each (query head, query tile) has an int32
+counter; the reducer waits until the counter reads its key block's turn (``_det_turn``),
+adds, waits until its sums are in global memory and adds 1. Every block then streams the
+query tiles from its first (no rotation), so the blocks of a tile reach it in turn order
+and each waits about one reduction's latency, once; with causal masking the higher blocks
+(which see a tile first) go first and are launched first, so no block waits for one that
+cannot start.
 
 Speed (H200, session 16, docs/perf-notes.md "One-pass backward", runs 83-88): at d64, in
 ``flashtile bench``, 1.03-1.09x the split kernels without causal and 0.99-1.04x with it
@@ -82,6 +91,9 @@ NUM_BUF = {64: 4, 128: 2}  # (Q, dO) ring slots of 64 rows (half as many of 128 
 # float32 dQ slots (QROWS x D each). d64 takes one since session 42 (library A/B, H100, four rounds:
 # +0.8 to +3.2% against two but -0.8% at one row); d128 keeps two (one read -2.6 to +1.2%).
 DQ_BUF = {64: 1, 128: 2}
+# deterministic calls: two at d64 too (a slot more lets the consumers run ahead while the
+# reducer waits its turn; H100 run 233: causal +3 to +9%, without causal 0 to -3%)
+DQ_BUF_DETERMINISTIC = {64: 2, 128: 2}
 # The dQ slots' layout. ``DQ_NATIVE`` ("native", the default for fixed-length calls since
 # session 41): each thread stores its wgmma accumulator registers in their own order
 # (``native_offset_bases``: st.shared.v4, no bank conflicts, one TMA box per half); H100
@@ -283,7 +295,7 @@ def _step(WG: gl.constexpr, s, dk, dv, Lse, Delta, q_smem, do_smem, k_smem, v_sm
 
 
 @gluon.jit
-def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem,
+def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem,
               k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot,
               group_size, nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty,
               dq_rows, q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
@@ -359,29 +371,29 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 
 
 @gluon.jit
-def _consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+def _consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem, v_smem,
                p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
                seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
                q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
-    _consumer(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+    _consumer(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem, v_smem,
               p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
               seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
               q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
 
 
 @gluon.jit
-def _consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+def _consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem, v_smem,
                p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
                seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
                q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
-    _consumer(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+    _consumer(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem, v_smem,
               p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
               seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
               q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+def _loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem, v_smem,
             p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
             seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
             q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
@@ -405,7 +417,7 @@ def _loader(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sme
 
 
 @gluon.jit
-def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem, v_smem,
              p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
              seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
              q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
@@ -421,19 +433,31 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sm
     HALF_D: gl.constexpr = dq_smem.type.shape[2]
     NATIVE: gl.constexpr = _is_native(dq_smem.type.layout)
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
+    DET: gl.constexpr = Sem.dtype.element_ty == gl.int32
     q_lo, nq = step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
+    nb = n0 // (2 * ROWS)
+    num_n_blocks = gl.cdiv(seqlen_k, 2 * ROWS)
     for t in range(nq * group_size):
         slot = t % DQ_BUF
         mbarrier.wait(dq_full.index(slot), (t // DQ_BUF) & 1)
         hq, m0 = _step_coords(t, q_lo, nq, q_rot, kvh, group_size, QROWS)
         row = (b * nheads + hq) * dq_rows + q_row + m0  # packed: b = 0, the sequence's rows from q_row on
+        if DET:
+            # this block's turn at the tile: ascending blocks without causal; with it, the
+            # diagonal's block first (it reaches the tile first: ``_det_turn``)
+            lock = Sem + (b * nheads + hq) * gl.cdiv(seqlen_q, QROWS) + m0 // QROWS
+            _wait_turn(lock, _det_turn(nb, num_n_blocks, m0, diag_offset, QROWS, CAUSAL))
         for half in gl.static_range(2):
             if NATIVE:  # the slot's bytes as they are (a box without swizzle)
                 src = dq_smem.index(2 * slot + half)._reinterpret(gl.float32, [QROWS, HALF_D], dq_desc.layout)
                 async_reduce_add_shared_to_global(dq_desc, [2 * row + half * QROWS, 0], src)
             else:
                 async_reduce_add_shared_to_global(dq_desc, [row, half * HALF_D], dq_smem.index(2 * slot + half))
-        if DQ_BUF > 1:
+        if DET:
+            tma.store_wait(pendings=0)  # the slot was read
+            mbarrier.arrive(dq_empty.index(slot), count=1)
+            _pass_turn(lock)  # once the sums are in global memory
+        elif DQ_BUF > 1:
             tma.store_wait(pendings=2)  # step t - 1's two reductions have read their slot
             if t > 0:
                 mbarrier.arrive(dq_empty.index((t + DQ_BUF - 1) % DQ_BUF), count=1)
@@ -444,7 +468,46 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_sm
 
 
 @gluon.jit
-def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size,
+def _det_turn(nb, num_n_blocks, m0, diag_offset, QROWS: gl.constexpr, CAUSAL: gl.constexpr):
+    """How many key blocks add to the dQ tile of query rows m0.. before block nb in the
+    deterministic order. Without causal every block streams the query tiles in the same
+    order from the first: ascending blocks. With it each block streams them from its
+    diagonal on (``step_range``), so the blocks that see a tile are 0 .. last, and a higher
+    block reaches it earlier: the order is last, last - 1, .., 0 (FA3's), and the grid
+    starts the higher blocks first (``onepass_kernel``)."""
+    if CAUSAL:
+        last = gl.minimum(num_n_blocks, gl.cdiv(m0 + QROWS + diag_offset, 2 * ROWS)) - 1
+        return last - nb
+    return nb
+
+
+@gluon.jit
+def _wait_turn(lock, turn):
+    """Spin until the int32 at ``lock`` reads ``turn`` (lane 0 polls with acquire
+    semantics; the warp leaves the loop with the value it read)."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lane = gl.arange(0, 32, layout=layout)
+    seen = turn - 1
+    while seen != turn:
+        old = gl.atomic_add(lock + lane * 0, gl.zeros([32], gl.int32, layout), mask=lane == 0, sem="acquire",
+                            scope="gpu")
+        seen = gl.max(gl.where(lane == 0, old, -1), axis=0)
+
+
+@gluon.jit
+def _pass_turn(lock):
+    """Wait until this thread's bulk reductions have been applied in global memory (not
+    only read from shared memory, as ``tma.store_wait`` waits for), then add 1 at
+    ``lock`` (release): the next block's reductions start after this one's are done."""
+    layout: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lane = gl.arange(0, 32, layout=layout)
+    one = gl.inline_asm_elementwise("cp.async.bulk.wait_group 0;\n\tmov.u32 $0, 1;", "=r,r", [lane],
+                                    dtype=gl.int32, is_pure=False, pack=1)  # ``lane``: a shape for the result
+    gl.atomic_add(lock + lane * 0, one, mask=lane == 0, sem="release", scope="gpu")
+
+
+@gluon.jit
+def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, nheads, nheads_k, group_size,
                     seqlen_q, num_n_blocks, diag_offset, qk_scale, scale, dq_desc, dq_rows, seqlen_k, Items,
                     item_cap, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr,
                     DQ_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
@@ -452,6 +515,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     QROWS: gl.constexpr = q_desc.block_type.shape[2]  # queries per step (ROWS, or 2 x ROWS at d64: Q_ROWS)
     dtype: gl.constexpr = q_desc.dtype
+    DET: gl.constexpr = Sem.dtype.element_ty == gl.int32  # deterministic dQ sums (fixed lengths only)
     pid = gl.program_id(0)  # flat grid over (batch, kv head) pairs and blocks of 2 * ROWS keys
     lse_stride = seqlen_q
     if Items.dtype.element_ty == gl.int32:
@@ -474,6 +538,8 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
         else:  # pair-major: a pair's blocks run side by side (its Q and dO shared in L2)
             nb = pid % num_n_blocks
             bk = pid // num_n_blocks
+        if DET and CAUSAL:  # a block waits for the higher ones (``_det_turn``): they start first
+            nb = num_n_blocks - 1 - nb
         b = bk // nheads_k
         kvh = bk % nheads_k
         q_row = b * 0
@@ -481,6 +547,8 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
     n0 = nb * (2 * ROWS)
     q_lo, nq = step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
     q_rot = (nb * nq) // num_n_blocks
+    if DET:  # every block streams the query tiles from its first (``_det_turn``)
+        q_rot = 0
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], q_desc.layout)
     do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], do_desc.layout)
@@ -511,7 +579,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
         mbarrier.init(dq_full.index(i), count=2)  # both warpgroups' halves
         mbarrier.init(dq_empty.index(i), count=1)  # the reducer
 
-    args = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, q_smem, do_smem, k_smem, v_smem,
+    args = (q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem, v_smem,
             p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
             seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
             q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
@@ -603,7 +671,7 @@ def accumulator(q, q_rows: int | None = None):
 def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int,
                                causal: bool, num_buf: int | None = None, dq_buf: int | None = None,
                                dq_swizzle: int | str | None = None, varlen=None, dq_accum=None,
-                               q_rows: int | None = None) -> None:
+                               q_rows: int | None = None, deterministic: bool = False) -> None:
     """Launch the one-pass kernel and the dQ postprocess; the caller checked
     ``scope.backward_scope`` and TMA alignment (``backends.registry.backward``).
 
@@ -614,7 +682,8 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
             minus the LSE's own upstream gradient if any).
         causal: key j visible to query i iff j <= i + diag_offset.
         num_buf, dq_buf: (Q, dO) ring slots (default ``NUM_BUF[D]`` of 64 rows: half as many
-            of 128) and float32 dQ slots (default ``DQ_BUF[D]``);
+            of 128) and float32 dQ slots (default ``DQ_BUF[D]``, ``DQ_BUF_DETERMINISTIC[D]``
+            when deterministic);
             dq_swizzle: the dQ slots' swizzle (default ``DQ_SWIZZLE[D]``), or ``DQ_NATIVE``:
             the accumulator's register order, without packed sequences (experiments:
             benchmarks/experiments/gluon_bwd_onepass.py).
@@ -629,7 +698,13 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
         dq_accum: None, or ``accumulator(q, q_rows)`` already zeroed (the library's path: the
             preprocess zeroed it), else the call allocates and zeroes one.
 
-    Memory: a float32 dQ of B x H x Sq (rounded up to q_rows) x D.
+        deterministic: dQ's float32 sums in a fixed order (bitwise reproducible): each
+            (query head, query tile) has an int32 counter, and a key block adds its part
+            only when the blocks before it in ``_det_turn``'s order have added theirs, then
+            passes the turn once its sums are in global memory. Fixed lengths only.
+
+    Memory: a float32 dQ of B x H x Sq (rounded up to q_rows) x D; deterministic: an int32
+    counter per (B, H, query tile) more.
     """
     import torch
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
@@ -639,7 +714,8 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"the one-pass backward takes head dims {HEAD_DIMS}, got {head_dim}")
     q_rows, num_buf = step_plan(head_dim, varlen is not None, q_rows, num_buf)
-    dq_buf = DQ_BUF[head_dim] if dq_buf is None else dq_buf
+    if dq_buf is None:
+        dq_buf = (DQ_BUF_DETERMINISTIC if deterministic else DQ_BUF)[head_dim]
     if num_buf < 2 or dq_buf < 1:
         raise ValueError(f"need num_buf >= 2 and dq_buf >= 1, got {num_buf} and {dq_buf}")
     dq_swizzle = dq_slot_swizzle(head_dim, dq_swizzle, varlen is not None)
@@ -655,6 +731,11 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     flat = acc.view(-1, head_dim // 2 if native else head_dim)  # native: each tile's halves one after the other
     dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [q_rows, head_dim // 2],
                                dq_accumulator_layout(head_dim, dq_swizzle))
+    if deterministic and varlen is not None:
+        raise ValueError("deterministic=True: the one-pass backward orders dQ's sums for fixed-length calls only")
+    # the turn counters of a deterministic call; else an unread float32 pointer (its dtype selects the plain kernel)
+    sem = torch.zeros(batch * nheads * triton.cdiv(seqlen_q, q_rows), dtype=torch.int32,
+                      device=q.device) if deterministic else lse
     if varlen is None:
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
         grid = num_n_blocks * batch * nheads_k
@@ -667,7 +748,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
         items = (kv_table, kv_cap, dk, dk.stride(1), dk.stride(2), dv, dv.stride(1), dv.stride(2))
     _launch((grid,),
             (tma_descriptor(q, q_rows), tma_descriptor(k, BLOCK), tma_descriptor(v, BLOCK),
-             tma_descriptor(dout, q_rows), tma_descriptor(dk, BLOCK), tma_descriptor(dv, BLOCK), lse, delta,
+             tma_descriptor(dout, q_rows), tma_descriptor(dk, BLOCK), tma_descriptor(dv, BLOCK), lse, delta, sem,
              nheads, nheads_k, nheads // nheads_k, seqlen_q, num_n_blocks, diag_offset, scale * LOG2E, scale,
              dq_desc, rows, seqlen_k, *items),
             dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=CONSUMER_REGS,
