@@ -212,6 +212,22 @@ class _EagerAttention(torch.autograd.Function):
         return None, None, *grads[:3], grads[19] if ctx.has_sink else None, None, None
 
 
+# ``Function.apply`` without its Python classmethod: the C ``_FunctionBase.apply`` it ends in.
+# The classmethod binds arguments for a ``setup_context`` (``_EagerAttention`` has none),
+# sends functorch transforms elsewhere (its callers' ``_plain_eager`` / ``replay.make_key``
+# refused those calls already) and unwraps dead functorch wrappers (``_eager_apply`` does,
+# for the tensors among its arguments): 4-5 us of a call with grad (CPU stub, session 42).
+_function_base_apply = super(torch.autograd.Function, _EagerAttention).apply
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
+
+
+def _eager_apply(hint, where: str, q: Tensor, k: Tensor, v: Tensor, sink: Optional[Tensor], tail: tuple,
+                 keyed: bool):
+    """``_EagerAttention.apply(...)`` for a plain eager call (nothing traces or transforms it)."""
+    return _function_base_apply(hint, where, _unwrap_if_dead(q), _unwrap_if_dead(k), _unwrap_if_dead(v),
+                                None if sink is None else _unwrap_if_dead(sink), tail, keyed)
+
+
 def _keyed_grads(ctx, dout, dlse, saved) -> tuple:
     """dq, dk, dv and the sink's gradient (None without a sink) of a keyed call's backward."""
     grads = _grads(ctx, dout, dlse, run.backward, saved)
@@ -287,7 +303,7 @@ def attention(q: Tensor, k: Tensor, v: Tensor, scale: float, diag_offset: int, w
         return layout.from_bshd(out, qkv_layout), lse
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad
                                     or (sink is not None and sink.requires_grad)):
-        return _EagerAttention.apply(hint, qkv_layout, q, k, v, sink, tail, False)
+        return _eager_apply(hint, qkv_layout, q, k, v, sink, tail, False)
     out, lse = run.forward(*(layout.canonical(t, qkv_layout) for t in (q, k, v)), *tail)
     return layout.from_bshd(out, qkv_layout), lse
 
@@ -299,7 +315,7 @@ def attention_keyed(hint, qkv_layout: str, q: Tensor, k: Tensor, v: Tensor, tail
     holds) and whose op arguments after v are ``tail`` (no tensor among them but a packed
     call's metadata and the sink, which the API key covers; ``sink``: tail[16] or None): the
     eager autograd node directly (``dispatch.attention_keyed``)."""
-    return _EagerAttention.apply(hint, qkv_layout, q, k, v, sink, tail, True)
+    return _eager_apply(hint, qkv_layout, q, k, v, sink, tail, True)
 
 
 @torch.library.custom_op("flashtile::kvcache", mutates_args=("k_cache", "v_cache"), device_types=("cuda", "cpu"))
