@@ -453,6 +453,28 @@ def test_unplannable_calls_stay_correct(replays, plans_off):
     assert len(flash._PLANS.entries) == 1 and replays["n"] == n + 1  # the kernels' op replayed, not the call
 
 
+def test_a_dead_functorch_wrapper_is_not_planned(replays, plans_off):
+    """A tensor that outlived a ``torch.func`` transform (a dead wrapper: no storage, so no
+    data pointer for a key) takes the ordinary path, with and without grad, and gets the
+    plain tensor's results."""
+    leaked = []
+
+    def loss(x):
+        leaked.append(x)
+        return x.sum()
+
+    q, k, v = _qkv(1, 16, 16, 2, 2, 16)
+    torch.func.grad(loss)(q)
+    dead = leaked[0]
+    assert torch._C._functorch.is_functorch_wrapped_tensor(dead)
+    for _ in range(2):
+        assert _same(flashtile.flash_attn_func(dead, k, v, causal=True), flashtile.flash_attn_func(q, k, v, causal=True))
+    leaf = k.clone().requires_grad_(True)
+    out = flashtile.flash_attn_func(dead, leaf, v, causal=True)
+    want = plans_off(lambda: torch.autograd.grad(flashtile.flash_attn_func(q, leaf, v, causal=True).sum(), leaf))
+    assert _same(torch.autograd.grad(out.sum(), leaf), want)
+
+
 def test_threads_with_different_shapes(replays, monkeypatch, plans_off):
     """Lookups, recordings and replays run concurrently; the kernels themselves one at a
     time (Triton's interpreter patches builtins while it runs a kernel)."""

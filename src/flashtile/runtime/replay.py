@@ -540,7 +540,8 @@ def make_key(inputs: Sequence[Optional[torch.Tensor]], scalars: tuple) -> Any:
     """The key of a call with these tensors and (hashable) scalar arguments, or None when
     it must not be planned: plans off, inside another call's recording, under anything
     that traces or transforms tensors (torch.compile, a dispatch mode, functorch,
-    jit.trace, a forward-AD dual level), or a tensor subclass among the inputs."""
+    jit.trace, a forward-AD dual level), a tensor subclass among the inputs, or one without
+    storage (a functorch wrapper that outlived its transform: the ordinary path takes it)."""
     if (getattr(_local, "recorder", None) is not None or torch.compiler.is_compiling()
             or _get_current_dispatch_mode() is not None or torch._C._are_functorch_transforms_active()
             or torch._C._get_tracing_state() is not None or _fwad._current_level >= 0):
@@ -551,7 +552,11 @@ def make_key(inputs: Sequence[Optional[torch.Tensor]], scalars: tuple) -> Any:
     env = env_key()
     if env[0][0] in ("0", b"0"):
         return None
-    return (env, scalars, *map(tensor_key, inputs))
+    try:
+        keys = tuple(map(tensor_key, inputs))
+    except RuntimeError:  # no data pointer: a tensor without storage
+        return None
+    return (env, scalars, *keys)
 
 
 def call(c: Cache, key, inputs: Sequence[Optional[torch.Tensor]], fn: Callable[[], Any]):
