@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-rule|decode-wave|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|det|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-rule|decode-wave|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -270,6 +270,24 @@ if [[ $what == gluon-bwd ]]; then
   # next to the library's backward, the Triton backward and cuDNN.
   timeout 240 python3 benchmarks/experiments/gluon_bwd.py --split > "$OUT/gluon-bwd.log" 2>&1
   echo "gluon bwd rc=$?"; grep -v Warning "$OUT/gluon-bwd.log" | tail -20
+fi
+if [[ $what == det ]]; then
+  # Session 42: the deterministic backward. Its GPU tests (the one-pass kernel's ordered dQ sums
+  # and the split kernels' bitwise test), then flashtile-det against the default, bf16, S2048-16384,
+  # under FLASHTILE_BWD_DQ=auto (split below 8192 queries, one-pass from there) and =onepass (one-pass
+  # at every length), then the host cost per call (autograd._eager_apply: forward with grad).
+  timeout 150 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -k "deterministic or bitwise" -q \
+    -n 8 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-det.log" 2>&1
+  echo "det gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-det.log" | tail -8
+  for path in auto onepass; do
+    FLASHTILE_BWD_DQ=$path timeout 120 python3 -m flashtile.tools.bench --dtype bf16 --pass bwd --impl flashtile \
+      flashtile-det --headdim 64 128 --seqlen 2048 4096 8192 16384 --out /tmp/bench --tag ${gpu}-bf16-det-$path \
+      > /tmp/bench/bench-det-$path.log 2>&1
+    echo "det bench $path rc=$?"; grep "| bwd " /tmp/bench/bench-det-$path.log | awk -F'|' '{print $2,$3,$5,$8,$9,$12}'
+  done
+  timeout 60 python3 benchmarks/host_overhead.py > /tmp/bench/host-overhead.log 2>&1
+  echo "host overhead rc=$?"; grep -v Warn /tmp/bench/host-overhead.log | tail -12
+  tar czf "$OUT/det.tgz" -C /tmp/bench .
 fi
 if [[ $what == onepass ]]; then
   # Issue 17's one-pass backward (backends/sm90/backward_onepass.py, the default at d64): its
