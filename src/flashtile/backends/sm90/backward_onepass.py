@@ -42,9 +42,10 @@ session 42, fixed lengths; H100 runs 232-235): each (query head, query tile) has
 counter; the reducer waits until the counter reads its key block's turn (``_det_turn``),
 adds, waits until its sums are in global memory and adds 1. Every block then streams the
 query tiles from its first (no rotation), so the blocks of a tile reach it in turn order
-and each waits about one reduction's latency, once; with causal masking the higher blocks
-(which see a tile first) go first and are launched first, so no block waits for one that
-cannot start.
+(by design the first tile's wait staggers the blocks and later ones rarely wait: not
+profiled); with causal masking the higher blocks (which see a tile first) go first and are
+launched first, so no block waits for one that cannot start. Slower than the split
+kernels at S2048 (H100 runs 227, 232-235: docs/perf-notes.md, session 42).
 
 Speed (H200, session 16, docs/perf-notes.md "One-pass backward", runs 83-88): at d64, in
 ``flashtile bench``, 1.03-1.09x the split kernels without causal and 0.99-1.04x with it
@@ -713,6 +714,8 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     nheads_k, seqlen_k = k.shape[1], k.shape[2]
     if head_dim not in HEAD_DIMS:
         raise ValueError(f"the one-pass backward takes head dims {HEAD_DIMS}, got {head_dim}")
+    if deterministic and varlen is not None:
+        raise ValueError("deterministic=True: the one-pass backward orders dQ's sums for fixed-length calls only")
     q_rows, num_buf = step_plan(head_dim, varlen is not None, q_rows, num_buf)
     if dq_buf is None:
         dq_buf = (DQ_BUF_DETERMINISTIC if deterministic else DQ_BUF)[head_dim]
@@ -731,8 +734,6 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     flat = acc.view(-1, head_dim // 2 if native else head_dim)  # native: each tile's halves one after the other
     dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [q_rows, head_dim // 2],
                                dq_accumulator_layout(head_dim, dq_swizzle))
-    if deterministic and varlen is not None:
-        raise ValueError("deterministic=True: the one-pass backward orders dQ's sums for fixed-length calls only")
     # the turn counters of a deterministic call; else an unread float32 pointer (its dtype selects the plain kernel)
     sem = torch.zeros(batch * nheads * triton.cdiv(seqlen_q, q_rows), dtype=torch.int32,
                       device=q.device) if deterministic else lse
