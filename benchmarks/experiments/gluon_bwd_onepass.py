@@ -22,7 +22,8 @@ default): +12-14% without causal, +5-7% with it, now the default (`Q_ROWS`); run
 (session 39), causal calls with their masked steps in a loop of their own: 17-33% slower
 (the switch is gone; its code is bc7de7f's); run 218 (session 41), dQ in the accumulator's order
 (`--variants "2,2;2,2,native"` before it was the default): d128 +3.8 to +5.8%, d64 +1.6 to
-+7.2%, now the default (``DQ_SWIZZLE``). The A/B modes of those runs (no reductions,
++7.2%, now the default (``DQ_SWIZZLE``). ``--deterministic`` (session 42): the kernel's
+mode with dQ's sums in a fixed order, for its A/Bs and profiles. The A/B modes of those runs (no reductions,
 red.v4 from registers, the serial consumer) are in git history
 (benchmarks/experiments/gluon_bwd_onepass.py at 47aaad2).
 """
@@ -30,6 +31,7 @@ red.v4 from registers, the serial consumer) are in git history
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 
@@ -37,13 +39,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_bwd import run  # noqa: E402  (the library experiment's checks and timing)
 
 
-def onepass_launch(q, k, v, dout, lse, delta, dq, dk, dv, *, causal, diag, variant):
+def onepass_launch(q, k, v, dout, lse, delta, dq, dk, dv, *, causal, diag, variant, deterministic=False):
     from flashtile.backends.sm90.backward_onepass import attention_backward_onepass
 
     num_buf, dq_buf, swizzle, q_rows = _parts(variant)
     attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5,
                                diag_offset=diag, causal=causal, num_buf=num_buf, dq_buf=dq_buf,
-                               dq_swizzle=swizzle, q_rows=q_rows)
+                               dq_swizzle=swizzle, q_rows=q_rows, deterministic=deterministic)
 
 
 def _parts(variant):
@@ -68,7 +70,10 @@ def main(argv=None) -> int:
                    help="no GPU: compile every (variant, head dim, causal) for sm_90a and report them")
     p.add_argument("--profile", metavar="D,S,CAUSAL",
                    help="GPU: the first variant on one timing shape, twice, no checks (for ncu --launch-skip 1)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="the kernel's deterministic mode (dQ's sums in a fixed order: session 42)")
     args = p.parse_args(argv)
+    launch = functools.partial(onepass_launch, deterministic=args.deterministic)
     variants = [tuple(x if x == "native" else int(x) for x in v.split(",")) for v in args.variants.split(";")]
     shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")]
     if args.compile:
@@ -80,7 +85,8 @@ def main(argv=None) -> int:
                 for causal in (False, True):
                     try:
                         c = compile_backward_onepass("bf16", d, causal=causal, num_buf=num_buf, dq_buf=dq_buf,
-                                                     dq_swizzle=swizzle, q_rows=q_rows)
+                                                     dq_swizzle=swizzle, q_rows=q_rows,
+                                                     deterministic=args.deterministic)
                         regs, spills = c.registers()
                         print(f"{c.name}: shared {c.shared} B, regs {regs}, spills {spills} B, bulk reduces "
                               f"{c.ptx.count('cp.reduce.async.bulk.tensor')}", flush=True)
@@ -97,10 +103,10 @@ def main(argv=None) -> int:
         lse, delta = torch.randn(B, H, S, device="cuda").abs() + 5, torch.randn(B, H, S, device="cuda")
         grads = [torch.empty_like(x) for x in (q, k, v)]
         for _ in range(2):
-            onepass_launch(q, k, v, dout, lse, delta, *grads, causal=bool(causal), diag=0, variant=variants[0])
+            launch(q, k, v, dout, lse, delta, *grads, causal=bool(causal), diag=0, variant=variants[0])
         torch.cuda.synchronize()
         return 0
-    run(variants, [(d, S, bool(c)) for d, S, c in shapes], launch=onepass_launch)
+    run(variants, [(d, S, bool(c)) for d, S, c in shapes], launch=launch)
     return 0
 
 
