@@ -200,8 +200,9 @@ def test_one_pass_grid_order(causal, nheads_k, block_major, monkeypatch):
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_one_pass_deterministic_launch(head_dim, monkeypatch):
     """deterministic=True: the kernel gets an int32 turn counter per (batch, query head,
-    query tile), zeroed (Sem, after Delta; its dtype selects the ordered reducer); a plain
-    call passes the float32 LSE there, unread. Packed sequences are refused by name."""
+    query tile), zeroed (Sem, after Delta; its dtype selects the ordered reducer), and two
+    dQ slots (``DQ_BUF_DETERMINISTIC``); a plain call passes the float32 LSE there, unread,
+    with ``DQ_BUF``'s slots. Packed sequences are refused by name."""
     from flashtile.backends.sm90 import backward_onepass as op
 
     launches = []
@@ -245,6 +246,7 @@ def test_one_pass_packed_launch(monkeypatch):
                                   varlen=(None, (table, 5), "a query table, unread"))
     (grid, args, constexprs), (_, (convert_grid, convert_args, *_)) = launches
     assert grid == (5 * 2,) and constexprs["KEYS_OUTER"] is False
+    assert constexprs["DQ_BUF"] == op.DQ_BUF_PACKED[64] == 2  # fixed lengths take one at d64
     assert args[-8:] == (table, 5, kv, 64, 2 * 64, kv, 64, 2 * 64)  # head stride 64, row stride 128
     assert convert_grid == (5, 6) and convert_args[4] == 320  # every packed row cast, the accumulator padded
     with pytest.raises(ValueError, match="one batch row"):

@@ -95,6 +95,8 @@ DQ_BUF = {64: 1, 128: 2}
 # deterministic calls: two at d64 too (a slot more lets the consumers run ahead while the
 # reducer waits its turn; H100 run 233: causal +3 to +9%, without causal 0 to -3%)
 DQ_BUF_DETERMINISTIC = {64: 2, 128: 2}
+# packed sequences keep two (their 64-row steps with one slot were tested, run 229, not timed)
+DQ_BUF_PACKED = {64: 2, 128: 2}
 # The dQ slots' layout. ``DQ_NATIVE`` ("native", the default for fixed-length calls since
 # session 41): each thread stores its wgmma accumulator registers in their own order
 # (``native_offset_bases``: st.shared.v4, no bank conflicts, one TMA box per half); H100
@@ -683,8 +685,8 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
             minus the LSE's own upstream gradient if any).
         causal: key j visible to query i iff j <= i + diag_offset.
         num_buf, dq_buf: (Q, dO) ring slots (default ``NUM_BUF[D]`` of 64 rows: half as many
-            of 128) and float32 dQ slots (default ``DQ_BUF[D]``, ``DQ_BUF_DETERMINISTIC[D]``
-            when deterministic);
+            of 128) and float32 dQ slots (default ``DQ_BUF[D]``; ``DQ_BUF_DETERMINISTIC[D]``
+            when deterministic, ``DQ_BUF_PACKED[D]`` for packed sequences);
             dq_swizzle: the dQ slots' swizzle (default ``DQ_SWIZZLE[D]``), or ``DQ_NATIVE``:
             the accumulator's register order, without packed sequences (experiments:
             benchmarks/experiments/gluon_bwd_onepass.py).
@@ -718,7 +720,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
         raise ValueError("deterministic=True: the one-pass backward orders dQ's sums for fixed-length calls only")
     q_rows, num_buf = step_plan(head_dim, varlen is not None, q_rows, num_buf)
     if dq_buf is None:
-        dq_buf = (DQ_BUF_DETERMINISTIC if deterministic else DQ_BUF)[head_dim]
+        dq_buf = (DQ_BUF_DETERMINISTIC if deterministic else DQ_BUF_PACKED if varlen is not None else DQ_BUF)[head_dim]
     if num_buf < 2 or dq_buf < 1:
         raise ValueError(f"need num_buf >= 2 and dq_buf >= 1, got {num_buf} and {dq_buf}")
     dq_swizzle = dq_slot_swizzle(head_dim, dq_swizzle, varlen is not None)
