@@ -367,8 +367,7 @@ def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf
     from flashtile.backends.sm90 import backward_onepass as op
 
     q_rows, num_buf = op.step_plan(head_dim, varlen, q_rows, num_buf)
-    dq_buf = dq_buf or (op.DQ_BUF_DETERMINISTIC if deterministic else op.DQ_BUF_PACKED if varlen
-                        else op.DQ_BUF)[head_dim]
+    dq_buf = op.dq_slots(head_dim, dq_buf, varlen, deterministic)
     dq_swizzle = op.dq_slot_swizzle(head_dim, dq_swizzle, varlen)  # bytes, or op.DQ_NATIVE
     dq_desc = f"tensordesc<fp32[{q_rows}, {head_dim // 2}],{op.dq_accumulator_layout(head_dim, dq_swizzle)}>"
     return _compile_ws(f"bwd-onepass {dtype} d{head_dim} causal={causal} num_buf={num_buf} dq_buf={dq_buf} "

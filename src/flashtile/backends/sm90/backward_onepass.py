@@ -647,6 +647,14 @@ def dq_slot_swizzle(head_dim: int, swizzle: int | str | None, packed: bool) -> i
     return DQ_SWIZZLE_PACKED[head_dim] if swizzle == DQ_NATIVE and packed else swizzle
 
 
+def dq_slots(head_dim: int, dq_buf: int | None, packed: bool, deterministic: bool) -> int:
+    """A call's float32 dQ slots: ``dq_buf``, else ``DQ_BUF_DETERMINISTIC[head_dim]`` when
+    deterministic, ``DQ_BUF_PACKED[head_dim]`` for packed sequences, ``DQ_BUF[head_dim]``."""
+    if dq_buf is not None:
+        return dq_buf
+    return (DQ_BUF_DETERMINISTIC if deterministic else DQ_BUF_PACKED if packed else DQ_BUF)[head_dim]
+
+
 def step_plan(head_dim: int, packed: bool, q_rows: int | None = None, num_buf: int | None = None) -> tuple[int, int]:
     """(queries per step, (Q, dO) ring slots) of a call, the defaults filled in: ``Q_ROWS[D]``
     (BLOCK for packed sequences) and ``NUM_BUF[D]`` slots of BLOCK rows (half as many of
@@ -685,8 +693,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
             minus the LSE's own upstream gradient if any).
         causal: key j visible to query i iff j <= i + diag_offset.
         num_buf, dq_buf: (Q, dO) ring slots (default ``NUM_BUF[D]`` of 64 rows: half as many
-            of 128) and float32 dQ slots (default ``DQ_BUF[D]``; ``DQ_BUF_DETERMINISTIC[D]``
-            when deterministic, ``DQ_BUF_PACKED[D]`` for packed sequences);
+            of 128) and float32 dQ slots (default: ``dq_slots``);
             dq_swizzle: the dQ slots' swizzle (default ``DQ_SWIZZLE[D]``), or ``DQ_NATIVE``:
             the accumulator's register order, without packed sequences (experiments:
             benchmarks/experiments/gluon_bwd_onepass.py).
@@ -719,8 +726,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     if deterministic and varlen is not None:
         raise ValueError("deterministic=True: the one-pass backward orders dQ's sums for fixed-length calls only")
     q_rows, num_buf = step_plan(head_dim, varlen is not None, q_rows, num_buf)
-    if dq_buf is None:
-        dq_buf = (DQ_BUF_DETERMINISTIC if deterministic else DQ_BUF_PACKED if varlen is not None else DQ_BUF)[head_dim]
+    dq_buf = dq_slots(head_dim, dq_buf, varlen is not None, deterministic)
     if num_buf < 2 or dq_buf < 1:
         raise ValueError(f"need num_buf >= 2 and dq_buf >= 1, got {num_buf} and {dq_buf}")
     dq_swizzle = dq_slot_swizzle(head_dim, dq_swizzle, varlen is not None)
