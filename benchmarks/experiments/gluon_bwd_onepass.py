@@ -25,7 +25,10 @@ default): +12-14% without causal, +5-7% with it, now the default (`Q_ROWS`); run
 +7.2%, now the default (``DQ_SWIZZLE``). ``--deterministic`` (session 42): the kernel's
 mode with dQ's sums in a fixed order, for its A/Bs and profiles. The A/B modes of those runs (no reductions,
 red.v4 from registers, the serial consumer) are in git history
-(benchmarks/experiments/gluon_bwd_onepass.py at 47aaad2).
+(benchmarks/experiments/gluon_bwd_onepass.py at 47aaad2). A fifth entry runs a variant in a
+mode of its own: ``plain``, ``det`` (deterministic, the library's order), ``rot`` (deterministic,
+each key block from a query tile of its own: session 43) or ``asc`` (deterministic, every block
+from the first tile): `--variants "2,2,-1,-1,plain;2,2,-1,-1,asc;2,2,-1,-1,rot"`.
 """
 
 from __future__ import annotations
@@ -39,22 +42,30 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_bwd import run  # noqa: E402  (the library experiment's checks and timing)
 
 
+# a variant's fifth entry: the mode (deterministic, rotate) it runs in
+MODES = {"plain": (False, None), "det": (True, None), "rot": (True, True), "asc": (True, False)}
+
+
 def onepass_launch(q, k, v, dout, lse, delta, dq, dk, dv, *, causal, diag, variant, deterministic=False):
     from flashtile.backends.sm90.backward_onepass import attention_backward_onepass
 
-    num_buf, dq_buf, swizzle, q_rows = _parts(variant)
+    num_buf, dq_buf, swizzle, q_rows, mode = _parts(variant)
+    det, rotate = MODES[mode] if mode else (deterministic, None)
+    if causal and rotate:  # rotated sums are for calls without causal: the causal order there
+        rotate = None
     attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5,
                                diag_offset=diag, causal=causal, num_buf=num_buf, dq_buf=dq_buf,
-                               dq_swizzle=swizzle, q_rows=q_rows, deterministic=deterministic)
+                               dq_swizzle=swizzle, q_rows=q_rows, deterministic=det, rotate=rotate)
 
 
 def _parts(variant):
-    """(num_buf, dq_buf[, dq_swizzle[, q_rows]]) -> the four, None for a missing or -1 entry
-    (the library's ``DQ_SWIZZLE``, ``Q_ROWS``)."""
+    """(num_buf, dq_buf[, dq_swizzle[, q_rows[, mode]]]) -> the five, None for a missing or
+    -1 entry (the library's ``DQ_SWIZZLE``, ``Q_ROWS``; the mode of ``--deterministic``)."""
     num_buf, dq_buf, *rest = variant
-    if len(rest) > 2:
-        raise ValueError(f"a variant is num_buf,dq_buf[,dq_swizzle[,q_rows]], got {variant}")
-    rest = [None if isinstance(x, int) and x < 0 else x for x in rest] + [None] * (2 - len(rest))
+    if len(rest) > 3 or (len(rest) == 3 and rest[2] not in MODES):
+        raise ValueError(f"a variant is num_buf,dq_buf[,dq_swizzle[,q_rows[,mode]]] with a mode of {list(MODES)}, "
+                         f"got {variant}")
+    rest = [None if isinstance(x, int) and x < 0 else x for x in rest] + [None] * (3 - len(rest))
     return (num_buf, dq_buf, *rest)
 
 
@@ -74,19 +85,21 @@ def main(argv=None) -> int:
                    help="the kernel's deterministic mode (dQ's sums in a fixed order: session 42)")
     args = p.parse_args(argv)
     launch = functools.partial(onepass_launch, deterministic=args.deterministic)
-    variants = [tuple(x if x == "native" else int(x) for x in v.split(",")) for v in args.variants.split(";")]
+    variants = [tuple(x if x == "native" or x in MODES else int(x) for x in v.split(","))
+                for v in args.variants.split(";")]
     shapes = [tuple(int(x) for x in sh.split(",")) for sh in args.shapes.split(";")]
     if args.compile:
         from flashtile.tools.sm90_check import compile_backward_onepass
 
         for variant in variants:
-            num_buf, dq_buf, swizzle, q_rows = _parts(variant)
+            num_buf, dq_buf, swizzle, q_rows, mode = _parts(variant)
+            det, rotate = MODES[mode] if mode else (args.deterministic, None)
             for d in sorted({sh[0] for sh in shapes}):
                 for causal in (False, True):
                     try:
                         c = compile_backward_onepass("bf16", d, causal=causal, num_buf=num_buf, dq_buf=dq_buf,
-                                                     dq_swizzle=swizzle, q_rows=q_rows,
-                                                     deterministic=args.deterministic)
+                                                     dq_swizzle=swizzle, q_rows=q_rows, deterministic=det,
+                                                     rotate=bool(rotate) and not causal)
                         regs, spills = c.registers()
                         print(f"{c.name}: shared {c.shared} B, regs {regs}, spills {spills} B, bulk reduces "
                               f"{c.ptx.count('cp.reduce.async.bulk.tensor')}", flush=True)

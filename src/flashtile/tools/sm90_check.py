@@ -359,11 +359,13 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
 def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf: int | None = None,
                              dq_buf: int | None = None, keys_outer: bool = False,
                              dq_swizzle: int | str | None = None, varlen: bool = False,
-                             q_rows: int | None = None, deterministic: bool = False) -> Compiled:
+                             q_rows: int | None = None, deterministic: bool = False,
+                             rotate: bool = False) -> Compiled:
     """The one-pass Gluon backward (``backends.sm90.backward_onepass``; its default rings,
     dQ swizzle and queries per step unless given; ``varlen``: its work-list variant for
-    packed sequences; ``deterministic``: dQ's sums in a fixed order, an int32 Sem): its PTX
-    should hold the bulk tensor reductions of dQ."""
+    packed sequences; ``deterministic``: dQ's sums in a fixed order, an int32 Sem;
+    ``rotate``: in that mode, each key block from a query tile of its own): its PTX should
+    hold the bulk tensor reductions of dQ."""
     from flashtile.backends.sm90 import backward_onepass as op
 
     q_rows, num_buf = op.step_plan(head_dim, varlen, q_rows, num_buf)
@@ -372,13 +374,15 @@ def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf
     dq_desc = f"tensordesc<fp32[{q_rows}, {head_dim // 2}],{op.dq_accumulator_layout(head_dim, dq_swizzle)}>"
     return _compile_ws(f"bwd-onepass {dtype} d{head_dim} causal={causal} num_buf={num_buf} dq_buf={dq_buf} "
                        f"dq_swizzle={dq_swizzle}" + (f" q_rows={q_rows}" if q_rows != op.BLOCK else "")
-                       + (" varlen" if varlen else "") + (" deterministic" if deterministic else ""),
+                       + (" varlen" if varlen else "") + (" deterministic" if deterministic else "")
+                       + (" rotate" if rotate else ""),
                        op.onepass_kernel, dtype, head_dim,
                        dict(dict.fromkeys(("k_desc", "v_desc", "dk_desc", "dv_desc"), op.BLOCK),
                             q_desc=q_rows, do_desc=q_rows),
                        dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=op.CONSUMER_REGS,
                             LOADER_REGS=op.LOADER_REGS, REDUCER_REGS=op.REDUCER_REGS,
-                            KEYS_OUTER=keys_outer and not varlen, DQ_NATIVE=dq_swizzle == op.DQ_NATIVE),
+                            KEYS_OUTER=keys_outer and not varlen, DQ_NATIVE=dq_swizzle == op.DQ_NATIVE,
+                            DET_ROTATE=rotate),
                        dict(dq_desc=dq_desc, Sem="*i32" if deterministic else "*fp32",
                             **(dict(Items="*i32") if varlen else {})))
 

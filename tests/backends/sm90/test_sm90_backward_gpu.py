@@ -124,14 +124,26 @@ def test_one_pass_race_hunt(causal, head_dim, bwd_ws_calls):
 @pytest.mark.parametrize("seqlens, batch", [((1537, 1537), 2), ((700, 1537), 3), ((1537, 700), 3), ((333, 333), 60)],
                          ids=lambda x: str(x))
 @pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
-@pytest.mark.parametrize("causal", [False, True])
-def test_one_pass_deterministic(causal, head_dim, seqlens, batch, bwd_ws_calls, monkeypatch):
+@pytest.mark.parametrize("causal, order", [(False, "rotated"), (False, "ascending"), (True, "causal")])
+def test_one_pass_deterministic(causal, order, head_dim, seqlens, batch, bwd_ws_calls, monkeypatch):
     """FLASHTILE_BWD_DQ=onepass with deterministic=True: the one-pass kernel adds dQ's parts
     in a fixed order (``_det_turn``), so dQ, dK and dV are bitwise equal over reruns, and
-    within the accuracy rule. Causal with seqlen_q < seqlen_k and > seqlen_k (the turn
-    count follows the bottom-right diagonal; rows that see no key), GQA, one wave of
-    programs and several (batch 60)."""
+    within the accuracy rule. Without causal in both orders (each key block from a query
+    tile of its own, ``det_rotate``'s choice at these lengths with ``DET_ROTATE_DEFAULT``
+    on, or every block from the first); causal with seqlen_q < seqlen_k and > seqlen_k (the turn count follows the
+    bottom-right diagonal; rows that see no key); GQA, one wave of programs and several
+    (batch 60)."""
+    from flashtile.backends.sm90 import backward_onepass
+
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")
+    monkeypatch.setattr(backward_onepass, "DET_ROTATE_DEFAULT", True)
+    rule, rotated = backward_onepass.det_rotate, []
+
+    def det_rotate(*args):
+        rotated.append(order == "rotated" and rule(*args))
+        return rotated[-1]
+
+    monkeypatch.setattr(backward_onepass, "det_rotate", det_rotate)
     case = Case(*seqlens, head_dim, dtype=torch.bfloat16, causal=causal, batch=batch, nheads=8, nheads_k=2)
     out, leaves, dout, _, _, first = _checked_first_grads(case, 5, "deterministic one-pass", deterministic=True)
     for _ in range(5):
@@ -139,6 +151,7 @@ def test_one_pass_deterministic(causal, head_dim, seqlens, batch, bwd_ws_calls, 
         assert all(torch.equal(a, b) for a, b in zip(again, first))
     assert len(bwd_ws_calls) == 6 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
     assert all(c["deterministic"] for c in bwd_ws_calls)
+    assert rotated == ([] if causal else [order == "rotated"] * 6)
 
 
 @pytest.mark.parametrize("q_rows", [128, 64])

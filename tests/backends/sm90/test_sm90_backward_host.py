@@ -228,6 +228,65 @@ def test_one_pass_deterministic_launch(head_dim, monkeypatch):
     assert len(launches) == 2
 
 
+def test_one_pass_deterministic_rotation(monkeypatch):
+    """A deterministic call without causal starts each key block at a query tile of its own
+    (``DET_ROTATE``) when a (batch, kv head)'s blocks fit on half the SMs (``det_rotate``):
+    3 and 66 blocks of 128 keys on 132 SMs do, 67 do not; causal calls never rotate, nor do
+    plain ones (``DET_ROTATE`` False). ``rotate=False`` keeps every block from the first
+    tile; ``rotate=True`` where the rule says no (too many blocks, causal) is refused, since
+    a block could wait for one that cannot start, and so is ``rotate`` without
+    ``deterministic``. With ``DET_ROTATE_DEFAULT`` off (until a GPU times it) only
+    ``rotate=True`` rotates."""
+    from flashtile.backends.sm90 import backward_onepass as op
+
+    launches = []
+    monkeypatch.setattr(op, "DET_ROTATE_DEFAULT", True)
+    monkeypatch.setattr(op, "_launch", lambda grid, args, constexprs, *rest: launches.append(constexprs["DET_ROTATE"]))
+    monkeypatch.setattr(op, "_launch_convert", lambda *a: None)
+    monkeypatch.setattr(op, "sm_count", lambda index: 132)
+
+    def call(seqlen, **kw):
+        q = torch.zeros(1, 2, seqlen, 64, dtype=torch.float16)
+        lse = torch.zeros(1, 2, seqlen)
+        op.attention_backward_onepass(q, q, q, q, lse, lse, q, q, q, scale=0.1, diag_offset=0,
+                                      **dict(dict(causal=False, deterministic=True), **kw))
+
+    for seqlen in (300, 66 * 128, 66 * 128 + 1):
+        call(seqlen)
+    call(300, causal=True)
+    call(300, deterministic=False)
+    call(300, rotate=False)
+    call(300, rotate=True)
+    assert launches == [True, True, False, False, False, False, True]
+    for kw in (dict(seqlen=66 * 128 + 1, rotate=True), dict(seqlen=300, causal=True, rotate=True)):
+        with pytest.raises(ValueError, match="rotate=True needs no causal mask"):
+            call(**kw)
+    with pytest.raises(ValueError, match="pass deterministic=True"):
+        call(300, deterministic=False, rotate=False)
+    monkeypatch.setattr(op, "DET_ROTATE_DEFAULT", False)
+    call(300)
+    call(300, rotate=True)
+    assert launches[7:] == [False, True]
+
+
+@pytest.mark.parametrize("num_n_blocks, nq", [(1, 1), (16, 16), (16, 32), (13, 25), (7, 3), (66, 132), (40, 40)])
+def test_rotated_turns_follow_the_arrival_order(num_n_blocks, nq):
+    """``_rotated_turn`` (run as Python) against the order in which the blocks reach each
+    query tile when block j starts at tile (j * nq) // num_n_blocks (the kernel's q_rot)
+    and wraps around: at every tile the turns are 0 .. num_n_blocks - 1 once each, a block
+    never goes before one that reached the tile at an earlier step, and of two that reach
+    it at the same step the higher goes first (so a block waits only for blocks a step
+    ahead of it or above it, never for a lower one that is behind)."""
+    from flashtile.backends.sm90.backward_onepass import _rotated_turn
+
+    for r in range(nq):
+        step = [(r - (j * nq) // num_n_blocks) % nq for j in range(num_n_blocks)]
+        by_turn = sorted(range(num_n_blocks), key=lambda j: _rotated_turn.fn(j, num_n_blocks, r, nq))
+        assert sorted(_rotated_turn.fn(j, num_n_blocks, r, nq) for j in range(num_n_blocks)) == list(
+            range(num_n_blocks))
+        assert by_turn == sorted(range(num_n_blocks), key=lambda j: (step[j], -j))
+
+
 def test_one_pass_packed_launch(monkeypatch):
     """Packed sequences (B = 1): one program per (kv head, item of the key work list), the
     list's capacity wide (the kernel returns past the count); the work list's order, never

@@ -459,15 +459,17 @@ def test_one_pass_deterministic_reducer_compiles(tmp_path):
     polls its turn with an acquire atomic, and passes it with a release atomic only after
     ``cp.async.bulk.wait_group 0`` (its reductions applied in global memory; the plain
     kernel's ``tma.store_wait`` is the ``.read`` form, which waits only for the shared-memory
-    reads). The plain kernel holds no atomic and no full wait. Both fit."""
+    reads). The plain kernel holds no atomic and no full wait. All fit, the rotated order
+    (``DET_ROTATE``, without causal: session 43) too."""
     code = ("from flashtile.tools.sm90_check import compile_backward_onepass as f\n"
-            "for d, causal, det in ((128, True, 1), (64, False, 1), (128, True, 0)):\n"
-            "    c = f('bf16', d, causal=causal, deterministic=bool(det))\n"
+            "for d, causal, det, rot in ((128, True, 1, 0), (64, False, 1, 0), (64, False, 1, 1), (128, False, 1, 1),\n"
+            "                            (128, True, 0, 0)):\n"
+            "    c = f('bf16', d, causal=causal, deterministic=bool(det), rotate=bool(rot))\n"
             "    full = c.ptx.count('cp.async.bulk.wait_group 0;')\n"
             "    print(d, causal, det, c.shared, full, c.ptx.count('atom.global.gpu.acquire.add'),\n"
             "          c.ptx.count('atom.global.gpu.release.add'), c.ptx.count('atom.'))")
     rows = [line.split() for line in _compile_run(tmp_path, "-c", code).splitlines()]
-    assert len(rows) == 3, rows
+    assert len(rows) == 5, rows
     for d, causal, det, shared, full, acquire, release, atoms in rows:
         assert 0 < int(shared) <= SM90_SHARED_LIMIT, rows
         if det == "1":

@@ -45,7 +45,9 @@ query tiles from its first (no rotation), so the blocks of a tile reach it in tu
 (by design the first tile's wait staggers the blocks and later ones rarely wait: not
 profiled); with causal masking the higher blocks (which see a tile first) go first and are
 launched first, so no block waits for one that cannot start. Slower than the split
-kernels at S2048 (H100 runs 227, 232-235: docs/perf-notes.md, session 42).
+kernels at S2048 (H100 runs 227, 232-235: docs/perf-notes.md, session 42). Without causal,
+``rotate`` keeps the plain kernel's staggered starts and orders each tile's sums by arrival
+(``_rotated_turn``, ``det_rotate``; session 43, not yet run on a GPU: off by default).
 
 Speed (H200, session 16, docs/perf-notes.md "One-pass backward", runs 83-88): at d64, in
 ``flashtile bench``, 1.03-1.09x the split kernels without causal and 0.99-1.04x with it
@@ -85,6 +87,7 @@ from flashtile.backends.sm90.backward_split import BLOCK, CONSUMER_REGS, LOADER_
 from flashtile.backends.sm90.common import dkdv_step_products, step_range, store_grad_tile, tma_descriptor, varlen_item
 from flashtile.backends.sm90.tma_reduce import async_reduce_add_shared_to_global
 from flashtile.backends.triton.scores import C_LOG2E, LOG2E
+from flashtile.runtime.device import sm_count
 from flashtile.runtime.launch import Launcher
 
 HEAD_DIMS = (64, 128)  # what it compiles for (the default at both: scope.ONEPASS_HEAD_DIMS)
@@ -97,6 +100,10 @@ DQ_BUF = {64: 1, 128: 2}
 DQ_BUF_DETERMINISTIC = {64: 2, 128: 2}
 # packed sequences keep two (their 64-row steps with one slot were tested, run 229, not timed)
 DQ_BUF_PACKED = {64: 2, 128: 2}
+# Deterministic calls without causal: each key block from a query tile of its own (``det_rotate``,
+# ``_rotated_turn``: session 43) where the rule allows it. Off until a GPU has run its tests and
+# timed it against every block from the first tile (``device_run.sh det-rot``); ``rotate=True`` asks.
+DET_ROTATE_DEFAULT = False
 # The dQ slots' layout. ``DQ_NATIVE`` ("native", the default for fixed-length calls since
 # session 41): each thread stores its wgmma accumulator registers in their own order
 # (``native_offset_bases``: st.shared.v4, no bank conflicts, one TMA box per half); H100
@@ -437,6 +444,7 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem,
     NATIVE: gl.constexpr = _is_native(dq_smem.type.layout)
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
     DET: gl.constexpr = Sem.dtype.element_ty == gl.int32
+    ROTATE: gl.constexpr = ds_full.type.shape[0] == 2  # DET_ROTATE (an unused second barrier)
     q_lo, nq = step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
     nb = n0 // (2 * ROWS)
     num_n_blocks = gl.cdiv(seqlen_k, 2 * ROWS)
@@ -446,10 +454,9 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem,
         hq, m0 = _step_coords(t, q_lo, nq, q_rot, kvh, group_size, QROWS)
         row = (b * nheads + hq) * dq_rows + q_row + m0  # packed: b = 0, the sequence's rows from q_row on
         if DET:
-            # this block's turn at the tile: ascending blocks without causal; with it, the
-            # diagonal's block first (it reaches the tile first: ``_det_turn``)
+            # this block's turn at the tile, in the order the blocks reach it (``_det_turn``)
             lock = Sem + (b * nheads + hq) * gl.cdiv(seqlen_q, QROWS) + m0 // QROWS
-            _wait_turn(lock, _det_turn(nb, num_n_blocks, m0, diag_offset, QROWS, CAUSAL))
+            _wait_turn(lock, _det_turn(nb, num_n_blocks, m0, nq, diag_offset, QROWS, CAUSAL, ROTATE))
         for half in gl.static_range(2):
             if NATIVE:  # the slot's bytes as they are (a box without swizzle)
                 src = dq_smem.index(2 * slot + half)._reinterpret(gl.float32, [QROWS, HALF_D], dq_desc.layout)
@@ -471,17 +478,38 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem,
 
 
 @gluon.jit
-def _det_turn(nb, num_n_blocks, m0, diag_offset, QROWS: gl.constexpr, CAUSAL: gl.constexpr):
+def _det_turn(nb, num_n_blocks, m0, nq, diag_offset, QROWS: gl.constexpr, CAUSAL: gl.constexpr,
+              ROTATE: gl.constexpr):
     """How many key blocks add to the dQ tile of query rows m0.. before block nb in the
-    deterministic order. Without causal every block streams the query tiles in the same
-    order from the first: ascending blocks. With it each block streams them from its
-    diagonal on (``step_range``), so the blocks that see a tile are 0 .. last, and a higher
-    block reaches it earlier: the order is last, last - 1, .., 0 (FA3's), and the grid
-    starts the higher blocks first (``onepass_kernel``)."""
+    deterministic order, which is the order in which the blocks reach the tile, so that a
+    block rarely waits. Without causal and without ``ROTATE`` every block streams the query
+    tiles in the same order from the first: ascending blocks (block nb's first sum waits
+    for nb others). ``ROTATE`` (without causal): each block starts at its own tile, as
+    the plain kernel does (``_rotated_turn``). With causal each block streams the tiles
+    from its diagonal on (``step_range``), so the blocks that see a tile are 0 .. last, and
+    a higher block reaches it earlier: the order is last, last - 1, .., 0 (FA3's), and the
+    grid starts the higher blocks first (``onepass_kernel``)."""
     if CAUSAL:
         last = gl.minimum(num_n_blocks, gl.cdiv(m0 + QROWS + diag_offset, 2 * ROWS)) - 1
         return last - nb
+    elif ROTATE:
+        return _rotated_turn(nb, num_n_blocks, m0 // QROWS, nq)
     return nb
+
+
+@gluon.jit
+def _rotated_turn(nb, num_n_blocks, r, nq):
+    """Block nb's turn at query tile r (of nq) when block j starts its query loop at tile
+    (j * nq) // num_n_blocks (``onepass_kernel``'s q_rot) and wraps around: the blocks that
+    reach tile r first go first, and of two that reach it at the same step the higher one.
+    Blocks 0 .. last (the ones that start at or before r) reach it in the order last .. 0,
+    then blocks num_n_blocks - 1 .. last + 1. So a block waits only for blocks that reached
+    the tile a step before it, or at the same step and above it: none may wait for a block
+    that has not started, as long as a (batch, kv head)'s blocks fit on the GPU at once
+    (``det_rotate``). Plain operators on non-negative ints: tests call it as Python
+    (``_rotated_turn.fn``)."""
+    last = ((r + 1) * num_n_blocks + nq - 1) // nq - 1
+    return last - nb + (nb > last) * num_n_blocks
 
 
 @gluon.jit
@@ -514,11 +542,13 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
                     seqlen_q, num_n_blocks, diag_offset, qk_scale, scale, dq_desc, dq_rows, seqlen_k, Items,
                     item_cap, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr,
                     DQ_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
-                    REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr, DQ_NATIVE: gl.constexpr):
+                    REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr, DQ_NATIVE: gl.constexpr,
+                    DET_ROTATE: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     QROWS: gl.constexpr = q_desc.block_type.shape[2]  # queries per step (ROWS, or 2 x ROWS at d64: Q_ROWS)
     dtype: gl.constexpr = q_desc.dtype
     DET: gl.constexpr = Sem.dtype.element_ty == gl.int32  # deterministic dQ sums (fixed lengths only)
+    gl.static_assert(not DET_ROTATE or (DET and not CAUSAL))
     pid = gl.program_id(0)  # flat grid over (batch, kv head) pairs and blocks of 2 * ROWS keys
     lse_stride = seqlen_q
     if Items.dtype.element_ty == gl.int32:
@@ -550,7 +580,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
     n0 = nb * (2 * ROWS)
     q_lo, nq = step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
     q_rot = (nb * nq) // num_n_blocks
-    if DET:  # every block streams the query tiles from its first (``_det_turn``)
+    if DET and not DET_ROTATE:  # every block streams the query tiles from its first (``_det_turn``)
         q_rot = 0
 
     q_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], q_desc.layout)
@@ -567,7 +597,8 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
     kv_bar = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
-    ds_full = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    # DET_ROTATE: a second entry, unused, tells the reducer (constexprs reach partitions as tensors)
+    ds_full = gl.allocate_shared_memory(gl.int64, [2 if DET_ROTATE else 1, 1], mbarrier.MBarrierLayout())
     ds_empty = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     dq_full = gl.allocate_shared_memory(gl.int64, [DQ_BUF, 1], mbarrier.MBarrierLayout())
     dq_empty = gl.allocate_shared_memory(gl.int64, [DQ_BUF, 1], mbarrier.MBarrierLayout())
@@ -679,10 +710,21 @@ def accumulator(q, q_rows: int | None = None):
                        device=q.device)
 
 
+def det_rotate(causal: bool, num_n_blocks: int, sm_count: int) -> bool:
+    """Whether a deterministic call's key blocks start their query loops at tiles of their
+    own (``_rotated_turn``, the plain kernel's order), not all at the first: without causal,
+    when a (batch, kv head)'s ``num_n_blocks`` blocks fit on half the ``sm_count`` SMs (one
+    program per SM). A block may then wait for a higher block of its pair, which starts
+    after it: the pair must be on the GPU at once (the other half leaves room for
+    whatever else runs)."""
+    return not causal and 2 * num_n_blocks <= sm_count
+
+
 def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int,
                                causal: bool, num_buf: int | None = None, dq_buf: int | None = None,
                                dq_swizzle: int | str | None = None, varlen=None, dq_accum=None,
-                               q_rows: int | None = None, deterministic: bool = False) -> None:
+                               q_rows: int | None = None, deterministic: bool = False,
+                               rotate: bool | None = None) -> None:
     """Launch the one-pass kernel and the dQ postprocess; the caller checked
     ``scope.backward_scope`` and TMA alignment (``backends.registry.backward``).
 
@@ -712,6 +754,10 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
             (query head, query tile) has an int32 counter, and a key block adds its part
             only when the blocks before it in ``_det_turn``'s order have added theirs, then
             passes the turn once its sums are in global memory. Fixed lengths only.
+        rotate: deterministic calls only: each key block starts at a query tile of its own
+            (``_rotated_turn``) or all at the first; None: ``DET_ROTATE_DEFAULT`` where
+            ``det_rotate``'s rule allows it. True where the rule says no is refused (a block
+            could wait for one that cannot start).
 
     Memory: a float32 dQ of B x H x Sq (rounded up to q_rows) x D; deterministic: an int32
     counter per (B, H, query tile) more.
@@ -745,6 +791,14 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     # the turn counters of a deterministic call; else an unread float32 pointer (its dtype selects the plain kernel)
     sem = torch.zeros(batch * nheads * triton.cdiv(seqlen_q, q_rows), dtype=torch.int32,
                       device=q.device) if deterministic else lse
+    if rotate is not None and not deterministic:
+        raise ValueError("rotate= orders a deterministic call's dQ sums; pass deterministic=True")
+    if deterministic:
+        allowed = not causal and det_rotate(causal, triton.cdiv(seqlen_k, 2 * BLOCK), sm_count(q.device.index))
+        if rotate and not allowed:
+            raise ValueError(f"rotate=True needs no causal mask and at most half the SMs' worth of key blocks "
+                             f"({triton.cdiv(seqlen_k, 2 * BLOCK)} blocks of {2 * BLOCK} keys here)")
+        rotate = allowed and DET_ROTATE_DEFAULT if rotate is None else rotate
     if varlen is None:
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
         grid = num_n_blocks * batch * nheads_k
@@ -762,7 +816,8 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
              dq_desc, rows, seqlen_k, *items),
             dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=CONSUMER_REGS,
                  LOADER_REGS=LOADER_REGS, REDUCER_REGS=REDUCER_REGS,
-                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k), DQ_NATIVE=native), 4, 1)
+                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k), DQ_NATIVE=native,
+                 DET_ROTATE=bool(rotate)), 4, 1)
     _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
                     (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]),
                     dict(BLOCK_M=BLOCK, HEAD_D=head_dim, QROWS=q_rows, NATIVE=native), 4, 1)
