@@ -287,6 +287,59 @@ def test_rotated_turns_follow_the_arrival_order(num_n_blocks, nq):
         assert by_turn == sorted(range(num_n_blocks), key=lambda j: (step[j], -j))
 
 
+def _simulate_turns(num_n_blocks, nq, resident, start, turn, group_size=1):
+    """The deterministic reducers of one (batch, kv head)'s blocks as a schedule: blocks
+    launch in order, at most ``resident`` at once; block j's step s adds into query head
+    s // nq's tile (start(j) + s) % nq once that (head, tile)'s counter reads turn(j, tile),
+    then counts it up; a block that has added into every tile of its group_size heads ends
+    and frees its place. True if every block ends, False if the resident blocks all wait (a
+    hang on the GPU)."""
+    counter, step, running, launched = [0] * (group_size * nq), [0] * num_n_blocks, [], 0
+    while True:
+        while launched < num_n_blocks and len(running) < resident:
+            running.append(launched)
+            launched += 1
+        if not running:
+            return True
+        moved = False
+        for j in list(running):
+            head, tile = step[j] // nq, (start(j) + step[j]) % nq
+            if counter[head * nq + tile] == turn(j, tile):
+                counter[head * nq + tile] += 1
+                step[j] += 1
+                moved = True
+                if step[j] == group_size * nq:
+                    running.remove(j)
+        if not moved:
+            return False
+
+
+@pytest.mark.parametrize("num_n_blocks, nq", [(16, 16), (16, 32), (13, 25), (7, 3), (66, 132), (64, 64)])
+def test_deterministic_orders_never_hang_where_allowed(num_n_blocks, nq):
+    """Every block's reductions complete in the rotated order (``_rotated_turn``) whenever
+    ``det_rotate`` allows it (the pair's blocks fit on half the SMs: here as few SMs as the
+    rule allows, and all at once with three query heads a kv head), and in the ascending
+    order (every block from the first tile, session 42's) with a single block resident.
+    With fewer places than blocks the rotated order hangs (a block waits for a higher one
+    that cannot start): the reason for the rule."""
+    from flashtile.backends.sm90.backward_onepass import _rotated_turn, det_rotate
+
+    sms = 2 * num_n_blocks
+    assert det_rotate(False, num_n_blocks, sms) and not det_rotate(False, num_n_blocks, sms - 1)
+
+    def rot(j):
+        return (j * nq) // num_n_blocks
+
+    def rotated(j, tile):
+        return _rotated_turn.fn(j, num_n_blocks, tile, nq)
+
+    assert _simulate_turns(num_n_blocks, nq, sms, rot, rotated)
+    assert _simulate_turns(num_n_blocks, nq, num_n_blocks, rot, rotated, group_size=3)  # GQA: heads in turn
+    assert _simulate_turns(num_n_blocks, nq, 1, lambda j: 0, lambda j, tile: j)
+    if num_n_blocks > 2 and nq > 2:
+        assert not _simulate_turns(num_n_blocks, nq, num_n_blocks // 2, rot, rotated)
+
+
 def test_one_pass_packed_launch(monkeypatch):
     """Packed sequences (B = 1): one program per (kv head, item of the key work list), the
     list's capacity wide (the kernel returns past the count); the work list's order, never
