@@ -305,8 +305,13 @@ if [[ $what == det-rot ]]; then
     echo "kernel alone d$d rc=$?"; grep -v Warn /tmp/bench/onepass-det-rot-d$d.log | grep -v "max err" | tail -8
     grep -E "rot'\)|failed" /tmp/bench/onepass-det-rot-d$d.log | cut -c1-160
   done
+  # the library's deterministic calls with the rotated order on (DET_ROTATE_DEFAULT, off in the tree)
   for path in ${DET_ROT_PATHS-onepass auto}; do
-    FLASHTILE_BWD_DQ=$path timeout 110 python3 -m flashtile.tools.bench --dtype bf16 --pass bwd --impl flashtile \
+    FLASHTILE_BWD_DQ=$path timeout 110 python3 -c "import runpy, sys
+from flashtile.backends.sm90 import backward_onepass
+backward_onepass.DET_ROTATE_DEFAULT = True
+sys.argv[0] = 'bench'
+runpy.run_module('flashtile.tools.bench', run_name='__main__')" --dtype bf16 --pass bwd --impl flashtile \
       flashtile-det --headdim 64 128 --seqlen 2048 4096 8192 16384 --out /tmp/bench --tag ${gpu}-bf16-det-rot-$path \
       > /tmp/bench/bench-det-rot-$path.log 2>&1
     echo "det bench $path rc=$?"; grep "| bwd " /tmp/bench/bench-det-rot-$path.log | awk -F'|' '{print $2,$3,$5,$8,$9,$12}'

@@ -28,7 +28,8 @@ red.v4 from registers, the serial consumer) are in git history
 (benchmarks/experiments/gluon_bwd_onepass.py at 47aaad2). A fifth entry runs a variant in a
 mode of its own: ``plain``, ``det`` (deterministic, the library's order), ``rot`` (deterministic,
 each key block from a query tile of its own: session 43) or ``asc`` (deterministic, every block
-from the first tile): `--variants "2,2,-1,-1,plain;2,2,-1,-1,asc;2,2,-1,-1,rot"`.
+from the first tile): `--variants "2,2,-1,-1,plain;2,2,-1,-1,asc;2,2,-1,-1,rot"`. Causal shapes
+run the deterministic modes in the causal order (rotation is for calls without causal).
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ def _parts(variant):
     """(num_buf, dq_buf[, dq_swizzle[, q_rows[, mode]]]) -> the five, None for a missing or
     -1 entry (the library's ``DQ_SWIZZLE``, ``Q_ROWS``; the mode of ``--deterministic``)."""
     num_buf, dq_buf, *rest = variant
-    if len(rest) > 3 or (len(rest) == 3 and rest[2] not in MODES):
-        raise ValueError(f"a variant is num_buf,dq_buf[,dq_swizzle[,q_rows[,mode]]] with a mode of {list(MODES)}, "
-                         f"got {variant}")
+    if len(rest) > 3 or (len(rest) == 3 and rest[2] not in MODES) or any(x in MODES for x in rest[:2]):
+        raise ValueError(f"a variant is num_buf,dq_buf[,dq_swizzle[,q_rows[,mode]]] with a mode of {list(MODES)} "
+                         f"fifth (-1: the library's swizzle, queries per step), got {variant}")
     rest = [None if isinstance(x, int) and x < 0 else x for x in rest] + [None] * (3 - len(rest))
     return (num_buf, dq_buf, *rest)
 

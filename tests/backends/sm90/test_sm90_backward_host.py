@@ -287,29 +287,32 @@ def test_rotated_turns_follow_the_arrival_order(num_n_blocks, nq):
         assert by_turn == sorted(range(num_n_blocks), key=lambda j: (step[j], -j))
 
 
-def _simulate_turns(num_n_blocks, nq, resident, start, turn, group_size=1):
-    """The deterministic reducers of one (batch, kv head)'s blocks as a schedule: blocks
-    launch in order, at most ``resident`` at once; block j's step s adds into query head
-    s // nq's tile (start(j) + s) % nq once that (head, tile)'s counter reads turn(j, tile),
-    then counts it up; a block that has added into every tile of its group_size heads ends
-    and frees its place. True if every block ends, False if the resident blocks all wait (a
-    hang on the GPU)."""
-    counter, step, running, launched = [0] * (group_size * nq), [0] * num_n_blocks, [], 0
+def _simulate_turns(num_n_blocks, nq, resident, start, turn, group_size=1, pairs=1):
+    """The deterministic reducers of ``pairs`` (batch, kv head) pairs' blocks as a schedule
+    (pair-major, as the grid): blocks launch in order, at most ``resident`` at once; block j
+    of a pair, at its step s, adds into query head s // nq's tile (start(j) + s) % nq once
+    that (pair, head, tile)'s counter reads turn(j, tile), then counts it up; a block that
+    has added into every tile of its group_size heads ends and frees its place. True if
+    every block ends, False if the resident blocks all wait (a hang on the GPU)."""
+    tiles = group_size * nq
+    counter, step, running, launched = [0] * (pairs * tiles), [0] * (pairs * num_n_blocks), [], 0
     while True:
-        while launched < num_n_blocks and len(running) < resident:
+        while launched < pairs * num_n_blocks and len(running) < resident:
             running.append(launched)
             launched += 1
         if not running:
             return True
         moved = False
-        for j in list(running):
-            head, tile = step[j] // nq, (start(j) + step[j]) % nq
-            if counter[head * nq + tile] == turn(j, tile):
-                counter[head * nq + tile] += 1
-                step[j] += 1
+        for b in list(running):
+            pair, j = divmod(b, num_n_blocks)
+            head, tile = step[b] // nq, (start(j) + step[b]) % nq
+            at = pair * tiles + head * nq + tile
+            if counter[at] == turn(j, tile):
+                counter[at] += 1
+                step[b] += 1
                 moved = True
-                if step[j] == group_size * nq:
-                    running.remove(j)
+                if step[b] == tiles:
+                    running.remove(b)
         if not moved:
             return False
 
@@ -317,9 +320,10 @@ def _simulate_turns(num_n_blocks, nq, resident, start, turn, group_size=1):
 @pytest.mark.parametrize("num_n_blocks, nq", [(16, 16), (16, 32), (13, 25), (7, 3), (66, 132), (64, 64)])
 def test_deterministic_orders_never_hang_where_allowed(num_n_blocks, nq):
     """Every block's reductions complete in the rotated order (``_rotated_turn``) whenever
-    ``det_rotate`` allows it (the pair's blocks fit on half the SMs: here as few SMs as the
-    rule allows, and all at once with three query heads a kv head), and in the ascending
-    order (every block from the first tile, session 42's) with a single block resident.
+    ``det_rotate`` allows it (here three pairs on as few SMs as the rule allows; one pair's
+    worth of places, the least one launch needs, with two pairs of three query heads a kv
+    head), and in the ascending order (every block from the first tile, session 42's) with a
+    single block resident.
     With fewer places than blocks the rotated order hangs (a block waits for a higher one
     that cannot start): the reason for the rule."""
     from flashtile.backends.sm90.backward_onepass import _rotated_turn, det_rotate
@@ -333,8 +337,9 @@ def test_deterministic_orders_never_hang_where_allowed(num_n_blocks, nq):
     def rotated(j, tile):
         return _rotated_turn.fn(j, num_n_blocks, tile, nq)
 
-    assert _simulate_turns(num_n_blocks, nq, sms, rot, rotated)
-    assert _simulate_turns(num_n_blocks, nq, num_n_blocks, rot, rotated, group_size=3)  # GQA: heads in turn
+    assert _simulate_turns(num_n_blocks, nq, sms, rot, rotated, pairs=3)
+    # a pair's worth of places is enough for one launch (in-order, pair-major); GQA: heads in turn
+    assert _simulate_turns(num_n_blocks, nq, num_n_blocks, rot, rotated, group_size=3, pairs=2)
     assert _simulate_turns(num_n_blocks, nq, 1, lambda j: 0, lambda j, tile: j)
     if num_n_blocks > 2 and nq > 2:
         assert not _simulate_turns(num_n_blocks, nq, num_n_blocks // 2, rot, rotated)

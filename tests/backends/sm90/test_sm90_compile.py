@@ -460,22 +460,28 @@ def test_one_pass_deterministic_reducer_compiles(tmp_path):
     ``cp.async.bulk.wait_group 0`` (its reductions applied in global memory; the plain
     kernel's ``tma.store_wait`` is the ``.read`` form, which waits only for the shared-memory
     reads). The plain kernel holds no atomic and no full wait. All fit, the rotated order
-    (``DET_ROTATE``, without causal: session 43) too."""
+    (``DET_ROTATE``, without causal: session 43) too, and it reaches the kernel: its
+    q_rot and ``_rotated_turn`` add integer divisions to the ascending order's PTX (d64 and
+    d128: 12 -> 17)."""
     code = ("from flashtile.tools.sm90_check import compile_backward_onepass as f\n"
-            "for d, causal, det, rot in ((128, True, 1, 0), (64, False, 1, 0), (64, False, 1, 1), (128, False, 1, 1),\n"
-            "                            (128, True, 0, 0)):\n"
+            "for d, causal, det, rot in ((128, True, 1, 0), (64, False, 1, 0), (64, False, 1, 1), (128, False, 1, 0),\n"
+            "                            (128, False, 1, 1), (128, True, 0, 0)):\n"
             "    c = f('bf16', d, causal=causal, deterministic=bool(det), rotate=bool(rot))\n"
             "    full = c.ptx.count('cp.async.bulk.wait_group 0;')\n"
-            "    print(d, causal, det, c.shared, full, c.ptx.count('atom.global.gpu.acquire.add'),\n"
-            "          c.ptx.count('atom.global.gpu.release.add'), c.ptx.count('atom.'))")
+            "    print(d, causal, det, rot, c.shared, full, c.ptx.count('atom.global.gpu.acquire.add'),\n"
+            "          c.ptx.count('atom.global.gpu.release.add'), c.ptx.count('atom.'), c.ptx.count('div.'))")
     rows = [line.split() for line in _compile_run(tmp_path, "-c", code).splitlines()]
-    assert len(rows) == 5, rows
-    for d, causal, det, shared, full, acquire, release, atoms in rows:
+    assert len(rows) == 6, rows
+    divs = {}
+    for d, causal, det, rot, shared, full, acquire, release, atoms, div in rows:
         assert 0 < int(shared) <= SM90_SHARED_LIMIT, rows
         if det == "1":
             assert int(full) >= 1 and int(acquire) >= 1 and int(release) >= 1, rows
         else:
             assert int(full) == 0 and int(atoms) == 0, rows
+        if causal == "False":
+            divs[d, rot] = int(div)
+    assert divs["64", "1"] > divs["64", "0"] and divs["128", "1"] > divs["128", "0"], rows
 
 
 def test_flex_kernels_compile_and_fit(tmp_path):

@@ -548,7 +548,8 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
     QROWS: gl.constexpr = q_desc.block_type.shape[2]  # queries per step (ROWS, or 2 x ROWS at d64: Q_ROWS)
     dtype: gl.constexpr = q_desc.dtype
     DET: gl.constexpr = Sem.dtype.element_ty == gl.int32  # deterministic dQ sums (fixed lengths only)
-    gl.static_assert(not DET_ROTATE or (DET and not CAUSAL))
+    # rotated sums need a pair's blocks launched side by side (``det_rotate``): pair-major, no causal
+    gl.static_assert(not DET_ROTATE or (DET and not CAUSAL and not KEYS_OUTER))
     pid = gl.program_id(0)  # flat grid over (batch, kv head) pairs and blocks of 2 * ROWS keys
     lse_stride = seqlen_q
     if Items.dtype.element_ty == gl.int32:
@@ -714,9 +715,12 @@ def det_rotate(causal: bool, num_n_blocks: int, sm_count: int) -> bool:
     """Whether a deterministic call's key blocks start their query loops at tiles of their
     own (``_rotated_turn``, the plain kernel's order), not all at the first: without causal,
     when a (batch, kv head)'s ``num_n_blocks`` blocks fit on half the ``sm_count`` SMs (one
-    program per SM). A block may then wait for a higher block of its pair, which starts
-    after it: the pair must be on the GPU at once (the other half leaves room for
-    whatever else runs)."""
+    program per SM). A block may then wait for a higher block of its pair, which launches
+    after it. Blocks launch in order and the grid is pair-major, so one launch completes
+    once ``num_n_blocks`` SMs are free for it; the other half covers a second such launch
+    at once or other work. A kernel that holds more than half the SMs until this one ends
+    (none of flashtile's) could hang it. The sums' order, so the bits, depend on this rule:
+    the same on every GPU with the SM count, not across SM counts near the line."""
     return not causal and 2 * num_n_blocks <= sm_count
 
 
@@ -771,6 +775,15 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
         raise ValueError(f"the one-pass backward takes head dims {HEAD_DIMS}, got {head_dim}")
     if deterministic and varlen is not None:
         raise ValueError("deterministic=True: the one-pass backward orders dQ's sums for fixed-length calls only")
+    if rotate is not None and not deterministic:
+        raise ValueError("rotate= orders a deterministic call's dQ sums; pass deterministic=True")
+    if deterministic:
+        blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
+        allowed = not causal and det_rotate(causal, blocks, sm_count(q.device.index))  # no device query if causal
+        if rotate and not allowed:
+            raise ValueError(f"rotate=True needs no causal mask and at most half the SMs' worth of key blocks "
+                             f"({blocks} blocks of {2 * BLOCK} keys here)")
+        rotate = allowed and DET_ROTATE_DEFAULT if rotate is None else rotate
     q_rows, num_buf = step_plan(head_dim, varlen is not None, q_rows, num_buf)
     dq_buf = dq_slots(head_dim, dq_buf, varlen is not None, deterministic)
     if num_buf < 2 or dq_buf < 1:
@@ -791,14 +804,6 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     # the turn counters of a deterministic call; else an unread float32 pointer (its dtype selects the plain kernel)
     sem = torch.zeros(batch * nheads * triton.cdiv(seqlen_q, q_rows), dtype=torch.int32,
                       device=q.device) if deterministic else lse
-    if rotate is not None and not deterministic:
-        raise ValueError("rotate= orders a deterministic call's dQ sums; pass deterministic=True")
-    if deterministic:
-        allowed = not causal and det_rotate(causal, triton.cdiv(seqlen_k, 2 * BLOCK), sm_count(q.device.index))
-        if rotate and not allowed:
-            raise ValueError(f"rotate=True needs no causal mask and at most half the SMs' worth of key blocks "
-                             f"({triton.cdiv(seqlen_k, 2 * BLOCK)} blocks of {2 * BLOCK} keys here)")
-        rotate = allowed and DET_ROTATE_DEFAULT if rotate is None else rotate
     if varlen is None:
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
         grid = num_n_blocks * batch * nheads_k
