@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|det|det-rot|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-rule|decode-wave|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|det|bench-d128|features|flex|varlen|varlen-onepass|decode|decode-rule|decode-wave|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -274,8 +274,8 @@ fi
 if [[ $what == det ]]; then
   # Session 42: the deterministic backward. Its GPU tests (the one-pass kernel's ordered dQ sums
   # and the split kernels' bitwise test), then flashtile-det against the default, bf16, S2048-16384,
-  # under FLASHTILE_BWD_DQ=auto (split below 8192 queries, one-pass from there) and =onepass (one-pass
-  # at every length), then the host cost per call (autograd._eager_apply: forward with grad).
+  # under FLASHTILE_BWD_DQ=auto (the split kernels for causal calls below 4096 queries, else one-pass)
+  # and =onepass (one-pass at every length), then the host cost per call (autograd._eager_apply).
   timeout 150 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -k "deterministic or bitwise" -q \
     -n 8 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-det.log" 2>&1
   echo "det gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-det.log" | tail -8
@@ -288,35 +288,6 @@ if [[ $what == det ]]; then
   timeout 60 python3 benchmarks/host_overhead.py > /tmp/bench/host-overhead.log 2>&1
   echo "host overhead rc=$?"; grep -v Warn /tmp/bench/host-overhead.log | tail -12
   tar czf "$OUT/det.tgz" -C /tmp/bench .
-fi
-if [[ $what == det-rot ]]; then
-  # Session 43: the deterministic one-pass mode with each key block from a query tile of its own
-  # (``_rotated_turn``; det_rotate's rule: no causal, a pair's blocks on half the SMs). Its GPU tests,
-  # the kernel alone (plain, every block from the first tile, rotated), then flashtile-det against
-  # the default under FLASHTILE_BWD_DQ=onepass (the one-pass mode at every length) and =auto.
-  timeout 150 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -k "deterministic or bitwise" -q \
-    -n 8 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-det-rot.log" 2>&1
-  echo "det gpu tests rc=$?"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-det-rot.log" | tail -8
-  for d in 64 128; do
-    dqb=$([[ $d == 64 ]] && echo 1 || echo 2)
-    shapes=$(for S in ${DET_ROT_SEQLENS:-2048 4096 8192}; do printf "%s;" "$d,$S,0"; done)
-    timeout 110 python3 benchmarks/experiments/gluon_bwd_onepass.py --shapes "${shapes%;}" \
-      --variants "2,$dqb,-1,-1,plain;2,2,-1,-1,asc;2,2,-1,-1,rot" > /tmp/bench/onepass-det-rot-d$d.log 2>&1
-    echo "kernel alone d$d rc=$?"; grep -v Warn /tmp/bench/onepass-det-rot-d$d.log | grep -v "max err" | tail -8
-    grep -E "rot'\)|failed" /tmp/bench/onepass-det-rot-d$d.log | cut -c1-160
-  done
-  # the library's deterministic calls with the rotated order on (DET_ROTATE_DEFAULT, off in the tree)
-  for path in ${DET_ROT_PATHS-onepass auto}; do
-    FLASHTILE_BWD_DQ=$path timeout 110 python3 -c "import runpy, sys
-from flashtile.backends.sm90 import backward_onepass
-backward_onepass.DET_ROTATE_DEFAULT = True
-sys.argv[0] = 'bench'
-runpy.run_module('flashtile.tools.bench', run_name='__main__')" --dtype bf16 --pass bwd --impl flashtile \
-      flashtile-det --headdim 64 128 --seqlen 2048 4096 8192 16384 --out /tmp/bench --tag ${gpu}-bf16-det-rot-$path \
-      > /tmp/bench/bench-det-rot-$path.log 2>&1
-    echo "det bench $path rc=$?"; grep "| bwd " /tmp/bench/bench-det-rot-$path.log | awk -F'|' '{print $2,$3,$5,$8,$9,$12}'
-  done
-  tar czf "$OUT/det-rot.tgz" -C /tmp/bench .
 fi
 if [[ $what == onepass ]]; then
   # Issue 17's one-pass backward (backends/sm90/backward_onepass.py, the default at d64): its

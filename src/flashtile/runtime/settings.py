@@ -14,8 +14,8 @@ switch with a value outside its choices raises ValueError naming it.
 ``FLASHTILE_BWD_DQ``       ``auto``, ``split`` (no one-pass Gluon backward), ``onepass``
                            (``auto``, and causal packed d128 calls and short deterministic
                            fixed-length ones on the one-pass kernel too: ``auto`` takes
-                           non-causal and d64 packed ones, deterministic ones from 8192
-                           queries on) or ``atomic`` (the Triton
+                           non-causal and d64 packed ones, deterministic ones without
+                           causal and causal ones from 4096 queries on) or ``atomic`` (the Triton
                            backward's dQ by atomics; never when deterministic)
 ``FLASHTILE_KVCACHE_CHECK``  ``auto``, ``host`` or ``device``: where kv-cache metadata
                            values are checked (``flashtile.api.kvcache``)

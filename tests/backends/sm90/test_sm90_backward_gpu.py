@@ -129,14 +129,12 @@ def test_one_pass_deterministic(causal, order, head_dim, seqlens, batch, bwd_ws_
     """FLASHTILE_BWD_DQ=onepass with deterministic=True: the one-pass kernel adds dQ's parts
     in a fixed order (``_det_turn``), so dQ, dK and dV are bitwise equal over reruns, and
     within the accuracy rule. Without causal in both orders (each key block from a query
-    tile of its own, ``det_rotate``'s choice at these lengths with ``DET_ROTATE_DEFAULT``
-    on, or every block from the first); causal with seqlen_q < seqlen_k and > seqlen_k (the turn count follows the
+    tile of its own, ``det_rotate``'s choice at these lengths, or every block from the first); causal with seqlen_q < seqlen_k and > seqlen_k (the turn count follows the
     bottom-right diagonal; rows that see no key); GQA, one wave of programs and several
     (batch 60)."""
     from flashtile.backends.sm90 import backward_onepass
 
     monkeypatch.setenv("FLASHTILE_BWD_DQ", "onepass")
-    monkeypatch.setattr(backward_onepass, "DET_ROTATE_DEFAULT", True)
     rule, rotated = backward_onepass.det_rotate, []
 
     def det_rotate(*args):

@@ -235,12 +235,12 @@ def test_one_pass_deterministic_rotation(monkeypatch):
     plain ones (``DET_ROTATE`` False). ``rotate=False`` keeps every block from the first
     tile; ``rotate=True`` where the rule says no (too many blocks, causal) is refused, since
     a block could wait for one that cannot start, and so is ``rotate`` without
-    ``deterministic``. With ``DET_ROTATE_DEFAULT`` off (until a GPU times it) only
+    ``deterministic``. ``DET_ROTATE_DEFAULT`` is on (H100 run 237); with it off only
     ``rotate=True`` rotates."""
     from flashtile.backends.sm90 import backward_onepass as op
 
     launches = []
-    monkeypatch.setattr(op, "DET_ROTATE_DEFAULT", True)
+    assert op.DET_ROTATE_DEFAULT
     monkeypatch.setattr(op, "_launch", lambda grid, args, constexprs, *rest: launches.append(constexprs["DET_ROTATE"]))
     monkeypatch.setattr(op, "_launch_convert", lambda *a: None)
     monkeypatch.setattr(op, "sm_count", lambda index: 132)

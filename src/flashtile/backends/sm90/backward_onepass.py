@@ -36,18 +36,20 @@ query blocks (``_step_coords``), so their reductions do not all hit one dQ tile 
 The float32 sums of dQ arrive in an order that varies between runs, so dQ is not bitwise
 reproducible (dK and dV are: each program owns its keys). ``deterministic=True`` and
 ``torch.use_deterministic_algorithms(True)`` take this kernel in its deterministic mode
-from ``scope.DETERMINISTIC_ONEPASS_MIN_SEQLEN`` queries on (any fixed length with
+(``scope.onepass_scope``: fixed lengths; without causal at every length, causal from
+``scope.DETERMINISTIC_ONEPASS_MIN_SEQLEN`` queries on, any fixed length with
 ``FLASHTILE_BWD_DQ=onepass``), else the split kernels of ``backward_split`` (FA3's mode;
-session 42, fixed lengths; H100 runs 232-235): each (query head, query tile) has an int32
-counter; the reducer waits until the counter reads its key block's turn (``_det_turn``),
-adds, waits until its sums are in global memory and adds 1. Every block then streams the
-query tiles from its first (no rotation), so the blocks of a tile reach it in turn order
-(by design the first tile's wait staggers the blocks and later ones rarely wait: not
-profiled); with causal masking the higher blocks (which see a tile first) go first and are
-launched first, so no block waits for one that cannot start. Slower than the split
-kernels at S2048 (H100 runs 227, 232-235: docs/perf-notes.md, session 42). Without causal,
-``rotate`` keeps the plain kernel's staggered starts and orders each tile's sums by arrival
-(``_rotated_turn``, ``det_rotate``; session 43, not yet run on a GPU: off by default).
+sessions 42-43, H100 runs 232-237): each (query head, query tile) has an int32 counter;
+the reducer waits until the counter reads its key block's turn (``_det_turn``), adds,
+waits until its sums are in global memory and adds 1. Without causal, where
+``det_rotate``'s rule allows it (a pair's key blocks on half the SMs: S <= 8448 on an H100
+or H200), each block keeps the plain kernel's staggered start and each tile's sums come in
+arrival order (``_rotated_turn``): a block waits only for the one that was at its tile a
+step before (H100 run 237, kernel alone: 0.93-0.97 of the plain kernel, from 0.81-0.94
+with every block from the first tile). Otherwise every block streams the query tiles from
+the first (no rotation), so the blocks of a tile reach it in turn order; with causal
+masking the higher blocks (which see a tile first) go first and are launched first, so no
+block waits for one that cannot start.
 
 Speed (H200, session 16, docs/perf-notes.md "One-pass backward", runs 83-88): at d64, in
 ``flashtile bench``, 1.03-1.09x the split kernels without causal and 0.99-1.04x with it
@@ -101,9 +103,9 @@ DQ_BUF_DETERMINISTIC = {64: 2, 128: 2}
 # packed sequences keep two (their 64-row steps with one slot were tested, run 229, not timed)
 DQ_BUF_PACKED = {64: 2, 128: 2}
 # Deterministic calls without causal: each key block from a query tile of its own (``det_rotate``,
-# ``_rotated_turn``: session 43) where the rule allows it. Off until a GPU has run its tests and
-# timed it against every block from the first tile (``device_run.sh det-rot``); ``rotate=True`` asks.
-DET_ROTATE_DEFAULT = False
+# ``_rotated_turn``: session 43) where the rule allows it. H100 run 237 (bf16, kernel alone, against
+# every block from the first tile): d64 +19% at S2048, +7% at S8192; d128 +9%, +1.5%.
+DET_ROTATE_DEFAULT = True
 # The dQ slots' layout. ``DQ_NATIVE`` ("native", the default for fixed-length calls since
 # session 41): each thread stores its wgmma accumulator registers in their own order
 # (``native_offset_bases``: st.shared.v4, no bank conflicts, one TMA box per half); H100

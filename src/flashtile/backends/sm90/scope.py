@@ -14,10 +14,12 @@ HEAD_DIMS = (64, 128, 256)  # the Gluon forward and backward kernels
 ONEPASS_HEAD_DIMS = (64, 128)  # the one-pass backward, default where faster (H200 runs 86, 96)
 SPLIT_HEAD_DIMS = (256,)  # dV and dK from separate kernels (backward_split's _dv_kernel, _dk_kernel)
 VARLEN_BACKWARD_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d not in SPLIT_HEAD_DIMS)
-# Deterministic fixed-length calls take the one-pass kernel's ordered dQ sums from this
-# seqlen_q on (H100 runs 227 and 232-235, bf16, against the split kernels: -3 to -7% at
-# S2048 but d64 causal even, +9 to +12% at d64 S8192-16384, 0 to +5% at d128)
-DETERMINISTIC_ONEPASS_MIN_SEQLEN = 8192
+# Deterministic fixed-length calls take the one-pass kernel's ordered dQ sums: without causal
+# at every length (its key blocks from query tiles of their own where ``det_rotate`` allows:
+# H100 run 237, bf16, against the split kernels +3 to +12% at S2048-4096), causal ones from
+# this seqlen_q on (run 237: +5 to +10% at S4096, -1 to +3% at S2048; runs 232-235: +9 to
+# +12% at d64 S8192-16384, 0 to +5% at d128)
+DETERMINISTIC_ONEPASS_MIN_SEQLEN = 4096
 
 
 def kernels_scope(call) -> Optional[str]:
@@ -71,8 +73,8 @@ def backward_scope(call) -> Optional[str]:
 def onepass_scope(call, bwd_dq: str) -> Optional[str]:
     """The one-pass backward instead of the split kernels: a head dim of ONEPASS_HEAD_DIMS,
     ``FLASHTILE_BWD_DQ`` (``bwd_dq``) auto or onepass, deterministic calls with fixed lengths
-    only (its deterministic mode adds dQ's parts in a fixed order, a key block after the ones
-    before it) and under ``auto`` from ``DETERMINISTIC_ONEPASS_MIN_SEQLEN`` queries on, and
+    only (its deterministic mode adds dQ's parts in a fixed order) and under ``auto`` causal
+    ones from ``DETERMINISTIC_ONEPASS_MIN_SEQLEN`` queries on, and
     for packed calls either no causal
     mask, head dim 64 or ``onepass`` (H100 packed backward one-pass / split: without causal
     1.03-1.08x at every row in run 118, 1.04-1.14x in run 127; causal at d64 1.01-1.04x
@@ -84,9 +86,10 @@ def onepass_scope(call, bwd_dq: str) -> Optional[str]:
         return f"the one-pass kernel takes head dims {ONEPASS_HEAD_DIMS}; d{call.head_dim} takes the split kernels"
     if bwd_dq not in ("auto", "onepass"):
         return f"FLASHTILE_BWD_DQ={bwd_dq} keeps the split kernels"
-    if call.deterministic and bwd_dq == "auto" and call.seqlen_q < DETERMINISTIC_ONEPASS_MIN_SEQLEN:
-        return (f"deterministic with seqlen_q < {DETERMINISTIC_ONEPASS_MIN_SEQLEN}: the split kernels (faster there "
-                "than the one-pass kernel's ordered dQ sums; FLASHTILE_BWD_DQ=onepass takes it)")
+    if (call.deterministic and bwd_dq == "auto" and call.window_right >= 0
+            and call.seqlen_q < DETERMINISTIC_ONEPASS_MIN_SEQLEN):
+        return (f"deterministic and causal with seqlen_q < {DETERMINISTIC_ONEPASS_MIN_SEQLEN}: the split kernels "
+                "(not slower there than the one-pass kernel's ordered dQ sums; FLASHTILE_BWD_DQ=onepass takes it)")
     if (call.varlen and bwd_dq != "onepass" and call.head_dim != 64
             and (call.window_left >= 0 or call.window_right >= 0)):
         return (f"causal packed calls at d{call.head_dim} take the split kernels (the one-pass kernel ran "

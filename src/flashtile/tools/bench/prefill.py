@@ -28,7 +28,8 @@ from flashtile.traffic import attention_flops
 IMPLS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "naive", "sdpa-flashtile",
          "flashtile-det")
 # On request: sdpa-flashtile (SDPA's flash backend through flashtile's provider) and
-# flashtile-det (flashtile with deterministic=True: the backward's split kernels).
+# flashtile-det (flashtile with deterministic=True: the one-pass kernel's ordered dQ sums, or the
+# split kernels for causal calls below 4096 queries).
 DEFAULT_IMPLS = IMPLS[:-2]
 DIRECT = ("flashtile", "flashtile-det")  # flashtile's own API: (B, S, H, D) inputs
 PASSES = ("fwd", "bwd", "fwd_bwd")
