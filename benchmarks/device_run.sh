@@ -274,7 +274,7 @@ fi
 if [[ $what == det ]]; then
   # Session 42: the deterministic backward. Its GPU tests (the one-pass kernel's ordered dQ sums
   # and the split kernels' bitwise test), then flashtile-det against the default, bf16, S2048-16384,
-  # under FLASHTILE_BWD_DQ=auto (the split kernels for causal calls below 4096 queries, else one-pass)
+  # under FLASHTILE_BWD_DQ=auto (the split kernels for causal calls below 2048 queries, else one-pass)
   # and =onepass (one-pass at every length), then the host cost per call (autograd._eager_apply).
   timeout 150 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -k "deterministic or bitwise" -q \
     -n 8 -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-det.log" 2>&1

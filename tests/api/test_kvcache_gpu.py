@@ -506,8 +506,11 @@ def test_wave_per_sm_on_this_gpu():
 @pytest.mark.parametrize("batch, page", [(1, 0), (4, 0), (4, 256)])
 def test_one_wave_of_long_splits(batch, page):
     """A long cache at small batch (GQA 32/8, d128, 32k keys) takes the one-wave split count,
-    ``wave_per_sm`` programs per SM (33 splits at batch 1 on an H200, 16 on an H100), and
-    matches the float64 reference."""
+    ``wave_per_sm`` programs per SM (16 splits at batch 1 on an H100; 33 on an H200, which
+    become 32 once each split is a whole number of key tiles: run 240), and matches the
+    float64 reference."""
+    import triton
+
     from flashtile.backends.triton import decode
 
     capacity = 32768
@@ -515,7 +518,10 @@ def test_one_wave_of_long_splits(batch, page):
     q, k, v, kc, vc, table, seqlens = _cuda(*_case(batch=batch, sq=1, new=1, heads=(32, 8), d=128,
                                                    capacity=capacity, seqlens=seqlens, dtype=torch.bfloat16,
                                                    page=page))
-    splits, _ = decode.split_plan(q, kc, table, 0)
+    splits, size = decode.split_plan(q, kc, table, 0)
     sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-    assert splits == decode.wave_per_sm(q.device) * sms // (batch * 8), splits
+    one_wave = decode.wave_per_sm(q.device) * sms // (batch * 8)
+    block_n = decode.block_sizes(128, 4)[1]
+    assert size == decode.split_keys(capacity, one_wave, block_n), (splits, size)
+    assert splits == triton.cdiv(capacity, size) <= one_wave, (splits, size)
     _run_and_check(q, k, v, kc, vc, seqlens, table=table, causal=True)

@@ -73,16 +73,16 @@ def test_backward_choices(monkeypatch):
     assert registry.backward(_call(head_dim=128)).kernel == "sm90.backward_onepass"
     assert registry.backward(_call(head_dim=256)).kernel == "sm90.backward_split_d256"
     # deterministic: the one-pass kernel's ordered dQ sums without causal at every length,
-    # causal ones from 4096 queries on
+    # causal ones from 2048 queries on
     for d in (64, 128):
         for seqlen_q in (128, 2048, 4096):
             plain = registry.backward(_call(head_dim=d, seqlen_q=seqlen_q, deterministic=True))
             assert plain.kernel == "sm90.backward_onepass", (d, seqlen_q)
-        for seqlen_q, kernel in ((128, "split"), (4095, "split"), (4096, "onepass"), (8192, "onepass")):
+        for seqlen_q, kernel in ((128, "split"), (2047, "split"), (2048, "onepass"), (8192, "onepass")):
             causal = registry.backward(_call(head_dim=d, seqlen_q=seqlen_q, window_right=0, deterministic=True))
             assert causal.kernel == f"sm90.backward_{kernel}", (d, seqlen_q)
-    det = registry.backward(_call(head_dim=128, seqlen_q=2048, window_right=0, deterministic=True))
-    assert "deterministic and causal" in det.why[0] and "4096" in det.why[0]
+    det = registry.backward(_call(head_dim=128, seqlen_q=1024, window_right=0, deterministic=True))
+    assert "deterministic and causal" in det.why[0] and "2048" in det.why[0]
     packed_det = registry.backward(_call(head_dim=64, seqlen_q=8192, varlen=True, deterministic=True))
     assert packed_det.kernel == "sm90.backward_split" and "packed" in packed_det.why[0]
     # packed calls: the one-pass kernel without causal and at d64 (where it won), the split

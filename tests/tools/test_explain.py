@@ -14,7 +14,9 @@ from flashtile.tools.explain import explain  # noqa: E402
 
 @pytest.mark.parametrize("kwargs, forward, backward, reason", [
     (dict(seqlen_q=4096, head_dim=128), "Gluon", "Gluon one-pass", None),
-    (dict(seqlen_q=4096, head_dim=128, deterministic=True), "Gluon", "Gluon dK/dV", "deterministic"),
+    (dict(seqlen_q=4096, head_dim=128, deterministic=True), "Gluon", "Gluon one-pass", None),  # its ordered sums
+    (dict(seqlen_q=1536, head_dim=128, causal=True, deterministic=True), "Gluon", "Gluon dK/dV",
+     "deterministic and causal with seqlen_q < 2048"),
     (dict(seqlen_q=1024, head_dim=64, causal=True), "Triton", "Gluon one-pass", "short causal d64"),
     (dict(seqlen_q=1024, head_dim=64, causal=True, deterministic=True), "Triton", "Gluon dK/dV", "short causal d64"),
     (dict(seqlen_q=4096, head_dim=64, varlen=True), "Gluon", "Gluon one-pass", None),
@@ -63,7 +65,9 @@ def test_command_line_deterministic(capsys, monkeypatch):
     monkeypatch.delenv("FLASHTILE_BWD_DQ", raising=False)
     assert main(["explain", "--head-dim", "64"]) == 0
     assert "Gluon one-pass" in capsys.readouterr().out
-    assert main(["explain", "--head-dim", "64", "--deterministic"]) == 0
+    assert main(["explain", "--head-dim", "64", "--deterministic"]) == 0  # its dQ sums in a fixed order
+    assert "Gluon one-pass" in capsys.readouterr().out
+    assert main(["explain", "--head-dim", "64", "--causal", "--seqlen-q", "1536", "--deterministic"]) == 0
     out = capsys.readouterr().out
     assert "Gluon one-pass" not in out and "Gluon dK/dV" in out
 

@@ -12,7 +12,7 @@ Order of preference, per pass:
 
     forward   sm90 forward, where the sm90 table sends the shape and ``sm90.scope`` takes it;
               else the Triton forward with the table's tiles.
-    backward  sm90 one-pass (d64/d128; deterministic: fixed lengths, causal ones from 4096
+    backward  sm90 one-pass (d64/d128; deterministic: fixed lengths, causal ones from 2048
               queries on, or any fixed length with FLASHTILE_BWD_DQ=onepass), else the sm90 split kernels, in
               ``sm90.scope``; else the Triton dK/dV and dQ kernels (dQ by atomics only with
               FLASHTILE_BWD_DQ=atomic and not deterministic).

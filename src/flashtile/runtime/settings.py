@@ -15,7 +15,7 @@ switch with a value outside its choices raises ValueError naming it.
                            (``auto``, and causal packed d128 calls and short deterministic
                            fixed-length ones on the one-pass kernel too: ``auto`` takes
                            non-causal and d64 packed ones, deterministic ones without
-                           causal and causal ones from 4096 queries on) or ``atomic`` (the Triton
+                           causal and causal ones from 2048 queries on) or ``atomic`` (the Triton
                            backward's dQ by atomics; never when deterministic)
 ``FLASHTILE_KVCACHE_CHECK``  ``auto``, ``host`` or ``device``: where kv-cache metadata
                            values are checked (``flashtile.api.kvcache``)

@@ -3,7 +3,7 @@ dim 64/128/256, plain or causal, no softcap/alibi/mask/dropout).
 
 The same algebra as ``backward.py`` (read its docstring first), split like it into a dK/dV
 kernel and a dQ kernel, so there are no atomics and gradients are bitwise reproducible:
-the deterministic backward of causal calls below 4096 queries (elsewhere the one-pass
+the deterministic backward of causal calls below 2048 queries (elsewhere the one-pass
 kernel's ordered dQ sums), varlen's, and the default at head dim 256. At d64 and d128 the default is the
 one-pass kernel of ``backward_onepass`` (dQ by bulk TMA
 reductions, 5 products per tile pair instead of 7: 3-16% faster there, H200 runs 86, 96).

@@ -17,9 +17,10 @@ VARLEN_BACKWARD_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d not in SPLIT_HEAD_DI
 # Deterministic fixed-length calls take the one-pass kernel's ordered dQ sums: without causal
 # at every length (its key blocks from query tiles of their own where ``det_rotate`` allows:
 # H100 run 237, bf16, against the split kernels +3 to +12% at S2048-4096), causal ones from
-# this seqlen_q on (run 237: +5 to +10% at S4096, -1 to +3% at S2048; runs 232-235: +9 to
-# +12% at d64 S8192-16384, 0 to +5% at d128)
-DETERMINISTIC_ONEPASS_MIN_SEQLEN = 4096
+# this seqlen_q on (S2048: d64 +3% on the H100 (run 237), +4.5% on the H200 (run 238), d128
+# -1% and +1%; S4096 on the H100 +10% and +5.5%; runs 232-235: +9 to +12% at d64
+# S8192-16384, 0 to +5% at d128). Shorter causal calls were not measured: the split kernels.
+DETERMINISTIC_ONEPASS_MIN_SEQLEN = 2048
 
 
 def kernels_scope(call) -> Optional[str]:

@@ -29,7 +29,7 @@ IMPLS = ("flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flex", "nai
          "flashtile-det")
 # On request: sdpa-flashtile (SDPA's flash backend through flashtile's provider) and
 # flashtile-det (flashtile with deterministic=True: the one-pass kernel's ordered dQ sums, or the
-# split kernels for causal calls below 4096 queries).
+# split kernels for causal calls below 2048 queries).
 DEFAULT_IMPLS = IMPLS[:-2]
 DIRECT = ("flashtile", "flashtile-det")  # flashtile's own API: (B, S, H, D) inputs
 PASSES = ("fwd", "bwd", "fwd_bwd")
