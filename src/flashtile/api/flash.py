@@ -103,8 +103,8 @@ def flash_attn_func(
             reductions: 3-16% faster on the H200, dQ's rounding varies between runs, dK and
             dV do not); every other case is deterministic anyway, except the Triton
             kernels under ``FLASHTILE_BWD_DQ=atomic``. With it: the one-pass kernel with dQ's
-            sums in a fixed order (each key block adds after the ones before it) at fixed
-            lengths from 8192 queries on, else the split kernels (7 products, no
+            sums in a fixed order (``backends/sm90/backward_onepass.py``) at fixed lengths,
+            causal ones from 2048 queries on, else the split kernels (7 products, no
             reductions).
         learnable_sink: None, or (nheads,) float16/bfloat16/float32: one logit per query head
             that joins only the softmax's denominator (gpt-oss's attention sinks; FA4's

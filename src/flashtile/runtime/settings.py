@@ -12,8 +12,8 @@ switch with a value outside its choices raises ValueError naming it.
                            ``TRITON_INTERPRET=1``) or ``torch`` (the twin everywhere)
 ``FLASHTILE_WS``           ``0`` keeps every call off the Gluon (Hopper) kernels
 ``FLASHTILE_BWD_DQ``       ``auto``, ``split`` (no one-pass Gluon backward), ``onepass``
-                           (``auto``, and causal packed d128 calls and short deterministic
-                           fixed-length ones on the one-pass kernel too: ``auto`` takes
+                           (``auto``, and causal packed d128 calls and short causal
+                           deterministic fixed-length ones on the one-pass kernel too: ``auto`` takes
                            non-causal and d64 packed ones, deterministic ones without
                            causal and causal ones from 2048 queries on) or ``atomic`` (the Triton
                            backward's dQ by atomics; never when deterministic)

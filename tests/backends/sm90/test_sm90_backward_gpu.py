@@ -1,6 +1,6 @@
 """GPU tests of the warp-specialized Gluon backward (``backends/sm90/backward_split.py``, and at d64
-and d128 ``backends/sm90/backward_onepass.py`` unless deterministic, or deterministic with
-FLASHTILE_BWD_DQ=onepass; Hopper only).
+and d128 ``backends/sm90/backward_onepass.py``, deterministic calls too but packed ones and causal
+ones below 2048 queries, which FLASHTILE_BWD_DQ=onepass sends there as well; Hopper only).
 
 Every case asserts that the Gluon kernels really ran (a spy counts their launches), so the
 matrix cannot pass on the Triton backward alone; gradient buffers are NaN-poisoned first
@@ -76,7 +76,8 @@ def test_out_of_scope_and_switch_use_the_triton_backward(bwd_ws_calls, monkeypat
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_bitwise_reproducible(head_dim, bwd_ws_calls):
     """deterministic=True: the split kernels (no atomics, no reductions: every gradient
-    element is written by one program in a fixed order), at d64 too."""
+    element is written by one program in a fixed order), at d64 too: causal with 1537
+    queries, below ``scope.DETERMINISTIC_ONEPASS_MIN_SEQLEN``."""
     g = torch.Generator(device="cuda").manual_seed(7)
     q, k, v = (torch.randn(2, 1537, n, head_dim, device="cuda", dtype=torch.bfloat16,
                            generator=g).requires_grad_(True) for n in (8, 2, 2))
@@ -129,7 +130,8 @@ def test_one_pass_deterministic(causal, order, head_dim, seqlens, batch, bwd_ws_
     """FLASHTILE_BWD_DQ=onepass with deterministic=True: the one-pass kernel adds dQ's parts
     in a fixed order (``_det_turn``), so dQ, dK and dV are bitwise equal over reruns, and
     within the accuracy rule. Without causal in both orders (each key block from a query
-    tile of its own, ``det_rotate``'s choice at these lengths, or every block from the first); causal with seqlen_q < seqlen_k and > seqlen_k (the turn count follows the
+    tile of its own, ``det_rotate``'s choice at these lengths, or every block from the
+    first); causal with seqlen_q < seqlen_k and > seqlen_k (the turn count follows the
     bottom-right diagonal; rows that see no key); GQA, one wave of programs and several
     (batch 60)."""
     from flashtile.backends.sm90 import backward_onepass
@@ -236,8 +238,8 @@ def test_lse_gradient(bwd_ws_calls):
 @pytest.mark.parametrize("causal", [False, True])
 def test_one_pass_packed_sequences(causal, head_dim, bwd_ws_calls, monkeypatch):
     """FLASHTILE_BWD_DQ=onepass: packed calls on the one-pass kernel (the default for
-    non-causal ones since H100 run 118; causal ones only with the switch). Documents end inside key blocks and query tiles, so the kernel reads the next
-    document's rows, which must add exactly nothing: its keys masked out of P (non-causal;
+    non-causal ones since H100 run 118; causal ones only with the switch). Documents end
+    inside key blocks and query tiles, so the kernel reads the next document's rows, which must add exactly nothing: its keys masked out of P (non-causal;
     the diagonal's mask when causal), its query rows' P zero (their dQ reductions add zeros
     into the neighbour's rows), a last dK/dV tile stored from registers with its rows masked.
     A document with no queries (its keys' dK/dV are zeros), one with no keys, a 1-token one,

@@ -16,10 +16,12 @@ SPLIT_HEAD_DIMS = (256,)  # dV and dK from separate kernels (backward_split's _d
 VARLEN_BACKWARD_HEAD_DIMS = tuple(d for d in HEAD_DIMS if d not in SPLIT_HEAD_DIMS)
 # Deterministic fixed-length calls take the one-pass kernel's ordered dQ sums: without causal
 # at every length (its key blocks from query tiles of their own where ``det_rotate`` allows:
-# H100 run 237, bf16, against the split kernels +3 to +12% at S2048-4096), causal ones from
+# H100 run 237, bf16, against the split kernels +3 to +12.5% at S2048-4096), causal ones from
 # this seqlen_q on (S2048: d64 +3% on the H100 (run 237), +4.5% on the H200 (run 238), d128
 # -1% and +1%; S4096 on the H100 +10% and +5.5%; runs 232-235: +9 to +12% at d64
-# S8192-16384, 0 to +5% at d128). Shorter causal calls were not measured: the split kernels.
+# S8192-16384, 0 to +5% at d128). Below 2048 queries nothing was measured for either kernel:
+# causal calls keep the split kernels there, calls without causal take the rotated order
+# (3 to 12.5% faster than the split kernels at S2048-4096 in run 237).
 DETERMINISTIC_ONEPASS_MIN_SEQLEN = 2048
 
 
@@ -87,10 +89,11 @@ def onepass_scope(call, bwd_dq: str) -> Optional[str]:
         return f"the one-pass kernel takes head dims {ONEPASS_HEAD_DIMS}; d{call.head_dim} takes the split kernels"
     if bwd_dq not in ("auto", "onepass"):
         return f"FLASHTILE_BWD_DQ={bwd_dq} keeps the split kernels"
-    if (call.deterministic and bwd_dq == "auto" and call.window_right >= 0
+    if (call.deterministic and bwd_dq == "auto" and call.window_right == 0  # causal (kernels_scope: no other window)
             and call.seqlen_q < DETERMINISTIC_ONEPASS_MIN_SEQLEN):
         return (f"deterministic and causal with seqlen_q < {DETERMINISTIC_ONEPASS_MIN_SEQLEN}: the split kernels "
-                "(not slower there than the one-pass kernel's ordered dQ sums; FLASHTILE_BWD_DQ=onepass takes it)")
+                "(the one-pass kernel's ordered dQ sums are not measured faster there; FLASHTILE_BWD_DQ=onepass "
+                "takes it)")
     if (call.varlen and bwd_dq != "onepass" and call.head_dim != 64
             and (call.window_left >= 0 or call.window_right >= 0)):
         return (f"causal packed calls at d{call.head_dim} take the split kernels (the one-pass kernel ran "
