@@ -239,8 +239,9 @@ def test_lse_gradient(bwd_ws_calls):
 def test_one_pass_packed_sequences(causal, head_dim, bwd_ws_calls, monkeypatch):
     """FLASHTILE_BWD_DQ=onepass: packed calls on the one-pass kernel (the default for
     non-causal ones since H100 run 118; causal ones only with the switch). Documents end
-    inside key blocks and query tiles, so the kernel reads the next document's rows, which must add exactly nothing: its keys masked out of P (non-causal;
-    the diagonal's mask when causal), its query rows' P zero (their dQ reductions add zeros
+    inside key blocks and query tiles, so the kernel reads the next document's rows, which
+    must add exactly nothing: its keys masked out of P (non-causal; the diagonal's mask when
+    causal), its query rows' P zero (their dQ reductions add zeros
     into the neighbour's rows), a last dK/dV tile stored from registers with its rows masked.
     A document with no queries (its keys' dK/dV are zeros), one with no keys, a 1-token one,
     q and k lengths that differ (bottom-right diagonals), GQA; 1472 query rows in all (a
