@@ -13,6 +13,7 @@ TRITON_INTERPRET (under the interpreter ``@triton.jit`` builds no compilable fun
     python -m flashtile.tools.sm90_check --wide     # head dims to 512, v's own head dim, MLA decode
     python -m flashtile.tools.sm90_check --flex     # the flex kernels with translated mods
     python -m flashtile.tools.sm90_check --flex --ptx-only   # shared memory and PTX only, no ptxas
+    python -m flashtile.tools.sm90_check --flex --flex-part fit   # those that once ran past shared memory
     python -m flashtile.tools.sm90_check --ptx-only --regs-match '^fwd '   # ptxas for the matching kernels only
 
 Registers per thread and spill bytes come from running Triton's bundled ptxas with
@@ -605,20 +606,31 @@ def compile_flex(kernel: str, dtype: str, head_dim: int, score_mod=None, mask_mo
                    + f" {names}", src, num_warps=warps, num_stages=stages)]
 
 
-def flex_checks(head_dims=(64, 128), dtype: str = "bf16"):
+FLEX_PARTS = ("fit", "rest")
+
+
+def flex_checks(head_dims=(64, 128), dtype: str = "bf16", part: str | None = None):
     """The flex kernels (issue 35) with the ready-made mods that take them (ALiBi and a
-    relative-position table as score_mods, a document mask) at each head dim."""
+    relative-position table as score_mods, a document mask) at each head dim, then a learned
+    bias and the widest head dims. ``part``: None for all; "fit" for the compiles whose shared
+    memory once ran out or needed ``flex.tiles``' heavy tiles (the table + document mask at
+    d128, the learned bias, the wide head dims); "rest" for the others."""
     import torch
 
     from flashtile.api import mods
 
+    if part not in (None, *FLEX_PARTS):
+        raise ValueError(f"part is None or one of {FLEX_PARTS}, got {part!r}")
     cases = (("alibi", lambda: mods.alibi(torch.rand(16)), lambda: mods.causal),
              ("relative", lambda: mods.relative_bias(torch.zeros(16, 8191), 4096),
               lambda: mods.and_masks(mods.document(torch.zeros(4096, dtype=torch.long)), mods.causal)))
     for head_dim in head_dims:
         for kernel in ("fwd", "dq", "dkdv"):
-            for _, score, mask in cases:
-                yield lambda k=kernel, d=head_dim, s=score, m=mask: compile_flex(k, dtype, d, s(), m())
+            for name, score, mask in cases:
+                if part is None or (part == "fit") == (name == "relative" and head_dim == 128):
+                    yield lambda k=kernel, d=head_dim, s=score, m=mask: compile_flex(k, dtype, d, s(), m())
+    if part == "rest":
+        return
     # a learned (L, S) bias and a per-head table (each score reads a tile of a captured
     # tensor), and q/k and v head dims of their own (H100, session 24: both past shared memory)
     bias, table = torch.zeros(700, 700), torch.zeros(4, 1399)
@@ -646,6 +658,8 @@ def main(argv=None) -> int:
     p.add_argument("--decode", action="store_true", help="the KV-cache decode kernels instead of the table")
     p.add_argument("--wide", action="store_true", help="head dims past 256 and a v head dim of its own instead")
     p.add_argument("--flex", action="store_true", help="the flex kernels with translated mods instead")
+    p.add_argument("--flex-part", choices=FLEX_PARTS, help="with --flex: those that once ran past shared memory "
+                   "(fit) or the others (rest); default all")
     p.add_argument("--ptx-only", action="store_true", help="stop at the PTX: no ptxas (``ptx_only``)")
     def regex(text):
         try:
@@ -657,8 +671,13 @@ def main(argv=None) -> int:
                    help="registers and spills only of the kernels whose name matches (ptxas runs for those)")
     args = p.parse_args(sys.argv[1:] if argv is None else argv)
     failures = 0
-    checks = (decode_checks if args.decode else wide_checks if args.wide else flex_checks if args.flex
-              else table_checks)(head_dims=tuple(args.headdim) if not args.flex else (64, 128))
+    if args.flex_part and not args.flex:
+        p.error("--flex-part needs --flex")
+    if args.flex:
+        checks = flex_checks(part=args.flex_part)
+    else:
+        checks = (decode_checks if args.decode else wide_checks if args.wide else table_checks)(
+            head_dims=tuple(args.headdim))
     with ptx_only() if args.ptx_only else contextlib.nullcontext():
         for check in checks:
             for result in check():
