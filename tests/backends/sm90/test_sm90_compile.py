@@ -505,6 +505,16 @@ def test_flex_kernels_compile_and_fit(tmp_path, part, count):
         assert sum("relative_bias_score" in line and " d128 " in line for line in lines) == 3, out
 
 
+def test_flex_part_without_flex_is_refused_by_name(capsys):
+    """``--flex-part`` picks a part of the flex compiles: without ``--flex`` it is refused
+    before any compile, naming the argument."""
+    from flashtile.tools import sm90_check
+
+    with pytest.raises(SystemExit):
+        sm90_check.main(["--flex-part", "fit"])
+    assert "--flex-part needs --flex" in capsys.readouterr().err
+
+
 def test_a_bad_regs_match_is_refused_by_name(capsys):
     """``--regs-match`` takes a regular expression: a bad one is refused before any compile,
     naming the argument."""
