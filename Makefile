@@ -26,9 +26,9 @@ test: $(VENV)/.stamp
 	TRITON_INTERPRET=1 $(PY) -m pytest -m "not gpu and not exhaustive" -n 2 --maxschedchunk 1 -q
 
 # The compile checks make test leaves out (pyproject's `exhaustive` marker): the sm90 table at
-# d64/d256, the packed-sequence, flex, wide-head-dim and split-backward kernels, the forward
-# experiment; and the API fuzz (tests/api/test_fuzz.py, FUZZ_EXAMPLES calls a test). Run it
-# after changing a kernel; about 4 minutes on 2 cores.
+# d64/d256 (and the dynamic-schedule forward's), the packed-sequence, flex, wide-head-dim and
+# split-backward kernels, the forward experiment; and the API fuzz (tests/api/test_fuzz.py,
+# FUZZ_EXAMPLES calls a test). Run it after changing a kernel; about 4 minutes on 2 cores.
 test-exhaustive: $(VENV)/.stamp
 	TRITON_INTERPRET=1 $(PY) -m pytest -m "exhaustive and not gpu" -n 2 --maxschedchunk 1 -q
 
