@@ -39,6 +39,46 @@ def test_gpu_slug() -> None:
     assert bench.gpu_slug("NVIDIA H100 80GB HBM3") == "h100-80gb-hbm3"
 
 
+def test_src_tree_names_the_files_on_disk_and_writes_nothing(tmp_path: Path) -> None:
+    """``common.src_tree``: the id ``git rev-parse --short C:src`` gives for a commit C with
+    the files src/ holds on disk (an edit, an untracked file; not an ignored one), so that a
+    copy whose git metadata is older than its files still names what ran; the repository's
+    objects are untouched."""
+    import shutil
+    import subprocess
+
+    from flashtile.tools.bench.common import src_tree
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t", *args],
+                              capture_output=True, text=True, check=True).stdout.strip()
+
+    git("init", "-q")
+    (tmp_path / "src" / "pkg").mkdir(parents=True)
+    (tmp_path / "src" / "pkg" / "a.py").write_text("a = 1\n")
+    (tmp_path / ".gitignore").write_text("*.log\n")
+    (tmp_path / "README").write_text("outside src\n")
+    git("add", "-A")
+    git("commit", "-qm", "one")
+    first = git("rev-parse", "--short", "HEAD:src")
+    assert src_tree(tmp_path / "src" / "pkg") == first
+    (tmp_path / "src" / "pkg" / "run.log").write_text("ignored\n")
+    (tmp_path / "README").write_text("changed, but outside src\n")
+    assert src_tree(tmp_path) == first
+    objects = git("count-objects", "-v")
+    (tmp_path / "src" / "pkg" / "a.py").write_text("a = 2\n")
+    (tmp_path / "src" / "pkg" / "b.py").write_text("b = 1\n")
+    edited = src_tree(tmp_path)
+    assert edited not in (None, first)
+    assert git("count-objects", "-v") == objects and git("status", "--porcelain", "--", "src") != ""
+    git("add", "-A")
+    git("commit", "-qm", "two")
+    assert git("rev-parse", "--short", "HEAD:src") == edited
+
+
 # ---------------------------------------------------------------- rows
 def test_dry_run_rows_have_exactly_the_required_keys(tmp_path: Path) -> None:
     rows = _dry_run(tmp_path, "--no-plot", "--headdim", "64", "--seqlen", "1024", "32768",
@@ -134,7 +174,7 @@ def test_bad_args_exit_nonzero(argv: list[str], tmp_path: Path) -> None:
 
 
 def test_varlen_bench_plan_summary_and_plots(tmp_path, capsys):
-    from flashtile.tools.bench import prefill as bench, varlen as bv
+    from flashtile.tools.bench import varlen as bv
 
     for dist in bv.DISTS:
         lengths = bv.lengths_for(dist)
@@ -163,7 +203,7 @@ def test_varlen_bench_plan_summary_and_plots(tmp_path, capsys):
 
 
 def test_decode_bench_plan_and_summary(capsys):
-    from flashtile.tools.bench import prefill as bench, decode as bd
+    from flashtile.tools.bench import decode as bd
 
     assert bench_main(["--decode", "--dry-run"]) == 0
     text = capsys.readouterr().out

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable
@@ -32,18 +34,52 @@ class RunInfo:
 
 
 def git_commit() -> str:
-    """Short HEAD of the repo holding this file, "-dirty" if tracked files changed; else "unknown"."""
-    here = str(Path(__file__).resolve().parent)
+    """Short HEAD of the repo holding this file; when tracked files changed, "-dirty" and the
+    id of src/ as it is on disk (``src_tree``: a copy whose git metadata is older than its files,
+    as the device machine's is, still names the files it ran); "unknown" without git."""
+    here = Path(__file__).resolve().parent
     try:
-        rev = subprocess.run(["git", "-C", here, "rev-parse", "--short", "HEAD"],
+        rev = subprocess.run(["git", "-C", str(here), "rev-parse", "--short", "HEAD"],
                              capture_output=True, text=True, timeout=10)
         if rev.returncode != 0:
             return "unknown"
-        dirty = subprocess.run(["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+        dirty = subprocess.run(["git", "-C", str(here), "status", "--porcelain", "--untracked-files=no"],
                                capture_output=True, text=True, timeout=10).stdout.strip()
-        return rev.stdout.strip() + ("-dirty" if dirty else "")
+        if not dirty:
+            return rev.stdout.strip()
+        tree = src_tree(here)
+        return rev.stdout.strip() + "-dirty" + (f" (src tree {tree})" if tree else "")
     except (OSError, subprocess.SubprocessError):
         return "unknown"
+
+
+def src_tree(path: Path) -> str | None:
+    """The short git tree id of the src/ folder of the work tree holding ``path``, as its files
+    are on disk (tracked and untracked, not ignored): what ``git rev-parse --short C:src``
+    prints for a commit C holding the same files. Nothing is written to the repository: the
+    index and the objects go to a temporary folder. None if git fails."""
+    try:
+        top = subprocess.run(["git", "-C", str(path), "rev-parse", "--show-toplevel", "--git-path", "objects"],
+                             capture_output=True, text=True, timeout=10)
+        if top.returncode != 0:
+            return None
+        root, objects = top.stdout.splitlines()
+        objects = str(Path(path, objects).resolve())  # --git-path answers relative to the -C folder
+        with tempfile.TemporaryDirectory() as tmp:
+            Path(tmp, "objects").mkdir()
+            env = dict(os.environ, GIT_INDEX_FILE=str(Path(tmp, "index")),
+                       GIT_OBJECT_DIRECTORY=str(Path(tmp, "objects")), GIT_ALTERNATE_OBJECT_DIRECTORIES=objects)
+            git = lambda *args: subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
+                                               timeout=60, env=env)
+            if git("add", "-A", "--", "src").returncode != 0:
+                return None
+            tree = git("write-tree", "--prefix=src/")
+            if tree.returncode != 0:
+                return None
+            short = git("rev-parse", "--short", tree.stdout.strip())
+            return short.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
 
 
 def gpu_slug(name: str) -> str:
