@@ -253,6 +253,28 @@ def test_decode_graph_rows_read_cold_inputs(monkeypatch):
     assert bd.measure("flashtile", small, "eager", 1, 1) == 2.0
     bd.measure("flashtile", small, "cuda_graph", 1, 1, warm_l2=True)
     assert seen == [16, 1, 1]
+    # wall rows: cold copies too, warmup calls, then wall_ms's back-to-back blocks
+    calls = []
+    monkeypatch.setattr(bd, "build", lambda impl, shape, num_splits, append, copies: seen.append(copies) or
+                        (lambda: calls.append(1)))
+    monkeypatch.setattr(bd, "wall_ms", lambda call: call() or 3.0)
+    assert bd.measure("flashtile", small, "eager_wall", 4, 1) == 3.0 and len(calls) == 1 + 4 + 1
+    assert seen[-1] == 16
+
+
+def test_decode_wall_rows_time_calls_back_to_back(monkeypatch):
+    """``wall_ms``: the median block's wall ms per call, one sync per block (not per call), so
+    a call's host time counts where it exceeds the GPU's."""
+    import torch
+
+    from flashtile.tools.bench import decode as bd
+
+    log = []
+    clock = iter(range(0, 1000, 1))
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: log.append("sync"))
+    monkeypatch.setattr(bd.time, "perf_counter", lambda: next(clock) * 0.01)  # 10 ms a reading
+    assert bd.wall_ms(lambda: log.append("call"), calls=5, blocks=3) == pytest.approx(10 / 5)
+    assert log == (["sync"] + ["call"] * 5 + ["sync"]) * 3
 
 
 # ---------------------------------------------------------------- GQA

@@ -13,11 +13,14 @@ Implementations in the same run:
     sdpa-flash   the same on the flash backend
 Each in ``eager`` mode (``triton.testing.do_bench``: the GPU time of one call, the L2
 flushed before each) and ``cuda_graph`` mode (``triton.testing.do_bench_cudagraph``: the
-kernels alone, back to back). The graph mode flushes nothing, so a cache that fits in L2
-(H100 and H200: 50 MB) would be read partly from L2 on the next replay; a model's next
-decode step reads another layer's cache. Graph rows therefore cycle through copies of the
-inputs until a cycle reads at least ``COLD_BYTES`` (``cold_copies``; ``--warm-l2``: one copy,
-as before session 29). Host cost per eager call: ``benchmarks/host_overhead.py``.
+kernels alone, back to back) and ``eager_wall`` mode (``wall_ms``: eager calls back to back from
+Python, one sync at the end: the wall time per step of an eager generation loop, the
+host's cost where it exceeds the GPU's; ``eager`` rows leave the host out). The graph and
+wall modes flush nothing, so a cache that fits in L2 (H100 and H200: 50 MB) would be read
+partly from L2 on the next call; a model's next decode step reads another layer's cache.
+Their rows therefore cycle through copies of the inputs until a cycle reads at least
+``COLD_BYTES`` (``cold_copies``; ``--warm-l2``: one copy, as before session 29). Host cost
+per eager call alone: ``benchmarks/host_overhead.py``.
 
 Rows go to ``<out>/<tag>.jsonl`` with ``pass: decode``; a summary markdown next to them.
 """
@@ -27,6 +30,8 @@ from __future__ import annotations
 import argparse
 import datetime
 import itertools
+import statistics
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -34,7 +39,7 @@ from typing import Any
 from flashtile.tools.bench.common import RowWriter, gpu_slug, reason, run_info
 
 IMPLS = ("flashtile", "sdpa-cudnn", "sdpa-flash")
-MODES = ("eager", "cuda_graph")
+MODES = ("eager", "cuda_graph", "eager_wall")
 
 
 @dataclass(frozen=True)
@@ -71,9 +76,9 @@ def cold_copies(shape: "DecodeShape") -> int:
 
 
 def copies_for(shape: "DecodeShape", mode: str, warm_l2: bool) -> int:
-    """The sets of inputs a row of ``mode`` cycles through: ``cold_copies`` for a graph row,
-    one for an eager row (do_bench flushes L2 before each call) or with ``warm_l2``."""
-    return cold_copies(shape) if mode == "cuda_graph" and not warm_l2 else 1
+    """The sets of inputs a row of ``mode`` cycles through: ``cold_copies`` for a graph or
+    wall row, one for an eager row (do_bench flushes L2 before each call) or with ``warm_l2``."""
+    return cold_copies(shape) if mode != "eager" and not warm_l2 else 1
 
 
 SMALL_BATCHES = (1, 2, 4)
@@ -164,16 +169,36 @@ def read_ceiling(gib: float = 8.0) -> float:
     import torch
     import triton.testing
 
-    x = torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device="cuda")
-    ms = triton.testing.do_bench(lambda: x.sum(dtype=torch.float32), warmup=5, rep=50, return_mode="median")
-    del x
+    held = [torch.ones(int(gib * 2**30) // 2, dtype=torch.bfloat16, device="cuda")]
+    ms = triton.testing.do_bench(lambda: held[0].sum(dtype=torch.float32), warmup=5, rep=50, return_mode="median")
+    held.clear()  # freed before empty_cache
     torch.cuda.empty_cache()
     return gib * 2**30 / (ms * 1e-3) / 1e12
 
 
+WALL_CALLS, WALL_BLOCKS = 200, 5
+
+
+def wall_ms(call, calls: int = WALL_CALLS, blocks: int = WALL_BLOCKS) -> float:
+    """Median over ``blocks`` of the wall ms per call of ``calls`` calls enqueued back to back
+    with one sync at the end: max(host, GPU) per step once the queue is in its steady state."""
+    import torch
+
+    per_call = []
+    for _ in range(blocks):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+        per_call.append((time.perf_counter() - t0) * 1e3 / calls)
+    return statistics.median(per_call)
+
+
 def measure(impl: str, shape: DecodeShape, mode: str, warmup: int, rep: int, num_splits: int = 0,
             append: bool = False, warm_l2: bool = False) -> float:
-    """Median ms of one step; graph rows read cold inputs unless ``warm_l2`` (module docstring)."""
+    """Median ms of one step; graph and wall rows read cold inputs unless ``warm_l2`` (module
+    docstring)."""
     import torch
     import triton.testing
 
@@ -183,6 +208,10 @@ def measure(impl: str, shape: DecodeShape, mode: str, warmup: int, rep: int, num
         torch.cuda.synchronize()
         if mode == "cuda_graph":
             return triton.testing.do_bench_cudagraph(call, rep=rep, return_mode="median")
+        if mode == "eager_wall":
+            for _ in range(warmup):
+                call()
+            return wall_ms(call)
         return triton.testing.do_bench(call, warmup=warmup, rep=rep, return_mode="median")
 
 
@@ -229,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--append", action="store_true",
                    help="flashtile's steps also append the new tokens (a generation step; rows say append: true)")
     p.add_argument("--warm-l2", action="store_true",
-                   help="graph rows replay one set of inputs (a cache under 50 MB then partly read from L2)")
+                   help="graph and wall rows take one set of inputs (a cache under 50 MB then partly read from L2)")
     args = p.parse_args(argv)
     todo = shapes()
     if args.only:
@@ -256,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
                        "nheads": shape.nheads, "nheads_k": shape.nheads_k, "headdim": shape.headdim,
                        "page_size": shape.page_size, "bytes": shape.bytes(), "ms": None, "tb_per_s": None,
                        "ceiling_tb_per_s": ceiling, "append": args.append and impl == "flashtile",
-                       "l2": "warm" if args.warm_l2 and mode == "cuda_graph" else "cold",
+                       "l2": "warm" if args.warm_l2 and mode != "eager" else "cold",
                        "copies": copies_for(shape, mode, args.warm_l2),
                        **info.row_fields()}
                 try:
@@ -273,7 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / f"{tag}-summary.md").write_text(
         f"# {tag}: {info.gpu}, torch {info.torch}, triton {info.triton}, flashtile {info.commit}\n\n"
         f"Decode bandwidth: bytes that must be read (K, V of the valid cache, q, out) / time, bf16; "
-        f"graph rows {'on one set of inputs (L2 warm)' if args.warm_l2 else 'on cold inputs (cold_copies)'}.\n\n"
+        f"graph and wall rows {'on one set of inputs (L2 warm)' if args.warm_l2 else 'on cold inputs (cold_copies)'}; "
+        f"eager_wall: wall time per step of eager calls back to back (the host included).\n\n"
         + summary)
     print(summary, flush=True)
     return 0
