@@ -125,16 +125,17 @@ fi
 if [[ $what == decode-wave ]]; then
   # Session 38: two programs per SM in the one wave of long splits where the DRAM feeds more
   # than WAVE_GBPS_PER_SM per SM (an H200; an H100 keeps one: env.txt says which this card
-  # takes). The kv-cache GPU file, the decode table against cuDNN (compare run 211), then the
-  # rows whose count the rule changes on an H200 at both counts and their neighbours.
+  # takes). The kv-cache GPU file, the decode table against cuDNN (compare run 211; its three
+  # modes: eager, CUDA graphs and eager_wall since session 46), then the rows whose count the
+  # rule changes on an H200 at both counts and their neighbours.
   timeout 130 python3 -m pytest -m gpu tests/api/test_kvcache_gpu.py -q -n 8 --maxfail=20 -p no:warnings \
     -p no:cacheprovider > "$OUT/gpu-tests-kvcache.log" 2>&1
   rc=$?; echo "kvcache gpu tests rc=$rc"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-kvcache.log" | tail -12
   if [[ $rc == 0 ]]; then
-    timeout 200 python3 -m flashtile.tools.bench --decode --out /tmp/bench --tag ${gpu}-decode > "$OUT/bench-decode.log" 2>&1
+    timeout 240 python3 -m flashtile.tools.bench --decode --out /tmp/bench --tag ${gpu}-decode > "$OUT/bench-decode.log" 2>&1
     echo "decode bench rc=$?"; grep -v Warn "$OUT/bench-decode.log" | grep "^|" | tail -54
     cp /tmp/bench/${gpu}-decode* "$OUT/" 2>/dev/null
-    timeout ${WAVE_SWEEP_TIMEOUT:-180} python3 benchmarks/sweep_decode.py --only 0 1 2 5 7 13 17 19 21 --splits 0 2 4 8 16 33 \
+    timeout ${WAVE_SWEEP_TIMEOUT:-150} python3 benchmarks/sweep_decode.py --only 0 1 2 5 7 13 17 19 21 --splits 0 2 4 8 16 33 \
       > "$OUT/sweep-decode-wave.log" 2>&1
     echo "wave sweep rc=$?"; grep -v Warn "$OUT/sweep-decode-wave.log" | tail -30
   fi
@@ -184,7 +185,7 @@ if [[ $what == decode ]]; then
     timeout ${DECODE_SWEEP_TIMEOUT:-150} python3 benchmarks/sweep_decode.py $DECODE_SWEEP > "$OUT/sweep-decode.log" 2>&1
     echo "decode sweep rc=$?"; grep -v Warn "$OUT/sweep-decode.log" | tail -60
   fi
-  timeout ${DECODE_BENCH_TIMEOUT:-300} python3 -m flashtile.tools.bench --decode --out /tmp/bench --tag ${gpu}-decode \
+  timeout ${DECODE_BENCH_TIMEOUT:-340} python3 -m flashtile.tools.bench --decode --out /tmp/bench --tag ${gpu}-decode \
     ${DECODE_BENCH_ARGS:-} > "$OUT/bench-decode.log" 2>&1
   echo "decode bench rc=$?"; grep -v Warn "$OUT/bench-decode.log" | tail -45
   cp /tmp/bench/${gpu}-decode* "$OUT/" 2>/dev/null
