@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|det|bench-d128|features|flex|varlen|varlen-onepass|decode|fold-ab|decode-wave|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|det|bench-d128|features|flex|varlen|varlen-onepass|decode|fold-ab|pair-group|decode-wave|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -321,6 +321,45 @@ if [[ $what == fwd-schedule ]]; then
       > "$OUT/gpu-tests-ws-fwd.log" 2>&1
     echo "ws fwd tests rc=$?"; tail -n 3 "$OUT/gpu-tests-ws-fwd.log"
   fi
+fi
+if [[ $what == pair-group ]]; then
+  # Session 46's grid-order experiment (``backward_onepass.PAIR_GROUP``, never run): causal calls
+  # block-major within groups of G (batch, kv head) pairs, one group after another, between
+  # pair-major's L2 sharing (MHA's order) and block-major's heaviest-first start (causal GQA's).
+  # Its GPU test first (every key block once, the last group short), then flashtile's causal
+  # backward under each order (one order per process: bwd_order_ab.py), MHA two rounds, GQA 4 one.
+  timeout 120 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -k "pair_groups or grid_order" \
+    -q -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-pair-group.log" 2>&1
+  rc=$?; echo "pair-group gpu tests rc=$rc"; tail -3 "$OUT/gpu-tests-pair-group.log"
+  if [[ $rc == 0 ]]; then
+    for r in 1 2; do
+      for order in pair group:2 group:4; do
+        timeout 45 python3 benchmarks/experiments/bwd_order_ab.py $order bench --dtype bf16 --pass bwd --causal yes \
+          --headdim 64 128 --seqlen 2048 4096 8192 16384 --impl flashtile --no-plot --out /tmp/bench \
+          --tag ab-mha-${order/:/}-r$r > /tmp/bench/ab-mha-${order/:/}-r$r.log 2>&1
+        echo "mha $order round $r rc=$?"
+      done
+    done
+    for order in block group:2 group:4; do
+      timeout 45 python3 benchmarks/experiments/bwd_order_ab.py $order bench --dtype bf16 --pass bwd --causal yes \
+        --gqa 4 --headdim 64 128 --seqlen 2048 4096 8192 16384 --impl flashtile --no-plot --out /tmp/bench \
+        --tag ab-gqa-${order/:/} > /tmp/bench/ab-gqa-${order/:/}.log 2>&1
+      echo "gqa $order rc=$?"
+    done
+    python3 - <<'PY' | tee "$OUT/pair-group-ab.txt"
+import collections, glob, json
+tf = collections.defaultdict(dict)  # (heads, d, S) -> TFLOP/s per tag
+for f in sorted(glob.glob("/tmp/bench/ab-*.jsonl")):
+    tag = f.split("/")[-1][3:-6]
+    for line in open(f):
+        r = json.loads(line)
+        if r.get("tflops"):
+            tf[(f"{r['nheads']}/{r['nheads_k']}", r["headdim"], r["seqlen_q"])][tag] = r["tflops"]
+for key, row in sorted(tf.items()):
+    print(*key, " ".join(f"{t}={v:.0f}" for t, v in sorted(row.items())))
+PY
+  fi
+  tar -czf "$OUT/pair-group.tgz" -C /tmp/bench .
 fi
 if [[ $what == train5 ]]; then
   # Issue 38's training-step target: train_block.py five times with its no-attention and

@@ -195,6 +195,10 @@ def test_one_pass_grid_order(causal, nheads_k, block_major, monkeypatch):
     op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=causal)
     (grid, constexprs), = launches
     assert grid == (3 * 2 * nheads_k,) and constexprs["KEYS_OUTER"] is block_major
+    assert constexprs["PAIR_GROUP"] == 0  # block-major over every pair at once
+    monkeypatch.setattr(op, "PAIR_GROUP", 3)  # the order experiment's knob reaches the launch
+    op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=causal)
+    assert launches[-1][1]["PAIR_GROUP"] == 3
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -106,6 +106,11 @@ DQ_BUF_PACKED = {64: 2, 128: 2}
 # ``_rotated_turn``: session 43) where the rule allows it. H100 run 237 (bf16, kernel alone, against
 # every block from the first tile): d64 +19% at S2048, +7% at S8192; d128 +9%, +1.5%.
 DET_ROTATE_DEFAULT = True
+# Block-major (``keys_outer``) within groups of this many (batch, kv head) pairs, the groups one
+# after another; 0: every pair in one group (block-major as H200 run 104 measured it). An
+# experiment's knob (``benchmarks/experiments/bwd_order_ab.py group:G``): between pair-major's
+# L2 sharing and block-major's heaviest-first start for causal calls. Never measured.
+PAIR_GROUP = 0
 # The dQ slots' layout. ``DQ_NATIVE`` ("native", the default for fixed-length calls since
 # session 41): each thread stores its wgmma accumulator registers in their own order
 # (``native_offset_bases``: st.shared.v4, no bank conflicts, one TMA box per half); H100
@@ -545,7 +550,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
                     item_cap, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr,
                     DQ_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                     REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr, DQ_NATIVE: gl.constexpr,
-                    DET_ROTATE: gl.constexpr):
+                    DET_ROTATE: gl.constexpr, PAIR_GROUP: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     QROWS: gl.constexpr = q_desc.block_type.shape[2]  # queries per step (ROWS, or 2 x ROWS at d64: Q_ROWS)
     dtype: gl.constexpr = q_desc.dtype
@@ -569,8 +574,15 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
     else:
         if KEYS_OUTER:  # block-major: every pair's block 0 first (causal: the blocks with the most queries)
             num_pairs = gl.num_programs(0) // num_n_blocks
-            nb = pid // num_pairs
-            bk = pid % num_pairs
+            if PAIR_GROUP == 0:
+                nb = pid // num_pairs
+                bk = pid % num_pairs
+            else:  # block-major within groups of PAIR_GROUP pairs, one group after another
+                group = pid // (PAIR_GROUP * num_n_blocks)
+                r = pid % (PAIR_GROUP * num_n_blocks)
+                in_group = gl.minimum(num_pairs - group * PAIR_GROUP, PAIR_GROUP)  # the last group may be short
+                nb = r // in_group
+                bk = group * PAIR_GROUP + r % in_group
         else:  # pair-major: a pair's blocks run side by side (its Q and dO shared in L2)
             nb = pid % num_n_blocks
             bk = pid // num_n_blocks
@@ -824,7 +836,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
             dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=CONSUMER_REGS,
                  LOADER_REGS=LOADER_REGS, REDUCER_REGS=REDUCER_REGS,
                  KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k), DQ_NATIVE=native,
-                 DET_ROTATE=bool(rotate)), 4, 1)
+                 DET_ROTATE=bool(rotate), PAIR_GROUP=PAIR_GROUP), 4, 1)
     _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
                     (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]),
                     dict(BLOCK_M=BLOCK, HEAD_D=head_dim, QROWS=q_rows, NATIVE=native), 4, 1)
