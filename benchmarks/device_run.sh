@@ -12,8 +12,8 @@ what=${1:-all}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | grep -o 'H[0-9]00' | tr H h)
 gpu=${gpu:-gpu}
 
-# The bench rows of /tmp/bench/$1*.jsonl side by side: mode and shape, then us per step for
-# each tag (the file name after $1).
+# The bench rows of /tmp/bench/$1*.jsonl side by side: mode and shape (decode rows), or heads,
+# head dim, length and pass (prefill rows), then us per step for each tag (the file name after $1).
 rows_by_tag() {
   python3 - "$1" <<'PY'
 import collections, glob, json, sys
@@ -24,7 +24,9 @@ for f in sorted(glob.glob(f"/tmp/bench/{prefix}*.jsonl")):
     for line in open(f):
         r = json.loads(line)
         if r.get("ms"):
-            us[(r["mode"], r["label"])][tag] = r["ms"] * 1e3
+            key = (r["mode"], r["label"]) if "label" in r else (
+                f"{r['nheads']}/{r['nheads_k']} d{r['headdim']}", f"S{r['seqlen_q']} {r['pass']}")
+            us[key][tag] = r["ms"] * 1e3
 for (mode, label), row in us.items():
     print(mode, label, " ".join(f"{t}={v:.2f}" for t, v in sorted(row.items())))
 PY
@@ -346,18 +348,7 @@ if [[ $what == pair-group ]]; then
         --tag ab-gqa-${order/:/} > /tmp/bench/ab-gqa-${order/:/}.log 2>&1
       echo "gqa $order rc=$?"
     done
-    python3 - <<'PY' | tee "$OUT/pair-group-ab.txt"
-import collections, glob, json
-tf = collections.defaultdict(dict)  # (heads, d, S) -> TFLOP/s per tag
-for f in sorted(glob.glob("/tmp/bench/ab-*.jsonl")):
-    tag = f.split("/")[-1][3:-6]
-    for line in open(f):
-        r = json.loads(line)
-        if r.get("tflops"):
-            tf[(f"{r['nheads']}/{r['nheads_k']}", r["headdim"], r["seqlen_q"])][tag] = r["tflops"]
-for key, row in sorted(tf.items()):
-    print(*key, " ".join(f"{t}={v:.0f}" for t, v in sorted(row.items())))
-PY
+    rows_by_tag ab- | tee "$OUT/pair-group-ab.txt"
   fi
   tar -czf "$OUT/pair-group.tgz" -C /tmp/bench .
 fi

@@ -198,7 +198,8 @@ def wall_ms(call, calls: int = WALL_CALLS, blocks: int = WALL_BLOCKS) -> float:
 def measure(impl: str, shape: DecodeShape, mode: str, warmup: int, rep: int, num_splits: int = 0,
             append: bool = False, warm_l2: bool = False) -> float:
     """Median ms of one step; graph and wall rows read cold inputs unless ``warm_l2`` (module
-    docstring)."""
+    docstring). ``warmup`` and ``rep`` are do_bench's ms; a wall row takes ``warmup`` calls
+    first, then ``wall_ms``'s blocks."""
     import torch
     import triton.testing
 
