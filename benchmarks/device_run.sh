@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|det|bench-d128|features|flex|varlen|varlen-onepass|decode|fold-ab|pair-group|decode-wave|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|det|bench-d128|features|flex|varlen|varlen-onepass|decode|fold-ab|order-ab|order-ab-mha|decode-wave|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -13,7 +13,8 @@ gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | 
 gpu=${gpu:-gpu}
 
 # The bench rows of /tmp/bench/$1*.jsonl side by side: mode and shape (decode rows), or heads,
-# head dim, length and pass (prefill rows), then us per step for each tag (the file name after $1).
+# head dim, length and pass (prefill rows), then us per step for each tag (the file name after $1;
+# prefill rows of another impl than flashtile or cuDNN as impl:tag).
 rows_by_tag() {
   python3 - "$1" <<'PY'
 import collections, glob, json, sys
@@ -26,7 +27,8 @@ for f in sorted(glob.glob(f"/tmp/bench/{prefix}*.jsonl")):
         if r.get("ms"):
             key = (r["mode"], r["label"]) if "label" in r else (
                 f"{r['nheads']}/{r['nheads_k']} d{r['headdim']}", f"S{r['seqlen_q']} {r['pass']}")
-            us[key][tag] = r["ms"] * 1e3
+            impl = "" if "label" in r or r["impl"] in ("flashtile", "sdpa-cudnn") else r["impl"] + ":"
+            us[key][impl + tag] = r["ms"] * 1e3
 for (mode, label), row in us.items():
     print(mode, label, " ".join(f"{t}={v:.2f}" for t, v in sorted(row.items())))
 PY
@@ -324,33 +326,35 @@ if [[ $what == fwd-schedule ]]; then
     echo "ws fwd tests rc=$?"; tail -n 3 "$OUT/gpu-tests-ws-fwd.log"
   fi
 fi
-if [[ $what == pair-group ]]; then
-  # Session 46's grid-order experiment (``backward_onepass.PAIR_GROUP``, never run): causal calls
-  # block-major within groups of G (batch, kv head) pairs, one group after another, between
-  # pair-major's L2 sharing (MHA's order) and block-major's heaviest-first start (causal GQA's).
-  # Its GPU test first (every key block once, the last group short), then flashtile's causal
-  # backward under each order (one order per process: bwd_order_ab.py), MHA two rounds, GQA 4 one.
-  timeout 120 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -k "pair_groups or grid_order" \
-    -q -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-pair-group.log" 2>&1
-  rc=$?; echo "pair-group gpu tests rc=$rc"; tail -3 "$OUT/gpu-tests-pair-group.log"
+if [[ $what == order-ab || $what == order-ab-mha ]]; then
+  # Session 47's grid order for causal calls (``backward_onepass.pair_group``: block-major within
+  # groups of about a wave's worth of (batch, kv head) pairs; H100 runs 248-249 chose it) against
+  # the orders before it, three alternating rounds, one order per process (bwd_order_ab.py), then
+  # cuDNN. order-ab: the backward GPU file first (about 200 s), then GQA 4 against block-major;
+  # order-ab-mha: MHA against pair-major, then the deterministic rows (both orders).
+  if [[ $what == order-ab ]]; then
+    timeout 250 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -q -n 4 -p no:warnings \
+      -p no:cacheprovider > "$OUT/gpu-tests-bwd.log" 2>&1
+    rc=$?; echo "backward gpu tests rc=$rc"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-bwd.log" | tail -8
+    heads="--gqa 4"; old=block; impls="flashtile"
+  else
+    rc=0; heads=""; old=pair; impls="flashtile flashtile-det"
+  fi
   if [[ $rc == 0 ]]; then
-    for r in 1 2; do
-      for order in pair group:2 group:4; do
-        timeout 45 python3 benchmarks/experiments/bwd_order_ab.py $order bench --dtype bf16 --pass bwd --causal yes \
-          --headdim 64 128 --seqlen 2048 4096 8192 16384 --impl flashtile --no-plot --out /tmp/bench \
-          --tag ab-mha-${order/:/}-r$r > /tmp/bench/ab-mha-${order/:/}-r$r.log 2>&1
-        echo "mha $order round $r rc=$?"
+    for r in 1 2 3; do
+      for order in $old auto; do
+        timeout 60 python3 benchmarks/experiments/bwd_order_ab.py $order bench --dtype bf16 --pass bwd --causal yes \
+          $heads --headdim 64 128 --seqlen 2048 4096 8192 16384 --impl $impls --no-plot --out /tmp/bench \
+          --tag ab-$order-r$r > /tmp/bench/ab-$order-r$r.log 2>&1
+        echo "$what $order round $r rc=$?"
       done
     done
-    for order in block group:2 group:4; do
-      timeout 45 python3 benchmarks/experiments/bwd_order_ab.py $order bench --dtype bf16 --pass bwd --causal yes \
-        --gqa 4 --headdim 64 128 --seqlen 2048 4096 8192 16384 --impl flashtile --no-plot --out /tmp/bench \
-        --tag ab-gqa-${order/:/} > /tmp/bench/ab-gqa-${order/:/}.log 2>&1
-      echo "gqa $order rc=$?"
-    done
-    rows_by_tag ab- | tee "$OUT/pair-group-ab.txt"
+    timeout 60 python3 -m flashtile.tools.bench --dtype bf16 --pass bwd --causal yes $heads --headdim 64 128 \
+      --seqlen 2048 4096 8192 16384 --impl sdpa-cudnn --no-plot --out /tmp/bench --tag ab-cudnn > /tmp/bench/ab-cudnn.log 2>&1
+    echo "cudnn rc=$?"
+    rows_by_tag ab- | tee "$OUT/$what.txt"
   fi
-  tar -czf "$OUT/pair-group.tgz" -C /tmp/bench .
+  tar -czf "$OUT/$what.tgz" -C /tmp/bench .
 fi
 if [[ $what == train5 ]]; then
   # Issue 38's training-step target: train_block.py five times with its no-attention and

@@ -361,12 +361,12 @@ def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf
                              dq_buf: int | None = None, keys_outer: bool = False,
                              dq_swizzle: int | str | None = None, varlen: bool = False,
                              q_rows: int | None = None, deterministic: bool = False,
-                             rotate: bool = False, pair_group: int = 0) -> Compiled:
+                             rotate: bool = False) -> Compiled:
     """The one-pass Gluon backward (``backends.sm90.backward_onepass``; its default rings,
     dQ swizzle and queries per step unless given; ``varlen``: its work-list variant for
     packed sequences; ``deterministic``: dQ's sums in a fixed order, an int32 Sem;
-    ``rotate``: in that mode, each key block from a query tile of its own; ``pair_group``:
-    with ``keys_outer``, block-major within groups of that many pairs): its PTX should
+    ``rotate``: in that mode, each key block from a query tile of its own; ``keys_outer``:
+    the grid block-major within groups of pairs, ``backward_onepass.pair_group``): its PTX should
     hold the bulk tensor reductions of dQ."""
     from flashtile.backends.sm90 import backward_onepass as op
 
@@ -377,14 +377,14 @@ def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf
     return _compile_ws(f"bwd-onepass {dtype} d{head_dim} causal={causal} num_buf={num_buf} dq_buf={dq_buf} "
                        f"dq_swizzle={dq_swizzle}" + (f" q_rows={q_rows}" if q_rows != op.BLOCK else "")
                        + (" varlen" if varlen else "") + (" deterministic" if deterministic else "")
-                       + (" rotate" if rotate else "") + (f" pair_group={pair_group}" if pair_group else ""),
+                       + (" rotate" if rotate else "") + (" keys_outer" if keys_outer else ""),
                        op.onepass_kernel, dtype, head_dim,
                        dict(dict.fromkeys(("k_desc", "v_desc", "dk_desc", "dv_desc"), op.BLOCK),
                             q_desc=q_rows, do_desc=q_rows),
                        dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=op.CONSUMER_REGS,
                             LOADER_REGS=op.LOADER_REGS, REDUCER_REGS=op.REDUCER_REGS,
                             KEYS_OUTER=keys_outer and not varlen, DQ_NATIVE=dq_swizzle == op.DQ_NATIVE,
-                            DET_ROTATE=rotate, PAIR_GROUP=pair_group),
+                            DET_ROTATE=rotate),
                        dict(dq_desc=dq_desc, Sem="*i32" if deterministic else "*fp32",
                             **(dict(Items="*i32") if varlen else {})))
 

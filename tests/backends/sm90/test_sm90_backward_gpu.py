@@ -62,14 +62,13 @@ def test_long_causal_gqa(head_dim, bwd_ws_calls):
 @pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
 @pytest.mark.parametrize("nheads", [2, 4], ids=["mha", "gqa"])
 def test_one_pass_pair_groups(nheads, head_dim, bwd_ws_calls, monkeypatch):
-    """The grid-order experiment (``backward_onepass.PAIR_GROUP``, ``bwd_order_ab.py group:G``):
-    block-major within groups of 4 of the 6 (batch, kv head) pairs, so the last group holds 2;
-    causal MHA made block-major too. Every key block must run once (the outputs are poisoned)."""
+    """The grid's grouped order (``backward_onepass.pair_group``) with 4 of the 6 (batch, kv
+    head) pairs a group, so the last group holds 2 (the rule gives every pair one group at
+    these lengths). Every key block must run once (the outputs are poisoned)."""
     from flashtile.backends.sm90 import backward_onepass as op
 
     monkeypatch.setenv("FLASHTILE_PLANS", "0")  # a plan would replay another order's launch
     monkeypatch.setattr(op, "PAIR_GROUP", 4)
-    monkeypatch.setattr(op, "keys_outer", lambda causal, group_size: causal)
     check_flash_grads(Case(700, 700, head_dim, dtype=torch.bfloat16, causal=True, batch=3, nheads=nheads,
                            nheads_k=2), device="cuda")
     assert len(bwd_ws_calls) == 1 and bwd_ws_calls[0]["fn"] == "attention_backward_onepass"

@@ -11,6 +11,15 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("triton")
 
 
+@pytest.fixture(autouse=True)
+def _h100_sms(monkeypatch):
+    """Causal one-pass launches ask the device for its SMs (``backward_onepass.pair_group``);
+    these tests' tensors are on the CPU: an H100's 132."""
+    from flashtile.backends.sm90 import backward_onepass as op
+
+    monkeypatch.setattr(op, "sm_count", lambda index: 132)
+
+
 
 def test_cpu_tensors_never_reach_the_gluon_backward(monkeypatch, triton_backend):
     """The registry looks at the device first: the interpreter and CPU tensors keep the
@@ -179,26 +188,44 @@ def test_one_pass_native_dq_launch(head_dim, monkeypatch):
     assert plain_args[17].shape == [4 * rows, head_dim] and plain_args[17].layout.swizzle_byte_width != 0
 
 
-@pytest.mark.parametrize("causal, nheads_k, block_major", [(True, 2, True), (True, 1, True), (True, 4, False),
-                                                           (False, 2, False), (False, 4, False)])
-def test_one_pass_grid_order(causal, nheads_k, block_major, monkeypatch):
-    """Causal GQA launches block-major (every (batch, kv head)'s heaviest key blocks first);
-    MHA and non-causal keep pair-major (run 104: block-major lost 4-27% on causal MHA)."""
+@pytest.mark.parametrize("causal, nheads_k", [(True, 2), (True, 1), (True, 4), (False, 2), (False, 4)])
+def test_one_pass_grid_order(causal, nheads_k, monkeypatch):
+    """Causal calls launch block-major within groups of ``sms // num_n_blocks`` (batch, kv
+    head) pairs (the grouped order: ``KEYS_OUTER`` and the runtime ``pair_group``), pair-major
+    (``KEYS_OUTER`` off, the kernel's plain order) where that is one pair; calls without causal
+    pair-major. ``PAIR_GROUP`` (the experiments' knob) overrides the rule for causal calls."""
     from flashtile.backends.sm90 import backward_onepass as op
 
     launches = []
-    monkeypatch.setattr(op, "_launch", lambda grid, args, constexprs, *rest: launches.append((grid, constexprs)))
+    monkeypatch.setattr(op, "_launch", lambda grid, args, constexprs, *rest: launches.append((grid, args, constexprs)))
     monkeypatch.setattr(op, "_launch_convert", lambda *a: None)
+    sms = []
+    monkeypatch.setattr(op, "sm_count", lambda index: sms[-1])
     q = torch.zeros(2, 4, 300, 64, dtype=torch.float16)
     kv = torch.zeros(2, nheads_k, 300, 64, dtype=torch.float16)
     lse = torch.zeros(2, 4, 300)
-    op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=causal)
-    (grid, constexprs), = launches
-    assert grid == (3 * 2 * nheads_k,) and constexprs["KEYS_OUTER"] is block_major
-    assert constexprs["PAIR_GROUP"] == 0  # block-major over every pair at once
-    monkeypatch.setattr(op, "PAIR_GROUP", 3)  # the order experiment's knob reaches the launch
-    op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=causal)
-    assert launches[-1][1]["PAIR_GROUP"] == 3
+    pairs = 2 * nheads_k  # 3 key blocks of 128 each
+    for count, group in ((132, pairs), (6, 2), (5, 1), (2, 1)):  # one pair a group below 2 x 3 SMs
+        sms.append(count)
+        op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=causal)
+        grid, args, constexprs = launches[-1]
+        want = min(group, pairs) if causal else 1
+        assert grid == (3 * pairs,) and args[20] == want and constexprs["KEYS_OUTER"] is (want > 1), (count, args[20])
+    for knob, group in ((0, pairs), (3, min(3, pairs)), (1, 1)):
+        monkeypatch.setattr(op, "PAIR_GROUP", knob)  # the order experiment's knob reaches the launch
+        op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=causal)
+        assert launches[-1][1][20] == (group if causal else 1)
+
+
+@pytest.mark.parametrize("causal, blocks, pairs, sms, want", [
+    (True, 16, 64, 132, 8), (True, 32, 64, 132, 4), (True, 64, 64, 132, 2), (True, 128, 64, 132, 1),
+    (True, 256, 64, 132, 1), (True, 16, 4, 132, 4), (False, 16, 64, 132, 1)])
+def test_pair_group_rule(causal, blocks, pairs, sms, want):
+    """About one wave of programs a group: H100 runs 248-249's best group sizes at S2048-8192
+    (16-64 key blocks of 128 on 132 SMs: 8, 4, 2), pair-major from S16384 on."""
+    from flashtile.backends.sm90 import backward_onepass as op
+
+    assert op.pair_group(causal, blocks, pairs, sms) == want
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -366,7 +393,7 @@ def test_one_pass_packed_launch(monkeypatch):
     op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=True,
                                   varlen=(None, (table, 5), "a query table, unread"))
     (grid, args, constexprs), (_, (convert_grid, convert_args, *_)) = launches
-    assert grid == (5 * 2,) and constexprs["KEYS_OUTER"] is False
+    assert grid == (5 * 2,) and constexprs["KEYS_OUTER"] is False and args[20] == 1  # heads outer
     assert constexprs["DQ_BUF"] == op.DQ_BUF_PACKED[64] == 2  # fixed lengths take one at d64
     assert args[-8:] == (table, 5, kv, 64, 2 * 64, kv, 64, 2 * 64)  # head stride 64, row stride 128
     assert convert_grid == (5, 6) and convert_args[4] == 320  # every packed row cast, the accumulator padded

@@ -460,19 +460,20 @@ def test_one_pass_backward_compiles_with_a_reducer_warp(tmp_path):
 @pytest.mark.exhaustive
 @pytest.mark.slow(seconds=120)
 def test_one_pass_pair_groups_compile(tmp_path):
-    """The grid-order experiment (``PAIR_GROUP``, session 46: block-major within groups of
-    pairs) compiles causal at d64 and d128, fits, spills no more than block-major over every
-    pair, and reaches the kernel: its group arithmetic adds integer divisions to the PTX."""
+    """The grouped grid order (``KEYS_OUTER``: block-major within groups of ``pair_group``
+    pairs, causal calls' default since session 47) compiles causal at d64 and d128 with the
+    shared memory of pair-major, spills no more, and reaches the kernel: its group arithmetic
+    adds integer divisions to the PTX."""
     code = ("from flashtile.tools.sm90_check import compile_backward_onepass as f\n"
-            "for d, group in ((128, 0), (128, 3), (64, 0), (64, 3)):\n"
-            "    c = f('bf16', d, causal=True, keys_outer=True, pair_group=group)\n"
-            "    print(d, group, c.shared, *c.registers(), c.ptx.count('div.'))")
+            "for d, grouped in ((128, 0), (128, 1), (64, 0), (64, 1)):\n"
+            "    c = f('bf16', d, causal=True, keys_outer=bool(grouped))\n"
+            "    print(d, grouped, c.shared, *c.registers(), c.ptx.count('div.'))")
     rows = [line.split() for line in _compile_run(tmp_path, "-c", code).splitlines()]
     assert len(rows) == 4, rows
-    got = {(d, group): (int(shared), int(spills), int(div)) for d, group, shared, _, spills, div in rows}
+    got = {(d, grouped): (int(shared), int(spills), int(div)) for d, grouped, shared, _, spills, div in rows}
     for d in ("64", "128"):
-        (shared0, spills0, div0), (shared3, spills3, div3) = got[d, "0"], got[d, "3"]
-        assert shared3 == shared0 <= SM90_SHARED_LIMIT and spills3 <= spills0 + 64 and div3 > div0, rows
+        (shared0, spills0, div0), (shared1, spills1, div1) = got[d, "0"], got[d, "1"]
+        assert shared1 == shared0 <= SM90_SHARED_LIMIT and spills1 <= spills0 + 64 and div1 > div0, rows
 
 
 @pytest.mark.exhaustive

@@ -11,7 +11,8 @@ pair instead of the split kernels' 7. One program owns a block of 2 x 64 keys of
 of the GQA group (so dK and dV are summed over the group in registers). A step takes
 QROWS queries (``Q_ROWS``): 128 at d64 (FA3's d64 tiling), 64 at d128 and for packed
 sequences. Programs run pair-major (a (batch, kv head)'s key blocks side by side), or
-block-major for causal GQA (``keys_outer``). Partitions:
+block-major within groups of about a wave's worth of pairs for causal calls (``pair_group``).
+Partitions:
 
     loader   (1 warp)  K and V of the block once, then (Q_s, dO_s) tiles of QROWS queries
                        through a NUM_BUF-slot ring by TMA
@@ -106,11 +107,11 @@ DQ_BUF_PACKED = {64: 2, 128: 2}
 # ``_rotated_turn``: session 43) where the rule allows it. H100 run 237 (bf16, kernel alone, against
 # every block from the first tile): d64 +19% at S2048, +7% at S8192; d128 +9%, +1.5%.
 DET_ROTATE_DEFAULT = True
-# Block-major (``keys_outer``) within groups of this many (batch, kv head) pairs, the groups one
-# after another; 0: every pair in one group (block-major as H200 run 104 measured it). An
-# experiment's knob (``benchmarks/experiments/bwd_order_ab.py group:G``): between pair-major's
-# L2 sharing and block-major's heaviest-first start for causal calls. Never measured.
-PAIR_GROUP = 0
+# Causal calls run block-major within groups of (batch, kv head) pairs, the groups one after
+# another (``pair_group``: about one wave of programs a group); None: that rule, else this many
+# pairs a group (0: every pair in one group, block-major as H200 run 104 measured it; 1:
+# pair-major). An experiment's knob (``benchmarks/experiments/bwd_order_ab.py``).
+PAIR_GROUP: int | None = None
 # The dQ slots' layout. ``DQ_NATIVE`` ("native", the default for fixed-length calls since
 # session 41): each thread stores its wgmma accumulator registers in their own order
 # (``native_offset_bases``: st.shared.v4, no bank conflicts, one TMA box per half); H100
@@ -170,14 +171,22 @@ def _is_native(layout):
     return isinstance(layout, gl.SharedLinearLayout)
 
 
-def keys_outer(causal: bool, group_size: int) -> bool:
-    """The grid's order: block-major (every (batch, kv head) pair's key block 0 first, then
-    every pair's block 1, ...) for causal GQA, else pair-major (a pair's blocks side by side,
-    sharing its Q and dO in L2). A causal GQA program walks group_size x the query blocks
-    of an MHA one, so under pair-major the last pairs' heavy first blocks were a long tail;
-    block-major starts the heaviest first. H200 run 104 (bf16, causal, S2048-16384): GQA 4
-    d128 +6-10% at S <= 8192 (-2% at S16384), d64 -0..+6%; MHA lost 4-27% (L2 locality)."""
-    return causal and group_size > 1
+def pair_group(causal: bool, num_n_blocks: int, num_pairs: int, sms: int) -> int:
+    """The grid's order: (batch, kv head) pairs a group, block-major within a group (every
+    pair's key block 0, then every pair's block 1, ...), the groups one after another; 1 is
+    pair-major (a pair's blocks side by side, sharing its Q and dO in L2), ``num_pairs``
+    block-major over the whole grid. Causal calls take ``sms // num_n_blocks`` pairs a group
+    (about one wave of programs: every program of a wave shares its pair's Q and dO with the
+    pair's other blocks, and each group starts its heaviest blocks first, so a wave's last
+    programs are its lightest); calls without causal mask, whose blocks weigh the same,
+    pair-major. H100 runs 248-249 (bf16 causal, S2048-16384; docs/perf-notes.md, session
+    47): GQA 4 +1 to +13% against block-major over the whole grid (H200 run 104's choice for
+    GQA, whose pair-major tail cost 6-10%), MHA 0 to +2% against pair-major."""
+    if PAIR_GROUP is not None:
+        return 1 if not causal else min(PAIR_GROUP or num_pairs, num_pairs)
+    if not causal:
+        return 1
+    return max(1, min(num_pairs, sms // num_n_blocks))
 
 
 @gluon.jit
@@ -546,11 +555,11 @@ def _pass_turn(lock):
 
 @gluon.jit
 def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, nheads, nheads_k, group_size,
-                    seqlen_q, num_n_blocks, diag_offset, qk_scale, scale, dq_desc, dq_rows, seqlen_k, Items,
+                    seqlen_q, num_n_blocks, diag_offset, qk_scale, scale, dq_desc, dq_rows, seqlen_k, pair_group, Items,
                     item_cap, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm, CAUSAL: gl.constexpr, NUM_BUF: gl.constexpr,
                     DQ_BUF: gl.constexpr, CONSUMER_REGS: gl.constexpr, LOADER_REGS: gl.constexpr,
                     REDUCER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr, DQ_NATIVE: gl.constexpr,
-                    DET_ROTATE: gl.constexpr, PAIR_GROUP: gl.constexpr):
+                    DET_ROTATE: gl.constexpr):
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     QROWS: gl.constexpr = q_desc.block_type.shape[2]  # queries per step (ROWS, or 2 x ROWS at d64: Q_ROWS)
     dtype: gl.constexpr = q_desc.dtype
@@ -572,17 +581,13 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
         num_n_blocks = gl.cdiv(seqlen_k, 2 * ROWS)
         b = seq * 0
     else:
-        if KEYS_OUTER:  # block-major: every pair's block 0 first (causal: the blocks with the most queries)
+        if KEYS_OUTER:  # block-major within groups of pair_group pairs (``pair_group``), one group after another
             num_pairs = gl.num_programs(0) // num_n_blocks
-            if PAIR_GROUP == 0:
-                nb = pid // num_pairs
-                bk = pid % num_pairs
-            else:  # block-major within groups of PAIR_GROUP pairs, one group after another
-                group = pid // (PAIR_GROUP * num_n_blocks)
-                r = pid % (PAIR_GROUP * num_n_blocks)
-                in_group = gl.minimum(num_pairs - group * PAIR_GROUP, PAIR_GROUP)  # the last group may be short
-                nb = r // in_group
-                bk = group * PAIR_GROUP + r % in_group
+            group = pid // (pair_group * num_n_blocks)
+            r = pid % (pair_group * num_n_blocks)
+            in_group = gl.minimum(num_pairs - group * pair_group, pair_group)  # the last group may be short
+            nb = r // in_group  # the group's block 0 first (causal: the blocks with the most queries)
+            bk = group * pair_group + r % in_group
         else:  # pair-major: a pair's blocks run side by side (its Q and dO shared in L2)
             nb = pid % num_n_blocks
             bk = pid // num_n_blocks
@@ -818,9 +823,12 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     # the turn counters of a deterministic call; else an unread float32 pointer (its dtype selects the plain kernel)
     sem = torch.zeros(batch * nheads * triton.cdiv(seqlen_q, q_rows), dtype=torch.int32,
                       device=q.device) if deterministic else lse
+    group = 1  # pairs a group of the grid's order (``pair_group``); packed sequences: heads outer
     if varlen is None:
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
         grid = num_n_blocks * batch * nheads_k
+        if causal:  # no device query without it (the host tests' CPU tensors)
+            group = pair_group(causal, num_n_blocks, batch * nheads_k, sm_count(q.device.index))
         items = (lse, 0, dk, 0, 0, dv, 0, 0)  # unread: Items' float dtype selects the fixed-length path
     else:
         if batch != 1:
@@ -832,11 +840,10 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
             (tma_descriptor(q, q_rows), tma_descriptor(k, BLOCK), tma_descriptor(v, BLOCK),
              tma_descriptor(dout, q_rows), tma_descriptor(dk, BLOCK), tma_descriptor(dv, BLOCK), lse, delta, sem,
              nheads, nheads_k, nheads // nheads_k, seqlen_q, num_n_blocks, diag_offset, scale * LOG2E, scale,
-             dq_desc, rows, seqlen_k, *items),
+             dq_desc, rows, seqlen_k, group, *items),
             dict(CAUSAL=causal, NUM_BUF=num_buf, DQ_BUF=dq_buf, CONSUMER_REGS=CONSUMER_REGS,
                  LOADER_REGS=LOADER_REGS, REDUCER_REGS=REDUCER_REGS,
-                 KEYS_OUTER=varlen is None and keys_outer(causal, nheads // nheads_k), DQ_NATIVE=native,
-                 DET_ROTATE=bool(rotate), PAIR_GROUP=PAIR_GROUP), 4, 1)
+                 KEYS_OUTER=group > 1, DQ_NATIVE=native, DET_ROTATE=bool(rotate)), 4, 1)
     _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
                     (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]),
                     dict(BLOCK_M=BLOCK, HEAD_D=head_dim, QROWS=q_rows, NATIVE=native), 4, 1)
