@@ -329,9 +329,9 @@ fi
 if [[ $what == order-ab || $what == order-ab-mha ]]; then
   # Session 47's grid order for causal calls (``backward_onepass.pair_group``: block-major within
   # groups of about a wave's worth of (batch, kv head) pairs; H100 runs 248-249 chose it) against
-  # the orders before it, three alternating rounds, one order per process (bwd_order_ab.py), then
-  # cuDNN. order-ab: the backward GPU file first (about 200 s), then GQA 4 against block-major;
-  # order-ab-mha: MHA against pair-major, then the deterministic rows (both orders).
+  # the orders before it, ORDER_ROUNDS (3) alternating rounds, one order per process
+  # (bwd_order_ab.py), then cuDNN. order-ab: the backward GPU file first (about 200 s), then GQA 4
+  # against block-major; order-ab-mha: MHA against pair-major, the deterministic rows too.
   if [[ $what == order-ab ]]; then
     timeout 250 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -q -n 4 -p no:warnings \
       -p no:cacheprovider > "$OUT/gpu-tests-bwd.log" 2>&1
@@ -341,7 +341,7 @@ if [[ $what == order-ab || $what == order-ab-mha ]]; then
     rc=0; heads=""; old=pair; impls="flashtile flashtile-det"
   fi
   if [[ $rc == 0 ]]; then
-    for r in 1 2 3; do
+    for r in $(seq ${ORDER_ROUNDS:-3}); do
       for order in $old auto; do
         timeout 60 python3 benchmarks/experiments/bwd_order_ab.py $order bench --dtype bf16 --pass bwd --causal yes \
           $heads --headdim 64 128 --seqlen 2048 4096 8192 16384 --impl $impls --no-plot --out /tmp/bench \

@@ -180,8 +180,9 @@ def pair_group(causal: bool, num_n_blocks: int, num_pairs: int, sms: int) -> int
     pair's other blocks, and each group starts its heaviest blocks first, so a wave's last
     programs are its lightest); calls without causal mask, whose blocks weigh the same,
     pair-major. H100 runs 248-249 (bf16 causal, S2048-16384; docs/perf-notes.md, session
-    47): GQA 4 +1 to +13% against block-major over the whole grid (H200 run 104's choice for
-    GQA, whose pair-major tail cost 6-10%), MHA 0 to +2% against pair-major."""
+    47): GQA 4 +3 to +15% at S2048-8192 against block-major over the whole grid (H200 run
+    104's choice for GQA, whose pair-major tail cost 6-10%), MHA 0 to +2% against pair-major;
+    S16384 (a pair's 128 blocks a wave: pair-major) within 2% of every group tried."""
     if PAIR_GROUP is not None:
         return 1 if not causal else min(PAIR_GROUP or num_pairs, num_pairs)
     if not causal:
