@@ -61,15 +61,25 @@ def test_long_causal_gqa(head_dim, bwd_ws_calls):
 
 @pytest.mark.parametrize("head_dim", ONEPASS_HEAD_DIMS)
 @pytest.mark.parametrize("nheads", [2, 4], ids=["mha", "gqa"])
-def test_one_pass_pair_groups(nheads, head_dim, bwd_ws_calls, monkeypatch):
+@pytest.mark.parametrize("rule", [False, True], ids=["knob", "rule"])
+def test_one_pass_pair_groups(rule, nheads, head_dim, bwd_ws_calls, monkeypatch):
     """The grid's grouped order (``backward_onepass.pair_group``) with 4 of the 6 (batch, kv
-    head) pairs a group, so the last group holds 2 (the rule gives every pair one group at
-    these lengths). Every key block must run once (the outputs are poisoned)."""
+    head) pairs a group, so the last group holds 2: set by the experiments' knob at 700 keys
+    (where the rule takes every pair in one group), or by the rule itself at the length whose
+    key blocks fill a quarter of the card's SMs. Every key block must run once (the outputs
+    are poisoned)."""
     from flashtile.backends.sm90 import backward_onepass as op
+    from flashtile.runtime.device import sm_count
 
     monkeypatch.setenv("FLASHTILE_PLANS", "0")  # a plan would replay another order's launch
-    monkeypatch.setattr(op, "PAIR_GROUP", 4)
-    check_flash_grads(Case(700, 700, head_dim, dtype=torch.bfloat16, causal=True, batch=3, nheads=nheads,
+    seqlen = 700
+    if rule:
+        blocks = sm_count(torch.cuda.current_device()) // 4
+        seqlen = 2 * op.BLOCK * blocks - 50  # the last block partial
+        assert op.pair_group(True, blocks, 6, sm_count(torch.cuda.current_device())) == 4
+    else:
+        monkeypatch.setattr(op, "PAIR_GROUP", 4)
+    check_flash_grads(Case(seqlen, seqlen, head_dim, dtype=torch.bfloat16, causal=True, batch=3, nheads=nheads,
                            nheads_k=2), device="cuda")
     assert len(bwd_ws_calls) == 1 and bwd_ws_calls[0]["fn"] == "attention_backward_onepass"
 
