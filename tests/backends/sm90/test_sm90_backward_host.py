@@ -217,6 +217,28 @@ def test_one_pass_grid_order(causal, nheads_k, monkeypatch):
         assert launches[-1][1][20] == (group if causal else 1)
 
 
+@pytest.mark.parametrize("pairs, blocks", [(1, 1), (6, 5), (7, 3), (16, 16), (5, 33)])
+def test_grouped_coords_cover_the_grid_in_order(pairs, blocks):
+    """The kernel's grouped order (``_grouped_coords``, run as Python): every (key block,
+    pair) once; the groups one after another, block-major within each (a group's block 0
+    first), the last group short where pair_group does not divide the pairs; a group of one
+    pair is pair-major and one of every pair block-major over the grid."""
+    from flashtile.backends.sm90.backward_onepass import _grouped_coords
+
+    for group in range(1, pairs + 1):
+        coords = [_grouped_coords.fn(pid, pairs, blocks, group) for pid in range(pairs * blocks)]
+        assert sorted(coords) == [(nb, bk) for nb in range(blocks) for bk in range(pairs)], group
+        want = []
+        for first in range(0, pairs, group):
+            members = range(first, min(first + group, pairs))
+            want += [(nb, bk) for nb in range(blocks) for bk in members]
+        assert coords == want, group
+    assert [_grouped_coords.fn(pid, pairs, blocks, 1) for pid in range(pairs * blocks)] == [
+        (pid % blocks, pid // blocks) for pid in range(pairs * blocks)]
+    assert [_grouped_coords.fn(pid, pairs, blocks, pairs) for pid in range(pairs * blocks)] == [
+        (pid // pairs, pid % pairs) for pid in range(pairs * blocks)]
+
+
 @pytest.mark.parametrize("causal, blocks, pairs, sms, want", [
     (True, 16, 64, 132, 8), (True, 32, 64, 132, 4), (True, 64, 64, 132, 2), (True, 128, 64, 132, 1),
     (True, 256, 64, 132, 1), (True, 16, 4, 132, 4), (False, 16, 64, 132, 1)])

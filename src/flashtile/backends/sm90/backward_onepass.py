@@ -515,6 +515,20 @@ def _det_turn(nb, num_n_blocks, m0, nq, diag_offset, QROWS: gl.constexpr, CAUSAL
 
 
 @gluon.jit
+def _grouped_coords(pid, num_pairs, num_n_blocks, pair_group):
+    """Program pid's (key block, pair) in the grouped order (``pair_group``): the grid's
+    num_pairs x num_n_blocks programs in groups of pair_group pairs, one group after another
+    (the last may be short), block-major within a group: its pairs' block 0 first (causal: the
+    blocks with the most queries), then their block 1, ... Plain operators on non-negative
+    ints: tests call it as Python (``_grouped_coords.fn``)."""
+    group = pid // (pair_group * num_n_blocks)
+    r = pid % (pair_group * num_n_blocks)
+    left = num_pairs - group * pair_group
+    in_group = left - (left > pair_group) * (left - pair_group)  # min(left, pair_group)
+    return r // in_group, group * pair_group + r % in_group
+
+
+@gluon.jit
 def _rotated_turn(nb, num_n_blocks, r, nq):
     """Block nb's turn at query tile r (of nq) when block j starts its query loop at tile
     (j * nq) // num_n_blocks (``onepass_kernel``'s q_rot) and wraps around: the blocks that
@@ -583,12 +597,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
         b = seq * 0
     else:
         if KEYS_OUTER:  # block-major within groups of pair_group pairs (``pair_group``), one group after another
-            num_pairs = gl.num_programs(0) // num_n_blocks
-            group = pid // (pair_group * num_n_blocks)
-            r = pid % (pair_group * num_n_blocks)
-            in_group = gl.minimum(num_pairs - group * pair_group, pair_group)  # the last group may be short
-            nb = r // in_group  # the group's block 0 first (causal: the blocks with the most queries)
-            bk = group * pair_group + r % in_group
+            nb, bk = _grouped_coords(pid, gl.num_programs(0) // num_n_blocks, num_n_blocks, pair_group)
         else:  # pair-major: a pair's blocks run side by side (its Q and dO shared in L2)
             nb = pid % num_n_blocks
             bk = pid // num_n_blocks
