@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|det|bench-d128|features|flex|varlen|varlen-onepass|decode|fold-ab|order-ab|order-ab-mha|decode-wave|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|det|bench-d128|features|flex|varlen|varlen-onepass|decode|fold-ab|order-ab|order-ab-mha|order-ab-d256|decode-wave|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -355,6 +355,34 @@ if [[ $what == order-ab || $what == order-ab-mha ]]; then
     rows_by_tag ab- | tee "$OUT/$what.txt"
   fi
   tar -czf "$OUT/$what.tgz" -C /tmp/bench .
+fi
+if [[ $what == order-ab-d256 ]]; then
+  # Session 47's experiment for the d256 dV and dK kernels (``backward_split.PAIR_GROUP``, never
+  # run): the one-pass kernel's rule (split:auto) against pair-major (split:pair, the default),
+  # causal MHA and GQA 4, ORDER_ROUNDS (3) alternating rounds, then cuDNN; its GPU tests first.
+  timeout 150 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -k split_pair_groups -q \
+    -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-split-order.log" 2>&1
+  rc=$?; echo "split order gpu tests rc=$rc"; tail -3 "$OUT/gpu-tests-split-order.log"
+  if [[ $rc == 0 ]]; then
+    for r in $(seq ${ORDER_ROUNDS:-3}); do
+      for order in pair auto; do
+        for g in 1 4; do
+          timeout 60 python3 benchmarks/experiments/bwd_order_ab.py split:$order bench --dtype bf16 --pass bwd \
+            --causal yes --gqa $g --headdim 256 --seqlen 2048 4096 8192 16384 --impl flashtile --no-plot \
+            --out /tmp/bench --tag d256-$order-r$r-g$g > /tmp/bench/d256-$order-r$r-g$g.log 2>&1
+          echo "d256 $order gqa $g round $r rc=$?"
+        done
+      done
+    done
+    for g in 1 4; do
+      timeout 60 python3 -m flashtile.tools.bench --dtype bf16 --pass bwd --causal yes --gqa $g --headdim 256 \
+        --seqlen 2048 4096 8192 16384 --impl sdpa-cudnn --no-plot --out /tmp/bench --tag d256-cudnn-g$g \
+        > /tmp/bench/d256-cudnn-g$g.log 2>&1
+      echo "cudnn gqa $g rc=$?"
+    done
+    rows_by_tag d256- | tee "$OUT/order-ab-d256.txt"
+  fi
+  tar -czf "$OUT/order-ab-d256.tgz" -C /tmp/bench .
 fi
 if [[ $what == train5 ]]; then
   # Issue 38's training-step target: train_block.py five times with its no-attention and

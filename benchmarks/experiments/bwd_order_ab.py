@@ -5,6 +5,8 @@ a wave of programs a group), pair (pair-major: each (batch, kv head)'s key block
 side), block (block-major over the whole grid: every pair's heaviest blocks first; causal
 GQA's order before session 47) or group:G (block-major within groups of G pairs, one group
 after another). The order applies to causal calls; calls without causal are pair-major.
+split:ORDER sets the d256 dV and dK kernels' order instead (``backward_split.PAIR_GROUP``:
+pair-major by default, the grouped orders never run before session 47's experiment).
 
     PYTHONPATH=src python3 benchmarks/experiments/bwd_order_ab.py ORDER bench --gqa 4 --causal yes ...
     PYTHONPATH=src python3 benchmarks/experiments/bwd_order_ab.py ORDER benchmarks/train_block.py ...
@@ -15,11 +17,15 @@ import sys
 
 from flashtile.tools.bench import prefill as bench
 from flashtile.backends.sm90 import backward_onepass as op
+from flashtile.backends.sm90 import backward_split as split
 
 if __name__ == "__main__":
     order, what, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+    module = op
+    if order.startswith("split:"):
+        module, order = split, order[len("split:"):]
     kind, _, group = order.partition(":")
-    op.PAIR_GROUP = {"auto": None, "pair": 1, "block": 0}[kind] if kind != "group" else int(group)
+    module.PAIR_GROUP = {"auto": None, "pair": 1, "block": 0}[kind] if kind != "group" else int(group)
     if what == "bench":
         sys.exit(bench.main(argv))
     sys.argv = [what, *argv]

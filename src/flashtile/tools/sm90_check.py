@@ -314,11 +314,13 @@ def compile_forward_ws(dtype: str, head_dim: int, *, causal: bool, block_n: int 
 
 def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf: int | None = None,
                         dq_block_n: int | None = None, dq_num_buf: int | None = None,
-                        dkdv_block_q: int | None = None, varlen: bool = False) -> list[Compiled]:
+                        dkdv_block_q: int | None = None, varlen: bool = False,
+                        keys_outer: bool = False) -> list[Compiled]:
     """The warp-specialized Gluon backward (``backends.sm90.backward_split``): the dK/dV kernel (at d256 the
     dV and the dK kernel, whose rings are fixed: dkdv_num_buf and dkdv_block_q are refused
     there, as ``attention_backward_ws`` refuses them) and the dQ kernel; ``varlen``: their
-    work-list variants (d64/d128)."""
+    work-list variants (d64/d128); ``keys_outer``: the d256 kernels' grid in groups of pairs
+    (``backward_split.PAIR_GROUP``)."""
     from flashtile.backends.sm90 import backward_split as bw
 
     split = head_dim in bw.SPLIT_HEAD_DIMS
@@ -331,15 +333,18 @@ def compile_backward_ws(dtype: str, head_dim: int, *, causal: bool, dkdv_num_buf
     dq_block_n = dq_block_n or bw.default_dq_block_n(head_dim)
     dq_num_buf = dq_num_buf or bw.DQ_NUM_BUF
     regs = dict(CONSUMER_REGS=bw.CONSUMER_REGS, LOADER_REGS=bw.LOADER_REGS)
+    if keys_outer and not split:
+        raise ValueError("keys_outer orders the d256 kernels' grids")
     if split:  # fixed rings (DV_RING, DK_RING)
-        tag = f"{dtype} d{head_dim} causal={causal}"
+        tag = f"{dtype} d{head_dim} causal={causal}" + (" keys_outer" if keys_outer else "")
         out = [_compile_ws(f"bwd-ws-dv {tag} rings={bw.DV_RING}", bw.dv_kernel, dtype, head_dim,
                            dict.fromkeys(("q_desc", "k_desc", "do_desc", "dv_desc"), bw.BLOCK),
-                           dict(CAUSAL=causal, NUM_Q=bw.DV_RING[0], NUM_DO=bw.DV_RING[1], **regs)),
+                           dict(CAUSAL=causal, NUM_Q=bw.DV_RING[0], NUM_DO=bw.DV_RING[1], KEYS_OUTER=keys_outer,
+                                **regs)),
                _compile_ws(f"bwd-ws-dk {tag} rings={bw.DK_RING}", bw.dk_kernel, dtype, head_dim,
                            dict.fromkeys(("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc"), bw.BLOCK),
                            dict(CAUSAL=causal, NUM_Q=bw.DK_RING[0], NUM_DO=bw.DK_RING[1],
-                                LOADER_REGS=bw.LOADER_REGS))]
+                                LOADER_REGS=bw.LOADER_REGS, KEYS_OUTER=keys_outer))]
     else:
         tag = f"{dtype} d{head_dim} causal={causal} num_buf={dkdv_num_buf}"
         tag += f" block_q={block_q}" if block_q != bw.BLOCK else ""

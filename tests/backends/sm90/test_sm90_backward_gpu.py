@@ -84,6 +84,22 @@ def test_one_pass_pair_groups(rule, nheads, head_dim, bwd_ws_calls, monkeypatch)
     assert len(bwd_ws_calls) == 1 and bwd_ws_calls[0]["fn"] == "attention_backward_onepass"
 
 
+@pytest.mark.parametrize("knob", [4, None], ids=["group4", "rule"])
+@pytest.mark.parametrize("nheads", [2, 4], ids=["mha", "gqa"])
+def test_split_pair_groups(knob, nheads, bwd_ws_calls, monkeypatch):
+    """The d256 dV and dK kernels' grouped grid (``backward_split.PAIR_GROUP``, session 47's
+    experiment; pair-major by default): 4 of the 6 (batch, kv head) pairs a group (the last
+    group short), or the rule (every pair in one group at this length). Every key block must
+    run once (the outputs are poisoned)."""
+    from flashtile.backends.sm90 import backward_split as bw
+
+    monkeypatch.setenv("FLASHTILE_PLANS", "0")  # a plan would replay another order's launch
+    monkeypatch.setattr(bw, "PAIR_GROUP", knob)
+    check_flash_grads(Case(700, 700, 256, dtype=torch.bfloat16, causal=True, batch=3, nheads=nheads, nheads_k=2),
+                      device="cuda")
+    assert len(bwd_ws_calls) == 1 and bwd_ws_calls[0]["fn"] == "attention_backward_ws"
+
+
 def test_out_of_scope_and_switch_use_the_triton_backward(bwd_ws_calls, monkeypatch):
     check_flash_grads(Case(200, 200, 128, dtype=torch.bfloat16, softcap=20.0), device="cuda")
     check_flash_grads(Case(200, 200, 128, dtype=torch.bfloat16, window=(64, 0)), device="cuda")

@@ -63,6 +63,31 @@ def test_launch_arguments_are_checked_before_any_work():
         attention_backward_ws(*args, scale=0.125, diag_offset=0, causal=False, dq_num_buf=1)
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_split_grid_order(causal, monkeypatch):
+    """The d256 dV and dK kernels launch pair-major (``KEYS_OUTER`` off) unless
+    ``backward_split.PAIR_GROUP`` (session 47's experiment) asks for groups: None the rule
+    (``common.pair_group``: here 132 SMs over 5 blocks of 128 keys, 10 of 64: 26 and 13 pairs,
+    so every one of the 4 pairs), G that many; calls without causal stay pair-major."""
+    from flashtile.backends.sm90 import backward_split as bw
+
+    launches = []
+    for name in ("_launch_dv", "_launch_dk"):
+        monkeypatch.setattr(bw, name, lambda grid, args, constexprs, *rest, name=name: launches.append(
+            (name, grid, args[-1], constexprs["KEYS_OUTER"])))
+    monkeypatch.setattr(bw, "sm_count", lambda index: 132)
+    q = torch.zeros(2, 4, 600, 256, dtype=torch.bfloat16)
+    kv = torch.zeros(2, 2, 600, 256, dtype=torch.bfloat16)
+    lse = torch.zeros(2, 4, 600)
+    for knob, group in ((1, 1), (None, 4), (3, 3), (0, 4)):
+        monkeypatch.setattr(bw, "PAIR_GROUP", knob)
+        launches.clear()
+        bw.attention_backward_ws(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=causal,
+                                 kernels=("dv", "dk"))
+        want = group if causal else 1
+        assert launches == [("_launch_dv", (5 * 4,), want, want > 1), ("_launch_dk", (10 * 4,), want, want > 1)]
+
+
 def test_one_pass_postprocess_casts_the_padded_accumulator(triton_backend):
     """``_dq_convert``: rows of the float32 dQ (padded to 64 rows) cast into a strided dq
     view, nothing past seqlen_q written (NaN-filled rows stay NaN)."""
@@ -219,23 +244,23 @@ def test_one_pass_grid_order(causal, nheads_k, monkeypatch):
 
 @pytest.mark.parametrize("pairs, blocks", [(1, 1), (6, 5), (7, 3), (16, 16), (5, 33)])
 def test_grouped_coords_cover_the_grid_in_order(pairs, blocks):
-    """The kernel's grouped order (``_grouped_coords``, run as Python): every (key block,
+    """The kernels' grouped order (``common.grouped_coords``, run as Python): every (key block,
     pair) once; the groups one after another, block-major within each (a group's block 0
     first), the last group short where pair_group does not divide the pairs; a group of one
     pair is pair-major and one of every pair block-major over the grid."""
-    from flashtile.backends.sm90.backward_onepass import _grouped_coords
+    from flashtile.backends.sm90.common import grouped_coords
 
     for group in range(1, pairs + 1):
-        coords = [_grouped_coords.fn(pid, pairs, blocks, group) for pid in range(pairs * blocks)]
+        coords = [grouped_coords.fn(pid, pairs, blocks, group) for pid in range(pairs * blocks)]
         assert sorted(coords) == [(nb, bk) for nb in range(blocks) for bk in range(pairs)], group
         want = []
         for first in range(0, pairs, group):
             members = range(first, min(first + group, pairs))
             want += [(nb, bk) for nb in range(blocks) for bk in members]
         assert coords == want, group
-    assert [_grouped_coords.fn(pid, pairs, blocks, 1) for pid in range(pairs * blocks)] == [
+    assert [grouped_coords.fn(pid, pairs, blocks, 1) for pid in range(pairs * blocks)] == [
         (pid % blocks, pid // blocks) for pid in range(pairs * blocks)]
-    assert [_grouped_coords.fn(pid, pairs, blocks, pairs) for pid in range(pairs * blocks)] == [
+    assert [grouped_coords.fn(pid, pairs, blocks, pairs) for pid in range(pairs * blocks)] == [
         (pid // pairs, pid % pairs) for pid in range(pairs * blocks)]
 
 

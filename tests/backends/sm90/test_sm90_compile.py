@@ -477,6 +477,24 @@ def test_one_pass_pair_groups_compile(tmp_path):
 
 
 @pytest.mark.exhaustive
+@pytest.mark.slow(seconds=120)
+def test_split_pair_groups_compile(tmp_path):
+    """The d256 dV and dK kernels' grouped grid (``backward_split.PAIR_GROUP``, session 47's
+    experiment) compiles causal with the shared memory of pair-major, spills no more, and
+    reaches the kernels: its group arithmetic adds integer divisions to the PTX."""
+    code = ("from flashtile.tools.sm90_check import compile_backward_ws as f\n"
+            "for grouped in (0, 1):\n"
+            "    for c in f('bf16', 256, causal=True, keys_outer=bool(grouped))[:2]:\n"
+            "        print(c.name.split()[0], grouped, c.shared, *c.registers(), c.ptx.count('div.'))")
+    rows = [line.split() for line in _compile_run(tmp_path, "-c", code).splitlines()]
+    assert len(rows) == 4, rows
+    got = {(kernel, grouped): (int(shared), int(spills), int(div)) for kernel, grouped, shared, _, spills, div in rows}
+    for kernel in ("bwd-ws-dv", "bwd-ws-dk"):
+        (shared0, spills0, div0), (shared1, spills1, div1) = got[kernel, "0"], got[kernel, "1"]
+        assert shared1 == shared0 <= SM90_SHARED_LIMIT and spills1 <= spills0 + 64 and div1 > div0, rows
+
+
+@pytest.mark.exhaustive
 @pytest.mark.slow(seconds=180)
 def test_one_pass_deterministic_reducer_compiles(tmp_path):
     """The one-pass kernel's deterministic mode (an int32 ``Sem``: session 42): the reducer

@@ -87,7 +87,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from flashtile.backends.sm90.backward_split import BLOCK, CONSUMER_REGS, LOADER_REGS, ROWS
-from flashtile.backends.sm90.common import dkdv_step_products, step_range, store_grad_tile, tma_descriptor, varlen_item
+from flashtile.backends.sm90.common import (dkdv_step_products, grouped_coords, step_range, store_grad_tile,
+                                           tma_descriptor, varlen_item)
+from flashtile.backends.sm90.common import pair_group as common_pair_group
 from flashtile.backends.sm90.tma_reduce import async_reduce_add_shared_to_global
 from flashtile.backends.triton.scores import C_LOG2E, LOG2E
 from flashtile.runtime.device import sm_count
@@ -172,22 +174,12 @@ def _is_native(layout):
 
 
 def pair_group(causal: bool, num_n_blocks: int, num_pairs: int, sms: int) -> int:
-    """The grid's order: (batch, kv head) pairs a group, block-major within a group (every
-    pair's key block 0, then every pair's block 1, ...), the groups one after another; 1 is
-    pair-major (a pair's blocks side by side, sharing its Q and dO in L2), ``num_pairs``
-    block-major over the whole grid. Causal calls take ``sms // num_n_blocks`` pairs a group
-    (about one wave of programs: every program of a wave shares its pair's Q and dO with the
-    pair's other blocks, and each group starts its heaviest blocks first, so a wave's last
-    programs are its lightest); calls without causal mask, whose blocks weigh the same,
-    pair-major. H100 runs 248-249 (bf16 causal, S2048-16384; docs/perf-notes.md, session
-    47): GQA 4 +3 to +15% at S2048-8192 against block-major over the whole grid (H200 run
-    104's choice for GQA, whose pair-major tail cost 6-10%), MHA 0 to +2% against pair-major;
-    S16384 (a pair's 128 blocks a wave: pair-major) within 2% of every group tried."""
-    if PAIR_GROUP is not None:
-        return 1 if not causal else min(PAIR_GROUP or num_pairs, num_pairs)
-    if not causal:
-        return 1
-    return max(1, min(num_pairs, sms // num_n_blocks))
+    """This kernel's grid order: ``common.pair_group`` under ``PAIR_GROUP``. H100 runs 248-249
+    (bf16 causal, S2048-16384; docs/perf-notes.md, session 47): the rule's groups gained GQA 4
+    3-15% at S2048-8192 against block-major over the whole grid (H200 run 104's choice for
+    GQA, whose pair-major tail cost 6-10%), MHA 0-2% against pair-major; at S16384 (a pair's
+    128 blocks a wave: pair-major) every group tried was within 2%."""
+    return common_pair_group(PAIR_GROUP, causal, num_n_blocks, num_pairs, sms)
 
 
 @gluon.jit
@@ -515,20 +507,6 @@ def _det_turn(nb, num_n_blocks, m0, nq, diag_offset, QROWS: gl.constexpr, CAUSAL
 
 
 @gluon.jit
-def _grouped_coords(pid, num_pairs, num_n_blocks, pair_group):
-    """Program pid's (key block, pair) in the grouped order (``pair_group``): the grid's
-    num_pairs x num_n_blocks programs in groups of pair_group pairs, one group after another
-    (the last may be short), block-major within a group: its pairs' block 0 first (causal: the
-    blocks with the most queries), then their block 1, ... Plain operators on non-negative
-    ints: tests call it as Python (``_grouped_coords.fn``)."""
-    group = pid // (pair_group * num_n_blocks)
-    r = pid % (pair_group * num_n_blocks)
-    left = num_pairs - group * pair_group
-    in_group = left - (left > pair_group) * (left - pair_group)  # min(left, pair_group)
-    return r // in_group, group * pair_group + r % in_group
-
-
-@gluon.jit
 def _rotated_turn(nb, num_n_blocks, r, nq):
     """Block nb's turn at query tile r (of nq) when block j starts its query loop at tile
     (j * nq) // num_n_blocks (``onepass_kernel``'s q_rot) and wraps around: the blocks that
@@ -597,7 +575,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
         b = seq * 0
     else:
         if KEYS_OUTER:  # block-major within groups of pair_group pairs (``pair_group``), one group after another
-            nb, bk = _grouped_coords(pid, gl.num_programs(0) // num_n_blocks, num_n_blocks, pair_group)
+            nb, bk = grouped_coords(pid, gl.num_programs(0) // num_n_blocks, num_n_blocks, pair_group)
         else:  # pair-major: a pair's blocks run side by side (its Q and dO shared in L2)
             nb = pid % num_n_blocks
             bk = pid // num_n_blocks

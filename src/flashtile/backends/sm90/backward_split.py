@@ -62,10 +62,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from flashtile.backends.sm90.common import (dkdv_step_products, load_kv_tiles, step_range, store_grad_tile,
-                                           tma_descriptor, varlen_item, work_item)
+from flashtile.backends.sm90.common import (dkdv_step_products, grouped_coords, load_kv_tiles, pair_group,
+                                           step_range, store_grad_tile, tma_descriptor, varlen_item, work_item)
 from flashtile.backends.sm90.scope import SPLIT_HEAD_DIMS
 from flashtile.backends.triton.scores import C_LOG2E, LOG2E
+from flashtile.runtime.device import sm_count
 from flashtile.runtime.launch import Launcher
 
 BLOCK = 64  # rows per consumer warpgroup (keys in dK/dV, queries in dQ), queries per dK/dV step
@@ -88,6 +89,12 @@ CONSUMER_REGS = 240
 #       dS 8 KB = 200 KB (two warpgroups would need K and V of 128 keys and two dS: 272 KB).
 DV_RING = (2, 2)
 DK_RING = (3, 1)
+# The d256 dV and dK kernels' grid order for causal calls (``split_pair_group``): 1 pair-major
+# (each (batch, kv head)'s key blocks side by side, block 0 first), None the one-pass kernel's
+# rule (about a wave of programs a group: ``common.pair_group``), G block-major within groups
+# of G pairs. An experiment's knob (session 47; ``benchmarks/experiments/bwd_order_ab.py
+# split:ORDER``), never run on a GPU: 1 until measured.
+PAIR_GROUP: int | None = 1
 
 
 def dkdv_steps(head_dim: int, varlen: bool, block_q: int | None = None,
@@ -748,16 +755,29 @@ def _rings(q_desc, do_desc, NUM_Q: gl.constexpr, NUM_DO: gl.constexpr, NUM_WG: g
 
 
 @gluon.jit
+def _block_coords(pid, num_n_blocks, pair_group, KEYS_OUTER: gl.constexpr):
+    """Program pid's (key block, (batch, kv head) pair) in the d256 kernels' grids: pair-major
+    (a pair's blocks side by side, block 0 first), or with ``KEYS_OUTER`` block-major within
+    groups of pair_group pairs (``common.grouped_coords``; ``PAIR_GROUP``)."""
+    if KEYS_OUTER:
+        nb, bk = grouped_coords(pid, gl.num_programs(0) // num_n_blocks, num_n_blocks, pair_group)
+    else:
+        nb = pid % num_n_blocks
+        bk = pid // num_n_blocks
+    return nb, bk
+
+
+@gluon.jit
 def dv_kernel(q_desc, k_desc, do_desc, dv_desc, Lse, Delta, nheads, nheads_k, group_size, seqlen_q, seqlen_k,
-               num_n_blocks, diag_offset, qk_scale, scale,
+               num_n_blocks, diag_offset, qk_scale, scale, pair_group,
                CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, NUM_DO: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-               LOADER_REGS: gl.constexpr):
-    """dV of 2 x 64 keys of one (batch, kv head) per program (flat grid, key blocks fastest)."""
+               LOADER_REGS: gl.constexpr, KEYS_OUTER: gl.constexpr):
+    """dV of 2 x 64 keys of one (batch, kv head) per program (flat grid, key blocks fastest;
+    ``KEYS_OUTER``: in groups of pair_group pairs, ``_block_coords``)."""
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
-    pid = gl.program_id(0)
-    bk = pid // num_n_blocks
-    n0 = (pid % num_n_blocks) * (2 * ROWS)
+    nb, bk = _block_coords(gl.program_id(0), num_n_blocks, pair_group, KEYS_OUTER)
+    n0 = nb * (2 * ROWS)
     b = bk // nheads_k
     kvh = bk % nheads_k
     q_smem, do_smem, q_ready, q_empty, do_ready, do_empty = _rings(q_desc, do_desc, NUM_Q, NUM_DO, 2)
@@ -777,14 +797,15 @@ def dv_kernel(q_desc, k_desc, do_desc, dv_desc, Lse, Delta, nheads, nheads_k, gr
 
 @gluon.jit
 def dk_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, Lse, Delta, nheads, nheads_k, group_size, seqlen_q,
-               seqlen_k, num_n_blocks, diag_offset, qk_scale, scale,
-               CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, NUM_DO: gl.constexpr, LOADER_REGS: gl.constexpr):
-    """dK of 64 keys of one (batch, kv head) per program: one consumer warpgroup."""
+               seqlen_k, num_n_blocks, diag_offset, qk_scale, scale, pair_group,
+               CAUSAL: gl.constexpr, NUM_Q: gl.constexpr, NUM_DO: gl.constexpr, LOADER_REGS: gl.constexpr,
+               KEYS_OUTER: gl.constexpr):
+    """dK of 64 keys of one (batch, kv head) per program: one consumer warpgroup (grid as
+    ``dv_kernel``'s)."""
     HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
     dtype: gl.constexpr = q_desc.dtype
-    pid = gl.program_id(0)
-    bk = pid // num_n_blocks
-    n0 = (pid % num_n_blocks) * ROWS
+    nb, bk = _block_coords(gl.program_id(0), num_n_blocks, pair_group, KEYS_OUTER)
+    n0 = nb * ROWS
     b = bk // nheads_k
     kvh = bk % nheads_k
     q_smem, do_smem, q_ready, q_empty, do_ready, do_empty = _rings(q_desc, do_desc, NUM_Q, NUM_DO, 1)
@@ -806,6 +827,14 @@ _launch_dkdv = Launcher(dkdv_kernel)
 _launch_dq = Launcher(dq_kernel)
 _launch_dv = Launcher(dv_kernel)
 _launch_dk = Launcher(dk_kernel)
+
+
+def split_pair_group(causal: bool, num_n_blocks: int, num_pairs: int, device) -> int:
+    """The d256 dV and dK kernels' grid order: ``common.pair_group`` under ``PAIR_GROUP`` (1,
+    pair-major, asks no device)."""
+    if not causal or PAIR_GROUP == 1:
+        return 1
+    return pair_group(PAIR_GROUP, causal, num_n_blocks, num_pairs, sm_count(device.index))
 
 
 def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int, causal: bool,
@@ -864,15 +893,18 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
     sizes = (lse, delta, nheads, nheads_k, nheads // nheads_k, seqlen_q, seqlen_k)
     if split and {"dkdv", "dv"} & set(kernels):
         nb = triton.cdiv(seqlen_k, 2 * BLOCK)
+        group = split_pair_group(causal, nb, batch * nheads_k, q.device)
         _launch_dv((nb * batch * nheads_k,),
-                   (q_d, desc(k, BLOCK), do_d, desc(dv, BLOCK), *sizes, nb, diag_offset, scale * LOG2E, scale),
-                   dict(CAUSAL=causal, NUM_Q=DV_RING[0], NUM_DO=DV_RING[1], **regs), 4, 1)
+                   (q_d, desc(k, BLOCK), do_d, desc(dv, BLOCK), *sizes, nb, diag_offset, scale * LOG2E, scale, group),
+                   dict(CAUSAL=causal, NUM_Q=DV_RING[0], NUM_DO=DV_RING[1], KEYS_OUTER=group > 1, **regs), 4, 1)
     if split and {"dkdv", "dk"} & set(kernels):
         nb = triton.cdiv(seqlen_k, BLOCK)
+        group = split_pair_group(causal, nb, batch * nheads_k, q.device)
         _launch_dk((nb * batch * nheads_k,),
                    (q_d, desc(k, BLOCK), desc(v, BLOCK), do_d, desc(dk, BLOCK), *sizes, nb, diag_offset,
-                    scale * LOG2E, scale),
-                   dict(CAUSAL=causal, NUM_Q=DK_RING[0], NUM_DO=DK_RING[1], LOADER_REGS=LOADER_REGS), 4, 1)
+                    scale * LOG2E, scale, group),
+                   dict(CAUSAL=causal, NUM_Q=DK_RING[0], NUM_DO=DK_RING[1], LOADER_REGS=LOADER_REGS,
+                        KEYS_OUTER=group > 1), 4, 1)
     if varlen is not None:
         _backward_varlen_ws(q, k, v, dout, lse, delta, dq, dk, dv, scale, causal, varlen, desc, dkdv_num_buf,
                             dq_block_n, dq_num_buf, dkdv_block_q, regs)

@@ -19,6 +19,37 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from flashtile.runtime.launch import TESTED_VERSION
 
 
+def pair_group(knob: int | None, causal: bool, num_n_blocks: int, num_pairs: int, sms: int) -> int:
+    """A key-block grid's order (the one-pass backward's, and the d256 dV and dK kernels'):
+    (batch, kv head) pairs a group, block-major within a group (every pair's key block 0,
+    then every pair's block 1, ...: ``grouped_coords``), the groups one after another; 1 is
+    pair-major (a pair's blocks side by side, sharing its Q and dO in L2), ``num_pairs``
+    block-major over the whole grid. ``knob`` None: the rule, causal calls take
+    ``sms // num_n_blocks`` pairs a group (about one wave of programs: a pair's blocks in one
+    wave share its Q and dO, and each group starts its heaviest blocks first), calls without
+    causal mask, whose blocks weigh the same, pair-major; else that many pairs a group for
+    causal calls (0: every pair)."""
+    if not causal:
+        return 1
+    if knob is not None:
+        return min(knob or num_pairs, num_pairs)
+    return max(1, min(num_pairs, sms // num_n_blocks))
+
+
+@gluon.jit
+def grouped_coords(pid, num_pairs, num_n_blocks, pair_group):
+    """Program pid's (key block, pair) in a grouped order (``pair_group``): the grid's
+    num_pairs x num_n_blocks programs in groups of pair_group pairs, one group after another
+    (the last may be short), block-major within a group: its pairs' block 0 first (causal: the
+    blocks with the most queries), then their block 1, ... Plain operators on non-negative
+    ints: tests call it as Python (``grouped_coords.fn``)."""
+    group = pid // (pair_group * num_n_blocks)
+    r = pid % (pair_group * num_n_blocks)
+    left = num_pairs - group * pair_group
+    in_group = left - (left > pair_group) * (left - pair_group)  # min(left, pair_group)
+    return r // in_group, group * pair_group + r % in_group
+
+
 @gluon.jit
 def fixed_item(t, num_m_blocks, num_bh, nheads, group_size, seqlen_q, seqlen_k, diag_offset,
                ROWS: gl.constexpr, BLOCK_N: gl.constexpr, CAUSAL: gl.constexpr):
