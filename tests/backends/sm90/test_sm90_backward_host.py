@@ -423,6 +423,50 @@ def test_deterministic_orders_never_hang_where_allowed(num_n_blocks, nq):
         assert not _simulate_turns(num_n_blocks, nq, num_n_blocks // 2, rot, rotated)
 
 
+@pytest.mark.parametrize("pairs, num_n_blocks, heads", [(6, 5, 1), (4, 8, 3), (7, 3, 2)])
+def test_deterministic_causal_grouped_orders_never_hang(pairs, num_n_blocks, heads):
+    """Deterministic causal calls in every grouped grid order (``common.grouped_coords``, a
+    pair's blocks reversed as ``onepass_kernel`` reverses them): query tile t (as tall as a
+    key block) is seen by key blocks 0 .. t, which add into it in turns t - j (``_det_turn``:
+    the highest first); block j walks tiles j .. end of each of its pair's query heads.
+    Blocks launch in grid order, at most ``resident`` at once, and a block that has added
+    into all its tiles frees its place. Every order finishes with one place or many, since
+    a block waits only for higher blocks of its pair, which launch before it; launched
+    lowest first (the reversal dropped), one place hangs."""
+    from flashtile.backends.sm90.common import grouped_coords
+
+    def finishes(order, resident):
+        counter, steps, running, launched = {}, [0] * len(order), [], 0
+        while True:
+            while launched < len(order) and len(running) < resident:
+                running.append(launched)
+                launched += 1
+            if not running:
+                return True
+            moved = False
+            for p in list(running):
+                pair, j = order[p]
+                head, tile = divmod(steps[p], num_n_blocks - j)
+                at = (pair, head, j + tile)
+                if counter.get(at, 0) == tile:  # turn (j + tile) - j
+                    counter[at] = tile + 1
+                    steps[p] += 1
+                    moved = True
+                    if steps[p] == heads * (num_n_blocks - j):
+                        running.remove(p)
+            if not moved:
+                return False
+
+    grid = range(pairs * num_n_blocks)
+    for group in range(1, pairs + 1):
+        order = [(bk, num_n_blocks - 1 - nb) for nb, bk in (grouped_coords.fn(pid, pairs, num_n_blocks, group)
+                                                          for pid in grid)]
+        for resident in (1, 2, num_n_blocks, pairs * num_n_blocks):
+            assert finishes(order, resident), (group, resident)
+        ascending = [(bk, nb) for nb, bk in (grouped_coords.fn(pid, pairs, num_n_blocks, group) for pid in grid)]
+        assert not finishes(ascending, 1)
+
+
 def test_one_pass_packed_launch(monkeypatch):
     """Packed sequences (B = 1): one program per (kv head, item of the key work list), the
     list's capacity wide (the kernel returns past the count); the work list's order, never
