@@ -3,8 +3,9 @@ benchmark run with ``backward_onepass.PAIR_GROUP`` fixed for this process (plans
 launch, so one order per process). ORDER is auto (the library's rule, ``pair_group``: about
 a wave of programs a group), pair (pair-major: each (batch, kv head)'s key blocks side by
 side), block (block-major over the whole grid: every pair's heaviest blocks first; causal
-GQA's order before session 47) or group:G (block-major within groups of G pairs, one group
-after another). The order applies to causal calls; calls without causal are pair-major.
+GQA's order before session 47), group:G (block-major within groups of G pairs, one group
+after another) or wave (the rule for causal MHA too: ``GROUP_MHA``; auto leaves causal MHA
+pair-major). The order applies to causal calls; calls without causal are pair-major.
 split:ORDER sets the d256 dV and dK kernels' order instead (``backward_split.PAIR_GROUP``:
 pair-major by default, the grouped orders never run before session 47's experiment).
 
@@ -25,7 +26,8 @@ if __name__ == "__main__":
     if order.startswith("split:"):
         module, order = split, order[len("split:"):]
     kind, _, group = order.partition(":")
-    module.PAIR_GROUP = {"auto": None, "pair": 1, "block": 0}[kind] if kind != "group" else int(group)
+    module.PAIR_GROUP = {"auto": None, "wave": None, "pair": 1, "block": 0}[kind] if kind != "group" else int(group)
+    op.GROUP_MHA = kind == "wave"
     if what == "bench":
         sys.exit(bench.main(argv))
     sys.argv = [what, *argv]

@@ -66,8 +66,8 @@ def test_one_pass_pair_groups(rule, nheads, head_dim, bwd_ws_calls, monkeypatch)
     """The grid's grouped order (``backward_onepass.pair_group``) with 4 of the 6 (batch, kv
     head) pairs a group, so the last group holds 2: set by the experiments' knob at 700 keys
     (where the rule takes every pair in one group), or by the rule itself at the length whose
-    key blocks fill a quarter of the card's SMs. Every key block must run once (the outputs
-    are poisoned)."""
+    key blocks fill a quarter of the card's SMs (MHA with ``GROUP_MHA``, GQA by default).
+    Every key block must run once (the outputs are poisoned)."""
     from flashtile.backends.sm90 import backward_onepass as op
     from flashtile.runtime.device import sm_count
 
@@ -76,7 +76,8 @@ def test_one_pass_pair_groups(rule, nheads, head_dim, bwd_ws_calls, monkeypatch)
     if rule:
         blocks = sm_count(torch.cuda.current_device()) // 4
         seqlen = 2 * op.BLOCK * blocks - 50  # the last block partial
-        assert op.pair_group(True, blocks, 6, sm_count(torch.cuda.current_device())) == 4
+        monkeypatch.setattr(op, "GROUP_MHA", True)  # causal MHA is pair-major by default
+        assert op.pair_group(True, blocks, 6, sm_count(torch.cuda.current_device()), nheads > 2) == 4
     else:
         monkeypatch.setattr(op, "PAIR_GROUP", 4)
     check_flash_grads(Case(seqlen, seqlen, head_dim, dtype=torch.bfloat16, causal=True, batch=3, nheads=nheads,

@@ -215,10 +215,11 @@ def test_one_pass_native_dq_launch(head_dim, monkeypatch):
 
 @pytest.mark.parametrize("causal, nheads_k", [(True, 2), (True, 1), (True, 4), (False, 2), (False, 4)])
 def test_one_pass_grid_order(causal, nheads_k, monkeypatch):
-    """Causal calls launch block-major within groups of ``sms // num_n_blocks`` (batch, kv
+    """Causal GQA calls launch block-major within groups of ``sms // num_n_blocks`` (batch, kv
     head) pairs (the grouped order: ``KEYS_OUTER`` and the runtime ``pair_group``), pair-major
-    (``KEYS_OUTER`` off, the kernel's plain order) where that is one pair; calls without causal
-    pair-major. ``PAIR_GROUP`` (the experiments' knob) overrides the rule for causal calls."""
+    (``KEYS_OUTER`` off, the kernel's plain order) where that is one pair; causal MHA calls
+    (unless ``GROUP_MHA``) and calls without causal pair-major. ``PAIR_GROUP`` (the
+    experiments' knob) overrides the rule for every causal call."""
     from flashtile.backends.sm90 import backward_onepass as op
 
     launches = []
@@ -230,14 +231,19 @@ def test_one_pass_grid_order(causal, nheads_k, monkeypatch):
     kv = torch.zeros(2, nheads_k, 300, 64, dtype=torch.float16)
     lse = torch.zeros(2, 4, 300)
     pairs = 2 * nheads_k  # 3 key blocks of 128 each
-    for count, group in ((132, pairs), (6, 2), (5, 1), (2, 1)):  # one pair a group below 2 x 3 SMs
-        sms.append(count)
-        op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=causal)
-        grid, args, constexprs = launches[-1]
-        want = min(group, pairs) if causal else 1
-        assert grid == (3 * pairs,) and args[20] == want and constexprs["KEYS_OUTER"] is (want > 1), (count, args[20])
+    for group_mha in (False, True):
+        monkeypatch.setattr(op, "GROUP_MHA", group_mha)
+        for count, group in ((132, pairs), (6, 2), (5, 1), (2, 1)):  # one pair a group below 2 x 3 SMs
+            sms.append(count)
+            op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0,
+                                          causal=causal)
+            grid, args, constexprs = launches[-1]
+            want = min(group, pairs) if causal and (nheads_k < 4 or group_mha) else 1
+            assert grid == (3 * pairs,) and args[20] == want and constexprs["KEYS_OUTER"] is (want > 1), (
+                count, args[20])
+    monkeypatch.setattr(op, "GROUP_MHA", False)
     for knob, group in ((0, pairs), (3, min(3, pairs)), (1, 1)):
-        monkeypatch.setattr(op, "PAIR_GROUP", knob)  # the order experiment's knob reaches the launch
+        monkeypatch.setattr(op, "PAIR_GROUP", knob)  # the order experiment's knob reaches the launch, MHA too
         op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=causal)
         assert launches[-1][1][20] == (group if causal else 1)
 
@@ -269,10 +275,14 @@ def test_grouped_coords_cover_the_grid_in_order(pairs, blocks):
     (True, 256, 64, 132, 1), (True, 16, 4, 132, 4), (False, 16, 64, 132, 1)])
 def test_pair_group_rule(causal, blocks, pairs, sms, want):
     """About one wave of programs a group: H100 runs 248-249's best group sizes at S2048-8192
-    (16-64 key blocks of 128 on 132 SMs: 8, 4, 2), pair-major from S16384 on."""
+    (16-64 key blocks of 128 on 132 SMs: 8, 4, 2), pair-major from S16384 on; the one-pass
+    kernel's causal MHA calls pair-major (``GROUP_MHA`` off)."""
     from flashtile.backends.sm90 import backward_onepass as op
+    from flashtile.backends.sm90.common import pair_group
 
-    assert op.pair_group(causal, blocks, pairs, sms) == want
+    assert pair_group(None, causal, blocks, pairs, sms) == want
+    assert op.pair_group(causal, blocks, pairs, sms, gqa=True) == want
+    assert op.pair_group(causal, blocks, pairs, sms, gqa=False) == 1
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])

@@ -11,7 +11,7 @@ pair instead of the split kernels' 7. One program owns a block of 2 x 64 keys of
 of the GQA group (so dK and dV are summed over the group in registers). A step takes
 QROWS queries (``Q_ROWS``): 128 at d64 (FA3's d64 tiling), 64 at d128 and for packed
 sequences. Programs run pair-major (a (batch, kv head)'s key blocks side by side), or
-block-major within groups of about a wave's worth of pairs for causal calls (``pair_group``).
+block-major within groups of about a wave's worth of pairs for causal GQA (``pair_group``).
 Partitions:
 
     loader   (1 warp)  K and V of the block once, then (Q_s, dO_s) tiles of QROWS queries
@@ -109,11 +109,14 @@ DQ_BUF_PACKED = {64: 2, 128: 2}
 # ``_rotated_turn``: session 43) where the rule allows it. H100 run 237 (bf16, kernel alone, against
 # every block from the first tile): d64 +19% at S2048, +7% at S8192; d128 +9%, +1.5%.
 DET_ROTATE_DEFAULT = True
-# Causal calls run block-major within groups of (batch, kv head) pairs, the groups one after
-# another (``pair_group``: about one wave of programs a group); None: that rule, else this many
-# pairs a group (0: every pair in one group, block-major as H200 run 104 measured it; 1:
-# pair-major). An experiment's knob (``benchmarks/experiments/bwd_order_ab.py``).
+# Causal GQA calls run block-major within groups of (batch, kv head) pairs, the groups one
+# after another (``pair_group``: about one wave of programs a group), causal MHA pair-major
+# unless ``GROUP_MHA``; None: that rule, else this many pairs a group for every causal call (0:
+# every pair in one group, block-major as H200 run 104 measured it; 1: pair-major). Experiments'
+# knobs (``benchmarks/experiments/bwd_order_ab.py``); GROUP_MHA waits for an MHA A/B (runs
+# 248-249: groups of 2 and 4 at S2048 d128 2-3% slower than pair-major, S4096 0.4-1.4% faster).
 PAIR_GROUP: int | None = None
+GROUP_MHA = False
 # The dQ slots' layout. ``DQ_NATIVE`` ("native", the default for fixed-length calls since
 # session 41): each thread stores its wgmma accumulator registers in their own order
 # (``native_offset_bases``: st.shared.v4, no bank conflicts, one TMA box per half); H100
@@ -173,12 +176,16 @@ def _is_native(layout):
     return isinstance(layout, gl.SharedLinearLayout)
 
 
-def pair_group(causal: bool, num_n_blocks: int, num_pairs: int, sms: int) -> int:
-    """This kernel's grid order: ``common.pair_group`` under ``PAIR_GROUP``. H100 runs 248-249
-    (bf16 causal, S2048-16384; docs/perf-notes.md, session 47): the rule's groups gained GQA 4
-    3-15% at S2048-8192 against block-major over the whole grid (H200 run 104's choice for
-    GQA, whose pair-major tail cost 6-10%), MHA 0-2% against pair-major; at S16384 (a pair's
-    128 blocks a wave: pair-major) every group tried was within 2%."""
+def pair_group(causal: bool, num_n_blocks: int, num_pairs: int, sms: int, gqa: bool) -> int:
+    """This kernel's grid order: ``common.pair_group`` under ``PAIR_GROUP`` for causal GQA
+    calls, and for causal MHA ones only with ``GROUP_MHA`` or a ``PAIR_GROUP`` set (else
+    pair-major). H100 runs 248-249 (bf16 causal, S2048-16384; docs/perf-notes.md, session
+    47): the rule's groups gained GQA 4 3-15% at S2048-8192 against block-major over the
+    whole grid (H200 run 104's choice for GQA, whose pair-major tail cost 6-10%); at S16384
+    (a pair's 128 blocks a wave: pair-major) every group tried was within 2.1%, and
+    pair-major itself was not measured for GQA there."""
+    if not gqa and PAIR_GROUP is None and not GROUP_MHA:
+        return 1
     return common_pair_group(PAIR_GROUP, causal, num_n_blocks, num_pairs, sms)
 
 
@@ -815,8 +822,8 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     if varlen is None:
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
         grid = num_n_blocks * batch * nheads_k
-        if causal:  # no device query without it (the host tests' CPU tensors)
-            group = pair_group(causal, num_n_blocks, batch * nheads_k, sm_count(q.device.index))
+        if causal and (nheads > nheads_k or PAIR_GROUP is not None or GROUP_MHA):  # else pair-major, no device query
+            group = pair_group(causal, num_n_blocks, batch * nheads_k, sm_count(q.device.index), nheads > nheads_k)
         items = (lse, 0, dk, 0, 0, dv, 0, 0)  # unread: Items' float dtype selects the fixed-length path
     else:
         if batch != 1:
