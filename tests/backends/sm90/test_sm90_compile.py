@@ -461,7 +461,7 @@ def test_one_pass_backward_compiles_with_a_reducer_warp(tmp_path):
 @pytest.mark.slow(seconds=120)
 def test_one_pass_pair_groups_compile(tmp_path):
     """The grouped grid order (``KEYS_OUTER``: block-major within groups of ``pair_group``
-    pairs, causal calls' default since session 47) compiles causal at d64 and d128 with the
+    pairs, causal GQA's default since session 47) compiles causal at d64 and d128 with the
     shared memory of pair-major, spills no more, and reaches the kernel: its group arithmetic
     adds integer divisions to the PTX."""
     code = ("from flashtile.tools.sm90_check import compile_backward_onepass as f\n"
