@@ -375,34 +375,39 @@ def test_rotated_turns_follow_the_arrival_order(num_n_blocks, nq):
         assert by_turn == sorted(range(num_n_blocks), key=lambda j: (step[j], -j))
 
 
-def _simulate_turns(num_n_blocks, nq, resident, start, turn, group_size=1, pairs=1):
-    """The deterministic reducers of ``pairs`` (batch, kv head) pairs' blocks as a schedule
-    (pair-major, as the grid): blocks launch in order, at most ``resident`` at once; block j
-    of a pair, at its step s, adds into query head s // nq's tile (start(j) + s) % nq once
-    that (pair, head, tile)'s counter reads turn(j, tile), then counts it up; a block that
-    has added into every tile of its group_size heads ends and frees its place. True if
-    every block ends, False if the resident blocks all wait (a hang on the GPU)."""
-    tiles = group_size * nq
-    counter, step, running, launched = [0] * (pairs * tiles), [0] * (pairs * num_n_blocks), [], 0
+def _schedule_finishes(visits, resident):
+    """Deterministic reducers as a schedule: ``visits`` lists the blocks in launch order, each
+    as its (counter, turn) per step. Blocks launch in order, at most ``resident`` at once; a
+    block adds at its step once that counter reads the step's turn, then counts it up; a block
+    past its last step ends and frees its place. True if every block ends, False if the
+    resident blocks all wait (a hang on the GPU)."""
+    counter, steps, running, launched = {}, [0] * len(visits), [], 0
     while True:
-        while launched < pairs * num_n_blocks and len(running) < resident:
+        while launched < len(visits) and len(running) < resident:
             running.append(launched)
             launched += 1
         if not running:
             return True
         moved = False
         for b in list(running):
-            pair, j = divmod(b, num_n_blocks)
-            head, tile = step[b] // nq, (start(j) + step[b]) % nq
-            at = pair * tiles + head * nq + tile
-            if counter[at] == turn(j, tile):
-                counter[at] += 1
-                step[b] += 1
+            at, turn = visits[b][steps[b]]
+            if counter.get(at, 0) == turn:
+                counter[at] = turn + 1
+                steps[b] += 1
                 moved = True
-                if step[b] == tiles:
+                if steps[b] == len(visits[b]):
                     running.remove(b)
         if not moved:
             return False
+
+
+def _simulate_turns(num_n_blocks, nq, resident, start, turn, group_size=1, pairs=1):
+    """``_schedule_finishes`` for ``pairs`` (batch, kv head) pairs' blocks, pair-major (as the
+    grid): block j of a pair, at its step s, adds into query head s // nq's tile
+    (start(j) + s) % nq in turn turn(j, tile), over every tile of its group_size heads."""
+    visits = [[((pair, s // nq, (start(j) + s) % nq), turn(j, (start(j) + s) % nq)) for s in range(group_size * nq)]
+              for pair in range(pairs) for j in range(num_n_blocks)]
+    return _schedule_finishes(visits, resident)
 
 
 @pytest.mark.parametrize("num_n_blocks, nq", [(16, 16), (16, 32), (13, 25), (7, 3), (66, 132), (64, 64)])
@@ -445,27 +450,9 @@ def test_deterministic_causal_grouped_orders_never_hang(pairs, num_n_blocks, hea
     lowest first (the reversal dropped), one place hangs."""
     from flashtile.backends.sm90.common import grouped_coords
 
-    def finishes(order, resident):
-        counter, steps, running, launched = {}, [0] * len(order), [], 0
-        while True:
-            while launched < len(order) and len(running) < resident:
-                running.append(launched)
-                launched += 1
-            if not running:
-                return True
-            moved = False
-            for p in list(running):
-                pair, j = order[p]
-                head, tile = divmod(steps[p], num_n_blocks - j)
-                at = (pair, head, j + tile)
-                if counter.get(at, 0) == tile:  # turn (j + tile) - j
-                    counter[at] = tile + 1
-                    steps[p] += 1
-                    moved = True
-                    if steps[p] == heads * (num_n_blocks - j):
-                        running.remove(p)
-            if not moved:
-                return False
+    def finishes(order, resident):  # block j walks tiles j .. end of each head, tile t in turn t - j
+        return _schedule_finishes([[((pair, head, t), t - j) for head in range(heads) for t in range(j, num_n_blocks)]
+                                   for pair, j in order], resident)
 
     grid = range(pairs * num_n_blocks)
     for group in range(1, pairs + 1):

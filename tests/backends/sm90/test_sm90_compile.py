@@ -457,6 +457,19 @@ def test_one_pass_backward_compiles_with_a_reducer_warp(tmp_path):
     assert reduces_at["None"] * 2 == reduces_at["128"], rows
 
 
+def _assert_grouped_compiles(tmp_path, code: str, kernels: tuple[str, ...]):
+    """``code`` prints one row per compiled kernel: its key, 0 or 1 (grouped grid), shared
+    bytes, registers, spilled bytes, integer divisions in the PTX. Each kernel's grouped
+    variant keeps the shared memory (within the sm_90 limit), spills no more than 64 bytes more,
+    and adds divisions (its group arithmetic reached the kernel)."""
+    rows = [line.split() for line in _compile_run(tmp_path, "-c", code).splitlines()]
+    assert len(rows) == 2 * len(kernels), rows
+    got = {(key, grouped): (int(shared), int(spills), int(div)) for key, grouped, shared, _, spills, div in rows}
+    for key in kernels:
+        (shared0, spills0, div0), (shared1, spills1, div1) = got[key, "0"], got[key, "1"]
+        assert shared1 == shared0 <= SM90_SHARED_LIMIT and spills1 <= spills0 + 64 and div1 > div0, rows
+
+
 @pytest.mark.exhaustive
 @pytest.mark.slow(seconds=120)
 def test_one_pass_pair_groups_compile(tmp_path):
@@ -468,12 +481,7 @@ def test_one_pass_pair_groups_compile(tmp_path):
             "for d, grouped in ((128, 0), (128, 1), (64, 0), (64, 1)):\n"
             "    c = f('bf16', d, causal=True, keys_outer=bool(grouped))\n"
             "    print(d, grouped, c.shared, *c.registers(), c.ptx.count('div.'))")
-    rows = [line.split() for line in _compile_run(tmp_path, "-c", code).splitlines()]
-    assert len(rows) == 4, rows
-    got = {(d, grouped): (int(shared), int(spills), int(div)) for d, grouped, shared, _, spills, div in rows}
-    for d in ("64", "128"):
-        (shared0, spills0, div0), (shared1, spills1, div1) = got[d, "0"], got[d, "1"]
-        assert shared1 == shared0 <= SM90_SHARED_LIMIT and spills1 <= spills0 + 64 and div1 > div0, rows
+    _assert_grouped_compiles(tmp_path, code, ("64", "128"))
 
 
 @pytest.mark.exhaustive
@@ -486,12 +494,7 @@ def test_split_pair_groups_compile(tmp_path):
             "for grouped in (0, 1):\n"
             "    for c in f('bf16', 256, causal=True, keys_outer=bool(grouped))[:2]:\n"
             "        print(c.name.split()[0], grouped, c.shared, *c.registers(), c.ptx.count('div.'))")
-    rows = [line.split() for line in _compile_run(tmp_path, "-c", code).splitlines()]
-    assert len(rows) == 4, rows
-    got = {(kernel, grouped): (int(shared), int(spills), int(div)) for kernel, grouped, shared, _, spills, div in rows}
-    for kernel in ("bwd-ws-dv", "bwd-ws-dk"):
-        (shared0, spills0, div0), (shared1, spills1, div1) = got[kernel, "0"], got[kernel, "1"]
-        assert shared1 == shared0 <= SM90_SHARED_LIMIT and spills1 <= spills0 + 64 and div1 > div0, rows
+    _assert_grouped_compiles(tmp_path, code, ("bwd-ws-dv", "bwd-ws-dk"))
 
 
 @pytest.mark.exhaustive

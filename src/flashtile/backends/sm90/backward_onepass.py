@@ -822,7 +822,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     if varlen is None:
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
         grid = num_n_blocks * batch * nheads_k
-        if causal and (nheads > nheads_k or PAIR_GROUP is not None or GROUP_MHA):  # else pair-major, no device query
+        if causal:
             group = pair_group(causal, num_n_blocks, batch * nheads_k, sm_count(q.device.index), nheads > nheads_k)
         items = (lse, 0, dk, 0, 0, dv, 0, 0)  # unread: Items' float dtype selects the fixed-length path
     else:
