@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call that checks and measures everything, within the 10-minute limit.
-#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|det|bench-d128|features|flex|varlen|varlen-onepass|decode|fold-ab|order-ab|order-ab-mha|order-ab-d256|decode-wave|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
+#   run: bash benchmarks/device_run.sh [tests|tests-1|tests-2|tests-3|bench|rows|det|bench-d128|features|flex|varlen|varlen-onepass|decode|fold-ab|decode-wave|decode-ab|transformers|provider|sweep|gluon-bwd|onepass|onepass-ncu|fwd-schedule|train5|decode-users|host-ab|spread-bench|graph-ab|all]   (from the repo root)
 # Writes logs and a tarball of benchmark rows under $OUT (at most 8 files come back). One-off modes
 # of finished experiments are gone from here once recorded (git log -p names them, perf-notes their runs).
 set -u
@@ -325,67 +325,6 @@ if [[ $what == fwd-schedule ]]; then
       > "$OUT/gpu-tests-ws-fwd.log" 2>&1
     echo "ws fwd tests rc=$?"; tail -n 3 "$OUT/gpu-tests-ws-fwd.log"
   fi
-fi
-if [[ $what == order-ab || $what == order-ab-mha ]]; then
-  # Session 47's grid order for causal GQA (``backward_onepass.pair_group``: block-major within
-  # groups of about a wave's worth of (batch, kv head) pairs; H100 runs 248-249 chose it) against
-  # the orders before it, ORDER_ROUNDS (3) alternating rounds, one order per process
-  # (bwd_order_ab.py), then cuDNN. order-ab: the backward GPU file first (about 200 s), then GQA 4
-  # auto against block-major; order-ab-mha: the rule for causal MHA too (wave: ``GROUP_MHA``)
-  # against pair-major, MHA's default, with the deterministic rows.
-  rm -f /tmp/bench/ab-*
-  if [[ $what == order-ab ]]; then
-    timeout 250 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -q -n 4 -p no:warnings \
-      -p no:cacheprovider > "$OUT/gpu-tests-bwd.log" 2>&1
-    rc=$?; echo "backward gpu tests rc=$rc"; grep -E "passed|failed|FAILED" "$OUT/gpu-tests-bwd.log" | tail -8
-    heads="--gqa 4"; old=block; new=auto; impls="flashtile"
-  else
-    rc=0; heads=""; old=pair; new=wave; impls="flashtile flashtile-det"
-  fi
-  if [[ $rc == 0 ]]; then
-    for r in $(seq ${ORDER_ROUNDS:-3}); do
-      for order in $old $new; do
-        timeout 45 python3 benchmarks/experiments/bwd_order_ab.py $order bench --dtype bf16 --pass bwd --causal yes \
-          $heads --headdim 64 128 --seqlen 2048 4096 8192 16384 --impl $impls --no-plot --out /tmp/bench \
-          --tag ab-$order-r$r > /tmp/bench/ab-$order-r$r.log 2>&1
-        echo "$what $order round $r rc=$?"
-      done
-    done
-    timeout 45 python3 -m flashtile.tools.bench --dtype bf16 --pass bwd --causal yes $heads --headdim 64 128 \
-      --seqlen 2048 4096 8192 16384 --impl sdpa-cudnn --no-plot --out /tmp/bench --tag ab-cudnn > /tmp/bench/ab-cudnn.log 2>&1
-    echo "cudnn rc=$?"
-    rows_by_tag ab- | tee "$OUT/$what.txt"
-  fi
-  tar -czf "$OUT/$what.tgz" -C /tmp/bench .
-fi
-if [[ $what == order-ab-d256 ]]; then
-  # Session 47's experiment for the d256 dV and dK kernels (``backward_split.PAIR_GROUP``, never
-  # run): the one-pass kernel's rule (split:auto) against pair-major (split:pair, the default),
-  # causal MHA and GQA 4, ORDER_ROUNDS (2) alternating rounds, then cuDNN; its GPU tests first.
-  rm -f /tmp/bench/d256-*
-  timeout 150 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -k split_pair_groups -q \
-    -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-split-order.log" 2>&1
-  rc=$?; echo "split order gpu tests rc=$rc"; tail -3 "$OUT/gpu-tests-split-order.log"
-  if [[ $rc == 0 ]]; then
-    for r in $(seq ${ORDER_ROUNDS:-2}); do
-      for order in pair auto; do
-        for g in 1 4; do
-          timeout 45 python3 benchmarks/experiments/bwd_order_ab.py split:$order bench --dtype bf16 --pass bwd \
-            --causal yes --gqa $g --headdim 256 --seqlen 2048 4096 8192 16384 --impl flashtile --no-plot \
-            --out /tmp/bench --tag d256-$order-r$r-g$g > /tmp/bench/d256-$order-r$r-g$g.log 2>&1
-          echo "d256 $order gqa $g round $r rc=$?"
-        done
-      done
-    done
-    for g in 1 4; do
-      timeout 45 python3 -m flashtile.tools.bench --dtype bf16 --pass bwd --causal yes --gqa $g --headdim 256 \
-        --seqlen 2048 4096 8192 16384 --impl sdpa-cudnn --no-plot --out /tmp/bench --tag d256-cudnn-g$g \
-        > /tmp/bench/d256-cudnn-g$g.log 2>&1
-      echo "cudnn gqa $g rc=$?"
-    done
-    rows_by_tag d256- | tee "$OUT/order-ab-d256.txt"
-  fi
-  tar -czf "$OUT/order-ab-d256.tgz" -C /tmp/bench .
 fi
 if [[ $what == train5 ]]; then
   # Issue 38's training-step target: train_block.py five times with its no-attention and

@@ -6,8 +6,9 @@ side), block (block-major over the whole grid: every pair's heaviest blocks firs
 GQA's order before session 47), group:G (block-major within groups of G pairs, one group
 after another) or wave (the rule for causal MHA too: ``GROUP_MHA``; auto leaves causal MHA
 pair-major). The order applies to causal calls; calls without causal are pair-major.
-split:ORDER sets the d256 dV and dK kernels' order instead (``backward_split.PAIR_GROUP``:
-pair-major by default, the grouped orders never run before session 47's experiment).
+split:ORDER sets the d256 dV and dK kernels' order instead (``backward_split.PAIR_GROUP``;
+auto, their default since session 48 (H100 run 252), is the rule for causal GQA and pair-major
+for causal MHA; split:wave is split:auto, and group:G applies to MHA too).
 
     PYTHONPATH=src python3 benchmarks/experiments/bwd_order_ab.py ORDER bench --gqa 4 --causal yes ...
     PYTHONPATH=src python3 benchmarks/experiments/bwd_order_ab.py ORDER benchmarks/train_block.py ...

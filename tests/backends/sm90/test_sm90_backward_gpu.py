@@ -88,10 +88,10 @@ def test_one_pass_pair_groups(rule, nheads, head_dim, bwd_ws_calls, monkeypatch)
 @pytest.mark.parametrize("knob", [4, None], ids=["group4", "rule"])
 @pytest.mark.parametrize("nheads", [2, 4], ids=["mha", "gqa"])
 def test_split_pair_groups(knob, nheads, bwd_ws_calls, monkeypatch):
-    """The d256 dV and dK kernels' grouped grid (``backward_split.PAIR_GROUP``, session 47's
-    experiment; pair-major by default): 4 of the 6 (batch, kv head) pairs a group (the last
-    group short), or the rule (every pair in one group at this length). Every key block must
-    run once (the outputs are poisoned)."""
+    """The d256 dV and dK kernels' grouped grid (``backward_split.PAIR_GROUP``; session 48's
+    default for causal GQA): 4 of the 6 (batch, kv head) pairs a group (the last group short),
+    or the default (GQA: every pair in one group at this length; MHA: pair-major). Every key
+    block must run once (the outputs are poisoned)."""
     from flashtile.backends.sm90 import backward_split as bw
 
     monkeypatch.setenv("FLASHTILE_PLANS", "0")  # a plan would replay another order's launch

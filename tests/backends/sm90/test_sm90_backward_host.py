@@ -64,11 +64,13 @@ def test_launch_arguments_are_checked_before_any_work():
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_split_grid_order(causal, monkeypatch):
-    """The d256 dV and dK kernels launch pair-major (``KEYS_OUTER`` off) unless
-    ``backward_split.PAIR_GROUP`` (session 47's experiment) asks for groups: None the rule
-    (``common.pair_group``: here 132 SMs over 5 blocks of 128 keys, 10 of 64: 26 and 13 pairs,
-    so every one of the 4 pairs), G that many; calls without causal stay pair-major."""
+@pytest.mark.parametrize("nheads", [4, 2], ids=["gqa", "mha"])
+def test_split_grid_order(causal, nheads, monkeypatch):
+    """The d256 dV and dK kernels' grid order (``backward_split.PAIR_GROUP``): None (the
+    default) the rule for causal GQA (``common.pair_group``: here 132 SMs over 5 blocks of 128
+    keys, 10 of 64: 26 and 13 pairs, so every one of the 4 pairs) and pair-major (``KEYS_OUTER``
+    off) for causal MHA; 1 pair-major; G that many pairs a group for every causal call; calls
+    without causal stay pair-major."""
     from flashtile.backends.sm90 import backward_split as bw
 
     launches = []
@@ -76,10 +78,10 @@ def test_split_grid_order(causal, monkeypatch):
         monkeypatch.setattr(bw, name, lambda grid, args, constexprs, *rest, name=name: launches.append(
             (name, grid, args[-1], constexprs["KEYS_OUTER"])))
     monkeypatch.setattr(bw, "sm_count", lambda index: 132)
-    q = torch.zeros(2, 4, 600, 256, dtype=torch.bfloat16)
+    q = torch.zeros(2, nheads, 600, 256, dtype=torch.bfloat16)
     kv = torch.zeros(2, 2, 600, 256, dtype=torch.bfloat16)
-    lse = torch.zeros(2, 4, 600)
-    for knob, group in ((1, 1), (None, 4), (3, 3), (0, 4)):
+    lse = torch.zeros(2, nheads, 600)
+    for knob, group in ((1, 1), (None, 4 if nheads > 2 else 1), (3, 3), (0, 4)):
         monkeypatch.setattr(bw, "PAIR_GROUP", knob)
         launches.clear()
         bw.attention_backward_ws(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=causal,

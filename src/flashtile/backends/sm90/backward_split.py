@@ -89,12 +89,13 @@ CONSUMER_REGS = 240
 #       dS 8 KB = 200 KB (two warpgroups would need K and V of 128 keys and two dS: 272 KB).
 DV_RING = (2, 2)
 DK_RING = (3, 1)
-# The d256 dV and dK kernels' grid order for causal calls (``split_pair_group``): 1 pair-major
-# (each (batch, kv head)'s key blocks side by side, block 0 first), None the one-pass kernel's
-# rule (about a wave of programs a group: ``common.pair_group``), G block-major within groups
-# of G pairs. An experiment's knob (session 47; ``benchmarks/experiments/bwd_order_ab.py
-# split:ORDER``), never run on a GPU: 1 until measured.
-PAIR_GROUP: int | None = 1
+# The d256 dV and dK kernels' grid order for causal calls (``split_pair_group``): None the
+# one-pass kernel's default (causal GQA calls in groups of about a wave of programs,
+# ``common.pair_group``; causal MHA ones pair-major), 1 pair-major for every call (each (batch,
+# kv head)'s key blocks side by side, block 0 first), G block-major within groups of G pairs for
+# every causal call. H100 run 252 (docs/perf-notes.md, session 48): the rule's groups gained
+# causal GQA 4 6-13% at S2048-8192 against pair-major; MHA moved -1 to +1.5%, within the spread.
+PAIR_GROUP: int | None = None
 
 
 def dkdv_steps(head_dim: int, varlen: bool, block_q: int | None = None,
@@ -829,10 +830,11 @@ _launch_dv = Launcher(dv_kernel)
 _launch_dk = Launcher(dk_kernel)
 
 
-def split_pair_group(causal: bool, num_n_blocks: int, num_pairs: int, device) -> int:
-    """The d256 dV and dK kernels' grid order: ``common.pair_group`` under ``PAIR_GROUP`` (1,
-    pair-major, asks no device)."""
-    if not causal or PAIR_GROUP == 1:
+def split_pair_group(causal: bool, num_n_blocks: int, num_pairs: int, device, gqa: bool) -> int:
+    """The d256 dV and dK kernels' grid order: ``common.pair_group`` under ``PAIR_GROUP`` for
+    causal GQA calls, and for causal MHA ones only with a ``PAIR_GROUP`` set; else pair-major
+    (which asks no device)."""
+    if not causal or PAIR_GROUP == 1 or (PAIR_GROUP is None and not gqa):
         return 1
     return pair_group(PAIR_GROUP, causal, num_n_blocks, num_pairs, sm_count(device.index))
 
@@ -893,13 +895,13 @@ def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float
     sizes = (lse, delta, nheads, nheads_k, nheads // nheads_k, seqlen_q, seqlen_k)
     if split and {"dkdv", "dv"} & set(kernels):
         nb = triton.cdiv(seqlen_k, 2 * BLOCK)
-        group = split_pair_group(causal, nb, batch * nheads_k, q.device)
+        group = split_pair_group(causal, nb, batch * nheads_k, q.device, nheads > nheads_k)
         _launch_dv((nb * batch * nheads_k,),
                    (q_d, desc(k, BLOCK), do_d, desc(dv, BLOCK), *sizes, nb, diag_offset, scale * LOG2E, scale, group),
                    dict(CAUSAL=causal, NUM_Q=DV_RING[0], NUM_DO=DV_RING[1], KEYS_OUTER=group > 1, **regs), 4, 1)
     if split and {"dkdv", "dk"} & set(kernels):
         nb = triton.cdiv(seqlen_k, BLOCK)
-        group = split_pair_group(causal, nb, batch * nheads_k, q.device)
+        group = split_pair_group(causal, nb, batch * nheads_k, q.device, nheads > nheads_k)
         _launch_dk((nb * batch * nheads_k,),
                    (q_d, desc(k, BLOCK), desc(v, BLOCK), do_d, desc(dk, BLOCK), *sizes, nb, diag_offset,
                     scale * LOG2E, scale, group),
