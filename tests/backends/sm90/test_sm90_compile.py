@@ -488,8 +488,8 @@ def test_one_pass_pair_groups_compile(tmp_path):
 @pytest.mark.slow(seconds=120)
 def test_split_pair_groups_compile(tmp_path):
     """The d256 dV and dK kernels' grouped grid (``backward_split.PAIR_GROUP``, causal GQA's
-    default since session 48) compiles causal with the shared memory of pair-major, spills no more, and
-    reaches the kernels: its group arithmetic adds integer divisions to the PTX."""
+    default since session 48) compiles causal with the shared memory of pair-major, spills no
+    more, and reaches the kernels: its group arithmetic adds integer divisions to the PTX."""
     code = ("from flashtile.tools.sm90_check import compile_backward_ws as f\n"
             "for grouped in (0, 1):\n"
             "    for c in f('bf16', 256, causal=True, keys_outer=bool(grouped))[:2]:\n"
