@@ -282,7 +282,7 @@ def test_pair_group_rule(causal, blocks, pairs, sms, want):
     from flashtile.backends.sm90 import backward_onepass as op
     from flashtile.backends.sm90.common import pair_group
 
-    assert pair_group(None, causal, blocks, pairs, sms) == want
+    assert pair_group(None, causal, blocks, pairs, sms, gqa=True) == want
     assert op.pair_group(causal, blocks, pairs, sms, gqa=True) == want
     assert op.pair_group(causal, blocks, pairs, sms, gqa=False) == 1
 

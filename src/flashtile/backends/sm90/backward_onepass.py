@@ -177,16 +177,12 @@ def _is_native(layout):
 
 
 def pair_group(causal: bool, num_n_blocks: int, num_pairs: int, sms: int, gqa: bool) -> int:
-    """This kernel's grid order: ``common.pair_group`` under ``PAIR_GROUP`` for causal GQA
-    calls, and for causal MHA ones only with ``GROUP_MHA`` or a ``PAIR_GROUP`` set (else
-    pair-major). H100 runs 248-249 (bf16 causal, S2048-16384; docs/perf-notes.md, session
-    47): the rule's groups gained GQA 4 3-15% at S2048-8192 against block-major over the
-    whole grid (H200 run 104's choice for GQA, whose pair-major tail cost 6-10%); at S16384
-    (a pair's 128 blocks a wave: pair-major) every group tried was within 2.1%, and
-    pair-major itself was not measured for GQA there."""
-    if not gqa and PAIR_GROUP is None and not GROUP_MHA:
-        return 1
-    return common_pair_group(PAIR_GROUP, causal, num_n_blocks, num_pairs, sms)
+    """This kernel's grid order: ``common.pair_group`` under ``PAIR_GROUP`` and ``GROUP_MHA``.
+    H100 runs 248-249 (bf16 causal, S2048-16384; docs/perf-notes.md, session 47): the rule's
+    groups gained GQA 4 3-15% at S2048-8192 against block-major over the whole grid (H200 run
+    104's choice for GQA, whose pair-major tail cost 6-10%); run 250 confirmed it in the
+    library's form, and read pair-major (the rule at S16384) 2-8% ahead of block-major there."""
+    return common_pair_group(PAIR_GROUP, causal, num_n_blocks, num_pairs, sms, gqa=gqa, group_mha=GROUP_MHA)
 
 
 @gluon.jit
@@ -822,8 +818,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
     if varlen is None:
         num_n_blocks = triton.cdiv(seqlen_k, 2 * BLOCK)
         grid = num_n_blocks * batch * nheads_k
-        if causal:
-            group = pair_group(causal, num_n_blocks, batch * nheads_k, sm_count(q.device.index), nheads > nheads_k)
+        group = pair_group(causal, num_n_blocks, batch * nheads_k, sm_count(q.device.index), nheads > nheads_k)
         items = (lse, 0, dk, 0, 0, dv, 0, 0)  # unread: Items' float dtype selects the fixed-length path
     else:
         if batch != 1:

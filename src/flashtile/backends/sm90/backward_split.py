@@ -831,12 +831,8 @@ _launch_dk = Launcher(dk_kernel)
 
 
 def split_pair_group(causal: bool, num_n_blocks: int, num_pairs: int, device, gqa: bool) -> int:
-    """The d256 dV and dK kernels' grid order: ``common.pair_group`` under ``PAIR_GROUP`` for
-    causal GQA calls, and for causal MHA ones only with a ``PAIR_GROUP`` set; else pair-major
-    (which asks no device)."""
-    if not causal or PAIR_GROUP == 1 or (PAIR_GROUP is None and not gqa):
-        return 1
-    return pair_group(PAIR_GROUP, causal, num_n_blocks, num_pairs, sm_count(device.index))
+    """The d256 dV and dK kernels' grid order: ``common.pair_group`` under ``PAIR_GROUP``."""
+    return pair_group(PAIR_GROUP, causal, num_n_blocks, num_pairs, sm_count(device.index), gqa=gqa)
 
 
 def attention_backward_ws(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: float, diag_offset: int, causal: bool,
