@@ -328,11 +328,13 @@ if [[ $what == fwd-schedule ]]; then
 fi
 if [[ $what == train5 ]]; then
   # Issue 38's training-step target: train_block.py five times with its no-attention and
-  # deterministic rows; attention's time = step - no-attention step, median of five.
+  # deterministic rows; attention's time = step - no-attention step, median of five. The first
+  # round also names each step's kernels (--kernels: attention's own kernels and their GPU time).
   for i in 1 2 3 4 5; do
-    timeout ${TRAIN_TIMEOUT:-100} python3 benchmarks/train_block.py --seqlen 8192 --out "$OUT/train-block-5.jsonl" \
-      --impls flashtile sdpa-cudnn flashtile-deterministic no-attention > "$OUT/train-block-$i.log" 2>&1
-    echo "train block $i rc=$?"; grep -E "ms$" "$OUT/train-block-$i.log" | tail -4
+    k=""; t=${TRAIN_TIMEOUT:-100}; [[ $i == 1 ]] && k="--kernels 5" && t=$((t + 20))
+    timeout $t python3 benchmarks/train_block.py --seqlen 8192 --out "$OUT/train-block-5.jsonl" \
+      --impls flashtile sdpa-cudnn flashtile-deterministic no-attention $k > "$OUT/train-block-$i.log" 2>&1
+    echo "train block $i rc=$?"; grep -E "ms$|attention kernels" "$OUT/train-block-$i.log" | tail -7
   done
   python3 - "$OUT/train-block-5.jsonl" <<'PY'
 import json, statistics, sys

@@ -9,6 +9,7 @@ the best candidate per (shape, variant) at the end.
 from __future__ import annotations
 
 import json
+from collections import defaultdict
 from typing import Any, Callable, Optional
 
 from flashtile.tools.bench.prefill import Shape
@@ -45,6 +46,29 @@ def canonical(q, k, v, causal: bool) -> tuple[Any, Any, Any, Any, Any, Any]:
     q4, k4, v4 = (t.transpose(1, 2) for t in (q, k, v))
     problem = Problem(q.shape[-1] ** -0.5, 0, -1, 0 if causal else -1)
     return q4, k4, v4, layout.bshd_view(q4), layout.new_lse(q4), problem
+
+
+def device_us(run, calls: int) -> dict[str, float]:
+    """{kernel name: device us per call} of ``run()``, which makes ``calls`` calls, under
+    ``torch.profiler`` (CUPTI records a replayed graph's kernels too)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    total: dict[str, float] = defaultdict(float)
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            total[event.name] += event.device_time_total
+    return {name: us / calls for name, us in total.items()}
+
+
+def breakdown(total_us: float, per: dict[str, float], width: int = 48) -> str:
+    """``kernels`` (their sum), ``gaps`` (``total_us`` minus it) and each kernel, longest first."""
+    busy = sum(per.values())
+    parts = ", ".join(f"{name[:width]} {us:.2f}" for name, us in sorted(per.items(), key=lambda kv: -kv[1]))
+    return f"kernels {busy:8.2f}  gaps {total_us - busy:6.2f}  [{parts}]"
 
 
 class Sweep:

@@ -9,6 +9,11 @@ between the runs; weights, inputs and the upstream gradient are the same.
 `--impls ... flashtile-deterministic no-attention` adds two context rows: flashtile's split
 backward, and the block with attention replaced by its query (what the other layers cost;
 each step's time minus it is that step's attention, forward + backward).
+
+`--kernels STEPS` also times each step's kernels (``torch.profiler`` over STEPS eager steps):
+their sum, the step minus it (gaps: the host and launch latency), and, with no-attention among
+the impls, the kernels that step lacks (attention's own: its forward, backward and their
+helpers) with their GPU time per step.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import flashtile
+from sweep_common import breakdown, device_us
 
 
 class Block(torch.nn.Module):
@@ -62,6 +68,12 @@ def sdpa(backend):
     return attention
 
 
+def attention_kernels(per: dict[str, float], base: dict[str, float]) -> tuple[dict[str, float], float]:
+    """A step's kernels that the no-attention step (``base``) does not launch ({name: us per
+    step}), and how much longer the step keeps the GPU busy than ``base`` (us)."""
+    return {k: us for k, us in per.items() if k not in base}, sum(per.values()) - sum(base.values())
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seqlen", type=int, default=8192)
@@ -71,6 +83,8 @@ def main(argv=None) -> int:
     p.add_argument("--nheads-k", type=int, default=8)
     p.add_argument("--mlp", type=int, default=14336)
     p.add_argument("--out", default=None)
+    p.add_argument("--kernels", type=int, default=0, metavar="STEPS",
+                   help="also each step's kernels over STEPS eager steps (torch.profiler; module docstring)")
     p.add_argument("--impls", nargs="+", default=["flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"],
                    choices=["flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flashtile-deterministic",
                             "no-attention"])
@@ -99,12 +113,17 @@ def main(argv=None) -> int:
         except Exception as exc:  # noqa: BLE001  (a backend without a kernel for this shape)
             print(f"{name}: skipped ({type(exc).__name__}: {str(exc)[:160]})")
             continue
+        per = device_us(lambda: [step() for _ in range(args.kernels)], args.kernels) if args.kernels else {}
         row = dict(impl=name, bench="train_block", pass_="fwd_bwd", dtype="bf16", batch=args.batch,
                    seqlen=args.seqlen, hidden=args.hidden, nheads=args.nheads, nheads_k=args.nheads_k,
                    mlp=args.mlp, ms=ms, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                    triton=__import__("triton").__version__)
+        if per:
+            row["kernels_us"] = per
         rows.append(row)
         print(f"{name:24s} {ms:8.3f} ms")
+        if per:
+            print(f"{'':24s} {breakdown(ms * 1e3, per, 40)}")
     best_sdpa = min((r["ms"] for r in rows if r["impl"].startswith("sdpa-")), default=float("nan"))
     ours = next((r["ms"] for r in rows if r["impl"] == "flashtile"), float("nan"))
     print(f"flashtile / fastest SDPA time: {ours / best_sdpa:.3f} (< 1 means flashtile is faster)")
@@ -113,6 +132,15 @@ def main(argv=None) -> int:
         for r in rows:
             if r["impl"] != "no-attention":
                 print(f"{r['impl']:24s} attention {r['ms'] - rest:7.3f} ms of {r['ms']:.3f}")
+    base = next((r.get("kernels_us") for r in rows if r["impl"] == "no-attention"), None)
+    if base is not None:  # attention's kernels: those the no-attention step does not launch
+        for r in rows:
+            if r["impl"] != "no-attention" and "kernels_us" in r:
+                own, extra = attention_kernels(r["kernels_us"], base)
+                r["attention_kernels_us"] = own
+                print(f"{r['impl']:24s} attention kernels {sum(own.values()):8.1f} us (GPU busy +{extra:.1f} us "
+                      f"over no-attention): " + ", ".join(f"{k[:40]} {us:.1f}" for k, us in
+                                                         sorted(own.items(), key=lambda kv: -kv[1])))
     if args.out:
         with open(args.out, "a") as fh:
             for r in rows:

@@ -28,8 +28,8 @@ import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from decode_breakdown import breakdown, device_us  # noqa: E402  (the profiler's per-kernel times)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sweep_common import breakdown, device_us  # noqa: E402  (the profiler's per-kernel times)
 
 
 def kernel_times(call, calls: int) -> dict[str, float]:

@@ -25,30 +25,11 @@ one) or between kernels.
 from __future__ import annotations
 
 import argparse
-from collections import defaultdict
+import os
+import sys
 
-
-def device_us(run, calls: int) -> dict[str, float]:
-    """{kernel name: device us per call} of ``run()``, which makes ``calls`` calls, under
-    ``torch.profiler`` (CUPTI records a replayed graph's kernels too)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        run()
-        torch.cuda.synchronize()
-    total: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            total[event.name] += event.device_time_total
-    return {name: us / calls for name, us in total.items()}
-
-
-def breakdown(total_us: float, per: dict[str, float], width: int = 48) -> str:
-    """``kernels`` (their sum), ``gaps`` (``total_us`` minus it) and each kernel, longest first."""
-    busy = sum(per.values())
-    parts = ", ".join(f"{name[:width]} {us:.2f}" for name, us in sorted(per.items(), key=lambda kv: -kv[1]))
-    return f"kernels {busy:8.2f}  gaps {total_us - busy:6.2f}  [{parts}]"
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from sweep_common import breakdown, device_us  # noqa: E402  (the profiler's per-kernel times)
 
 
 def kernel_times(call, steps: int) -> dict[str, float]:

@@ -229,3 +229,15 @@ def test_context_parallel_benchmark_runs_on_gloo(tmp_path):
         assert r["world"] == 2 and r["step_s"] > 0 and r["single_s"] > 0
         assert r["err"] < 1e-5, r
     assert all(0.0 <= r["comm_hidden"] <= 1.0 for r in rows if r["impl"] != "ulysses")
+
+
+def test_train_block_names_attentions_kernels(monkeypatch):
+    """``train_block.attention_kernels``: the kernels a step launches beyond the no-attention
+    step's (a GEMM both launch is not attention's, even when it takes longer), and the GPU time
+    the step adds."""
+    monkeypatch.syspath_prepend(str(ROOT))  # train_block imports sweep_common
+    split = _script("train_block").attention_kernels
+    base = {"gemm": 100.0, "rmsnorm": 10.0}
+    own, extra = split({"gemm": 104.0, "rmsnorm": 10.0, "fwd": 30.0, "bwd": 70.0}, base)
+    assert own == {"fwd": 30.0, "bwd": 70.0}
+    assert extra == 104.0
