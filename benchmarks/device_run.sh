@@ -329,12 +329,13 @@ fi
 if [[ $what == train5 ]]; then
   # Issue 38's training-step target: train_block.py five times with its no-attention and
   # deterministic rows; attention's time = step - no-attention step, median of five. The first
-  # round also names each step's kernels (--kernels: attention's own kernels and their GPU time).
+  # round also names each step's kernels (--kernels: attention's own, with their GPU time) and
+  # the GPU's idle time inside do_bench-style steps (--timeline).
   for i in 1 2 3 4 5; do
-    k=""; t=${TRAIN_TIMEOUT:-100}; [[ $i == 1 ]] && k="--kernels 5" && t=$((t + 20))
+    k=""; t=${TRAIN_TIMEOUT:-100}; [[ $i == 1 ]] && k="--kernels 5 --timeline 5" && t=$((t + 30))
     timeout $t python3 benchmarks/train_block.py --seqlen 8192 --out "$OUT/train-block-5.jsonl" \
       --impls flashtile sdpa-cudnn flashtile-deterministic no-attention $k > "$OUT/train-block-$i.log" 2>&1
-    echo "train block $i rc=$?"; grep -E "ms$|attention kernels" "$OUT/train-block-$i.log" | tail -7
+    echo "train block $i rc=$?"; grep -E "ms$|attention kernels|timeline" "$OUT/train-block-$i.log" | tail -11
   done
   python3 - "$OUT/train-block-5.jsonl" <<'PY'
 import json, statistics, sys

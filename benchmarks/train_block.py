@@ -14,6 +14,11 @@ each step's time minus it is that step's attention, forward + backward).
 their sum, the step minus it (gaps: the host and launch latency), and, with no-attention among
 the impls, the kernels that step lacks (attention's own: its forward, backward and their
 helpers) with their GPU time per step.
+
+`--timeline STEPS` runs STEPS steps as `do_bench` times them (grads set to None, the L2 flushed
+before each) under ``torch.profiler`` and reads the kernels' start and end times: the time
+per step from the first kernel to the last, how much of it no kernel runs (the GPU idle:
+waiting for the host or a sync), and the longest such gaps with the kernels around them.
 """
 
 from __future__ import annotations
@@ -74,6 +79,46 @@ def attention_kernels(per: dict[str, float], base: dict[str, float]) -> tuple[di
     return {k: us for k, us in per.items() if k not in base}, sum(per.values()) - sum(base.values())
 
 
+def kernel_gaps(spans, least_us: float = 2.0, top: int = 6) -> tuple[float, float, list]:
+    """Busy and idle microseconds of the GPU between the first start and the last end of
+    ``spans`` ((start us, end us, name) of each kernel, memcpy or memset), and the ``top``
+    longest idle gaps of at least ``least_us`` as (us, the kernel that ended last before it,
+    the kernel after it), longest first."""
+    spans = sorted(spans)
+    busy = idle = 0.0
+    end, last, gaps = spans[0][0], None, []
+    for start, stop, name in spans:
+        if start > end:
+            idle += start - end
+            if start - end >= least_us:
+                gaps.append((start - end, last, name))
+        busy += max(0.0, stop - max(start, end))
+        if stop >= end:
+            end, last = stop, name
+    return busy, idle, sorted(gaps, key=lambda g: -g[0])[:top]
+
+
+def timeline(step, grads, steps: int) -> tuple[float, float, list]:
+    """``kernel_gaps`` of ``steps`` calls of ``step`` as ``do_bench`` makes them (``grads``
+    set to None and the L2 flushed before each), per step; the flush's own kernel counts as
+    busy, the time between steps as idle."""
+    from torch.profiler import ProfilerActivity, profile
+    from triton import runtime
+
+    cache = runtime.driver.active.get_empty_cache_for_benchmark()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            for t in grads:
+                t.grad = None
+            runtime.driver.active.clear_cache(cache)
+            step()
+        torch.cuda.synchronize()
+    spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+             if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy, idle, gaps = kernel_gaps(spans)
+    return busy / steps, idle / steps, gaps
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seqlen", type=int, default=8192)
@@ -85,6 +130,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None)
     p.add_argument("--kernels", type=int, default=0, metavar="STEPS",
                    help="also each step's kernels over STEPS eager steps (torch.profiler; module docstring)")
+    p.add_argument("--timeline", type=int, default=0, metavar="STEPS",
+                   help="also the GPU's idle time inside STEPS do_bench-style steps (module docstring)")
     p.add_argument("--impls", nargs="+", default=["flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"],
                    choices=["flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flashtile-deterministic",
                             "no-attention"])
@@ -120,10 +167,16 @@ def main(argv=None) -> int:
                    triton=__import__("triton").__version__)
         if per:
             row["kernels_us"] = per
+        if args.timeline:
+            busy, idle, gaps = timeline(step, [x, *block.parameters()], args.timeline)
+            row["timeline_us"] = dict(busy=busy, idle=idle, gaps=gaps)
         rows.append(row)
         print(f"{name:24s} {ms:8.3f} ms")
         if per:
             print(f"{'':24s} {breakdown(ms * 1e3, per, 40)}")
+        if args.timeline:
+            print(f"{'':24s} timeline, per step: busy {busy:8.1f} us, idle {idle:7.1f} us; longest gaps: "
+                  + ", ".join(f"{g:.1f} us ({a or '-'} -> {b})"[:120] for g, a, b in gaps))
     best_sdpa = min((r["ms"] for r in rows if r["impl"].startswith("sdpa-")), default=float("nan"))
     ours = next((r["ms"] for r in rows if r["impl"] == "flashtile"), float("nan"))
     print(f"flashtile / fastest SDPA time: {ours / best_sdpa:.3f} (< 1 means flashtile is faster)")

@@ -241,3 +241,14 @@ def test_train_block_names_attentions_kernels(monkeypatch):
     own, extra = split({"gemm": 104.0, "rmsnorm": 10.0, "fwd": 30.0, "bwd": 70.0}, base)
     assert own == {"fwd": 30.0, "bwd": 70.0}
     assert extra == 104.0
+
+
+def test_train_block_finds_the_gpus_idle_gaps(monkeypatch):
+    """``train_block.kernel_gaps``: overlapping kernels count once, a gap between them is idle
+    time named by the kernel that ended last before it and the one after it."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    gaps = _script("train_block").kernel_gaps
+    spans = [(0.0, 10.0, "a"), (5.0, 20.0, "b"), (8.0, 12.0, "c"), (50.0, 60.0, "d"), (61.0, 70.0, "e")]
+    busy, idle, top = gaps(spans, least_us=2.0)
+    assert (busy, idle) == (39.0, 31.0)  # 0-20, 50-60, 61-70 busy; 20-50 and 60-61 idle
+    assert top == [(30.0, "b", "d")]  # the 1 us gap is under least_us
