@@ -85,6 +85,8 @@ def kernel_gaps(spans, least_us: float = 2.0, top: int = 6) -> tuple[float, floa
     longest idle gaps of at least ``least_us`` as (us, the kernel that ended last before it,
     the kernel after it), longest first."""
     spans = sorted(spans)
+    if not spans:
+        return 0.0, 0.0, []
     busy = idle = 0.0
     end, last, gaps = spans[0][0], None, []
     for start, stop, name in spans:

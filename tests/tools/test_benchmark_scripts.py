@@ -252,3 +252,4 @@ def test_train_block_finds_the_gpus_idle_gaps(monkeypatch):
     busy, idle, top = gaps(spans, least_us=2.0)
     assert (busy, idle) == (39.0, 31.0)  # 0-20, 50-60, 61-70 busy; 20-50 and 60-61 idle
     assert top == [(30.0, "b", "d")]  # the 1 us gap is under least_us
+    assert gaps([]) == (0.0, 0.0, [])  # a profile without device events (no GPU)
