@@ -16,8 +16,13 @@ seqlen, 2048 // headdim heads, bf16, as ``gluon_bwd.run`` times them), this time
   Delta, as run 180's kernel row;
 - ``cudnn``: SDPA's cuDNN backward.
 
+At head dims without a one-pass kernel (256: the split dV, dK and dQ kernels) only the
+``library`` and ``cudnn`` rows: which of the three kernels a causal call loses in
+(``--shapes "256,8192,1;256,8192,0"``; H100 run 256 read causal d256 0.90-0.95x cuDNN at
+S4096-8192, 1.03-1.07x without causal).
+
 For each: ``do_bench``'s median, and each kernel's device time per call from
-``torch.profiler`` over ``--calls`` eager calls (``decode_breakdown``'s helpers). Their sum
+``torch.profiler`` over ``--calls`` eager calls (``sweep_common``'s helpers). Their sum
 against the median ("gaps") is the time between kernels (launches, the host); the library's
 kernels against the kernel rows show which kernel, or which input, holds the gap.
 """
@@ -48,7 +53,7 @@ def rows(head_dim: int, seqlen: int, causal: bool) -> dict:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import flashtile
-    from flashtile.backends.sm90.backward_onepass import attention_backward_onepass
+    from flashtile.backends.sm90.backward_onepass import HEAD_DIMS, attention_backward_onepass
 
     batch, heads = 16384 // seqlen, 2048 // head_dim
     q, k, v, dout = (torch.randn(batch, heads, seqlen, head_dim, device="cuda", dtype=torch.bfloat16)
@@ -76,7 +81,12 @@ def rows(head_dim: int, seqlen: int, causal: bool) -> dict:
         with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
             return torch.autograd.grad(cudnn_out, cudnn_leaves, dout, retain_graph=True)
 
-    return {"library": lambda: torch.autograd.grad(out, leaves, do, retain_graph=True),
+    def library():
+        return torch.autograd.grad(out, leaves, do, retain_graph=True)
+
+    if head_dim not in HEAD_DIMS:  # d256: the split kernels, no one-pass kernel to time alone
+        return {"library": library, "cudnn": cudnn}
+    return {"library": library,
             "kernel, true lse": kernel(true_lse, true_delta),
             "kernel, random lse": kernel(random_lse, random_delta),
             "cudnn": cudnn}
