@@ -33,7 +33,7 @@ def _transformers_step_rows(tmp_path, monkeypatch, *argv) -> dict:
 @pytest.mark.parametrize("name", ["sweep_fwd", "sweep_bwd", "train_block", "host_overhead", "host_profile",
                                   "context_parallel", "varlen_profile", "tma_reduce_rate",
                                   "varlen_same_documents", "experiments/gluon_fwd", "experiments/decode_breakdown",
-                                  "experiments/bwd_breakdown", "experiments/dq_collisions",
+                                  "experiments/bwd_breakdown", "experiments/dq_collisions", "experiments/layout_ab",
                                   "features"])
 def test_script_imports_and_shows_help(name, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))  # as when run as a script: benchmarks/ holds sweep_common
