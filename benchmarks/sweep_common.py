@@ -48,19 +48,24 @@ def canonical(q, k, v, causal: bool) -> tuple[Any, Any, Any, Any, Any, Any]:
     return q4, k4, v4, layout.bshd_view(q4), layout.new_lse(q4), problem
 
 
-def device_us(run, calls: int) -> dict[str, float]:
-    """{kernel name: device us per call} of ``run()``, which makes ``calls`` calls, under
-    ``torch.profiler`` (CUPTI records a replayed graph's kernels too)."""
+def device_events(run) -> list:
+    """The device's events (kernels, memcpys, memsets) of ``run()`` under ``torch.profiler``:
+    each with its ``name``, ``time_range`` (us) and ``device_time_total`` (CUPTI records a
+    replayed graph's kernels too)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         run()
         torch.cuda.synchronize()
+    return [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+
+
+def device_us(run, calls: int) -> dict[str, float]:
+    """{kernel name: device us per call} of ``run()``, which makes ``calls`` calls."""
     total: dict[str, float] = defaultdict(float)
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            total[event.name] += event.device_time_total
+    for event in device_events(run):
+        total[event.name] += event.device_time_total
     return {name: us / calls for name, us in total.items()}
 
 

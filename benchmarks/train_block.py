@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 import flashtile
-from sweep_common import breakdown, device_us
+from sweep_common import breakdown, device_events, device_us
 
 
 class Block(torch.nn.Module):
@@ -104,20 +104,18 @@ def timeline(step, grads, steps: int) -> tuple[float, float, list]:
     """``kernel_gaps`` of ``steps`` calls of ``step`` as ``do_bench`` makes them (``grads``
     set to None and the L2 flushed before each), per step; the flush's own kernel counts as
     busy, the time between steps as idle."""
-    from torch.profiler import ProfilerActivity, profile
     from triton import runtime
 
     cache = runtime.driver.active.get_empty_cache_for_benchmark()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+
+    def run():
         for _ in range(steps):
             for t in grads:
                 t.grad = None
             runtime.driver.active.clear_cache(cache)
             step()
-        torch.cuda.synchronize()
-    spans = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
-             if e.device_type == torch.autograd.DeviceType.CUDA]
-    busy, idle, gaps = kernel_gaps(spans)
+
+    busy, idle, gaps = kernel_gaps([(e.time_range.start, e.time_range.end, e.name) for e in device_events(run)])
     return busy / steps, idle / steps, gaps
 
 

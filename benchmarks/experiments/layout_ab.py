@@ -22,6 +22,7 @@ alternating rounds of the ``do_bench`` median of:
 from __future__ import annotations
 
 import argparse
+import statistics
 
 
 def rows(head_dim: int, seqlen: int, causal: bool, pass_: str) -> dict:
@@ -58,9 +59,8 @@ def main(argv=None) -> int:
             for _ in range(args.rounds):
                 for name, call in calls.items():
                     times[name].append(do_bench(call, warmup=25, rep=100, return_mode="median") * 1e3)
-            base = sorted(times["bshd"])[len(times["bshd"]) // 2]
-            cells = "  ".join(f"{name} {sorted(us)[len(us) // 2]:8.1f} us ({base / sorted(us)[len(us) // 2]:.3f})"
-                              for name, us in times.items())
+            med = {name: statistics.median(us) for name, us in times.items()}
+            cells = "  ".join(f"{name} {us:8.1f} us ({med['bshd'] / us:.3f})" for name, us in med.items())
             print(f"d{head_dim} S{seqlen} causal={causal} {pass_}: {cells}   [speed against bshd in brackets]",
                   flush=True)
     return 0
