@@ -10,6 +10,13 @@ between the runs; weights, inputs and the upstream gradient are the same.
 backward, and the block with attention replaced by its query (what the other layers cost;
 each step's time minus it is that step's attention, forward + backward).
 
+`--rounds N` times every impl N times in one process, the order rotated each round; each round's
+attention is its step minus that round's no-attention step. The steps around attention move by a
+few percent from row to row (run 253, five processes of one round each: flashtile's step 20.7-21.8
+ms, so its attention 3.1-4.3 ms around 3.6 ms of kernels; one GEMM took 3310-3464 us a step in
+the profiled rows). `--rep MS` is do_bench's (100: about five steps of 21 ms). The summary gives
+the median over rounds of flashtile's attention / cuDNN's.
+
 `--kernels STEPS` also times each step's kernels (``torch.profiler`` over STEPS eager steps):
 their sum, the step minus it (gaps: the host and launch latency), and, with no-attention among
 the impls, the kernels that step lacks (attention's own: its forward, backward and their
@@ -25,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 
 import torch
@@ -119,6 +127,41 @@ def timeline(step, grads, steps: int) -> tuple[float, float, list]:
     return busy / steps, idle / steps, gaps
 
 
+def round_order(names: list, r: int) -> list:
+    """The impls in round ``r``'s order: rotated by ``r``, so each takes each place in turn (the
+    GPU's clocks and the allocator's state drift within a process)."""
+    k = r % len(names) if names else 0
+    return names[k:] + names[:k]
+
+
+def attention_by_round(rows: list) -> dict:
+    """{impl: [attention ms of each round]}: each round's step minus that round's no-attention
+    step (rows carry ``round``; rounds without a no-attention row are left out)."""
+    base = {r["round"]: r["ms"] for r in rows if r["impl"] == "no-attention"}
+    att: dict = {}
+    for r in rows:
+        if r["impl"] != "no-attention" and r["round"] in base:
+            att.setdefault(r["impl"], []).append(r["ms"] - base[r["round"]])
+    return att
+
+
+def summary(rows: list) -> list[str]:
+    """Lines: each impl's median step, its median attention time, and the median over rounds of
+    flashtile's attention / cuDNN's (issue 38's target: <= 0.87)."""
+    lines, att = [], attention_by_round(rows)
+    for impl in dict.fromkeys(r["impl"] for r in rows):
+        ms = [r["ms"] for r in rows if r["impl"] == impl]
+        a = att.get(impl)
+        lines.append(f"{impl:26s} step median {statistics.median(ms):7.3f} ms over {len(ms)} rounds"
+                     + (f"  attention median {statistics.median(a):6.3f} ms" if a else ""))
+    f, c = att.get("flashtile"), att.get("sdpa-cudnn")
+    if f and c:
+        ratios = [a / b for a, b in zip(f, c)]
+        lines.append(f"attention flashtile / cuDNN: median {statistics.median(ratios):.3f} over {len(ratios)} rounds "
+                     f"(each: {' '.join(f'{x:.3f}' for x in ratios)}; target <= 0.87)")
+    return lines
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--seqlen", type=int, default=8192)
@@ -128,10 +171,17 @@ def main(argv=None) -> int:
     p.add_argument("--nheads-k", type=int, default=8)
     p.add_argument("--mlp", type=int, default=14336)
     p.add_argument("--out", default=None)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every impl this many times in this process, the order rotated each round (module "
+                        "docstring); with no-attention, each round's attention is its step minus that round's")
+    p.add_argument("--rep", type=int, default=100, metavar="MS",
+                   help="do_bench's rep: milliseconds of timed steps per impl and round (100: ~5 steps at S8192)")
     p.add_argument("--kernels", type=int, default=0, metavar="STEPS",
-                   help="also each step's kernels over STEPS eager steps (torch.profiler; module docstring)")
+                   help="also each step's kernels over STEPS eager steps, in the first round "
+                        "(torch.profiler; module docstring)")
     p.add_argument("--timeline", type=int, default=0, metavar="STEPS",
-                   help="also the GPU's idle time inside STEPS do_bench-style steps (module docstring)")
+                   help="also the GPU's idle time inside STEPS do_bench-style steps, in the first round "
+                        "(module docstring)")
     p.add_argument("--impls", nargs="+", default=["flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient"],
                    choices=["flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flashtile-deterministic",
                             "no-attention"])
@@ -149,51 +199,58 @@ def main(argv=None) -> int:
                                                                                   deterministic=True),
              "no-attention": lambda q, k, v: q}
     impls = {name: impls[name] for name in args.impls}
-    rows = []
-    for name, attention in impls.items():
-        def step():
-            out = block(x, attention)
-            torch.autograd.backward(out, g)
-        try:
-            step()
-            ms = do_bench(step, warmup=25, rep=100, return_mode="median", grad_to_none=[x, *block.parameters()])
-        except Exception as exc:  # noqa: BLE001  (a backend without a kernel for this shape)
-            print(f"{name}: skipped ({type(exc).__name__}: {str(exc)[:160]})")
-            continue
-        per = device_us(lambda: [step() for _ in range(args.kernels)], args.kernels) if args.kernels else {}
-        row = dict(impl=name, bench="train_block", pass_="fwd_bwd", dtype="bf16", batch=args.batch,
-                   seqlen=args.seqlen, hidden=args.hidden, nheads=args.nheads, nheads_k=args.nheads_k,
-                   mlp=args.mlp, ms=ms, gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                   triton=__import__("triton").__version__)
-        if per:
-            row["kernels_us"] = per
-        if args.timeline:
-            busy, idle, gaps = timeline(step, [x, *block.parameters()], args.timeline)
-            row["timeline_us"] = dict(busy=busy, idle=idle, gaps=gaps)
-        rows.append(row)
-        print(f"{name:24s} {ms:8.3f} ms")
-        if per:
-            print(f"{'':24s} {breakdown(ms * 1e3, per, 40)}")
-        if args.timeline:
-            print(f"{'':24s} timeline, per step: busy {busy:8.1f} us, idle {idle:7.1f} us; longest gaps: "
-                  + ", ".join(f"{g:.1f} us ({a or '-'} -> {b})"[:120] for g, a, b in gaps))
-    best_sdpa = min((r["ms"] for r in rows if r["impl"].startswith("sdpa-")), default=float("nan"))
-    ours = next((r["ms"] for r in rows if r["impl"] == "flashtile"), float("nan"))
-    print(f"flashtile / fastest SDPA time: {ours / best_sdpa:.3f} (< 1 means flashtile is faster)")
-    rest = next((r["ms"] for r in rows if r["impl"] == "no-attention"), None)
-    if rest is not None:  # how much of each step is attention (forward + backward)
-        for r in rows:
-            if r["impl"] != "no-attention":
-                print(f"{r['impl']:24s} attention {r['ms'] - rest:7.3f} ms of {r['ms']:.3f}")
-    base = next((r.get("kernels_us") for r in rows if r["impl"] == "no-attention"), None)
+    rows, skipped = [], set()
+    for rnd in range(args.rounds):
+        profiled = rnd == 0
+        for name in round_order(list(impls), rnd):
+            if name in skipped:
+                continue
+            attention = impls[name]
+
+            def step():
+                out = block(x, attention)
+                torch.autograd.backward(out, g)
+            try:
+                step()
+                ms = do_bench(step, warmup=25, rep=args.rep, return_mode="median",
+                              grad_to_none=[x, *block.parameters()])
+            except Exception as exc:  # noqa: BLE001  (a backend without a kernel for this shape)
+                print(f"{name}: skipped ({type(exc).__name__}: {str(exc)[:160]})")
+                skipped.add(name)
+                continue
+            per = device_us(lambda: [step() for _ in range(args.kernels)], args.kernels) \
+                if args.kernels and profiled else {}
+            row = dict(impl=name, bench="train_block", pass_="fwd_bwd", dtype="bf16", batch=args.batch,
+                       seqlen=args.seqlen, hidden=args.hidden, nheads=args.nheads, nheads_k=args.nheads_k,
+                       mlp=args.mlp, ms=ms, round=rnd, rep_ms=args.rep, gpu=torch.cuda.get_device_name(),
+                       torch=torch.__version__, triton=__import__("triton").__version__)
+            if per:
+                row["kernels_us"] = per
+            if args.timeline and profiled:
+                busy, idle, gaps = timeline(step, [x, *block.parameters()], args.timeline)
+                row["timeline_us"] = dict(busy=busy, idle=idle, gaps=gaps)
+            rows.append(row)
+            print(f"round {rnd} {name:24s} {ms:8.3f} ms")
+            if per:
+                print(f"{'':32s} {breakdown(ms * 1e3, per, 40)}")
+            if "timeline_us" in row:
+                print(f"{'':32s} timeline, per step: busy {busy:8.1f} us, idle {idle:7.1f} us; longest gaps: "
+                      + ", ".join(f"{g:.1f} us ({a or '-'} -> {b})"[:120] for g, a, b in gaps))
+    first = [r for r in rows if r["round"] == 0]
+    best_sdpa = min((r["ms"] for r in first if r["impl"].startswith("sdpa-")), default=float("nan"))
+    ours = next((r["ms"] for r in first if r["impl"] == "flashtile"), float("nan"))
+    print(f"flashtile / fastest SDPA time (round 0): {ours / best_sdpa:.3f} (< 1 means flashtile is faster)")
+    base = next((r.get("kernels_us") for r in first if r["impl"] == "no-attention"), None)
     if base is not None:  # attention's kernels: those the no-attention step does not launch
-        for r in rows:
+        for r in first:
             if r["impl"] != "no-attention" and "kernels_us" in r:
                 own, extra = attention_kernels(r["kernels_us"], base)
                 r["attention_kernels_us"] = own
                 print(f"{r['impl']:24s} attention kernels {sum(own.values()):8.1f} us (GPU busy +{extra:.1f} us "
                       f"over no-attention): " + ", ".join(f"{k[:40]} {us:.1f}" for k, us in
                                                          sorted(own.items(), key=lambda kv: -kv[1])))
+    for line in summary(rows):
+        print(line)
     if args.out:
         with open(args.out, "a") as fh:
             for r in rows:

@@ -19,6 +19,27 @@ def _script(name: str):
     return module
 
 
+def test_train_block_rotates_rounds_and_pairs_each_with_its_own_baseline(monkeypatch):
+    """``train_block.round_order`` puts each impl first in turn; ``attention_by_round`` takes
+    each round's step minus that round's no-attention step (not another round's), and
+    ``summary`` gives the median over rounds of flashtile's attention / cuDNN's."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    tb = _script("train_block")
+    names = ["flashtile", "sdpa-cudnn", "no-attention"]
+    assert [tb.round_order(names, r)[0] for r in range(4)] == ["flashtile", "sdpa-cudnn", "no-attention", "flashtile"]
+    assert sorted(tb.round_order(names, 2)) == sorted(names)
+    rows = [dict(impl="flashtile", round=0, ms=21.0), dict(impl="sdpa-cudnn", round=0, ms=22.0),
+            dict(impl="no-attention", round=0, ms=17.0),
+            dict(impl="no-attention", round=1, ms=18.0), dict(impl="flashtile", round=1, ms=21.0),
+            dict(impl="sdpa-cudnn", round=1, ms=22.5),
+            dict(impl="flashtile", round=2, ms=30.0)]  # a round without its baseline is left out
+    att = tb.attention_by_round(rows)
+    assert att == {"flashtile": [4.0, 3.0], "sdpa-cudnn": [5.0, 4.5]}
+    lines = tb.summary(rows)
+    assert "over 3 rounds" in lines[0] and "attention median  3.500 ms" in lines[0]
+    assert lines[-1].startswith("attention flashtile / cuDNN: median 0.733 over 2 rounds")  # (0.8 + 0.667) / 2
+
+
 def _transformers_step_rows(tmp_path, monkeypatch, *argv) -> dict:
     """benchmarks/transformers_step.py --tiny with ``argv``: its rows by (impl, workload)."""
     import json
