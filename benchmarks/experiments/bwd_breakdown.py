@@ -61,18 +61,6 @@ def rows(head_dim: int, seqlen: int, causal: bool) -> dict:
     leaves = [t.transpose(1, 2).detach().requires_grad_(True) for t in (q, k, v)]
     do = dout.transpose(1, 2)
     out = flashtile.flash_attn_func(*leaves, causal=causal)  # the "api" row's path (no LSE asked for)
-    with torch.no_grad():
-        lse = flashtile.flash_attn_func(*(t.detach() for t in leaves), causal=causal, return_attn_probs=True)[1]
-    true_lse = lse.contiguous()
-    true_delta = (out.detach().float() * do.float()).sum(-1).transpose(1, 2).contiguous()
-    random_lse = torch.randn(batch, heads, seqlen, device="cuda").abs() + 5
-    random_delta = torch.randn(batch, heads, seqlen, device="cuda")
-    grads = [torch.empty_like(t) for t in (q, k, v)]
-
-    def kernel(lse_, delta_):
-        return lambda: attention_backward_onepass(q, k, v, dout, lse_, delta_, *grads, scale=head_dim ** -0.5,
-                                                  diag_offset=0, causal=causal)
-
     cudnn_leaves = [t.detach().requires_grad_(True) for t in (q, k, v)]
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         cudnn_out = torch.nn.functional.scaled_dot_product_attention(*cudnn_leaves, is_causal=causal)
@@ -86,6 +74,18 @@ def rows(head_dim: int, seqlen: int, causal: bool) -> dict:
 
     if head_dim not in HEAD_DIMS:  # d256: the split kernels, no one-pass kernel to time alone
         return {"library": library, "cudnn": cudnn}
+    with torch.no_grad():
+        lse = flashtile.flash_attn_func(*(t.detach() for t in leaves), causal=causal, return_attn_probs=True)[1]
+    true_lse = lse.contiguous()
+    true_delta = (out.detach().float() * do.float()).sum(-1).transpose(1, 2).contiguous()
+    random_lse = torch.randn(batch, heads, seqlen, device="cuda").abs() + 5
+    random_delta = torch.randn(batch, heads, seqlen, device="cuda")
+    grads = [torch.empty_like(t) for t in (q, k, v)]
+
+    def kernel(lse_, delta_):
+        return lambda: attention_backward_onepass(q, k, v, dout, lse_, delta_, *grads, scale=head_dim ** -0.5,
+                                                  diag_offset=0, causal=causal)
+
     return {"library": library,
             "kernel, true lse": kernel(true_lse, true_delta),
             "kernel, random lse": kernel(random_lse, random_delta),
