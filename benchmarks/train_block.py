@@ -186,6 +186,8 @@ def main(argv=None) -> int:
                    choices=["flashtile", "sdpa-flash", "sdpa-cudnn", "sdpa-efficient", "flashtile-deterministic",
                             "no-attention"])
     args = p.parse_args(argv)
+    if args.rounds < 1 or args.rep < 1:
+        p.error(f"--rounds and --rep must be at least 1, got {args.rounds} and {args.rep}")
     torch.manual_seed(0)
     block = Block(args.hidden, args.nheads, args.nheads_k, args.mlp).cuda().to(torch.bfloat16)
     x = torch.randn(args.batch, args.seqlen, args.hidden, device="cuda", dtype=torch.bfloat16, requires_grad=True)

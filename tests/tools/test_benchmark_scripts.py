@@ -38,6 +38,8 @@ def test_train_block_rotates_rounds_and_pairs_each_with_its_own_baseline(monkeyp
     lines = tb.summary(rows)
     assert "over 3 rounds" in lines[0] and "attention median  3.500 ms" in lines[0]
     assert lines[-1].startswith("attention flashtile / cuDNN: median 0.733 over 2 rounds")  # (0.8 + 0.667) / 2
+    with pytest.raises(SystemExit):  # argparse's error, before any GPU work
+        tb.main(["--rounds", "0"])
 
 
 def _transformers_step_rows(tmp_path, monkeypatch, *argv) -> dict:
