@@ -27,9 +27,11 @@ mode with dQ's sums in a fixed order, for its A/Bs and profiles. The A/B modes o
 red.v4 from registers, the serial consumer) are in git history
 (benchmarks/experiments/gluon_bwd_onepass.py at 47aaad2). A fifth entry runs a variant in a
 mode of its own: ``plain``, ``det`` (deterministic, the library's order), ``rot`` (deterministic,
-each key block from a query tile of its own: session 43) or ``asc`` (deterministic, every block
-from the first tile): `--variants "2,2,-1,-1,plain;2,2,-1,-1,asc;2,2,-1,-1,rot"`. Causal shapes
-run the deterministic modes in the causal order (rotation is for calls without causal).
+each key block from a query tile of its own: session 43), ``asc`` (deterministic, every block
+from the first tile): `--variants "2,2,-1,-1,plain;2,2,-1,-1,asc;2,2,-1,-1,rot"`, ``qsplit``
+(d64: the warpgroups split each step's queries, ``backward_onepass.Q_SPLIT``: session 51,
+`--variants "2,1;2,1,-1,-1,qsplit"`) or ``detsplit`` (that, deterministic). Causal shapes run
+the deterministic modes in the causal order (rotation is for calls without causal).
 """
 
 from __future__ import annotations
@@ -43,20 +45,21 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gluon_bwd import run  # noqa: E402  (the library experiment's checks and timing)
 
 
-# a variant's fifth entry: the mode (deterministic, rotate) it runs in
-MODES = {"plain": (False, None), "det": (True, None), "rot": (True, True), "asc": (True, False)}
+# a variant's fifth entry: the mode (deterministic, rotate, q_split) it runs in
+MODES = {"plain": (False, None, None), "det": (True, None, None), "rot": (True, True, None),
+         "asc": (True, False, None), "qsplit": (False, None, True), "detsplit": (True, None, True)}
 
 
 def onepass_launch(q, k, v, dout, lse, delta, dq, dk, dv, *, causal, diag, variant, deterministic=False):
     from flashtile.backends.sm90.backward_onepass import attention_backward_onepass
 
     num_buf, dq_buf, swizzle, q_rows, mode = _parts(variant)
-    det, rotate = MODES[mode] if mode else (deterministic, None)
+    det, rotate, split = MODES[mode] if mode else (deterministic, None, None)
     if causal and rotate:  # rotated sums are for calls without causal: the causal order there
         rotate = None
     attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, scale=q.shape[-1] ** -0.5,
                                diag_offset=diag, causal=causal, num_buf=num_buf, dq_buf=dq_buf,
-                               dq_swizzle=swizzle, q_rows=q_rows, deterministic=det, rotate=rotate)
+                               dq_swizzle=swizzle, q_rows=q_rows, deterministic=det, rotate=rotate, q_split=split)
 
 
 def _parts(variant):
@@ -94,13 +97,13 @@ def main(argv=None) -> int:
 
         for variant in variants:
             num_buf, dq_buf, swizzle, q_rows, mode = _parts(variant)
-            det, rotate = MODES[mode] if mode else (args.deterministic, None)
+            det, rotate, split = MODES[mode] if mode else (args.deterministic, None, None)
             for d in sorted({sh[0] for sh in shapes}):
                 for causal in (False, True):
                     try:
                         c = compile_backward_onepass("bf16", d, causal=causal, num_buf=num_buf, dq_buf=dq_buf,
                                                      dq_swizzle=swizzle, q_rows=q_rows, deterministic=det,
-                                                     rotate=bool(rotate) and not causal)
+                                                     rotate=bool(rotate) and not causal, q_split=split)
                         regs, spills = c.registers()
                         print(f"{c.name}: shared {c.shared} B, regs {regs}, spills {spills} B, bulk reduces "
                               f"{c.ptx.count('cp.reduce.async.bulk.tensor')}", flush=True)

@@ -366,23 +366,27 @@ def compile_backward_onepass(dtype: str, head_dim: int, *, causal: bool, num_buf
                              dq_buf: int | None = None, keys_outer: bool = False,
                              dq_swizzle: int | str | None = None, varlen: bool = False,
                              q_rows: int | None = None, deterministic: bool = False,
-                             rotate: bool = False) -> Compiled:
+                             rotate: bool = False, q_split: bool | None = None) -> Compiled:
     """The one-pass Gluon backward (``backends.sm90.backward_onepass``; its default rings,
     dQ swizzle and queries per step unless given; ``varlen``: its work-list variant for
     packed sequences; ``deterministic``: dQ's sums in a fixed order, an int32 Sem;
     ``rotate``: in that mode, each key block from a query tile of its own; ``keys_outer``:
-    the grid block-major within groups of pairs, ``backward_onepass.pair_group``): its PTX should
-    hold the bulk tensor reductions of dQ."""
+    the grid block-major within groups of pairs, ``backward_onepass.pair_group``; ``q_split``:
+    the warpgroups split the queries, ``backward_onepass.split_plan``): its PTX should hold the
+    bulk tensor reductions of dQ."""
     from flashtile.backends.sm90 import backward_onepass as op
 
     q_rows, num_buf = op.step_plan(head_dim, varlen, q_rows, num_buf)
     dq_buf = op.dq_slots(head_dim, dq_buf, varlen, deterministic)
     dq_swizzle = op.dq_slot_swizzle(head_dim, dq_swizzle, varlen)  # bytes, or op.DQ_NATIVE
-    dq_desc = f"tensordesc<fp32[{q_rows}, {head_dim // 2}],{op.dq_accumulator_layout(head_dim, dq_swizzle)}>"
+    q_split = op.split_plan(head_dim, q_rows, dq_swizzle == op.DQ_NATIVE, varlen, q_split)
+    box = op.dq_box(head_dim, q_rows, q_split)
+    dq_desc = f"tensordesc<fp32[{box[0]}, {box[1]}],{op.dq_accumulator_layout(head_dim, dq_swizzle)}>"
     return _compile_ws(f"bwd-onepass {dtype} d{head_dim} causal={causal} num_buf={num_buf} dq_buf={dq_buf} "
                        f"dq_swizzle={dq_swizzle}" + (f" q_rows={q_rows}" if q_rows != op.BLOCK else "")
                        + (" varlen" if varlen else "") + (" deterministic" if deterministic else "")
-                       + (" rotate" if rotate else "") + (" keys_outer" if keys_outer else ""),
+                       + (" rotate" if rotate else "") + (" keys_outer" if keys_outer else "")
+                       + (" q_split" if q_split else ""),
                        op.onepass_kernel, dtype, head_dim,
                        dict(dict.fromkeys(("k_desc", "v_desc", "dk_desc", "dv_desc"), op.BLOCK),
                             q_desc=q_rows, do_desc=q_rows),

@@ -220,6 +220,46 @@ def test_one_pass_query_steps(causal, dtype, q_rows, bwd_ws_calls, monkeypatch):
     assert {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("causal", [False, True])
+def test_one_pass_query_split(causal, dtype, bwd_ws_calls, monkeypatch):
+    """d64 with the warpgroups splitting each step's queries (``backward_onepass.Q_SPLIT``,
+    session 51: S and dP of 64 queries x 128 keys per warpgroup, dQ from dS in registers,
+    P and dS handed between the warpgroups for dV and dK, dQ slots of 64 rows x 64 columns):
+    the matrix's sequence pairs (a step's second half past seqlen_q, causal rows with no
+    key, key blocks no query sees), MHA, GQA and MQA, then batch 60 five times (many
+    programs adding into each dQ tile: dK and dV bitwise equal over reruns, dQ within the
+    accuracy rule each time), then a deterministic call twice (every gradient bitwise equal).
+    Every call takes the split (the dQ cast reads one part of D columns per 64-row tile)."""
+    from flashtile.backends.sm90 import backward_onepass
+
+    monkeypatch.setattr(backward_onepass, "Q_SPLIT", True)
+    halves, convert = [], backward_onepass._launch_convert
+
+    def recording(grid, args, constexprs, *rest):
+        halves.append(constexprs["HALVES"])
+        return convert(grid, args, constexprs, *rest)
+
+    monkeypatch.setattr(backward_onepass, "_launch_convert", recording)
+    for i, (seqlen_q, seqlen_k) in enumerate(SEQ_PAIRS + [(2100, 2100)]):
+        check_flash_grads(Case(seqlen_q, seqlen_k, 64, dtype=dtype, causal=causal, nheads=6,
+                               nheads_k=(6, 2, 1)[i % 3]), device="cuda")
+    case = Case(333, 333, 64, dtype=dtype, causal=causal, batch=60, nheads=4, nheads_k=2)
+    out, leaves, dout, ref, base, first = _checked_first_grads(case, 3, "query split")
+    for _ in range(5):
+        dq, dk, dv = torch.autograd.grad(out, leaves, dout, retain_graph=True)
+        assert torch.equal(dk, first[1]) and torch.equal(dv, first[2])
+        assert_close("query split dq again", dq, ref[0], base[0], factor=GRAD_FACTOR)
+    # deterministic (the one-pass kernel at any length without causal, from 2048 queries with it)
+    seqlen = 2100 if causal else 333
+    case = Case(seqlen, seqlen, 64, dtype=dtype, causal=causal, batch=2, nheads=4, nheads_k=2)
+    out, leaves, dout, _, _, first = _checked_first_grads(case, 4, "deterministic query split", deterministic=True)
+    again = torch.autograd.grad(out, leaves, dout)
+    assert all(torch.equal(a, b) for a, b in zip(again, first))
+    assert halves == [1] * (len(SEQ_PAIRS) + 9)
+    assert {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
+    assert [c["deterministic"] for c in bwd_ws_calls[-2:]] == [True, True]
+
 def test_one_pass_switch(bwd_ws_calls, monkeypatch):
     """FLASHTILE_BWD_DQ=split keeps d64 on the split kernels; unset, it takes the one-pass one."""
     case = Case(517, 300, 64, dtype=torch.float16, causal=True, nheads=6, nheads_k=2)

@@ -519,3 +519,55 @@ def test_dq_slot_layout_and_its_swizzle():
         op.dq_accumulator_layout(128, 16)
     with pytest.raises(ValueError, match="swizzle"):
         op.dq_accumulator_layout(128, "natural")
+
+
+def test_query_split_plan_and_its_box():
+    """The d64 query split (``backward_onepass.split_plan``, session 51): off by default
+    (``Q_SPLIT``), taken when asked at d64 with 128 queries per step, the native dQ slots and
+    fixed lengths, and refused, naming q_split, anywhere else; its dQ slots are boxes of 64
+    rows x D (one row half per warpgroup) instead of 128 x D / 2."""
+    from flashtile.backends.sm90 import backward_onepass as op
+
+    assert op.Q_SPLIT is False
+    assert op.split_plan(64, 128, True, False, None) is False
+    assert op.split_plan(64, 128, True, False, True) is True
+    assert op.split_plan(128, 64, True, False, None) is False
+    for args in ((128, 64, True, False), (64, 64, True, False), (64, 128, False, False), (64, 128, True, True)):
+        with pytest.raises(ValueError, match="q_split=True"):
+            op.split_plan(*args, True)
+        assert op.split_plan(*args, None) is False
+    assert op.dq_box(64, 128, True) == [64, 64] and op.dq_box(64, 128, False) == [128, 32]
+    assert op.dq_box(128, 64, False) == [64, 64]
+
+
+@pytest.mark.parametrize("q_split", [False, True])
+def test_query_split_launch(q_split, monkeypatch):
+    """A fixed-length d64 call under ``Q_SPLIT``: the dQ descriptor views the float32
+    accumulator as (B * H * rows, 64) in boxes of 64 x 64 (a warpgroup's row half, in place)
+    instead of (2 * B * H * rows, 32) in boxes of 128 x 32, and the cast reads 64-row tiles of
+    one part (``HALVES=1``); without it, the launch is today's. q_split=True at d128 is
+    refused before any launch."""
+    from flashtile.backends.sm90 import backward_onepass as op
+
+    launches = []
+    monkeypatch.setattr(op, "Q_SPLIT", q_split)
+    monkeypatch.setattr(op, "_launch", lambda grid, args, constexprs, *rest: launches.append((grid, args, constexprs)))
+    monkeypatch.setattr(op, "_launch_convert", lambda grid, args, constexprs, *rest: launches.append(constexprs))
+    monkeypatch.setattr(op, "sm_count", lambda index: 132)
+    q = torch.zeros(2, 4, 300, 64, dtype=torch.float16)
+    kv = torch.zeros(2, 2, 300, 64, dtype=torch.float16)
+    lse = torch.zeros(2, 4, 300)
+    op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=False)
+    (grid, args, constexprs), convert = launches
+    dq_desc = args[17]
+    rows = 2 * 4 * 384  # 300 queries padded to 3 steps of 128
+    assert list(dq_desc.block_shape) == ([64, 64] if q_split else [128, 32])
+    assert list(dq_desc.shape) == ([rows, 64] if q_split else [2 * rows, 32])
+    assert constexprs["DQ_NATIVE"] is True and convert["QROWS"] == (64 if q_split else 128)
+    assert convert["HALVES"] == (1 if q_split else 2)
+    q, kv = torch.zeros(2, 4, 300, 128, dtype=torch.float16), torch.zeros(2, 2, 300, 128, dtype=torch.float16)
+    with pytest.raises(ValueError, match="q_split=True"):
+        op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=False,
+                                      q_split=True)
+    assert len(launches) == 2
+

@@ -457,6 +457,32 @@ def test_one_pass_backward_compiles_with_a_reducer_warp(tmp_path):
     assert reduces_at["None"] * 2 == reduces_at["128"], rows
 
 
+@pytest.mark.slow(seconds=40)
+def test_one_pass_query_split_compiles(tmp_path):
+    """The d64 query split (``backward_onepass.Q_SPLIT``, session 51, not the default): S and dP
+    as m64n128 products (64 queries x both warpgroups' 128 keys), dQ from dS in registers
+    (a wgmma whose A operand is a register vector, which the default kernel never issues),
+    within the default's shared memory, without spills (causal: at most 128 bytes, its mask
+    applied at every step; with a branch around it, 1.6 KB), two bulk reductions of dQ; its
+    deterministic mode (two dQ slots) fits as well."""
+    code = ("from flashtile.tools.sm90_check import compile_backward_onepass as f\n"
+            "for causal, det in ((False, 0), (True, 0), (True, 1)):\n"
+            "    for split in (False, True):\n"
+            "        c = f('bf16', 64, causal=causal, q_split=split, deterministic=bool(det))\n"
+            "        mma = [l.strip() for l in c.ptx.splitlines() if 'wgmma.mma_async' in l]\n"
+            "        rs = sum(1 for l in mma if l.split('},', 1)[1].strip().startswith('{'))\n"
+            "        print(causal, det, split, c.shared, *c.registers(), sum('m64n128k16' in l for l in mma), rs,\n"
+            "              c.ptx.count('cp.reduce.async.bulk.tensor'))")
+    rows = [line.split() for line in _compile_run(tmp_path, "-c", code).splitlines()]
+    assert len(rows) == 6, rows
+    got = {(causal, det, split): [int(x) for x in rest] for causal, det, split, *rest in rows}
+    for causal, det in (("False", "0"), ("True", "0"), ("True", "1")):
+        (shared0, _, _, wide0, rs0, _), (shared1, _, spills, wide1, rs1, reduces) = got[causal, det, "False"], \
+            got[causal, det, "True"]
+        assert shared1 <= shared0 + 64 and shared1 <= SM90_SHARED_LIMIT, rows
+        assert spills <= (128 if causal == "True" else 0), rows
+        assert wide0 == rs0 == 0 and wide1 >= 8 and rs1 >= 8 and reduces >= 2, rows
+
 def _assert_grouped_compiles(tmp_path, code: str, kernels: tuple[str, ...]):
     """``code`` prints one row per compiled kernel: its key, 0 or 1 (grouped grid), shared
     bytes, registers, spilled bytes, integer divisions in the PTX. Each kernel's grouped

@@ -28,7 +28,9 @@ Partitions:
              dQ; it frees the slot when the next step's reductions are issued and the
              slot's have been read (one step's reductions stay in flight)
 
-then a small Triton kernel (``_dq_convert``) casts the float32 dQ into dq. The two
+then a small Triton kernel (``_dq_convert``) casts the float32 dQ into dq. (``Q_SPLIT``, off
+until a GPU has measured it: at d64 the warpgroups split each step's queries instead, for S,
+dP and dQ; ``_qsplit_consumer``.) The two
 warpgroups split the dQ product by head-dim halves, each reading both warpgroups' dS;
 two mbarriers hand dS between them (``ds_full``: both halves stored; ``ds_empty``: both
 dQ products have read them). Neighbouring key blocks start their query loop at different
@@ -132,6 +134,10 @@ DQ_NATIVE = "native"
 DQ_SWIZZLE = {64: DQ_NATIVE, 128: DQ_NATIVE}
 DQ_SWIZZLE_PACKED = {64: 32, 128: 128}
 REDUCER_REGS = 24
+# The warpgroups split each step's queries for S, dP and dQ at d64 (``_qsplit_consumer``: m64n128
+# products for S and dP, dQ from dS in registers, 416 KB of shared-memory reads and writes a step
+# against 512; session 51, compiled only) instead of its keys. Off until a GPU has measured it.
+Q_SPLIT = False
 # Queries per step (the Q, dO tiles' rows) of fixed-length calls: 2 x BLOCK at d64, FA3's d64
 # tiling (128 queries x 128 keys a step: S and dP of 128 x 64 per warpgroup, half the steps
 # and barriers per FLOP; 2 ring slots of 128 rows, 229,888 B of shared memory). H100 run 205,
@@ -220,19 +226,25 @@ def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, q
     packed one, so P is masked there (causal: the diagonal's mask already does, since every
     row's last key is at most seqlen_k - 1)."""
     QROWS: gl.constexpr = s.shape[0]
+    KEYS: gl.constexpr = s.shape[1]  # ROWS, or both warpgroups' keys (``_qsplit_step``)
     rows = m0 + gl.arange(0, QROWS, layout=gl.SliceLayout(1, s_layout))
     # (B, H, Sq) rows lse_stride apart; packed: (1, H, total_q), the sequence's from q_row on
     row_off = (b * nheads + hq).to(gl.int64) * lse_stride + q_row
     lse2 = gl.load(Lse + row_off + rows, mask=rows < seqlen_q, other=float("inf")) * C_LOG2E
     delta = gl.load(Delta + row_off + rows, mask=rows < seqlen_q, other=0.0)
     p = gl.exp2(s * qk_scale - lse2[:, None])
-    if CAUSAL:
-        if nk + ROWS - 1 > m0 + diag_offset:  # a tile on (or past) the diagonal
-            keys = nk + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+    if CAUSAL and KEYS > ROWS:
+        # the query split's wide tiles, masked at every step (a branch around the mask spills):
+        # each row's last key counted from the tile's first
+        cols = gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+        p = gl.where(cols[None, :] <= (rows + (diag_offset - nk))[:, None], p, 0.0)
+    elif CAUSAL:
+        if nk + KEYS - 1 > m0 + diag_offset:  # a tile on (or past) the diagonal
+            keys = nk + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
             p = gl.where(keys[None, :] <= rows[:, None] + diag_offset, p, 0.0)
     elif VARLEN:
-        if nk + ROWS > seqlen_k:  # the sequence's last key tile
-            keys = nk + gl.arange(0, ROWS, layout=gl.SliceLayout(0, s_layout))
+        if nk + KEYS > seqlen_k:  # the sequence's last key tile
+            keys = nk + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
             p = gl.where(keys[None, :] < seqlen_k, p, 0.0)
     ds = p * (dp - delta[:, None])
     return p.to(dtype), ds.to(dtype)
@@ -260,8 +272,16 @@ def _dq_finish(WG: gl.constexpr, dq, t, ds_empty, scale, dq_smem, dq_full, dq_em
     """Once step t's dQ product is done: tell the other warpgroup its dS was read, then
     hand this warpgroup's half to the reducer through slot t % DQ_BUF (wait until the
     slot's last reductions have read it, store, fence, arrive)."""
-    DQ_BUF: gl.constexpr = dq_smem.type.shape[0] // 2
     mbarrier.arrive(ds_empty.index(0), count=1)
+    _dq_hand_off(WG, dq, t, scale, dq_smem, dq_full, dq_empty)
+
+
+@gluon.jit
+def _dq_hand_off(WG: gl.constexpr, dq, t, scale, dq_smem, dq_full, dq_empty):
+    """Hand this warpgroup's part of step t's dQ (a column half, or a row half under
+    ``_qsplit_step``) to the reducer through slot t % DQ_BUF: wait until the slot's last
+    reductions have read it, store it scaled, fence, arrive."""
+    DQ_BUF: gl.constexpr = dq_smem.type.shape[0] // 2
     slot = t % DQ_BUF
     mbarrier.wait(dq_empty.index(slot), ((t // DQ_BUF) & 1) ^ 1)  # a fresh barrier passes phase 1
     half = dq_smem.index(2 * slot + WG)
@@ -392,15 +412,186 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
     tma.store_wait(pendings=0)
 
 
+@triton.constexpr_function
+def _flat_layout(layout):
+    """The 2-D form of a (1, 1, rows, D) tile's NVMMA layout (the same swizzle: it repeats
+    every 8 rows, so consecutive tiles read as one taller tile)."""
+    return gl.NVMMASharedLayout(swizzle_byte_width=layout.swizzle_byte_width,
+                                element_bitwidth=layout.element_bitwidth, rank=2)
+
+
+@gluon.jit
+def _both_tiles(kv_smem, z):
+    """Both warpgroups' K (or V) tiles, (2, 1, 1, ROWS, D) in shared memory, viewed as one
+    (2 x ROWS, D) tile. ``z`` is 0 (see ``_step``)."""
+    flat = kv_smem._reinterpret(kv_smem.type.element_ty, [1, 2 * ROWS, kv_smem.type.shape[4]],
+                                _flat_layout(kv_smem.type.layout))
+    return flat.index(z)
+
+
+@gluon.jit
+def _qsplit_products(WG: gl.constexpr, q_t, do_t, k_smem, v_smem, z):
+    """S and dP of this warpgroup's half of the step's queries (rows WG * QROWS / 2 ..) against
+    both warpgroups' 128 keys: one m64n128 product each (async)."""
+    HALF_Q: gl.constexpr = q_t.type.shape[0] // 2
+    KEYS: gl.constexpr = 2 * ROWS
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, KEYS, 16])
+    k_all = _both_tiles(k_smem, z)
+    v_all = _both_tiles(v_smem, z)
+    st = warpgroup_mma(q_t.slice(WG * HALF_Q, HALF_Q, dim=0), k_all.permute((1, 0)),
+                       gl.zeros([HALF_Q, KEYS], gl.float32, s_layout), use_acc=False, is_async=True)
+    dpt = warpgroup_mma(do_t.slice(WG * HALF_Q, HALF_Q, dim=0), v_all.permute((1, 0)),
+                        gl.zeros([HALF_Q, KEYS], gl.float32, s_layout), use_acc=False, is_async=True)
+    return st, dpt
+
+
+@gluon.jit
+def _qsplit_dq_issue(dst, k_smem, z):
+    """dQ of this warpgroup's query rows: dS (its rows x 128 keys, from registers) times K
+    (both warpgroups' keys), async."""
+    HEAD_D: gl.constexpr = k_smem.type.shape[4]
+    HALF_Q: gl.constexpr = dst.type.shape[0]
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, HEAD_D, 16])
+    ds_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
+    return warpgroup_mma(gl.convert_layout(dst, ds_op), _both_tiles(k_smem, z),
+                         gl.zeros([HALF_Q, HEAD_D], gl.float32, dq_layout), use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _qsplit_dkdv_issue(WG: gl.constexpr, t, dk, dv, p_smem, ds_smem, q_smem, do_smem, pds_full, z):
+    """Once both warpgroups have stored their rows of P_t and dS_t: dV += P_t^T dO_t and
+    dK += dS_t^T Q_t for this warpgroup's keys (the columns WG * ROWS .. of P and dS), async."""
+    HEAD_D: gl.constexpr = q_smem.type.shape[4]
+    QROWS: gl.constexpr = q_smem.type.shape[3]
+    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+    slot = t % NUM_BUF
+    mbarrier.wait(pds_full.index(0), t & 1)
+    dv = warpgroup_mma(p_smem.index(z).slice(WG * ROWS, ROWS, dim=1).permute((1, 0)),
+                       do_smem.index(slot).reshape([QROWS, HEAD_D]), dv, is_async=True)
+    dk = warpgroup_mma(ds_smem.index(z).slice(WG * ROWS, ROWS, dim=1).permute((1, 0)),
+                       q_smem.index(slot).reshape([QROWS, HEAD_D]), dk, is_async=True)
+    return dk, dv
+
+
+@gluon.jit
+def _qsplit_store_pds(WG: gl.constexpr, pt, dst, p_smem, ds_smem, pds_full, z):
+    """This warpgroup's rows of P and dS into the shared tiles both warpgroups' dV and dK read."""
+    HALF_Q: gl.constexpr = pt.type.shape[0]
+    p_smem.index(z).slice(WG * HALF_Q, HALF_Q, dim=0).store(pt)
+    ds_smem.index(z).slice(WG * HALF_Q, HALF_Q, dim=0).store(dst)
+    fence_async_shared()
+    mbarrier.arrive(pds_full.index(0), count=1)
+
+
+@gluon.jit
+def _qsplit_step(WG: gl.constexpr, s, dk, dv, Lse, Delta, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_ready,
+                 q_empty, pds_full, pds_empty, dq_smem, dq_full, dq_empty, b, kvh, q_lo, nq, q_rot, group_size,
+                 nheads, seqlen_q, n0, diag_offset, qk_scale, scale, q_row, seqlen_k, lse_stride,
+                 CAUSAL: gl.constexpr, dtype: gl.constexpr):
+    """One step s >= 1 of ``_qsplit_consumer``: S_s and dP_s of this warpgroup's queries
+    issued, then step s-1's dV and dK (both warpgroups' P and dS rows) in flight over the
+    softmax; dQ_s from registers; returns (dk, dv)."""
+    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+    HALF_Q: gl.constexpr = q_smem.type.shape[3] // 2
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 2 * ROWS, 16])
+    prev = (s - 1) % NUM_BUF
+    z = s >> 30  # 0: the fixed tiles' views made anew each step, as in ``_step``
+    hq, m0, q_t, do_t = _step_tiles(s, q_lo, nq, q_rot, kvh, group_size, q_smem, do_smem, q_ready)
+    st, dpt = _qsplit_products(WG, q_t, do_t, k_smem, v_smem, z)
+    dk, dv = _qsplit_dkdv_issue(WG, s - 1, dk, dv, p_smem, ds_smem, q_smem, do_smem, pds_full, z)
+    st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # dV and dK stay in flight
+    pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, n0, m0 + WG * HALF_Q, diag_offset, qk_scale,
+                        q_row, seqlen_k, lse_stride, CAUSAL, False, dtype, s_layout)
+    dq = _qsplit_dq_issue(dst, k_smem, z)
+    dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(dk, dv))  # dQ_s stays in flight
+    mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
+    mbarrier.arrive(pds_empty.index(0), count=1)  # this warpgroup has read P_{s-1} and dS_{s-1}
+    mbarrier.wait(pds_empty.index(0), (s - 1) & 1)  # and so has the other one
+    _qsplit_store_pds(WG, pt, dst, p_smem, ds_smem, pds_full, z)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+    _dq_hand_off(WG, dq, s, scale, dq_smem, dq_full, dq_empty)
+    return dk, dv
+
+
+@gluon.jit
+def _qsplit_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem,
+                     do_smem, k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh,
+                     n0, q_rot, group_size, nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem,
+                     dq_full, dq_empty, q_row, seqlen_k, lse_stride):
+    """The consumer with the step's products split by queries (``q_split``; d64, 128-query
+    steps, fixed lengths): warpgroup w takes S, dP, P, dS and dQ of query rows w * 64 ..
+    w * 64 + 63 against all 128 keys of the block (S and dP as m64n128 products, dQ = dS K
+    with dS from registers, so dS is not read back for dQ), and dK, dV of keys w * 64 .. as
+    before, from both warpgroups' rows of P and dS in shared memory. Per step it reads 416 KB
+    of shared memory where ``_consumer`` reads 512 (docs/perf-notes.md, session 51). Two
+    barriers hand P and dS between the warpgroups (``ds_full``: both rows stored; ``ds_empty``:
+    both dV and dK products have read them); each warpgroup hands its 64 x 64 dQ rows to the
+    reducer (slot half WG)."""
+    HEAD_D: gl.constexpr = q_desc.block_type.shape[3]
+    QROWS: gl.constexpr = q_desc.block_type.shape[2]
+    HALF_Q: gl.constexpr = QROWS // 2
+    NUM_BUF: gl.constexpr = q_smem.type.shape[0]
+    CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
+    dtype: gl.constexpr = q_desc.dtype
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_D, 16])
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, 2 * ROWS, 16])
+    q_lo, nq = step_range(n0, seqlen_q, diag_offset, QROWS, CAUSAL)
+    n_steps = nq * group_size
+    dk = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    dv = gl.zeros([ROWS, HEAD_D], gl.float32, o_layout)
+    mbarrier.wait(kv_bar.index(0), 0)  # every product reads both warpgroups' K or V
+    mbarrier.wait(kv_bar.index(1), 0)
+    if n_steps > 0:  # step 0: no dV and dK to overlap with yet
+        hq, m0, q_t, do_t = _step_tiles(0, q_lo, nq, q_rot, kvh, group_size, q_smem, do_smem, q_ready)
+        st, dpt = _qsplit_products(WG, q_t, do_t, k_smem, v_smem, 0)
+        st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
+        pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, n0, m0 + WG * HALF_Q, diag_offset,
+                            qk_scale, q_row, seqlen_k, lse_stride, CAUSAL, False, dtype, s_layout)
+        dq = _qsplit_dq_issue(dst, k_smem, 0)
+        _qsplit_store_pds(WG, pt, dst, p_smem, ds_smem, ds_full, 0)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        _dq_hand_off(WG, dq, 0, scale, dq_smem, dq_full, dq_empty)
+    for s in range(1, n_steps):
+        dk, dv = _qsplit_step(WG, s, dk, dv, Lse, Delta, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_ready,
+                              q_empty, ds_full, ds_empty, dq_smem, dq_full, dq_empty, b, kvh, q_lo, nq, q_rot,
+                              group_size, nheads, seqlen_q, n0, diag_offset, qk_scale, scale, q_row, seqlen_k,
+                              lse_stride, CAUSAL, dtype)
+    if n_steps > 0:
+        dk, dv = _qsplit_dkdv_issue(WG, n_steps - 1, dk, dv, p_smem, ds_smem, q_smem, do_smem, ds_full, 0)
+        dk, dv = warpgroup_mma_wait(num_outstanding=0, deps=(dk, dv))
+        mbarrier.arrive(q_empty.index((n_steps - 1) % NUM_BUF), count=1)
+        # Once both warpgroups are here, neither reads K or V again: their tiles stage dK and dV.
+        mbarrier.arrive(ds_empty.index(0), count=1)
+        mbarrier.wait(ds_empty.index(0), (n_steps - 1) & 1)
+    nk = n0 + WG * ROWS
+    k_smem.index(WG).reshape([ROWS, HEAD_D]).store((dk * scale).to(dtype))
+    v_smem.index(WG).reshape([ROWS, HEAD_D]).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, kvh, nk, 0], k_smem.index(WG))
+    tma.async_copy_shared_to_global(dv_desc, [b, kvh, nk, 0], v_smem.index(WG))
+    tma.store_wait(pendings=0)
+
+
 @gluon.jit
 def _consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem, v_smem,
                p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
                seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
                q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
-    _consumer(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem, v_smem,
-              p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
-              seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
-              q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
+    if dq_smem.type.shape[2] == q_desc.block_type.shape[3]:  # dQ slots of whole rows: the query split
+        _qsplit_consumer(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem,
+                         k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0,
+                         q_rot, group_size, nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem,
+                         dq_full, dq_empty, q_row, seqlen_k, lse_stride)
+    else:
+        _consumer(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem,
+                  v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size,
+                  nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
+                  q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
 
 
 @gluon.jit
@@ -408,10 +599,16 @@ def _consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Se
                p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
                seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
                q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
-    _consumer(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem, v_smem,
-              p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
-              seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
-              q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
+    if dq_smem.type.shape[2] == q_desc.block_type.shape[3]:  # dQ slots of whole rows: the query split
+        _qsplit_consumer(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem,
+                         k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0,
+                         q_rot, group_size, nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem,
+                         dq_full, dq_empty, q_row, seqlen_k, lse_stride)
+    else:
+        _consumer(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem,
+                  v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size,
+                  nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
+                  q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
 
 
 @gluon.jit
@@ -451,8 +648,10 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem,
     Slots in the accumulator's own order (``native_offset_bases``) go whole into the dQ
     viewed as (2 * B * H * dq_rows, D / 2): a query tile's two halves one after the other."""
     DQ_BUF: gl.constexpr = dq_smem.type.shape[0] // 2
-    QROWS: gl.constexpr = dq_smem.type.shape[1]
-    HALF_D: gl.constexpr = dq_smem.type.shape[2]
+    QROWS: gl.constexpr = q_smem.type.shape[3]
+    SLOT_ROWS: gl.constexpr = dq_smem.type.shape[1]  # QROWS, or QROWS / 2 under the query split
+    SLOT_COLS: gl.constexpr = dq_smem.type.shape[2]  # D / 2, or D under the query split
+    QSPLIT: gl.constexpr = SLOT_COLS == q_smem.type.shape[4]
     NATIVE: gl.constexpr = _is_native(dq_smem.type.layout)
     CAUSAL: gl.constexpr = kv_bar.type.shape[0] == 3
     DET: gl.constexpr = Sem.dtype.element_ty == gl.int32
@@ -470,11 +669,14 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem,
             lock = Sem + (b * nheads + hq) * gl.cdiv(seqlen_q, QROWS) + m0 // QROWS
             _wait_turn(lock, _det_turn(nb, num_n_blocks, m0, nq, diag_offset, QROWS, CAUSAL, ROTATE))
         for half in gl.static_range(2):
-            if NATIVE:  # the slot's bytes as they are (a box without swizzle)
-                src = dq_smem.index(2 * slot + half)._reinterpret(gl.float32, [QROWS, HALF_D], dq_desc.layout)
+            if QSPLIT:  # row half ``half``, in the native order, onto its own rows of the (rows, D) dQ
+                src = dq_smem.index(2 * slot + half)._reinterpret(gl.float32, [SLOT_ROWS, SLOT_COLS], dq_desc.layout)
+                async_reduce_add_shared_to_global(dq_desc, [row + half * SLOT_ROWS, 0], src)
+            elif NATIVE:  # the slot's bytes as they are (a box without swizzle)
+                src = dq_smem.index(2 * slot + half)._reinterpret(gl.float32, [SLOT_ROWS, SLOT_COLS], dq_desc.layout)
                 async_reduce_add_shared_to_global(dq_desc, [2 * row + half * QROWS, 0], src)
             else:
-                async_reduce_add_shared_to_global(dq_desc, [row, half * HALF_D], dq_smem.index(2 * slot + half))
+                async_reduce_add_shared_to_global(dq_desc, [row, half * SLOT_COLS], dq_smem.index(2 * slot + half))
         if DET:
             tma.store_wait(pendings=0)  # the slot was read
             mbarrier.arrive(dq_empty.index(slot), count=1)
@@ -598,13 +800,21 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
     do_smem = gl.allocate_shared_memory(dtype, [NUM_BUF, 1, 1, QROWS, HEAD_D], do_desc.layout)
     k_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], k_desc.layout)
     v_smem = gl.allocate_shared_memory(dtype, [2, 1, 1, ROWS, HEAD_D], v_desc.layout)
-    pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QROWS, ROWS], dtype)
-    p_smem = gl.allocate_shared_memory(dtype, [2, QROWS, ROWS], pds_layout)
-    ds_smem = gl.allocate_shared_memory(dtype, [2, QROWS, ROWS], pds_layout)
-    # DQ_BUF slots of both warpgroups' float32 dQ halves (QROWS x D/2 each; slot s's half h at 2 s + h)
-    HALF_D: gl.constexpr = HEAD_D // 2
-    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUF * 2, QROWS, HALF_D],
-                                        _dq_slot_layout(DQ_NATIVE, QROWS, HALF_D, dq_desc.layout))
+    # DQ_BUF slots of both warpgroups' float32 dQ halves (slot s's half h at 2 s + h), each a box of
+    # the dQ's descriptor: QROWS x D/2, or QROWS/2 x D when the warpgroups split the queries (``q_split``)
+    SLOT_ROWS: gl.constexpr = dq_desc.block_type.shape[0]
+    SLOT_COLS: gl.constexpr = dq_desc.block_type.shape[1]
+    if SLOT_COLS == HEAD_D:  # the query split: P and dS of the step's queries x both warpgroups' keys
+        gl.static_assert(DQ_NATIVE and QROWS == 2 * ROWS and SLOT_ROWS == ROWS)
+        pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QROWS, 2 * ROWS], dtype)
+        p_smem = gl.allocate_shared_memory(dtype, [1, QROWS, 2 * ROWS], pds_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [1, QROWS, 2 * ROWS], pds_layout)
+    else:
+        pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QROWS, ROWS], dtype)
+        p_smem = gl.allocate_shared_memory(dtype, [2, QROWS, ROWS], pds_layout)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, QROWS, ROWS], pds_layout)
+    dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUF * 2, SLOT_ROWS, SLOT_COLS],
+                                        _dq_slot_layout(DQ_NATIVE, SLOT_ROWS, SLOT_COLS, dq_desc.layout))
     kv_bar = gl.allocate_shared_memory(gl.int64, [3 if CAUSAL else 2, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
     q_empty = gl.allocate_shared_memory(gl.int64, [NUM_BUF, 1], mbarrier.MBarrierLayout())
@@ -634,11 +844,13 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
 
 @triton.jit
 def _dq_convert(Acc, Dq, nheads, seqlen_q, acc_rows, stride_b, stride_h, stride_m,
-                BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, QROWS: tl.constexpr, NATIVE: tl.constexpr):
+                BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, QROWS: tl.constexpr, NATIVE: tl.constexpr,
+                HALVES: tl.constexpr = 2):
     """The postprocess: rows of the float32 dQ (B, H, acc_rows, D), contiguous, cast into
     dq (B, H, Sq, D) with unit last stride. Grid (cdiv(Sq, BLOCK_M), B * H). NATIVE: each
-    tile of QROWS rows holds its two halves of D / 2 columns one after the other, each in
-    the order of ``native_offset_bases``."""
+    tile of QROWS rows holds its HALVES parts of D / HALVES columns one after the other, each
+    in the order of ``native_offset_bases`` (the query split: tiles of QROWS / 2 rows, one
+    part of D columns)."""
     bh = tl.program_id(1)
     b = bh // nheads
     h = bh % nheads
@@ -646,7 +858,7 @@ def _dq_convert(Acc, Dq, nheads, seqlen_q, acc_rows, stride_b, stride_h, stride_
     cols = tl.arange(0, HEAD_D)
     ok = (rows < seqlen_q)[:, None]
     if NATIVE:
-        HALF: tl.constexpr = HEAD_D // 2
+        HALF: tl.constexpr = HEAD_D // HALVES
         r = rows % QROWS
         c = cols % HALF
         # native_offset_bases inverted: every row and column bit to its offset bit (row 1, 2, 4
@@ -721,6 +933,24 @@ def accumulator(q, q_rows: int | None = None):
                        device=q.device)
 
 
+def split_plan(head_dim: int, q_rows: int, native: bool, packed: bool, q_split: bool | None) -> bool:
+    """Whether a call's warpgroups split each step's queries (``_qsplit_consumer``):
+    ``q_split``, else ``Q_SPLIT`` where it applies. It applies at d64 with 128 queries per
+    step, the native dQ slots and fixed lengths (deterministic calls too: the reducer's turns
+    are per step, whichever warpgroup stored which part); asked for elsewhere, it is refused."""
+    applies = head_dim == 64 and q_rows == 2 * BLOCK and native and not packed
+    if q_split and not applies:
+        raise ValueError(f"q_split=True takes head dim 64 with {2 * BLOCK} queries per step, dq_swizzle="
+                         f"{DQ_NATIVE!r} and fixed lengths")
+    return applies and Q_SPLIT if q_split is None else bool(q_split)
+
+
+def dq_box(head_dim: int, q_rows: int, q_split: bool) -> list[int]:
+    """A dQ slot's box (one warpgroup's part of a step): q_rows x D / 2, or q_rows / 2 x D
+    under the query split."""
+    return [q_rows // 2, head_dim] if q_split else [q_rows, head_dim // 2]
+
+
 def det_rotate(causal: bool, num_n_blocks: int, sm_count: int) -> bool:
     """Whether a deterministic call's key blocks start their query loops at tiles of their
     own (``_rotated_turn``, the plain kernel's order), not all at the first: without causal,
@@ -738,7 +968,7 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
                                causal: bool, num_buf: int | None = None, dq_buf: int | None = None,
                                dq_swizzle: int | str | None = None, varlen=None, dq_accum=None,
                                q_rows: int | None = None, deterministic: bool = False,
-                               rotate: bool | None = None) -> None:
+                               rotate: bool | None = None, q_split: bool | None = None) -> None:
     """Launch the one-pass kernel and the dQ postprocess; the caller checked
     ``scope.backward_scope`` and TMA alignment (``backends.registry.backward``).
 
@@ -772,6 +1002,9 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
             (``_rotated_turn``) or all at the first; None: ``DET_ROTATE_DEFAULT`` where
             ``det_rotate``'s rule allows it. True where the rule says no is refused (a block
             could wait for one that cannot start).
+        q_split: the warpgroups split each step's queries instead of its keys for S, dP and
+            dQ (``_qsplit_consumer``): d64, 128 queries per step, the native dQ slots, fixed
+            lengths; None: ``Q_SPLIT`` where those hold.
 
     Memory: a float32 dQ of B x H x Sq (rounded up to q_rows) x D; deterministic: an int32
     counter per (B, H, query tile) more.
@@ -800,16 +1033,18 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
         raise ValueError(f"need num_buf >= 2 and dq_buf >= 1, got {num_buf} and {dq_buf}")
     dq_swizzle = dq_slot_swizzle(head_dim, dq_swizzle, varlen is not None)
     native = dq_swizzle == DQ_NATIVE
+    q_split = split_plan(head_dim, q_rows, native, varlen is not None, q_split)
     rows = triton.cdiv(seqlen_q, q_rows) * q_rows  # padded: the last query block's reductions need no mask
-    if batch * nheads * rows * (2 if native else 1) >= 2 ** 31:
+    if batch * nheads * rows * (2 if native and not q_split else 1) >= 2 ** 31:
         raise ValueError(f"batch x heads x padded seqlen_q = {batch * nheads * rows} exceeds the int32 rows "
                          f"of a TMA coordinate" + (f" (halved: dq_swizzle={DQ_NATIVE!r})" if native else ""))
     if dq_accum is not None and (dq_accum.shape != (batch, nheads, rows, head_dim) or dq_accum.dtype != torch.float32):
         raise ValueError(f"dq_accum must be float32 {(batch, nheads, rows, head_dim)} (accumulator(q, q_rows)), got "
                          f"{dq_accum.dtype} {tuple(dq_accum.shape)}")
     acc = accumulator(q, q_rows).zero_() if dq_accum is None else dq_accum
-    flat = acc.view(-1, head_dim // 2 if native else head_dim)  # native: each tile's halves one after the other
-    dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), [q_rows, head_dim // 2],
+    # native: each tile's halves one after the other; the query split: each tile's row halves in place
+    flat = acc.view(-1, head_dim // 2 if native and not q_split else head_dim)
+    dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), dq_box(head_dim, q_rows, q_split),
                                dq_accumulator_layout(head_dim, dq_swizzle))
     # the turn counters of a deterministic call; else an unread float32 pointer (its dtype selects the plain kernel)
     sem = torch.zeros(batch * nheads * triton.cdiv(seqlen_q, q_rows), dtype=torch.int32,
@@ -836,4 +1071,5 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
                  KEYS_OUTER=group > 1, DQ_NATIVE=native, DET_ROTATE=bool(rotate)), 4, 1)
     _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
                     (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]),
-                    dict(BLOCK_M=BLOCK, HEAD_D=head_dim, QROWS=q_rows, NATIVE=native), 4, 1)
+                    dict(BLOCK_M=BLOCK, HEAD_D=head_dim, QROWS=q_rows // 2 if q_split else q_rows, NATIVE=native,
+                         HALVES=1 if q_split else 2), 4, 1)
