@@ -299,13 +299,13 @@ fi
 if [[ $what == qsplit ]]; then
   # Session 51: d64's warpgroups split each step's queries (backward_onepass.Q_SPLIT, compiled only).
   # Its GPU test first (a never-run kernel: a hang or a wrong sum ends here), then the kernel alone
-  # against today's (2,1) at S2048-16384, then ncu of both at S4096 (L1/TEX and tensor pipe: the
-  # shared-memory model of perf-notes' session 51 predicts 76.6 -> about 62% per FLOP).
+  # against today's (2,1) at S2048-16384 (the split with one dQ slot and with two: 229,888 B), then
+  # ncu of today's and the split at S4096 (L1/TEX and tensor pipe: perf-notes' session 51 model).
   timeout 200 python3 -m pytest -m gpu tests/backends/sm90/test_sm90_backward_gpu.py -k query_split -v \
     -p no:warnings -p no:cacheprovider > "$OUT/gpu-tests-qsplit.log" 2>&1
   rc=$?; echo "qsplit gpu tests rc=$rc"; grep -E "passed|failed|FAILED|Error" "$OUT/gpu-tests-qsplit.log" | tail -8
   if [[ $rc == 0 ]]; then
-    timeout 240 python3 benchmarks/experiments/gluon_bwd_onepass.py --variants "2,1;2,1,-1,-1,qsplit" \
+    timeout 300 python3 benchmarks/experiments/gluon_bwd_onepass.py --variants "2,1;2,1,-1,-1,qsplit;2,2,-1,-1,qsplit" \
       --shapes "64,2048,0;64,4096,0;64,8192,0;64,16384,0;64,2048,1;64,4096,1;64,8192,1;64,16384,1" \
       > "$OUT/qsplit-ab.log" 2>&1
     echo "qsplit ab rc=$?"; grep -v Warning "$OUT/qsplit-ab.log" | tail -24
@@ -313,7 +313,7 @@ if [[ $what == qsplit ]]; then
     metrics=sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_elapsed
     metrics+=,l1tex__throughput.avg.pct_of_peak_sustained_elapsed,l1tex__t_bytes_pipe_lsu_mem_local_op_ld.sum
     for variant in 2,1 2,1,-1,-1,qsplit; do
-      timeout 100 $ncu -k regex:onepass_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight --metrics $metrics \
+      timeout 80 $ncu -k regex:onepass_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight --metrics $metrics \
         python3 benchmarks/experiments/gluon_bwd_onepass.py --profile 64,4096,0 --variants $variant \
         > "$OUT/qsplit-ncu-${variant//,/_}.log" 2>&1
       echo "ncu $variant rc=$?"; grep -E "Duration|Throughput|pct|local_op" "$OUT/qsplit-ncu-${variant//,/_}.log" | head -12

@@ -416,6 +416,8 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
 def _flat_layout(layout):
     """The 2-D form of a (1, 1, rows, D) tile's NVMMA layout (the same swizzle: it repeats
     every 8 rows, so consecutive tiles read as one taller tile)."""
+    if layout.transposed:
+        raise ValueError("a transposed NVMMA layout has no taller form here")
     return gl.NVMMASharedLayout(swizzle_byte_width=layout.swizzle_byte_width,
                                 element_bitwidth=layout.element_bitwidth, rank=2)
 
@@ -449,14 +451,16 @@ def _qsplit_products(WG: gl.constexpr, q_t, do_t, k_smem, v_smem, z):
 @gluon.jit
 def _qsplit_dq_issue(dst, k_smem, z):
     """dQ of this warpgroup's query rows: dS (its rows x 128 keys, from registers) times K
-    (both warpgroups' keys), async."""
+    (both warpgroups' keys), async; returns (dq, the A operand), both for the wait's deps."""
     HEAD_D: gl.constexpr = k_smem.type.shape[4]
     HALF_Q: gl.constexpr = dst.type.shape[0]
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, HEAD_D, 16])
     ds_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dq_layout, k_width=2)
-    return warpgroup_mma(gl.convert_layout(dst, ds_op), _both_tiles(k_smem, z),
-                         gl.zeros([HALF_Q, HEAD_D], gl.float32, dq_layout), use_acc=False, is_async=True)
+    ds_a = gl.convert_layout(dst, ds_op)
+    dq = warpgroup_mma(ds_a, _both_tiles(k_smem, z), gl.zeros([HALF_Q, HEAD_D], gl.float32, dq_layout),
+                       use_acc=False, is_async=True)
+    return dq, ds_a
 
 
 @gluon.jit
@@ -505,13 +509,13 @@ def _qsplit_step(WG: gl.constexpr, s, dk, dv, Lse, Delta, q_smem, do_smem, k_sme
     st, dpt = warpgroup_mma_wait(num_outstanding=2, deps=(st, dpt))  # dV and dK stay in flight
     pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, n0, m0 + WG * HALF_Q, diag_offset, qk_scale,
                         q_row, seqlen_k, lse_stride, CAUSAL, False, dtype, s_layout)
-    dq = _qsplit_dq_issue(dst, k_smem, z)
+    dq, ds_a = _qsplit_dq_issue(dst, k_smem, z)
     dk, dv = warpgroup_mma_wait(num_outstanding=1, deps=(dk, dv))  # dQ_s stays in flight
     mbarrier.arrive(q_empty.index(prev), count=1)  # Q_{s-1} and dO_{s-1} are read
     mbarrier.arrive(pds_empty.index(0), count=1)  # this warpgroup has read P_{s-1} and dS_{s-1}
     mbarrier.wait(pds_empty.index(0), (s - 1) & 1)  # and so has the other one
     _qsplit_store_pds(WG, pt, dst, p_smem, ds_smem, pds_full, z)
-    dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+    dq, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_a))
     _dq_hand_off(WG, dq, s, scale, dq_smem, dq_full, dq_empty)
     return dk, dv
 
@@ -552,9 +556,9 @@ def _qsplit_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc,
         st, dpt = warpgroup_mma_wait(num_outstanding=0, deps=(st, dpt))
         pt, dst = _p_and_ds(st, dpt, Lse, Delta, b, hq, nheads, seqlen_q, n0, m0 + WG * HALF_Q, diag_offset,
                             qk_scale, q_row, seqlen_k, lse_stride, CAUSAL, False, dtype, s_layout)
-        dq = _qsplit_dq_issue(dst, k_smem, 0)
+        dq, ds_a = _qsplit_dq_issue(dst, k_smem, 0)
         _qsplit_store_pds(WG, pt, dst, p_smem, ds_smem, ds_full, 0)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=(dq,))
+        dq, ds_a = warpgroup_mma_wait(num_outstanding=0, deps=(dq, ds_a))
         _dq_hand_off(WG, dq, 0, scale, dq_smem, dq_full, dq_empty)
     for s in range(1, n_steps):
         dk, dv = _qsplit_step(WG, s, dk, dv, Lse, Delta, q_smem, do_smem, k_smem, v_smem, p_smem, ds_smem, q_ready,
@@ -806,6 +810,7 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
     SLOT_COLS: gl.constexpr = dq_desc.block_type.shape[1]
     if SLOT_COLS == HEAD_D:  # the query split: P and dS of the step's queries x both warpgroups' keys
         gl.static_assert(DQ_NATIVE and QROWS == 2 * ROWS and SLOT_ROWS == ROWS)
+        gl.static_assert(Items.dtype.element_ty != gl.int32)  # fixed lengths only (``split_plan``)
         pds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([QROWS, 2 * ROWS], dtype)
         p_smem = gl.allocate_shared_memory(dtype, [1, QROWS, 2 * ROWS], pds_layout)
         ds_smem = gl.allocate_shared_memory(dtype, [1, QROWS, 2 * ROWS], pds_layout)
