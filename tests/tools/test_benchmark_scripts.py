@@ -57,7 +57,7 @@ def _transformers_step_rows(tmp_path, monkeypatch, *argv) -> dict:
                                   "context_parallel", "varlen_profile", "tma_reduce_rate",
                                   "varlen_same_documents", "experiments/gluon_fwd", "experiments/decode_breakdown",
                                   "experiments/bwd_breakdown", "experiments/dq_collisions", "experiments/layout_ab",
-                                  "features"])
+                                  "experiments/smem_model", "features"])
 def test_script_imports_and_shows_help(name, capsys, monkeypatch):
     monkeypatch.syspath_prepend(str(ROOT))  # as when run as a script: benchmarks/ holds sweep_common
     module = _script(name)
@@ -116,6 +116,26 @@ def test_host_overhead_cpu_stub_times_every_row(capsys, monkeypatch, triton_back
     out = capsys.readouterr().out
     assert "failed" not in out, out
     assert sum(" host " in line for line in out.splitlines()) == 18, out
+
+
+def test_smem_model_bytes_per_step():
+    """benchmarks/experiments/smem_model.py (session 51): today's d64 step moves 512 KB of shared
+    memory (352 KB of it the products' operand reads) for 10.49 MFLOP, d128's and the d64 query
+    split's 416 KB; FLOP time / smem time 0.62, 0.77, 0.77 (run 253's ncu: 0.64 and 0.80). A
+    product's instructions: M / 64 x K / 16, each reading A (unless from registers) and B."""
+    script = _script("experiments/smem_model")
+    d = script.designs()
+    assert [d[k].smem_bytes() // 1024 for k in ("d64", "d128", "d64-split")] == [512, 416, 416]
+    assert {d[k].flops() for k in d} == {5 * 2 * 128 * 128 * 64}
+    assert [round(d[k].bound(), 3) for k in ("d64", "d128", "d64-split")] == [0.625, 0.769, 0.769]
+    rs = script.Product("dQ", 64, 64, 128, a_in_registers=True)
+    assert rs.instructions() == 8 and rs.smem_bytes() == 8 * 2048
+    assert script.Product("S", 128, 64, 64).smem_bytes() == 2 * 4 * (2048 + 2048)
+    assert d["d64-split"].wgmma_counts() == {("64x128x16", False): 32, ("64x64x16", True): 32,
+                                             ("64x64x16", False): 64}
+    sass = ("  HGMMA.64x64x16.F32.BF16 R24, R56, gdesc[UR8].tnspB, RZ ;\n"
+            "  HGMMA.64x128x16.F32.BF16 R24, gdesc[UR4], R24 ;\n")
+    assert script.sass_counts(sass) == {("64x64x16", True): 1, ("64x128x16", False): 1}
 
 
 def test_dq_collisions_models():
