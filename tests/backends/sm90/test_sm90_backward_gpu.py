@@ -132,6 +132,19 @@ def test_bitwise_reproducible(head_dim, bwd_ws_calls):
     assert len(bwd_ws_calls) == 11 and {c["fn"] for c in bwd_ws_calls} == {"attention_backward_ws"}
 
 
+def _record_constexpr(monkeypatch, module, launcher: str, name: str) -> list:
+    """Wrap ``module.launcher`` (a ``Launcher``) so that each launch's constexpr ``name`` is
+    recorded; returns the (live) list."""
+    seen, launch = [], getattr(module, launcher)
+
+    def recording(grid, args, constexprs, *rest):
+        seen.append(constexprs[name])
+        return launch(grid, args, constexprs, *rest)
+
+    monkeypatch.setattr(module, launcher, recording)
+    return seen
+
+
 def _checked_first_grads(case, seed: int, label: str, **kwargs):
     """``flash_attn_func``'s gradients for a random dout (``seed``) on ``case``'s inputs,
     checked with the accuracy rule; returns what reruns need: (out, the leaves, dout, the
@@ -230,17 +243,11 @@ def test_one_pass_query_split(causal, dtype, bwd_ws_calls, monkeypatch):
     key, key blocks no query sees), MHA, GQA and MQA, then batch 60 five times (many
     programs adding into each dQ tile: dK and dV bitwise equal over reruns, dQ within the
     accuracy rule each time), then a deterministic call twice (every gradient bitwise equal).
-    Every call takes the split (the dQ cast reads one part of D columns per 64-row tile)."""
+    Every call takes the split (the dQ cast reads 64-row tiles, not 128)."""
     from flashtile.backends.sm90 import backward_onepass
 
     monkeypatch.setattr(backward_onepass, "Q_SPLIT", True)
-    halves, convert = [], backward_onepass._launch_convert
-
-    def recording(grid, args, constexprs, *rest):
-        halves.append(constexprs["HALVES"])
-        return convert(grid, args, constexprs, *rest)
-
-    monkeypatch.setattr(backward_onepass, "_launch_convert", recording)
+    tiles = _record_constexpr(monkeypatch, backward_onepass, "_launch_convert", "QROWS")
     for i, (seqlen_q, seqlen_k) in enumerate(SEQ_PAIRS + [(2100, 2100)]):
         check_flash_grads(Case(seqlen_q, seqlen_k, 64, dtype=dtype, causal=causal, nheads=6,
                                nheads_k=(6, 2, 1)[i % 3]), device="cuda")
@@ -256,7 +263,7 @@ def test_one_pass_query_split(causal, dtype, bwd_ws_calls, monkeypatch):
     out, leaves, dout, _, _, first = _checked_first_grads(case, 4, "deterministic query split", deterministic=True)
     again = torch.autograd.grad(out, leaves, dout)
     assert all(torch.equal(a, b) for a, b in zip(again, first))
-    assert halves == [1] * (len(SEQ_PAIRS) + 9)
+    assert tiles == [64] * (len(SEQ_PAIRS) + 9)
     assert {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
     assert [c["deterministic"] for c in bwd_ws_calls[-2:]] == [True, True]
 
@@ -354,13 +361,7 @@ def test_one_pass_native_dq_order(causal, head_dim, bwd_ws_calls, monkeypatch):
     from flashtile.backends.sm90 import backward_onepass
 
     monkeypatch.setitem(backward_onepass.DQ_SWIZZLE, head_dim, backward_onepass.DQ_NATIVE)
-    native, launch = [], backward_onepass._launch
-
-    def recording(grid, args, constexprs, *rest):
-        native.append(constexprs["DQ_NATIVE"])
-        return launch(grid, args, constexprs, *rest)
-
-    monkeypatch.setattr(backward_onepass, "_launch", recording)
+    native = _record_constexpr(monkeypatch, backward_onepass, "_launch", "DQ_NATIVE")
     for i, (seqlen_q, seqlen_k) in enumerate(SEQ_PAIRS + [(2100, 2100)]):
         check_flash_grads(Case(seqlen_q, seqlen_k, head_dim, dtype=torch.bfloat16, causal=causal, nheads=6,
                                nheads_k=(6, 2, 1)[i % 3]), device="cuda")

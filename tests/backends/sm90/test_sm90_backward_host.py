@@ -142,6 +142,27 @@ def test_native_dq_order_is_put_back(head_dim, q_rows, triton_backend):
     assert base[:, S:].isnan().all()
 
 
+def test_query_split_dq_order_is_put_back(triton_backend):
+    """Under the query split (``Q_SPLIT``) each 64-row half of a 128-query step lies in place in
+    the float32 dQ, all D = 64 columns in ``native_offset_bases(64, 64)``'s order (the reducer's
+    64 x 64 boxes at rows row + half * 64); ``_dq_convert`` with QROWS = 64 (interpreted: the
+    same offsets as two halves of 32 columns) puts every element back, the padding rows
+    unwritten."""
+    from flashtile.backends.sm90.backward_onepass import _launch_convert
+
+    r_at, c_at = _native_positions(64, 64)
+    B, H, S, D = 2, 3, 128 + 37, 64
+    rows = 256  # padded to the steps' 128 queries
+    want = torch.randn(B, H, rows, D)
+    acc = want.view(B, H, rows // 64, 64, D)[..., r_at, c_at].contiguous().view(B, H, rows, D)
+    assert not torch.equal(acc, want)
+    base = torch.full((B, S + 5, H, D), float("nan"), dtype=torch.float16)
+    dq = base[:, :S].transpose(1, 2)
+    _launch_convert((-(-S // 64), B * H), (acc, dq, H, S, rows, *dq.stride()[:3]),
+                    dict(BLOCK_M=64, HEAD_D=D, QROWS=64, NATIVE=True), 4, 1)
+    assert torch.equal(dq, want[:, :, :S].to(torch.float16))
+    assert base[:, S:].isnan().all()
+
 def test_one_pass_arguments_are_checked_before_any_work():
     from flashtile.backends.sm90.backward_onepass import attention_backward_onepass
 
@@ -544,9 +565,8 @@ def test_query_split_plan_and_its_box():
 def test_query_split_launch(q_split, monkeypatch):
     """A fixed-length d64 call under ``Q_SPLIT``: the dQ descriptor views the float32
     accumulator as (B * H * rows, 64) in boxes of 64 x 64 (a warpgroup's row half, in place)
-    instead of (2 * B * H * rows, 32) in boxes of 128 x 32, and the cast reads 64-row tiles of
-    one part (``HALVES=1``); without it, the launch is today's. q_split=True at d128 is
-    refused before any launch."""
+    instead of (2 * B * H * rows, 32) in boxes of 128 x 32, and the cast reads 64-row tiles;
+    without it, the launch is today's. q_split=True at d128 is refused before any launch."""
     from flashtile.backends.sm90 import backward_onepass as op
 
     launches = []
@@ -564,7 +584,6 @@ def test_query_split_launch(q_split, monkeypatch):
     assert list(dq_desc.block_shape) == ([64, 64] if q_split else [128, 32])
     assert list(dq_desc.shape) == ([rows, 64] if q_split else [2 * rows, 32])
     assert constexprs["DQ_NATIVE"] is True and convert["QROWS"] == (64 if q_split else 128)
-    assert convert["HALVES"] == (1 if q_split else 2)
     q, kv = torch.zeros(2, 4, 300, 128, dtype=torch.float16), torch.zeros(2, 2, 300, 128, dtype=torch.float16)
     with pytest.raises(ValueError, match="q_split=True"):
         op.attention_backward_onepass(q, kv, kv, q, lse, lse, q, kv, kv, scale=0.1, diag_offset=0, causal=False,

@@ -28,13 +28,14 @@ Partitions:
              dQ; it frees the slot when the next step's reductions are issued and the
              slot's have been read (one step's reductions stay in flight)
 
-then a small Triton kernel (``_dq_convert``) casts the float32 dQ into dq. (``Q_SPLIT``, off
-until a GPU has measured it: at d64 the warpgroups split each step's queries instead, for S,
-dP and dQ; ``_qsplit_consumer``.) The two
+then a small Triton kernel (``_dq_convert``) casts the float32 dQ into dq. The two
 warpgroups split the dQ product by head-dim halves, each reading both warpgroups' dS;
 two mbarriers hand dS between them (``ds_full``: both halves stored; ``ds_empty``: both
 dQ products have read them). Neighbouring key blocks start their query loop at different
 query blocks (``_step_coords``), so their reductions do not all hit one dQ tile at once.
+``Q_SPLIT`` (session 51, off until a GPU has measured it) splits d64's steps by queries
+instead: ``_qsplit_consumer``, 416 KB of shared memory a step against 512
+(benchmarks/experiments/smem_model.py).
 
 The float32 sums of dQ arrive in an order that varies between runs, so dQ is not bitwise
 reproducible (dK and dV are: each program owns its keys). ``deterministic=True`` and
@@ -582,20 +583,33 @@ def _qsplit_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc,
 
 
 @gluon.jit
-def _consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem, v_smem,
-               p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
-               seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
-               q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
-    if dq_smem.type.shape[2] == q_desc.block_type.shape[3]:  # dQ slots of whole rows: the query split
-        _qsplit_consumer(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem,
+def _consumer_of(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem,
+                 k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot,
+                 group_size, nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty,
+                 dq_rows, q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
+    """Warpgroup WG's consumer: ``_qsplit_consumer`` when the dQ slots hold whole rows (the query
+    split), else ``_consumer``."""
+    if dq_smem.type.shape[2] == q_desc.block_type.shape[3]:
+        _qsplit_consumer(WG, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem,
                          k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0,
                          q_rot, group_size, nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem,
                          dq_full, dq_empty, q_row, seqlen_k, lse_stride)
     else:
-        _consumer(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem,
+        _consumer(WG, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem,
                   v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size,
                   nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
                   q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
+
+
+@gluon.jit
+def _consumer0(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem, v_smem,
+               p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
+               seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
+               q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
+    _consumer_of(0, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem, v_smem,
+                 p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
+                 seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
+                 q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
 
 
 @gluon.jit
@@ -603,16 +617,10 @@ def _consumer1(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Se
                p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
                seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
                q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm):
-    if dq_smem.type.shape[2] == q_desc.block_type.shape[3]:  # dQ slots of whole rows: the query split
-        _qsplit_consumer(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem,
-                         k_smem, v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0,
-                         q_rot, group_size, nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem,
-                         dq_full, dq_empty, q_row, seqlen_k, lse_stride)
-    else:
-        _consumer(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem,
-                  v_smem, p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size,
-                  nheads, seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
-                  q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
+    _consumer_of(1, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem, q_smem, do_smem, k_smem, v_smem,
+                 p_smem, ds_smem, kv_bar, q_ready, q_empty, ds_full, ds_empty, b, kvh, n0, q_rot, group_size, nheads,
+                 seqlen_q, diag_offset, qk_scale, scale, dq_desc, dq_smem, dq_full, dq_empty, dq_rows,
+                 q_row, k_row, seqlen_k, lse_stride, Items, Dk, dk_sh, dk_sm, Dv, dv_sh, dv_sm)
 
 
 @gluon.jit
@@ -849,13 +857,13 @@ def onepass_kernel(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta
 
 @triton.jit
 def _dq_convert(Acc, Dq, nheads, seqlen_q, acc_rows, stride_b, stride_h, stride_m,
-                BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, QROWS: tl.constexpr, NATIVE: tl.constexpr,
-                HALVES: tl.constexpr = 2):
+                BLOCK_M: tl.constexpr, HEAD_D: tl.constexpr, QROWS: tl.constexpr, NATIVE: tl.constexpr):
     """The postprocess: rows of the float32 dQ (B, H, acc_rows, D), contiguous, cast into
     dq (B, H, Sq, D) with unit last stride. Grid (cdiv(Sq, BLOCK_M), B * H). NATIVE: each
-    tile of QROWS rows holds its HALVES parts of D / HALVES columns one after the other, each
-    in the order of ``native_offset_bases`` (the query split: tiles of QROWS / 2 rows, one
-    part of D columns)."""
+    tile of QROWS rows holds its two halves of D / 2 columns one after the other, each in
+    the order of ``native_offset_bases``. (Under the query split each 64-row half of a step
+    holds its D = 64 columns in ``native_offset_bases(64, 64)``'s order: the same offsets as
+    QROWS = 64's two halves, whose second half starts at 64 x 32, the offset of column 32.)"""
     bh = tl.program_id(1)
     b = bh // nheads
     h = bh % nheads
@@ -863,7 +871,7 @@ def _dq_convert(Acc, Dq, nheads, seqlen_q, acc_rows, stride_b, stride_h, stride_
     cols = tl.arange(0, HEAD_D)
     ok = (rows < seqlen_q)[:, None]
     if NATIVE:
-        HALF: tl.constexpr = HEAD_D // HALVES
+        HALF: tl.constexpr = HEAD_D // 2
         r = rows % QROWS
         c = cols % HALF
         # native_offset_bases inverted: every row and column bit to its offset bit (row 1, 2, 4
@@ -1076,5 +1084,5 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
                  KEYS_OUTER=group > 1, DQ_NATIVE=native, DET_ROTATE=bool(rotate)), 4, 1)
     _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
                     (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]),
-                    dict(BLOCK_M=BLOCK, HEAD_D=head_dim, QROWS=q_rows // 2 if q_split else q_rows, NATIVE=native,
-                         HALVES=1 if q_split else 2), 4, 1)
+                    dict(BLOCK_M=BLOCK, HEAD_D=head_dim, QROWS=q_rows // 2 if q_split else q_rows, NATIVE=native),
+                    4, 1)
