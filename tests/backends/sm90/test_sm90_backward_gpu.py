@@ -240,7 +240,8 @@ def test_one_pass_query_split(causal, dtype, bwd_ws_calls, monkeypatch):
     session 51: S and dP of 64 queries x 128 keys per warpgroup, dQ from dS in registers,
     P and dS handed between the warpgroups for dV and dK, dQ slots of 64 rows x 64 columns):
     the matrix's sequence pairs (a step's second half past seqlen_q, causal rows with no
-    key, key blocks no query sees), MHA, GQA and MQA, then batch 60 five times (many
+    key, key blocks no query sees), MHA, GQA and MQA, a negative and a zero softmax scale
+    (the causal mask acts after it), then batch 60 five times (many
     programs adding into each dQ tile: dK and dV bitwise equal over reruns, dQ within the
     accuracy rule each time), then a deterministic call twice (every gradient bitwise equal).
     Every call takes the split (the dQ cast reads 64-row tiles, not 128)."""
@@ -251,6 +252,9 @@ def test_one_pass_query_split(causal, dtype, bwd_ws_calls, monkeypatch):
     for i, (seqlen_q, seqlen_k) in enumerate(SEQ_PAIRS + [(2100, 2100)]):
         check_flash_grads(Case(seqlen_q, seqlen_k, 64, dtype=dtype, causal=causal, nheads=6,
                                nheads_k=(6, 2, 1)[i % 3]), device="cuda")
+    for scale in (-0.125, 0.0):  # the causal mask acts after the scale (``_wide_causal_p``)
+        check_flash_grads(Case(200, 300, 64, dtype=dtype, causal=causal, nheads=4, nheads_k=2, scale=scale),
+                          device="cuda")
     case = Case(333, 333, 64, dtype=dtype, causal=causal, batch=60, nheads=4, nheads_k=2)
     out, leaves, dout, ref, base, first = _checked_first_grads(case, 3, "query split")
     for _ in range(5):
@@ -263,7 +267,7 @@ def test_one_pass_query_split(causal, dtype, bwd_ws_calls, monkeypatch):
     out, leaves, dout, _, _, first = _checked_first_grads(case, 4, "deterministic query split", deterministic=True)
     again = torch.autograd.grad(out, leaves, dout)
     assert all(torch.equal(a, b) for a, b in zip(again, first))
-    assert tiles == [64] * (len(SEQ_PAIRS) + 9)
+    assert tiles == [64] * (len(SEQ_PAIRS) + 11)
     assert {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
     assert [c["deterministic"] for c in bwd_ws_calls[-2:]] == [True, True]
 

@@ -233,22 +233,43 @@ def _p_and_ds(s, dp, Lse, Delta, b, hq, nheads, seqlen_q, nk, m0, diag_offset, q
     row_off = (b * nheads + hq).to(gl.int64) * lse_stride + q_row
     lse2 = gl.load(Lse + row_off + rows, mask=rows < seqlen_q, other=float("inf")) * C_LOG2E
     delta = gl.load(Delta + row_off + rows, mask=rows < seqlen_q, other=0.0)
-    p = gl.exp2(s * qk_scale - lse2[:, None])
-    if CAUSAL and KEYS > ROWS:
-        # the query split's wide tiles, masked at every step (a branch around the mask spills):
-        # each row's last key counted from the tile's first
-        cols = gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
-        p = gl.where(cols[None, :] <= (rows + (diag_offset - nk))[:, None], p, 0.0)
-    elif CAUSAL:
-        if nk + KEYS - 1 > m0 + diag_offset:  # a tile on (or past) the diagonal
-            keys = nk + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
-            p = gl.where(keys[None, :] <= rows[:, None] + diag_offset, p, 0.0)
-    elif VARLEN:
-        if nk + KEYS > seqlen_k:  # the sequence's last key tile
-            keys = nk + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
-            p = gl.where(keys[None, :] < seqlen_k, p, 0.0)
+    if CAUSAL and KEYS > ROWS:  # the query split's wide tiles
+        p = _wide_causal_p(s, lse2, rows, nk, m0, diag_offset, qk_scale, s_layout)
+    else:
+        p = gl.exp2(s * qk_scale - lse2[:, None])
+        if CAUSAL:
+            if nk + KEYS - 1 > m0 + diag_offset:  # a tile on (or past) the diagonal
+                keys = nk + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+                p = gl.where(keys[None, :] <= rows[:, None] + diag_offset, p, 0.0)
+        elif VARLEN:
+            if nk + KEYS > seqlen_k:  # the sequence's last key tile
+                keys = nk + gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+                p = gl.where(keys[None, :] < seqlen_k, p, 0.0)
     ds = p * (dp - delta[:, None])
     return p.to(dtype), ds.to(dtype)
+
+
+@gluon.jit
+def _wide_causal_p(s, lse2, rows, nk, m0, diag_offset, qk_scale, s_layout: gl.constexpr):
+    """P of a causal (queries x 128 keys) tile of the query split: on diagonal tiles exp2's
+    argument is masked to -inf right of the diagonal (after the scale, which may be 0 or
+    negative), elsewhere P is plain; each side of the branch computes P from S, so only S
+    is live across it. Rows that see no key (lse -inf) take an lse of +inf, so their P is 0
+    (every key of theirs is masked). Compiled (sm_90a): 16 B of spills, none in the
+    consumers' loops; P masked after exp2 in a branch, as ``_p_and_ds`` does for 64-key
+    tiles, spilled 1.6 KB here (64 values of P live across the branch), and the argument
+    masked across a branch 492 B; the mask at every step rematerialized the column indices
+    (about 250 instructions a step)."""
+    KEYS: gl.constexpr = s.shape[1]
+    lse2 = gl.where(lse2 == float("-inf"), float("inf"), lse2)
+    if nk + KEYS - 1 > m0 + diag_offset:  # a tile on (or past) the diagonal
+        cols = gl.arange(0, KEYS, layout=gl.SliceLayout(0, s_layout))
+        # masked after the scale, which may be 0 or negative
+        p = gl.exp2(gl.where(cols[None, :] <= (rows + (diag_offset - nk))[:, None], s * qk_scale - lse2[:, None],
+                             float("-inf")))
+    else:
+        p = gl.exp2(s * qk_scale - lse2[:, None])
+    return p
 
 
 @gluon.jit
