@@ -679,7 +679,9 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem,
     free it (so one step's reductions stay in flight; with one slot, wait for this step's).
     Rows are int32: B * H * dq_rows < 2**31, as TMA coordinates are (the host checks).
     Slots in the accumulator's own order (``native_offset_bases``) go whole into the dQ
-    viewed as (2 * B * H * dq_rows, D / 2): a query tile's two halves one after the other."""
+    viewed as (2 * B * H * dq_rows, D / 2): a query tile's two halves one after the other.
+    Under the query split (``_qsplit_consumer``) a slot's halves are its two 64-row halves of
+    all D columns, each added onto its own rows of the dQ viewed as (B * H * dq_rows, D)."""
     DQ_BUF: gl.constexpr = dq_smem.type.shape[0] // 2
     QROWS: gl.constexpr = q_smem.type.shape[3]
     SLOT_ROWS: gl.constexpr = dq_smem.type.shape[1]  # QROWS, or QROWS / 2 under the query split
