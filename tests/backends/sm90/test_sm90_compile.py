@@ -464,8 +464,8 @@ def test_one_pass_query_split_compiles(tmp_path):
     (a wgmma whose A operand is a register vector, which the default kernel never issues),
     within the default's shared memory, without spills (causal: at most 64 bytes, exp2 on
     both sides of the diagonal tiles' branch; P masked after it spilled 1.6 KB), two bulk
-    reductions of dQ, no
-    wgmma serialized by ptxas; its deterministic mode (two dQ slots) fits as well."""
+    reductions of dQ, no wgmma serialized by ptxas; its deterministic mode (two dQ slots) fits
+    as well."""
     code = ("from flashtile.tools.sm90_check import compile_backward_onepass as f\n"
             "for causal, det in ((False, 0), (True, 0), (True, 1)):\n"
             "    for split in (False, True):\n"
@@ -486,6 +486,7 @@ def test_one_pass_query_split_compiles(tmp_path):
         assert shared1 <= shared0 + 64 and shared1 <= SM90_SHARED_LIMIT, rows
         assert spills <= (64 if causal == "True" else 0), rows
         assert wide0 == rs0 == 0 and wide1 >= 8 and rs1 >= 8 and reduces >= 2, rows
+
 
 def _assert_grouped_compiles(tmp_path, code: str, kernels: tuple[str, ...]):
     """``code`` prints one row per compiled kernel: its key, 0 or 1 (grouped grid), shared

@@ -704,12 +704,12 @@ def _reducer(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, Lse, Delta, Sem,
             lock = Sem + (b * nheads + hq) * gl.cdiv(seqlen_q, QROWS) + m0 // QROWS
             _wait_turn(lock, _det_turn(nb, num_n_blocks, m0, nq, diag_offset, QROWS, CAUSAL, ROTATE))
         for half in gl.static_range(2):
-            if QSPLIT:  # row half ``half``, in the native order, onto its own rows of the (rows, D) dQ
+            if NATIVE:  # the slot's bytes as they are (a box without swizzle)
                 src = dq_smem.index(2 * slot + half)._reinterpret(gl.float32, [SLOT_ROWS, SLOT_COLS], dq_desc.layout)
-                async_reduce_add_shared_to_global(dq_desc, [row + half * SLOT_ROWS, 0], src)
-            elif NATIVE:  # the slot's bytes as they are (a box without swizzle)
-                src = dq_smem.index(2 * slot + half)._reinterpret(gl.float32, [SLOT_ROWS, SLOT_COLS], dq_desc.layout)
-                async_reduce_add_shared_to_global(dq_desc, [2 * row + half * QROWS, 0], src)
+                if QSPLIT:  # row half ``half`` onto its own rows of the (rows, D) dQ
+                    async_reduce_add_shared_to_global(dq_desc, [row + half * SLOT_ROWS, 0], src)
+                else:
+                    async_reduce_add_shared_to_global(dq_desc, [2 * row + half * QROWS, 0], src)
             else:
                 async_reduce_add_shared_to_global(dq_desc, [row, half * SLOT_COLS], dq_smem.index(2 * slot + half))
         if DET:
@@ -1069,18 +1069,21 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
         raise ValueError(f"need num_buf >= 2 and dq_buf >= 1, got {num_buf} and {dq_buf}")
     dq_swizzle = dq_slot_swizzle(head_dim, dq_swizzle, varlen is not None)
     native = dq_swizzle == DQ_NATIVE
-    q_split = split_plan(head_dim, q_rows, native, varlen is not None, q_split)
+    box = dq_box(head_dim, q_rows, split_plan(head_dim, q_rows, native, varlen is not None, q_split))
+    # the dQ as its TMA descriptor sees it: native boxes lie whole one after another (a query tile's
+    # halves, or its row halves in place), (rows, D) else
+    width = box[1] if native else head_dim
     rows = triton.cdiv(seqlen_q, q_rows) * q_rows  # padded: the last query block's reductions need no mask
-    if batch * nheads * rows * (2 if native and not q_split else 1) >= 2 ** 31:
+    if batch * nheads * rows * (head_dim // width) >= 2 ** 31:
         raise ValueError(f"batch x heads x padded seqlen_q = {batch * nheads * rows} exceeds the int32 rows "
-                         f"of a TMA coordinate" + (f" (halved: dq_swizzle={DQ_NATIVE!r})" if native else ""))
+                         f"of a TMA coordinate" + (f" (halved: dq_swizzle={DQ_NATIVE!r})" if width < head_dim
+                                                   else ""))
     if dq_accum is not None and (dq_accum.shape != (batch, nheads, rows, head_dim) or dq_accum.dtype != torch.float32):
         raise ValueError(f"dq_accum must be float32 {(batch, nheads, rows, head_dim)} (accumulator(q, q_rows)), got "
                          f"{dq_accum.dtype} {tuple(dq_accum.shape)}")
     acc = accumulator(q, q_rows).zero_() if dq_accum is None else dq_accum
-    # native: each tile's halves one after the other; the query split: each tile's row halves in place
-    flat = acc.view(-1, head_dim // 2 if native and not q_split else head_dim)
-    dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), dq_box(head_dim, q_rows, q_split),
+    flat = acc.view(-1, width)
+    dq_desc = TensorDescriptor(flat, list(flat.shape), list(flat.stride()), box,
                                dq_accumulator_layout(head_dim, dq_swizzle))
     # the turn counters of a deterministic call; else an unread float32 pointer (its dtype selects the plain kernel)
     sem = torch.zeros(batch * nheads * triton.cdiv(seqlen_q, q_rows), dtype=torch.int32,
@@ -1107,5 +1110,4 @@ def attention_backward_onepass(q, k, v, dout, lse, delta, dq, dk, dv, *, scale: 
                  KEYS_OUTER=group > 1, DQ_NATIVE=native, DET_ROTATE=bool(rotate)), 4, 1)
     _launch_convert((triton.cdiv(seqlen_q, BLOCK), batch * nheads),
                     (acc, dq, nheads, seqlen_q, rows, *dq.stride()[:3]),
-                    dict(BLOCK_M=BLOCK, HEAD_D=head_dim, QROWS=q_rows // 2 if q_split else q_rows, NATIVE=native),
-                    4, 1)
+                    dict(BLOCK_M=BLOCK, HEAD_D=head_dim, QROWS=box[0], NATIVE=native), 4, 1)
