@@ -241,9 +241,9 @@ def test_one_pass_query_split(causal, dtype, bwd_ws_calls, monkeypatch):
     P and dS handed between the warpgroups for dV and dK, dQ slots of 64 rows x 64 columns):
     the matrix's sequence pairs (a step's second half past seqlen_q, causal rows with no
     key, key blocks no query sees), MHA, GQA and MQA, a negative and a zero softmax scale
-    (the causal mask acts after it), then batch 60 five times (many
-    programs adding into each dQ tile: dK and dV bitwise equal over reruns, dQ within the
-    accuracy rule each time), then a deterministic call twice (every gradient bitwise equal).
+    (the causal mask acts after it), then batch 60 five times (many programs adding into each
+    dQ tile: dK and dV bitwise equal over reruns, dQ within the accuracy rule each time),
+    then a deterministic call twice (every gradient bitwise equal).
     Every call takes the split (the dQ cast reads 64-row tiles, not 128)."""
     from flashtile.backends.sm90 import backward_onepass
 
@@ -270,6 +270,7 @@ def test_one_pass_query_split(causal, dtype, bwd_ws_calls, monkeypatch):
     assert tiles == [64] * (len(SEQ_PAIRS) + 11)
     assert {c["fn"] for c in bwd_ws_calls} == {"attention_backward_onepass"}
     assert [c["deterministic"] for c in bwd_ws_calls[-2:]] == [True, True]
+
 
 def test_one_pass_switch(bwd_ws_calls, monkeypatch):
     """FLASHTILE_BWD_DQ=split keeps d64 on the split kernels; unset, it takes the one-pass one."""

@@ -163,6 +163,7 @@ def test_query_split_dq_order_is_put_back(triton_backend):
     assert torch.equal(dq, want[:, :, :S].to(torch.float16))
     assert base[:, S:].isnan().all()
 
+
 def test_one_pass_arguments_are_checked_before_any_work():
     from flashtile.backends.sm90.backward_onepass import attention_backward_onepass
 
