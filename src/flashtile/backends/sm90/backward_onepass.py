@@ -426,12 +426,22 @@ def _consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc, dv_des
                     seqlen_k, True)
         store_grad_tile(dv.to(dtype), v_smem.index(WG), dv_desc, Dv, dv_sh, dv_sm, b, kvh, k_row, nk, seqlen_k, True)
     else:
-        k_smem.index(WG).reshape([ROWS, HEAD_D]).store((dk * scale).to(dtype))
-        v_smem.index(WG).reshape([ROWS, HEAD_D]).store(dv.to(dtype))
-        fence_async_shared()
-        tma.async_copy_shared_to_global(dk_desc, [b, kvh, nk, 0], k_smem.index(WG))
-        tma.async_copy_shared_to_global(dv_desc, [b, kvh, nk, 0], v_smem.index(WG))
+        _store_dkdv(WG, dk, dv, scale, k_smem, v_smem, dk_desc, dv_desc, b, kvh, nk)
     tma.store_wait(pendings=0)
+
+
+@gluon.jit
+def _store_dkdv(WG: gl.constexpr, dk, dv, scale, k_smem, v_smem, dk_desc, dv_desc, b, kvh, nk):
+    """dK (scaled) and dV of this warpgroup's keys nk .. into its K and V tiles, which no
+    product reads any more, then out by TMA (which clips rows past seqlen_k); wait with
+    ``tma.store_wait`` before the tiles are reused."""
+    HEAD_D: gl.constexpr = k_smem.type.shape[4]
+    dtype: gl.constexpr = k_smem.type.element_ty
+    k_smem.index(WG).reshape([ROWS, HEAD_D]).store((dk * scale).to(dtype))
+    v_smem.index(WG).reshape([ROWS, HEAD_D]).store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [b, kvh, nk, 0], k_smem.index(WG))
+    tma.async_copy_shared_to_global(dv_desc, [b, kvh, nk, 0], v_smem.index(WG))
 
 
 @triton.constexpr_function
@@ -594,12 +604,7 @@ def _qsplit_consumer(WG: gl.constexpr, q_desc, k_desc, v_desc, do_desc, dk_desc,
         # Once both warpgroups are here, neither reads K or V again: their tiles stage dK and dV.
         mbarrier.arrive(ds_empty.index(0), count=1)
         mbarrier.wait(ds_empty.index(0), (n_steps - 1) & 1)
-    nk = n0 + WG * ROWS
-    k_smem.index(WG).reshape([ROWS, HEAD_D]).store((dk * scale).to(dtype))
-    v_smem.index(WG).reshape([ROWS, HEAD_D]).store(dv.to(dtype))
-    fence_async_shared()
-    tma.async_copy_shared_to_global(dk_desc, [b, kvh, nk, 0], k_smem.index(WG))
-    tma.async_copy_shared_to_global(dv_desc, [b, kvh, nk, 0], v_smem.index(WG))
+    _store_dkdv(WG, dk, dv, scale, k_smem, v_smem, dk_desc, dv_desc, b, kvh, n0 + WG * ROWS)
     tma.store_wait(pendings=0)
 
 
